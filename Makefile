@@ -1,0 +1,51 @@
+# Tally's build. `make help` lists the targets.
+SHELL := /usr/bin/env bash -o pipefail
+.SHELLFLAGS := -ec
+
+GO ?= go
+CONTROLLER_GEN ?= $(GO) run sigs.k8s.io/controller-tools/cmd/controller-gen@v0.23.0
+FUZZTIME ?= 2m
+# `make run` settings.
+POOL_NAME ?= tally-pool
+POOL_NAMESPACE ?= default
+
+.PHONY: help
+help: ## Show this help.
+	@awk 'BEGIN {FS = ":.*##"} /^[a-zA-Z_-]+:.*##/ { printf "  %-16s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
+
+.PHONY: build
+build: ## Build every binary into bin/.
+	$(GO) build -o bin/ ./cmd/...
+
+.PHONY: envtest-assets
+envtest-assets: ## Build (once) the kube-apiserver and etcd the tests run against.
+	@hack/envtest-assets.sh >/dev/null
+
+.PHONY: test
+test: envtest-assets ## Run unit, envtest and fuzz-corpus tests with -race.
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(GO) test -race -count=1 ./...
+
+.PHONY: fuzz
+fuzz: ## Fuzz the request parser for FUZZTIME (default 2m).
+	$(GO) test -run '^$$' -fuzz=FuzzParse -fuzztime=$(FUZZTIME) ./picker/request
+
+.PHONY: bench
+bench: ## Run the picker benchmarks.
+	$(GO) test -run '^$$' -bench . -benchmem ./picker/...
+
+.PHONY: manifests
+manifests: ## Regenerate RBAC from the markers and copy the pinned InferencePool CRD into config/ and charts/.
+	hack/manifests.sh
+
+.PHONY: generate
+generate: manifests ## Regenerate everything generated (deep copies of api/ types, then manifests).
+	$(CONTROLLER_GEN) object paths=./api/...
+
+.PHONY: lint
+lint: ## Fail on unformatted files or go vet findings.
+	@out="$$(gofmt -l $$(git ls-files '*.go'))"; if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+
+.PHONY: run
+run: ## Run the picker against the cluster in KUBECONFIG (POOL_NAME, POOL_NAMESPACE).
+	$(GO) run ./cmd/epp --pool-name=$(POOL_NAME) --pool-namespace=$(POOL_NAMESPACE)

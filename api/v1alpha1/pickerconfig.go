@@ -1,0 +1,150 @@
+package v1alpha1
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"sigs.k8s.io/yaml"
+)
+
+const (
+	// GroupVersion is the apiVersion a PickerConfig file declares.
+	GroupVersion = "tally.tallyepp.io/v1alpha1"
+	// KindPickerConfig is the kind a PickerConfig file declares.
+	KindPickerConfig = "PickerConfig"
+)
+
+// Defaults, each with its unit in its name.
+const (
+	DefaultBlockSizeChars           = 64
+	DefaultLRUCapacityBlocks        = 100_000
+	DefaultCharsPerToken            = 4
+	DefaultDecodeWeightTokens       = 128
+	DefaultFallbackEndpoints        = 3
+	DefaultMaxRequestBytes    int64 = 32 << 20
+)
+
+// PickerConfig configures how the picker scores and places requests.
+// Every field is optional; Load fills in the defaults above.
+type PickerConfig struct {
+	APIVersion string `json:"apiVersion"`
+	Kind       string `json:"kind"`
+
+	// BlockSizeChars is the size, in characters of prompt text, of one prefix
+	// block: the unit in which shared prefixes are found (64 is about 16 tokens).
+	BlockSizeChars int `json:"blockSizeChars,omitempty"`
+	// LRUCapacityBlocks is how many prefix blocks are remembered per endpoint;
+	// the least recently used are forgotten first.
+	LRUCapacityBlocks int `json:"lruCapacityBlocks,omitempty"`
+	// CharsPerToken estimates tokens from prompt characters.
+	CharsPerToken int `json:"charsPerToken,omitempty"`
+	// DecodeWeightTokens is what one decoding request on an endpoint adds to
+	// its cost, in prefill tokens. Zero means the default; use a small value
+	// such as 1 to make decoding load nearly irrelevant.
+	DecodeWeightTokens int `json:"decodeWeightTokens,omitempty"`
+	// FallbackEndpoints is how many endpoints, best first, the picker lists in
+	// the destination header so the gateway can fall back on a failure.
+	FallbackEndpoints int `json:"fallbackEndpoints,omitempty"`
+	// MaxRequestBytes bounds a request body; a larger one is answered 413.
+	MaxRequestBytes int64 `json:"maxRequestBytes,omitempty"`
+	// Saturation, when set, answers 429 once every candidate endpoint is over
+	// a limit. Off by default: requests queue on the model servers instead.
+	Saturation Saturation `json:"saturation,omitempty"`
+}
+
+// Saturation limits per endpoint. Zero turns a limit off.
+type Saturation struct {
+	// MaxInFlightRequests is the most requests one endpoint may hold.
+	MaxInFlightRequests int `json:"maxInFlightRequests,omitempty"`
+	// MaxPrefillTokens is the most outstanding prefill tokens one endpoint may hold.
+	MaxPrefillTokens int `json:"maxPrefillTokens,omitempty"`
+}
+
+// Default returns the configuration used when no file is given.
+func Default() PickerConfig {
+	c := PickerConfig{}
+	c.setDefaults()
+	return c
+}
+
+func (c *PickerConfig) setDefaults() {
+	if c.APIVersion == "" {
+		c.APIVersion = GroupVersion
+	}
+	if c.Kind == "" {
+		c.Kind = KindPickerConfig
+	}
+	if c.BlockSizeChars == 0 {
+		c.BlockSizeChars = DefaultBlockSizeChars
+	}
+	if c.LRUCapacityBlocks == 0 {
+		c.LRUCapacityBlocks = DefaultLRUCapacityBlocks
+	}
+	if c.CharsPerToken == 0 {
+		c.CharsPerToken = DefaultCharsPerToken
+	}
+	if c.DecodeWeightTokens == 0 {
+		c.DecodeWeightTokens = DefaultDecodeWeightTokens
+	}
+	if c.FallbackEndpoints == 0 {
+		c.FallbackEndpoints = DefaultFallbackEndpoints
+	}
+	if c.MaxRequestBytes == 0 {
+		c.MaxRequestBytes = DefaultMaxRequestBytes
+	}
+}
+
+// Load decodes a PickerConfig strictly (an unknown field is an error),
+// fills in defaults and validates it. Errors name the field at fault and
+// what it accepts.
+func Load(data []byte) (PickerConfig, error) {
+	var c PickerConfig
+	if err := yaml.UnmarshalStrict(data, &c); err != nil {
+		return PickerConfig{}, fmt.Errorf("picker config: %s", strings.TrimPrefix(err.Error(), "error unmarshaling JSON: while decoding JSON: "))
+	}
+	c.setDefaults()
+	if err := c.Validate(); err != nil {
+		return PickerConfig{}, err
+	}
+	return c, nil
+}
+
+// Validate reports every invalid field, one per line.
+func (c *PickerConfig) Validate() error {
+	var errs []error
+	bad := func(field string, got any, accepted string) {
+		errs = append(errs, fmt.Errorf("picker config: %s: %v is invalid: %s", field, got, accepted))
+	}
+	if c.APIVersion != GroupVersion {
+		bad("apiVersion", fmt.Sprintf("%q", c.APIVersion), fmt.Sprintf("must be %q", GroupVersion))
+	}
+	if c.Kind != KindPickerConfig {
+		bad("kind", fmt.Sprintf("%q", c.Kind), fmt.Sprintf("must be %q", KindPickerConfig))
+	}
+	if c.BlockSizeChars < 4 || c.BlockSizeChars > 4096 {
+		bad("blockSizeChars", c.BlockSizeChars, "must be from 4 to 4096")
+	}
+	if c.LRUCapacityBlocks < 1 || c.LRUCapacityBlocks > 100_000_000 {
+		bad("lruCapacityBlocks", c.LRUCapacityBlocks, "must be from 1 to 100000000")
+	}
+	if c.CharsPerToken < 1 || c.CharsPerToken > 64 {
+		bad("charsPerToken", c.CharsPerToken, "must be from 1 to 64")
+	}
+	if c.DecodeWeightTokens < 0 || c.DecodeWeightTokens > 1_000_000 {
+		bad("decodeWeightTokens", c.DecodeWeightTokens, "must be from 0 to 1000000")
+	}
+	if c.FallbackEndpoints < 1 || c.FallbackEndpoints > 16 {
+		bad("fallbackEndpoints", c.FallbackEndpoints, "must be from 1 to 16")
+	}
+	if c.MaxRequestBytes < 1024 || c.MaxRequestBytes > 1<<30 {
+		bad("maxRequestBytes", c.MaxRequestBytes, "must be from 1024 to 1073741824")
+	}
+	if c.Saturation.MaxInFlightRequests < 0 {
+		bad("saturation.maxInFlightRequests", c.Saturation.MaxInFlightRequests, "must be 0 (off) or more")
+	}
+	if c.Saturation.MaxPrefillTokens < 0 {
+		bad("saturation.maxPrefillTokens", c.Saturation.MaxPrefillTokens, "must be 0 (off) or more")
+	}
+	return errors.Join(errs...)
+}

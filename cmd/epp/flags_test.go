@@ -1,0 +1,112 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+	"time"
+)
+
+func env(vars map[string]string) func(string) string {
+	return func(k string) string { return vars[k] }
+}
+
+func TestMissingPoolNameExitsTwoNamingTheFlag(t *testing.T) {
+	var stderr bytes.Buffer
+	code := run(context.Background(), nil, env(nil), &stderr)
+	if code != exitBadUsage {
+		t.Fatalf("exit code = %d, want %d", code, exitBadUsage)
+	}
+	out := strings.TrimSpace(stderr.String())
+	if strings.Count(out, "\n") != 0 || !strings.Contains(out, "--pool-name") {
+		t.Fatalf("want one line naming --pool-name, got %q", out)
+	}
+}
+
+func TestUnknownFlagIsAnError(t *testing.T) {
+	var stderr bytes.Buffer
+	code := run(context.Background(), []string{"--pool-name=p", "--no-such-flag"}, env(nil), &stderr)
+	if code != exitBadUsage || !strings.Contains(stderr.String(), "no-such-flag") {
+		t.Fatalf("exit %d, stderr %q", code, stderr.String())
+	}
+}
+
+func TestDefaultsFollowTheUpstreamPicker(t *testing.T) {
+	o, _, err := parseFlags([]string{"--pool-name", "p"}, env(nil), &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.poolNamespace != "default" || o.grpcPort != 9002 || o.grpcHealthPort != 9003 || o.metricsPort != 9090 ||
+		!o.secureServing || o.leaderElection || o.maxRequestLifetime != 30*time.Minute {
+		t.Fatalf("unexpected defaults: %+v", o)
+	}
+}
+
+func TestNamespaceAndKubeconfigComeFromTheEnvironment(t *testing.T) {
+	o, _, err := parseFlags([]string{"--pool-name", "p"}, env(map[string]string{"NAMESPACE": "ns1", "KUBECONFIG": "/k"}), &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.poolNamespace != "ns1" || o.kubeconfig != "/k" {
+		t.Fatalf("namespace %q kubeconfig %q", o.poolNamespace, o.kubeconfig)
+	}
+	o, _, err = parseFlags([]string{"--pool-name", "p", "--pool-namespace", "ns2", "--kubeconfig", "/x"}, env(map[string]string{"NAMESPACE": "ns1", "KUBECONFIG": "/k"}), &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.poolNamespace != "ns2" || o.kubeconfig != "/x" {
+		t.Fatalf("flags must win over the environment: %+v", o)
+	}
+}
+
+func TestInvalidFlagValuesNameTheFlag(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--grpc-port", "0"}, "--grpc-port"},
+		{[]string{"--metrics-port", "9002"}, "must differ"},
+		{[]string{"--pool-group", "x.io"}, "--pool-group"},
+		{[]string{"--config-file", "a", "--config-text", "b"}, "exclusive"},
+		{[]string{"--max-request-lifetime", "1ms"}, "--max-request-lifetime"},
+		{[]string{"--max-request-bytes", "-1"}, "--max-request-bytes"},
+		{[]string{"--grpc-port", "abc"}, "grpc-port"},
+		{[]string{"extra"}, "unexpected argument"},
+	} {
+		var stderr bytes.Buffer
+		code := run(context.Background(), append([]string{"--pool-name", "p"}, tc.args...), env(nil), &stderr)
+		if code != exitBadUsage || !strings.Contains(stderr.String(), tc.want) {
+			t.Errorf("%v: exit %d, stderr %q, want it to mention %q", tc.args, code, stderr.String(), tc.want)
+		}
+	}
+}
+
+func TestUpstreamOnlyFlagsAreAcceptedAndReported(t *testing.T) {
+	_, ignored, err := parseFlags([]string{"--pool-name", "p", "--zap-encoder=json", "--metrics-endpoint-auth=false"}, env(nil), &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(ignored, ",") != "metrics-endpoint-auth,zap-encoder" {
+		t.Fatalf("ignored = %v", ignored)
+	}
+}
+
+func TestBadConfigStopsStartupNamingTheField(t *testing.T) {
+	for _, tc := range []struct{ text, want string }{
+		{"apiVersion: tally.tallyepp.io/v1alpha1\nkind: PickerConfig\nblockSize: 64\n", `unknown field "blockSize"`},
+		{"apiVersion: tally.tallyepp.io/v1alpha1\nkind: PickerConfig\nblockSizeChars: 2\n", "blockSizeChars"},
+		{"kind: EndpointPickerConfig\n", "kind"},
+	} {
+		var stderr bytes.Buffer
+		code := run(context.Background(), []string{"--pool-name", "p", "--config-text", tc.text}, env(nil), &stderr)
+		if code != exitFailure || !strings.Contains(stderr.String(), tc.want) {
+			t.Errorf("config %q: exit %d, stderr %q, want it to mention %q", tc.text, code, stderr.String(), tc.want)
+		}
+	}
+	var stderr bytes.Buffer
+	code := run(context.Background(), []string{"--pool-name", "p", "--config-file", "/does/not/exist"}, env(nil), &stderr)
+	if code != exitFailure || !strings.Contains(stderr.String(), "--config-file") {
+		t.Errorf("missing config file: exit %d, stderr %q", code, stderr.String())
+	}
+}

@@ -1,0 +1,21 @@
+package picker
+
+import "net/netip"
+
+// Endpoint is one address that serves the pool: a target port on a Ready pod.
+type Endpoint struct {
+	// Pod names the pod that serves this endpoint (its name in the pool's namespace).
+	Pod string
+	// Address is the pod IP and target port. Its String form is the value the
+	// picker writes into the destination header ("ip:port", "[v6]:port").
+	Address netip.AddrPort
+}
+
+// EndpointSet is how the picker learns the pool's endpoints. Whoever watches
+// the cluster calls it; the picker implements it.
+type EndpointSet interface {
+	// Replace makes eps the whole endpoint set: endpoints that are not in eps
+	// are removed (their in-flight requests keep running and are released as
+	// usual). The first call marks the set as synced.
+	Replace(eps []Endpoint)
+}
