@@ -166,7 +166,7 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 		return fmt.Errorf("setting up the controllers: %w", err)
 	}
 
-	var grpcOpts []grpc.ServerOption
+	grpcOpts := extproc.GRPCServerOptions(cfg.MaxRequestBytes)
 	if opts.secureServing {
 		tlsConfig, err := extproc.ServerTLS(opts.certPath)
 		if err != nil {

@@ -1,0 +1,163 @@
+package picker
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/picker/prefix"
+)
+
+// Benchmarks run in the steady state of a busy picker: every endpoint's
+// prefix LRU is full (so each new block evicts one), and a ring of
+// 2 x endpoints requests is in flight (so picks spread over the pool).
+// The LRU capacity is cut to benchLRUBlocks per endpoint so that 128
+// endpoints fit in memory and fill quickly; the work per pick does not depend
+// on it.
+const (
+	benchLRUBlocks    = 10_000
+	benchSharedTokens = 512
+)
+
+// The pool sizes and prompt lengths every benchmark covers.
+func benchGrid() (endpoints, tokens []int) {
+	return []int{3, 16, 128}, []int{1_000, 8_000, 32_000}
+}
+
+func benchConfig() v1alpha1.PickerConfig {
+	cfg := v1alpha1.Default()
+	cfg.LRUCapacityBlocks = benchLRUBlocks
+	return cfg
+}
+
+// pickLoad drives a picker with prompts of a shared 512-token prefix and a
+// remainder made unique by writing a counter right after the prefix (the
+// chained hashes of every later block then change too).
+type pickLoad struct {
+	p      *Picker
+	prompt []byte
+	ring   []*Reservation
+	n      uint64
+}
+
+func newPickLoad(pool, tokens int) *pickLoad {
+	p := New(benchConfig(), Options{Rand: rand.New(rand.NewPCG(1, 2))})
+	p.Replace(endpoints(pool))
+	l := &pickLoad{p: p, prompt: text("bench", tokens*4), ring: make([]*Reservation, 2*pool)}
+	// Fill every endpoint's LRU, with margin for an uneven spread.
+	blocks := (tokens*4 - benchSharedTokens*4) / p.cfg.BlockSizeChars
+	for range 2 * pool * benchLRUBlocks / blocks {
+		l.step()
+	}
+	return l
+}
+
+func (l *pickLoad) step() {
+	l.n++
+	binary.LittleEndian.PutUint64(l.prompt[benchSharedTokens*4:], l.n)
+	slot := &l.ring[l.n%uint64(len(l.ring))]
+	if *slot != nil {
+		(*slot).Release()
+	}
+	r, err := l.p.Pick(Request{Model: "bench-model", Prompt: l.prompt})
+	if err != nil {
+		panic(err)
+	}
+	*slot = r
+}
+
+// BenchmarkPick measures a whole pick: hashing the prompt, then the critical
+// section (score, choose, reserve, record), plus the release of a request
+// picked 2 x endpoints picks earlier.
+func BenchmarkPick(b *testing.B) {
+	pools, lengths := benchGrid()
+	for _, e := range pools {
+		for _, tok := range lengths {
+			var l *pickLoad
+			b.Run(fmt.Sprintf("endpoints=%d/tokens=%dk", e, tok/1000), func(b *testing.B) {
+				if l == nil {
+					l = newPickLoad(e, tok)
+				}
+				b.ReportAllocs()
+				cpu := startCPU()
+				for b.Loop() {
+					l.step()
+				}
+				cpu.report(b)
+			})
+		}
+	}
+}
+
+// BenchmarkCriticalSection measures the locked part of a pick alone, with
+// the prompt already hashed, and releases the reservation under the same lock.
+//
+//   - known: the same prompt every time, so every block is known and only
+//     touched; this must not allocate.
+//   - new: every block after the 512-token prefix is new, so each pick
+//     inserts its blocks and evicts as many from a full LRU. The time
+//     includes rewriting the hashes (about a nanosecond per block).
+func BenchmarkCriticalSection(b *testing.B) {
+	pools, lengths := benchGrid()
+	for _, mode := range []string{"known", "new"} {
+		for _, e := range pools {
+			for _, tok := range lengths {
+				b.Run(fmt.Sprintf("%s/endpoints=%d/tokens=%dk", mode, e, tok/1000), func(b *testing.B) {
+					p := New(benchConfig(), Options{Rand: rand.New(rand.NewPCG(1, 2))})
+					p.Replace(endpoints(e))
+					prompt := text("bench", tok*4)
+					req := Request{Model: "bench-model", Prompt: prompt}
+					base := prefix.Hash(nil, req.Model, prompt, p.cfg.BlockSizeChars)
+					hashes := append([]uint64(nil), base...)
+					shared := benchSharedTokens * 4 / p.cfg.BlockSizeChars
+					r := &Reservation{p: p}
+					var n uint64
+					place := func() {
+						if mode == "new" {
+							n++
+							for i := shared; i < len(hashes); i++ {
+								hashes[i] = base[i] ^ n<<40
+							}
+						}
+						*r = Reservation{p: p, hashes: hashes}
+						p.mu.Lock()
+						if err := p.placeLocked(r, req); err != nil {
+							panic(err)
+						}
+						p.releaseLocked(r)
+						p.mu.Unlock()
+					}
+					for range 2 * benchLRUBlocks / len(hashes) { // fill the LRU
+						place()
+					}
+					b.ReportAllocs()
+					cpu := startCPU()
+					for b.Loop() {
+						place()
+					}
+					cpu.report(b)
+				})
+			}
+		}
+	}
+}
+
+type cpuMeter struct {
+	start time.Duration
+	ok    bool
+}
+
+func startCPU() cpuMeter {
+	t, ok := processCPU()
+	return cpuMeter{t, ok}
+}
+
+// report adds cpu-ns/op: the process's CPU time per operation (GC included).
+func (m cpuMeter) report(b *testing.B) {
+	if end, ok := processCPU(); ok && m.ok && b.N > 0 {
+		b.ReportMetric(float64(end-m.start)/float64(b.N), "cpu-ns/op")
+	}
+}

@@ -1,0 +1,130 @@
+package picker
+
+import (
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+)
+
+// TestReleasesTakeEffectExactlyOnce races every way a reservation can end
+// (the stream's first byte, its end, a served-by move, the sweeper) and
+// checks each reservation was released exactly once and the ledger returns
+// to exactly zero without ever going negative.
+func TestReleasesTakeEffectExactlyOnce(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 4, v1alpha1.Default(), Options{Now: clock.Now, MaxRequestLifetime: time.Minute})
+	const n = 300
+	res := make([]*Reservation, 0, n)
+	for i := range n {
+		if i == n/2 {
+			clock.Advance(2 * time.Minute) // the first half is old: the sweeper competes for it
+		}
+		var prompt []byte
+		if i%3 != 0 {
+			prompt = text(fmt.Sprint("shared", i%20), 1000+i) // prompts share prefixes
+		}
+		res = append(res, mustPick(t, p, Request{Model: model, Prompt: prompt}))
+	}
+
+	var (
+		start    = make(chan struct{})
+		stop     = make(chan struct{})
+		wg, obs  sync.WaitGroup
+		swept    atomic.Int64
+		negative atomic.Int64
+	)
+	for i, r := range res {
+		for k := range 2 {
+			wg.Go(func() { <-start; r.FirstByte() })
+			wg.Go(func() { <-start; r.ServedBy(addr((i + k) % 4)) })
+			wg.Go(func() { <-start; r.Release() })
+		}
+	}
+	for range 3 {
+		wg.Go(func() {
+			<-start
+			for range 20 {
+				swept.Add(int64(p.Sweep()))
+			}
+		})
+	}
+	obs.Go(func() { // the ledger never shows a negative count, even mid-race
+		<-start
+		for {
+			for _, s := range p.Stats() {
+				if s.InFlight < 0 || s.PrefillTokens < 0 || s.Decoding < 0 {
+					negative.Add(1)
+				}
+			}
+			select {
+			case <-stop:
+				return
+			default:
+			}
+		}
+	})
+	close(start)
+	wg.Wait()
+	close(stop)
+	obs.Wait()
+
+	assertLedgerEmpty(t, p)
+	if negative.Load() > 0 {
+		t.Errorf("observed %d negative ledger rows during the race", negative.Load())
+	}
+	p.mu.Lock()
+	releases, firstBytes, sweptCount, oldest := p.releases, p.firstBytes, p.swept, p.oldest
+	p.mu.Unlock()
+	if releases != n {
+		t.Errorf("%d effective releases for %d reservations, want exactly one each", releases, n)
+	}
+	if firstBytes > n {
+		t.Errorf("%d effective first bytes for %d reservations, want at most one each", firstBytes, n)
+	}
+	if int64(sweptCount) != swept.Load() || swept.Load() > n/2 {
+		t.Errorf("sweeper released %d (Sweep returned %d in all); only the %d old ones may be swept", sweptCount, swept.Load(), n/2)
+	}
+	if got := testutil.ToFloat64(p.metrics.swept); got != float64(swept.Load()) {
+		t.Errorf("tally_reservations_swept_total = %v, want %d", got, swept.Load())
+	}
+	if oldest != nil {
+		t.Errorf("the sweeper's list still holds reservations")
+	}
+	t.Logf("%d releases (%d by the sweeper), %d first bytes", releases, sweptCount, firstBytes)
+}
+
+// TestPicksRaceWithReplace runs picks and their releases concurrently with
+// endpoint set changes: nothing may go negative and the ledger ends empty.
+func TestPicksRaceWithReplace(t *testing.T) {
+	p := newPicker(t, 4, v1alpha1.Default(), Options{})
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 200 {
+				r, err := p.Pick(Request{Model: model, Prompt: text(fmt.Sprint("g", g, "i", i%7), 700)})
+				if err != nil {
+					continue // the set may be empty for a moment
+				}
+				if i%2 == 0 {
+					r.FirstByte()
+				}
+				r.ServedBy(addr(i % 4))
+				r.Release()
+			}
+		})
+	}
+	wg.Go(func() {
+		for i := range 200 {
+			p.Replace(endpoints(4)[i%4:])
+		}
+		p.Replace(endpoints(4))
+	})
+	wg.Wait()
+	assertLedgerEmpty(t, p)
+}

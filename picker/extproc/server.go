@@ -1,0 +1,182 @@
+// Package extproc is the picker's face to the gateway: an Envoy ext_proc v3
+// server that buffers each request body, asks the picker for an endpoint,
+// writes the choice into the destination header and metadata, passes the body
+// on unchanged, and follows the response to release the request's reservation.
+//
+// The invariant not to break: every reservation a stream obtains is released
+// by that stream, whatever way the stream ends (response end, upstream error,
+// client disconnect, stream reset, panic). Process releases it in a deferred
+// call, so a new exit path cannot leak it; the picker makes repeated releases
+// harmless, never the other way round.
+package extproc
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/tallyepp/tally/picker"
+)
+
+// Picker chooses an endpoint for a request and reserves its cost;
+// *picker.Picker implements it.
+type Picker interface {
+	Pick(picker.Request) (*picker.Reservation, error)
+}
+
+// Options are the server's settings and collaborators.
+type Options struct {
+	// MaxRequestBytes bounds a request body (cfg.MaxRequestBytes); a larger
+	// one is answered 413. Zero or less means no bound.
+	MaxRequestBytes int64
+	Log             logr.Logger
+	// Registerer receives the server's metrics; nil means no metrics.
+	Registerer prometheus.Registerer
+}
+
+// Server is the ext_proc service. It keeps no per-request state of its own:
+// each stream's state lives in the goroutine that serves it.
+type Server struct {
+	extprocv3.UnimplementedExternalProcessorServer
+
+	picker  Picker
+	opts    Options
+	metrics metrics
+	// buffers recycles request body and prompt buffers between streams.
+	buffers sync.Pool
+}
+
+// NewServer returns a server that routes through p. It panics if
+// opts.Registerer already holds metrics of the same names, as
+// prometheus.MustRegister does.
+func NewServer(p Picker, opts Options) *Server {
+	s := &Server{picker: p, opts: opts, metrics: newMetrics()}
+	s.buffers.New = func() any { return new(buffers) }
+	if opts.Registerer != nil {
+		s.metrics.register(opts.Registerer)
+	}
+	return s
+}
+
+// Register adds the ext_proc service to g.
+func (s *Server) Register(g *grpc.Server) {
+	extprocv3.RegisterExternalProcessorServer(g, s)
+}
+
+// GRPCServerOptions are the options the gRPC server carrying this service
+// needs: in BUFFERED mode the gateway sends the whole request body as one
+// message, which must not be refused by gRPC's default 4 MiB receive limit
+// before the server can answer 413 itself.
+func GRPCServerOptions(maxRequestBytes int64) []grpc.ServerOption {
+	const envelopeBytes = 1 << 20 // headers and metadata around the body
+	limit := maxRequestBytes + envelopeBytes
+	if maxRequestBytes <= 0 || limit > 1<<31-1 {
+		limit = 1<<31 - 1
+	}
+	return []grpc.ServerOption{grpc.MaxRecvMsgSize(int(limit))}
+}
+
+// Process serves one HTTP request's ext_proc stream.
+func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) (err error) {
+	s.metrics.streamsActive.Inc()
+	defer s.metrics.streamsActive.Dec()
+
+	st := s.newStream(srv)
+	// Deferred first so it runs last: after a panic has been answered.
+	defer st.close()
+	defer func() {
+		if r := recover(); r != nil {
+			err = st.recovered(r)
+		}
+	}()
+
+	for {
+		req, err := srv.Recv()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			if status.Code(err) == codes.Canceled {
+				return nil // the gateway gave up on the request: nothing to report
+			}
+			return fmt.Errorf("receiving from the gateway: %w", err)
+		}
+		if err := st.handle(req); err != nil {
+			if errors.Is(err, errAnswered) {
+				return nil
+			}
+			return err
+		}
+	}
+}
+
+// buffers are one stream's request body and parsed prompt, recycled through
+// Server.buffers.
+type buffers struct {
+	body   []byte
+	prompt []byte
+}
+
+// Buffers larger than this are dropped instead of recycled, so one huge
+// request does not pin its memory in the pool forever.
+const maxPooledBufferBytes = 4 << 20
+
+func (s *Server) getBuffers() *buffers {
+	return s.buffers.Get().(*buffers)
+}
+
+func (s *Server) putBuffers(b *buffers) {
+	if cap(b.body) > maxPooledBufferBytes || cap(b.prompt) > maxPooledBufferBytes {
+		return
+	}
+	b.body, b.prompt = b.body[:0], b.prompt[:0]
+	s.buffers.Put(b)
+}
+
+type metrics struct {
+	requests       *prometheus.CounterVec
+	requestBytes   prometheus.Histogram
+	streamsActive  prometheus.Gauge
+	streamPanics   prometheus.Counter
+	upstreamErrors prometheus.Counter
+}
+
+// newMetrics builds the collectors unregistered: with no Registerer they still
+// count, nobody reads them, and the code that updates them needs no nil checks.
+func newMetrics() metrics {
+	return metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tally_requests_total",
+			Help: "Requests decided by the picker, by the HTTP status it decided (200: routed).",
+		}, []string{"code"}),
+		requestBytes: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "tally_request_bytes",
+			Help:    "Size of the request bodies the picker buffered.",
+			Buckets: prometheus.ExponentialBuckets(1024, 4, 10), // 1 KiB .. 256 MiB
+		}),
+		streamsActive: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "tally_streams_active",
+			Help: "ext_proc streams currently open.",
+		}),
+		streamPanics: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "tally_stream_panics_total",
+			Help: "ext_proc streams ended by a recovered panic.",
+		}),
+		upstreamErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "tally_upstream_errors_total",
+			Help: "Responses from model servers with a status of 500 or more.",
+		}),
+	}
+}
+
+func (m metrics) register(r prometheus.Registerer) {
+	r.MustRegister(m.requests, m.requestBytes, m.streamsActive, m.streamPanics, m.upstreamErrors)
+}

@@ -1,0 +1,203 @@
+package extproc
+
+import (
+	"encoding/json"
+	"errors"
+	"net/netip"
+	"strconv"
+	"strings"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/request"
+)
+
+// Names the picker shares with the gateway. Gateways that implement the
+// Inference Extension (and their Helm charts) use exactly these.
+const (
+	// destinationHeader carries the chosen endpoint, then its fallbacks.
+	destinationHeader = "x-gateway-destination-endpoint"
+	// lbNamespace is the dynamic metadata namespace the gateway's load
+	// balancer reads the destination from and writes the served-by into.
+	lbNamespace = "envoy.lb"
+	// destinationKey is the destination's key under lbNamespace.
+	destinationKey = destinationHeader
+	// servedKey, under lbNamespace, names the endpoint that actually served
+	// the request (a fallback may have been used).
+	servedKey = "x-gateway-destination-endpoint-served"
+	// subsetNamespace and subsetKey carry the gateway's subset hint: the
+	// only endpoints the pick may come from.
+	subsetNamespace = "envoy.lb.subset_hint"
+	subsetKey       = "x-gateway-destination-endpoint-subset"
+)
+
+// ownedHeaders are the request headers only the picker may set. A copy sent
+// by the client is removed, so that a client cannot choose its own endpoint
+// on a path where the picker writes none.
+var ownedHeaders = []string{destinationHeader}
+
+// maxChunkBytes bounds each body chunk sent back in FULL_DUPLEX_STREAMED
+// mode; Envoy's ext_proc filter expects chunks no larger than this.
+const maxChunkBytes = 62_000
+
+var (
+	errBodyTooLarge = errors.New("request body too large")
+	errPanic        = errors.New("internal error while routing the request")
+	// errAnswered ends a stream cleanly once an ImmediateResponse is sent:
+	// the gateway sends nothing more for that request.
+	errAnswered = errors.New("answered with an immediate response")
+)
+
+// errorAnswers is the one place that decides how a failed request is
+// answered: the first row whose message func accepts the error gives the
+// HTTP status, the error type and the message shown to the client. An error
+// no row accepts is answered 500 without details.
+var errorAnswers = []struct {
+	status  int
+	kind    string
+	message func(err error) (string, bool)
+}{
+	{400, "invalid_request_error", requestErrorMessage},
+	{413, "invalid_request_error", is(errBodyTooLarge)},
+	{503, "service_unavailable", is(picker.ErrNoEndpoint)},
+	{429, "rate_limit_exceeded", is(picker.ErrSaturated)},
+	{500, "internal_error", is(errPanic)},
+}
+
+func requestErrorMessage(err error) (string, bool) {
+	var e *request.Error
+	if errors.As(err, &e) {
+		return e.Message, true
+	}
+	return "", false
+}
+
+func is(target error) func(error) (string, bool) {
+	return func(err error) (string, bool) { return err.Error(), errors.Is(err, target) }
+}
+
+// answerFor returns the HTTP status and JSON body that answer err.
+func answerFor(err error) (int, []byte) {
+	httpStatus, kind, message := 500, "internal_error", errPanic.Error()
+	for _, row := range errorAnswers {
+		if m, ok := row.message(err); ok {
+			httpStatus, kind, message = row.status, row.kind, m
+			break
+		}
+	}
+	type body struct {
+		Message string `json:"message"`
+		Type    string `json:"type"`
+		Code    int    `json:"code"`
+	}
+	b, _ := json.Marshal(struct { // cannot fail: strings and an int
+		Error body `json:"error"`
+	}{body{message, kind, httpStatus}})
+	return httpStatus, b
+}
+
+func immediateResponse(httpStatus int, body []byte) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
+		ImmediateResponse: &extprocv3.ImmediateResponse{
+			Status: &typev3.HttpStatus{Code: typev3.StatusCode(httpStatus)},
+			Headers: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+				headerOption("content-type", "application/json"),
+			}},
+			Body:    body,
+			Details: "tally_" + strconv.Itoa(httpStatus),
+		},
+	}}
+}
+
+func headerOption(key, value string) *corev3.HeaderValueOption {
+	return &corev3.HeaderValueOption{
+		Header:       &corev3.HeaderValue{Key: key, RawValue: []byte(value)},
+		AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD,
+	}
+}
+
+// routeTo is what answers a routed request: the destination header (and a
+// route cache clear so the gateway routes on it), and the metadata the
+// gateway's load balancer reads.
+func routeTo(eps []netip.AddrPort) (*extprocv3.CommonResponse, *structpb.Struct) {
+	var b strings.Builder
+	for i, ep := range eps {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(ep.String()) // "[v6]:port" for IPv6
+	}
+	value := b.String()
+	common := &extprocv3.CommonResponse{
+		ClearRouteCache: true,
+		HeaderMutation: &extprocv3.HeaderMutation{
+			SetHeaders: []*corev3.HeaderValueOption{headerOption(destinationHeader, value)},
+		},
+	}
+	metadata := &structpb.Struct{Fields: map[string]*structpb.Value{
+		lbNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
+			destinationKey: structpb.NewStringValue(value),
+		}}),
+	}}
+	return common, metadata
+}
+
+// unrouted answers request headers the picker writes no destination into.
+func unrouted() *extprocv3.CommonResponse {
+	return &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{RemoveHeaders: ownedHeaders}}
+}
+
+func headerValue(h *corev3.HeaderMap, key string) string {
+	for _, hv := range h.GetHeaders() {
+		if hv.GetKey() == key {
+			if raw := hv.GetRawValue(); len(raw) > 0 {
+				return string(raw)
+			}
+			return hv.GetValue()
+		}
+	}
+	return ""
+}
+
+// subsetHint reads the gateway's subset hint: a list of "ip:port" strings or
+// one comma-separated string. ok reports whether a hint was sent at all (an
+// empty hint allows no endpoint). Entries that are not addresses can match
+// no endpoint and are returned in bad for logging.
+func subsetHint(md *corev3.Metadata) (subset []netip.AddrPort, ok bool, bad []string) {
+	v, ok := md.GetFilterMetadata()[subsetNamespace].GetFields()[subsetKey]
+	if !ok {
+		return nil, false, nil
+	}
+	add := func(s string) {
+		for part := range strings.SplitSeq(s, ",") {
+			part = strings.TrimSpace(part)
+			if part == "" {
+				continue
+			}
+			if ap, err := netip.ParseAddrPort(part); err == nil {
+				subset = append(subset, ap)
+			} else {
+				bad = append(bad, part)
+			}
+		}
+	}
+	if list := v.GetListValue(); list != nil {
+		for _, item := range list.GetValues() {
+			add(item.GetStringValue())
+		}
+	} else {
+		add(v.GetStringValue())
+	}
+	return subset, true, bad
+}
+
+// servedBy reads which endpoint the gateway actually sent the request to.
+func servedBy(md *corev3.Metadata) (netip.AddrPort, bool) {
+	v := md.GetFilterMetadata()[lbNamespace].GetFields()[servedKey].GetStringValue()
+	ap, err := netip.ParseAddrPort(strings.TrimSpace(v))
+	return ap, err == nil
+}

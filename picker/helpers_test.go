@@ -1,0 +1,132 @@
+package picker
+
+import (
+	"fmt"
+	"hash/fnv"
+	"math/rand/v2"
+	"net/netip"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/picker/prefix"
+)
+
+const model = "test-model"
+
+// addr is the address of test endpoint i.
+func addr(i int) netip.AddrPort {
+	return netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 0, byte(2 + i)}), 8000)
+}
+
+// endpoints returns n test endpoints on loopback addresses.
+func endpoints(n int) []Endpoint {
+	out := make([]Endpoint, n)
+	for i := range out {
+		out[i] = Endpoint{Pod: fmt.Sprintf("pod-%d", i), Address: addr(i)}
+	}
+	return out
+}
+
+// text returns n characters of text unique to tag (letters, deterministic).
+func text(tag string, n int) []byte {
+	h := fnv.New64a()
+	h.Write([]byte(tag))
+	var seed [32]byte
+	for i := range 4 {
+		v := h.Sum64() + uint64(i)*0x9e3779b97f4a7c15
+		for j := range 8 {
+			seed[i*8+j] = byte(v >> (8 * j))
+		}
+	}
+	b := make([]byte, n)
+	_, _ = rand.NewChaCha8(seed).Read(b)
+	for i := range b {
+		b[i] = 'a' + b[i]%26
+	}
+	return b
+}
+
+func join(parts ...[]byte) []byte {
+	var out []byte
+	for _, p := range parts {
+		out = append(out, p...)
+	}
+	return out
+}
+
+// newPicker returns a picker over n endpoints with a fixed tie-breaking seed.
+func newPicker(t testing.TB, n int, cfg v1alpha1.PickerConfig, opts Options) *Picker {
+	t.Helper()
+	if opts.Rand == nil {
+		opts.Rand = rand.New(rand.NewPCG(1, 2))
+	}
+	p := New(cfg, opts)
+	p.Replace(endpoints(n))
+	return p
+}
+
+func mustPick(t testing.TB, p *Picker, req Request) *Reservation {
+	t.Helper()
+	r, err := p.Pick(req)
+	if err != nil {
+		t.Fatalf("Pick: %v", err)
+	}
+	return r
+}
+
+// on restricts a request to one endpoint through the subset hint.
+func on(a netip.AddrPort, prompt []byte) Request {
+	return Request{Model: model, Prompt: prompt, Subset: []netip.AddrPort{a}, HasSubset: true}
+}
+
+// heldBlocks reports how many leading blocks of prompt the prefix index
+// places on a (-1 if a is not an endpoint).
+func heldBlocks(p *Picker, prompt []byte, a netip.AddrPort) int {
+	h := prefix.Hash(nil, model, prompt, p.cfg.BlockSizeChars)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	r, ok := p.byAddr[key(a)]
+	if !ok {
+		return -1
+	}
+	out := []int{0}
+	p.index.Match(h, []int{r.id}, out)
+	return out[0]
+}
+
+// statsOf returns the ledger row of a (zero if a is not an endpoint).
+func statsOf(p *Picker, a netip.AddrPort) EndpointStats {
+	for _, s := range p.Stats() {
+		if s.Endpoint.Address == a {
+			return s
+		}
+	}
+	return EndpointStats{}
+}
+
+// assertLedgerEmpty checks every row and the totals are exactly zero.
+func assertLedgerEmpty(t *testing.T, p *Picker) {
+	t.Helper()
+	if in, pre := p.Totals(); in != 0 || pre != 0 {
+		t.Errorf("totals = (%d in flight, %d prefill tokens), want (0, 0)", in, pre)
+	}
+	for _, s := range p.Stats() {
+		if s.InFlight != 0 || s.PrefillTokens != 0 || s.Decoding != 0 {
+			t.Errorf("%s: %+v, want all zero", s.Endpoint.Address, s)
+		}
+	}
+}
+
+// fakeClock is a clock tests move by hand; safe for concurrent use.
+type fakeClock struct{ ns atomic.Int64 }
+
+func newFakeClock() *fakeClock {
+	c := &fakeClock{}
+	c.ns.Store(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC).UnixNano())
+	return c
+}
+
+func (c *fakeClock) Now() time.Time          { return time.Unix(0, c.ns.Load()) }
+func (c *fakeClock) Advance(d time.Duration) { c.ns.Add(int64(d)) }

@@ -1,0 +1,132 @@
+package picker
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+)
+
+func TestMetricsMatchStats(t *testing.T) {
+	reg := prometheus.NewPedanticRegistry()
+	clock := newFakeClock()
+	cfg := v1alpha1.Default()
+	cfg.Saturation.MaxInFlightRequests = 3
+	p := newPicker(t, 3, cfg, Options{Registerer: reg, Now: clock.Now, MaxRequestLifetime: time.Minute})
+
+	var picked []*Reservation
+	pick := func(req Request) error {
+		r, err := p.Pick(req)
+		if err == nil {
+			picked = append(picked, r)
+		}
+		return err
+	}
+	prompt := text("metrics", 4000)
+	for _, req := range []Request{
+		on(addr(0), prompt),
+		on(addr(0), prompt), // cached
+		on(addr(2), nil),
+		on(addr(2), text("other", 1000)),
+	} {
+		if err := pick(req); err != nil {
+			t.Fatal(err)
+		}
+	}
+	picked[2].FirstByte()
+	clock.Advance(2 * time.Minute)
+	for range 3 {
+		if err := pick(on(addr(1), nil)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := pick(on(addr(1), nil)); err != ErrSaturated {
+		t.Fatalf("fourth request on one endpoint: %v, want ErrSaturated", err)
+	}
+	if err := pick(Request{Model: model, HasSubset: true}); err != ErrNoEndpoint {
+		t.Fatalf("empty subset: %v, want ErrNoEndpoint", err)
+	}
+	picked[len(picked)-1].Release()
+	if n := p.Sweep(); n != 4 {
+		t.Fatalf("Sweep released %d, want the 4 picks made before the clock moved", n)
+	}
+
+	var want strings.Builder
+	gauge := func(name, help string, value func(EndpointStats) int) {
+		fmt.Fprintf(&want, "# HELP %s %s\n# TYPE %s gauge\n", name, help, name)
+		for _, s := range p.Stats() {
+			fmt.Fprintf(&want, "%s{endpoint=%q} %d\n", name, s.Endpoint.Address.String(), value(s))
+		}
+	}
+	gauge("tally_endpoint_inflight_requests", "Requests reserved on the endpoint and not yet released.",
+		func(s EndpointStats) int { return s.InFlight })
+	gauge("tally_endpoint_prefill_tokens", "Estimated prefill tokens outstanding on the endpoint.",
+		func(s EndpointStats) int { return s.PrefillTokens })
+	gauge("tally_endpoint_decoding_requests", "Requests on the endpoint past their first response byte.",
+		func(s EndpointStats) int { return s.Decoding })
+	inFlight, _ := p.Totals()
+	promptTokens, cachedTokens := 0, 0
+	for _, r := range picked {
+		promptTokens += r.PromptTokens()
+		cachedTokens += r.CachedTokens()
+	}
+	fmt.Fprintf(&want, `# HELP tally_endpoints Endpoints in the pool.
+# TYPE tally_endpoints gauge
+tally_endpoints %d
+# HELP tally_inflight_requests Requests reserved on any endpoint and not yet released.
+# TYPE tally_inflight_requests gauge
+tally_inflight_requests %d
+# HELP tally_picks_total Picks by result: ok, no_endpoint (answered 503) or saturated (answered 429).
+# TYPE tally_picks_total counter
+tally_picks_total{result="no_endpoint"} 1
+tally_picks_total{result="ok"} %d
+tally_picks_total{result="saturated"} 1
+# HELP tally_reservations_swept_total Reservations released by the sweeper because their stream's end was never seen.
+# TYPE tally_reservations_swept_total counter
+tally_reservations_swept_total 4
+# HELP tally_prompt_tokens_total Estimated prompt tokens of placed requests.
+# TYPE tally_prompt_tokens_total counter
+tally_prompt_tokens_total %d
+# HELP tally_prefix_cached_tokens_total Estimated prompt tokens found in the chosen endpoint's prefix index; divided by tally_prompt_tokens_total it is the prefix hit rate.
+# TYPE tally_prefix_cached_tokens_total counter
+tally_prefix_cached_tokens_total %d
+`, len(p.Stats()), inFlight, len(picked), promptTokens, cachedTokens)
+
+	if inFlight != 2 || cachedTokens == 0 {
+		t.Fatalf("scenario went wrong: %d in flight (want 2), %d cached tokens (want > 0)", inFlight, cachedTokens)
+	}
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want.String()),
+		"tally_endpoint_inflight_requests", "tally_endpoint_prefill_tokens", "tally_endpoint_decoding_requests",
+		"tally_endpoints", "tally_inflight_requests", "tally_picks_total", "tally_reservations_swept_total",
+		"tally_prompt_tokens_total", "tally_prefix_cached_tokens_total"); err != nil {
+		t.Error(err)
+	}
+
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() == "tally_pick_duration_seconds" {
+			if got := f.GetMetric()[0].GetHistogram().GetSampleCount(); got != uint64(len(picked)+2) {
+				t.Errorf("pick duration histogram counted %d picks, want %d", got, len(picked)+2)
+			}
+			return
+		}
+	}
+	t.Error("tally_pick_duration_seconds was not gathered")
+}
+
+func TestPickerWithoutRegistererStillCollects(t *testing.T) {
+	p := newPicker(t, 2, v1alpha1.Default(), Options{})
+	mustPick(t, p, Request{Model: model})
+	// 3 gauges per endpoint, 2 pool gauges, 3 pick results, 3 counters, 1 histogram.
+	if got := testutil.CollectAndCount(p); got != 3*2+2+3+3+1 {
+		t.Errorf("collected %d metrics, want %d", got, 3*2+2+3+3+1)
+	}
+}

@@ -1,0 +1,495 @@
+package picker
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"net/netip"
+	"slices"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/picker/prefix"
+)
+
+func TestLedgerCountsPrefillDecodingAndRelease(t *testing.T) {
+	p := newPicker(t, 1, v1alpha1.Default(), Options{})
+	a := addr(0)
+	prompt := text("p", 1000) // 250 tokens; 15 full blocks of 64 characters
+
+	r1 := mustPick(t, p, Request{Model: model, Prompt: prompt})
+	if r1.PromptTokens() != 250 || r1.CachedTokens() != 0 {
+		t.Errorf("fresh prompt: %d prompt / %d cached tokens, want 250 / 0", r1.PromptTokens(), r1.CachedTokens())
+	}
+	if got := statsOf(p, a); got.InFlight != 1 || got.PrefillTokens != 250 || got.Decoding != 0 {
+		t.Errorf("after one pick: %+v, want 1 in flight, 250 prefill", got)
+	}
+
+	// The same prompt again: 15 blocks (960 characters) are held, 40 are not.
+	r2 := mustPick(t, p, Request{Model: model, Prompt: prompt})
+	if r2.CachedTokens() != 240 {
+		t.Errorf("repeated prompt: %d cached tokens, want 240", r2.CachedTokens())
+	}
+	if got := statsOf(p, a).PrefillTokens; got != 250+10 {
+		t.Errorf("prefill after a cached repeat = %d, want 260", got)
+	}
+
+	tiny := mustPick(t, p, Request{Model: model, Prompt: []byte("hi!")})
+	bare := mustPick(t, p, Request{Model: model})
+	if tiny.PromptTokens() != 1 || bare.PromptTokens() != 0 {
+		t.Errorf("prompt tokens of 3 characters = %d (want 1), of none = %d (want 0)", tiny.PromptTokens(), bare.PromptTokens())
+	}
+	if got := statsOf(p, a); got.InFlight != 4 || got.PrefillTokens != 261 {
+		t.Errorf("with a tiny and a promptless request: %+v, want 4 in flight, 261 prefill", got)
+	}
+
+	r1.FirstByte()
+	r1.FirstByte()
+	if got := statsOf(p, a); got.InFlight != 4 || got.PrefillTokens != 11 || got.Decoding != 1 {
+		t.Errorf("after the first byte of r1 (twice): %+v, want 4 in flight, 11 prefill, 1 decoding", got)
+	}
+	r1.Release()
+	r2.Release()
+	r2.Release()
+	tiny.Release()
+	bare.FirstByte()
+	bare.Release()
+	assertLedgerEmpty(t, p)
+}
+
+func TestCostWeighsDecodingRequests(t *testing.T) {
+	for _, tc := range []struct {
+		weight int
+		want   int // endpoint index that takes the next request
+	}{
+		{weight: 0, want: 1},   // default 128 tokens per decoding request > 100 queued tokens
+		{weight: 1, want: 0},   // 1 < 100
+		{weight: 500, want: 1}, // 500 > 100
+	} {
+		cfg := v1alpha1.Default()
+		cfg.DecodeWeightTokens = tc.weight
+		p := newPicker(t, 2, cfg, Options{})
+		dec := mustPick(t, p, on(addr(0), nil))
+		dec.FirstByte()
+		mustPick(t, p, on(addr(1), text("queued", 400))) // 100 prefill tokens
+		if got := mustPick(t, p, Request{Model: model}).Endpoint(); got != addr(tc.want) {
+			t.Errorf("decode weight %d: picked %s, want %s", tc.weight, got, addr(tc.want))
+		}
+	}
+}
+
+// TestCriticalSectionPublishesBeforeUnlock pauses pick #1 right after its
+// critical section and shows that later picks already see both what #1
+// reserved and the prefix it recorded. It fails if either write is moved
+// after the unlock.
+func TestCriticalSectionPublishesBeforeUnlock(t *testing.T) {
+	p := newPicker(t, 2, v1alpha1.Default(), Options{})
+	a, b := addr(0), addr(1)
+	// b carries 100 queued tokens, so a fresh pick prefers a unless it sees
+	// a's load.
+	mustPick(t, p, on(b, text("earlier", 400)))
+
+	paused, resume := make(chan struct{}), make(chan struct{})
+	var calls atomic.Int32
+	p.afterPick = func() {
+		if calls.Add(1) == 1 {
+			close(paused)
+			<-resume
+		}
+	}
+	x := text("fresh prompt", 4000) // 1,000 tokens; 62 full blocks
+	first := make(chan *Reservation, 1)
+	go func() {
+		r, err := p.Pick(Request{Model: model, Prompt: x})
+		if err != nil {
+			t.Errorf("pick #1: %v", err)
+		}
+		first <- r
+	}()
+	select {
+	case <-paused:
+	case <-time.After(10 * time.Second):
+		t.Fatal("pick #1 never reached the end of its critical section")
+	}
+
+	// Pick #1 is inside Pick, past its unlock. Its reservation is in the ledger:
+	if got := statsOf(p, a); got.InFlight != 1 || got.PrefillTokens != 1000 {
+		t.Errorf("while #1 is paused, %s shows %+v, want 1 in flight with 1000 prefill tokens", a, got)
+	}
+	// so an unrelated request of the same size goes to b (1000+1000 > 100+1000),
+	r2 := mustPick(t, p, Request{Model: model, Prompt: text("unrelated", 4000)})
+	if r2.Endpoint() != b {
+		t.Errorf("pick #2 went to %s: it did not see #1's reservation on %s", r2.Endpoint(), a)
+	}
+	// and its prompt's blocks are recorded on a: a request extending x finds them.
+	r3 := mustPick(t, p, Request{Model: model, Prompt: join(x, text("follow-up", 400))})
+	want := 62 * 64 / 4
+	if r3.Endpoint() != a || r3.CachedTokens() != want {
+		t.Errorf("pick #3 went to %s with %d cached tokens, want %s with %d: #1's prefix record was not visible",
+			r3.Endpoint(), r3.CachedTokens(), a, want)
+	}
+
+	close(resume)
+	select {
+	case r1 := <-first:
+		if r1 != nil && r1.Endpoint() != a {
+			t.Errorf("pick #1 went to %s, want %s", r1.Endpoint(), a)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("pick #1 did not return after resuming")
+	}
+}
+
+func TestTiesAreBrokenAtRandomNotByListOrder(t *testing.T) {
+	for _, order := range []string{"forward", "reversed"} {
+		eps := endpoints(2)
+		if order == "reversed" {
+			slices.Reverse(eps)
+		}
+		p := New(v1alpha1.Default(), Options{Rand: rand.New(rand.NewPCG(3, 4))})
+		p.Replace(eps)
+		counts := map[netip.AddrPort]int{}
+		const cycles = 2000
+		for i := range cycles {
+			var prompt []byte
+			if i%2 == 0 { // fresh prompts tie too: nobody holds them
+				prompt = text(string(rune('a'+i%26))+string(rune(i)), 256)
+			}
+			r := mustPick(t, p, Request{Model: model, Prompt: prompt})
+			counts[r.Endpoint()]++
+			r.Release()
+		}
+		// A fair coin stays within 10% of half in 2000 tosses except with
+		// probability far below 1e-9.
+		for _, ep := range eps {
+			if n := counts[ep.Address]; n < cycles*4/10 || n > cycles*6/10 {
+				t.Errorf("%s order: %s chosen %d of %d times, want about half", order, ep.Address, n, cycles)
+			}
+		}
+	}
+}
+
+func TestFallbackListIsOrderedByCost(t *testing.T) {
+	load := func(p *Picker, tokens ...int) {
+		for i, n := range tokens {
+			if n > 0 {
+				mustPick(t, p, on(addr(i), text("load"+string(rune('a'+i)), 4*n)))
+			}
+		}
+	}
+	for _, tc := range []struct {
+		name      string
+		endpoints int
+		fallbacks int
+		load      []int
+		want      []int
+	}{
+		{"default three of five", 5, 0, []int{300, 100, 500, 200, 400}, []int{1, 3, 0}},
+		{"one", 5, 1, []int{300, 100, 500, 200, 400}, []int{1}},
+		{"more than there are", 2, 5, []int{10, 0}, []int{1, 0}},
+		{"all five", 5, 5, []int{5, 4, 3, 2, 1}, []int{4, 3, 2, 1, 0}},
+	} {
+		cfg := v1alpha1.Default()
+		cfg.FallbackEndpoints = tc.fallbacks
+		p := newPicker(t, tc.endpoints, cfg, Options{})
+		load(p, tc.load...)
+		r := mustPick(t, p, Request{Model: model, Prompt: text("new", 400)})
+		var want []netip.AddrPort
+		for _, i := range tc.want {
+			want = append(want, addr(i))
+		}
+		if got := r.Endpoints(); !slices.Equal(got, want) {
+			t.Errorf("%s: Endpoints() = %v, want %v", tc.name, got, want)
+		}
+		if r.Endpoint() != r.Endpoints()[0] {
+			t.Errorf("%s: Endpoint() %s is not the first of Endpoints()", tc.name, r.Endpoint())
+		}
+	}
+}
+
+func TestSubsetRestrictsCandidates(t *testing.T) {
+	p := newPicker(t, 3, v1alpha1.Default(), Options{})
+	unknown := netip.MustParseAddrPort("127.0.0.99:8000")
+
+	for name, req := range map[string]Request{
+		"empty subset":        {Model: model, HasSubset: true},
+		"unknown-only subset": {Model: model, HasSubset: true, Subset: []netip.AddrPort{unknown}},
+	} {
+		if _, err := p.Pick(req); !errors.Is(err, ErrNoEndpoint) {
+			t.Errorf("%s: err = %v, want ErrNoEndpoint", name, err)
+		}
+	}
+
+	// b is chosen every time although it carries all the load; duplicates,
+	// unknown and IPv4-mapped forms in the hint are tolerated.
+	b := addr(1)
+	mapped := netip.AddrPortFrom(netip.AddrFrom16(b.Addr().As16()), b.Port())
+	req := Request{Model: model, Prompt: text("s", 400), HasSubset: true, Subset: []netip.AddrPort{unknown, b, mapped, b}}
+	for range 10 {
+		r := mustPick(t, p, req)
+		if r.Endpoint() != b || len(r.Endpoints()) != 1 {
+			t.Fatalf("subset {%s}: picked %v", b, r.Endpoints())
+		}
+	}
+
+	// Without HasSubset the list is ignored.
+	req.HasSubset = false
+	if r := mustPick(t, p, req); r.Endpoint() == b {
+		t.Errorf("without HasSubset, the loaded endpoint %s was picked", b)
+	}
+}
+
+func TestNoEndpoints(t *testing.T) {
+	p := New(v1alpha1.Default(), Options{})
+	if p.Synced() {
+		t.Error("synced before the first Replace")
+	}
+	if _, err := p.Pick(Request{Model: model}); !errors.Is(err, ErrNoEndpoint) {
+		t.Errorf("before Replace: err = %v, want ErrNoEndpoint", err)
+	}
+	p.Replace(nil)
+	if !p.Synced() {
+		t.Error("not synced after Replace")
+	}
+	if _, err := p.Pick(Request{Model: model}); !errors.Is(err, ErrNoEndpoint) {
+		t.Errorf("with an empty pool: err = %v, want ErrNoEndpoint", err)
+	}
+}
+
+func TestSaturation(t *testing.T) {
+	t.Run("off by default", func(t *testing.T) {
+		p := newPicker(t, 1, v1alpha1.Default(), Options{})
+		for i := range 200 {
+			if _, err := p.Pick(Request{Model: model, Prompt: text("big", 40_000)}); err != nil {
+				t.Fatalf("pick %d: %v", i, err)
+			}
+		}
+	})
+
+	t.Run("in-flight limit", func(t *testing.T) {
+		cfg := v1alpha1.Default()
+		cfg.Saturation.MaxInFlightRequests = 2
+		p := newPicker(t, 2, cfg, Options{})
+		var held []*Reservation
+		for range 4 {
+			held = append(held, mustPick(t, p, Request{Model: model}))
+		}
+		for _, s := range p.Stats() {
+			if s.InFlight != 2 {
+				t.Errorf("%s holds %d, want 2", s.Endpoint.Address, s.InFlight)
+			}
+		}
+		if _, err := p.Pick(Request{Model: model}); !errors.Is(err, ErrSaturated) {
+			t.Fatalf("fifth pick: err = %v, want ErrSaturated", err)
+		}
+		held[0].Release()
+		r := mustPick(t, p, Request{Model: model})
+		if r.Endpoint() != held[0].Endpoint() {
+			t.Errorf("after a release, picked %s, want the endpoint with room %s", r.Endpoint(), held[0].Endpoint())
+		}
+	})
+
+	t.Run("prefill limit skips a cheaper endpoint", func(t *testing.T) {
+		cfg := v1alpha1.Default()
+		cfg.Saturation.MaxPrefillTokens = 1000
+		cfg.DecodeWeightTokens = 1
+		p := newPicker(t, 2, cfg, Options{})
+		a, b := addr(0), addr(1)
+		full := mustPick(t, p, on(a, text("full", 4000))) // a: 1000 prefill, saturated
+		mustPick(t, p, on(b, text("some", 2000)))         // b: 500 prefill
+		// A request that a already holds whole is cheaper on a, but a is saturated.
+		r := mustPick(t, p, Request{Model: model, Prompt: text("full", 4000)})
+		if r.Endpoint() != b || len(r.Endpoints()) != 1 {
+			t.Errorf("picked %v, want only %s: a saturated endpoint is neither chosen nor a fallback", r.Endpoints(), b)
+		}
+		if _, err := p.Pick(Request{Model: model}); !errors.Is(err, ErrSaturated) {
+			t.Errorf("with both over the prefill limit: err = %v, want ErrSaturated", err)
+		}
+		full.FirstByte() // a's prefill is done: it has room again
+		if r := mustPick(t, p, Request{Model: model}); r.Endpoint() != a {
+			t.Errorf("after a's first byte, picked %s, want %s", r.Endpoint(), a)
+		}
+	})
+}
+
+func TestRemovedEndpointWithRequestsInFlight(t *testing.T) {
+	p := newPicker(t, 2, v1alpha1.Default(), Options{})
+	a, b := addr(0), addr(1)
+	prompt := text("on a", 4000)
+	prefilling := mustPick(t, p, on(a, prompt))
+	decoding := mustPick(t, p, on(a, text("also on a", 400)))
+	decoding.FirstByte()
+	moved := mustPick(t, p, on(a, text("will be served by b", 400)))
+
+	p.Replace(endpoints(2)[1:]) // a goes away
+	if got := len(p.Stats()); got != 1 {
+		t.Fatalf("%d endpoints after removing a, want 1", got)
+	}
+	assertLedgerEmpty(t, p)
+
+	// A reservation whose endpoint is gone can still move to a live one.
+	moved.ServedBy(b)
+	if got := statsOf(p, b); got.InFlight != 1 || got.PrefillTokens != 100 {
+		t.Errorf("after ServedBy(b) of a request from removed a: b = %+v, want 1 in flight, 100 prefill", got)
+	}
+	moved.Release()
+
+	p.Replace(endpoints(2)) // a comes back: a new endpoint, starting from zero
+	assertLedgerEmpty(t, p)
+	if n := heldBlocks(p, prompt, a); n != 0 {
+		t.Errorf("re-added a still holds %d blocks of a prompt recorded before its removal", n)
+	}
+	fresh := mustPick(t, p, on(a, text("new on a", 800)))
+
+	// Stale operations from before the removal must not touch the new row.
+	prefilling.FirstByte()
+	prefilling.Release()
+	decoding.Release()
+	prefilling.ServedBy(b)
+	if got := statsOf(p, a); got.InFlight != 1 || got.PrefillTokens != 200 || got.Decoding != 0 {
+		t.Errorf("re-added a = %+v after stale releases, want exactly the new request (1 in flight, 200 prefill)", got)
+	}
+	fresh.Release()
+	assertLedgerEmpty(t, p)
+
+	// An address taken over by another pod is a new endpoint too.
+	r := mustPick(t, p, on(a, prompt))
+	eps := endpoints(2)
+	eps[0].Pod = "replacement-pod"
+	p.Replace(eps)
+	if n := heldBlocks(p, prompt, a); n != 0 {
+		t.Errorf("a new pod at %s inherits %d blocks of the old pod", a, n)
+	}
+	r.Release()
+	assertLedgerEmpty(t, p)
+}
+
+func TestServedByMovesTheReservation(t *testing.T) {
+	p := newPicker(t, 3, v1alpha1.Default(), Options{})
+	a, b, c := addr(0), addr(1), addr(2)
+	shared := text("shared", 640) // 10 blocks a already holds
+	warm := mustPick(t, p, on(a, shared))
+	warm.Release()
+
+	prompt := join(shared, text("tail", 3360)) // 4000 characters, 62 blocks
+	r := mustPick(t, p, on(a, prompt))
+	uncached := statsOf(p, a).PrefillTokens
+	if uncached != (4000-640)/4 {
+		t.Fatalf("a holds %d prefill tokens, want %d", uncached, (4000-640)/4)
+	}
+
+	r.ServedBy(b)
+	if got := statsOf(p, a); got != (EndpointStats{Endpoint: got.Endpoint}) {
+		t.Errorf("after ServedBy(b), a = %+v, want zero", got)
+	}
+	if got := statsOf(p, b); got.InFlight != 1 || got.PrefillTokens != uncached {
+		t.Errorf("after ServedBy(b), b = %+v, want 1 in flight, %d prefill", got, uncached)
+	}
+	if r.Endpoint() != b {
+		t.Errorf("Endpoint() = %s after ServedBy(b)", r.Endpoint())
+	}
+	if got := heldBlocks(p, prompt, b); got != 62 {
+		t.Errorf("b holds %d blocks of the prompt, want 62", got)
+	}
+	if got := heldBlocks(p, prompt, a); got != 10 {
+		t.Errorf("a holds %d blocks of the prompt, want 10: the shared head it had before, not the tail it never computed", got)
+	}
+
+	r.ServedBy(b)                                      // already there
+	r.ServedBy(netip.MustParseAddrPort("10.0.0.1:80")) // unknown
+	r.FirstByte()
+	r.ServedBy(c)
+	if got := statsOf(p, c); got.InFlight != 1 || got.PrefillTokens != 0 || got.Decoding != 1 {
+		t.Errorf("after first byte and ServedBy(c), c = %+v, want 1 in flight, 1 decoding", got)
+	}
+	if got := statsOf(p, b); got != (EndpointStats{Endpoint: got.Endpoint}) {
+		t.Errorf("after ServedBy(c), b = %+v, want zero", got)
+	}
+	r.Release()
+	r.ServedBy(a)
+	assertLedgerEmpty(t, p)
+}
+
+func TestSweepReleasesOnlyOldReservations(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 2, v1alpha1.Default(), Options{Now: clock.Now, MaxRequestLifetime: 10 * time.Minute})
+
+	old := mustPick(t, p, Request{Model: model, Prompt: text("old", 400)})
+	old.FirstByte()
+	clock.Advance(5 * time.Minute)
+	mustPick(t, p, Request{Model: model, Prompt: text("young", 800)})
+	clock.Advance(6 * time.Minute) // old: 11 minutes, young: 6
+
+	if n := p.Sweep(); n != 1 {
+		t.Fatalf("Sweep released %d, want 1", n)
+	}
+	if in, pre := p.Totals(); in != 1 || pre != 200 {
+		t.Errorf("after the sweep: %d in flight, %d prefill, want only the young request (1, 200)", in, pre)
+	}
+	old.Release() // already swept: no effect
+	if in, _ := p.Totals(); in != 1 {
+		t.Errorf("releasing a swept reservation changed the ledger: %d in flight", in)
+	}
+	if n := p.Sweep(); n != 0 {
+		t.Errorf("second Sweep released %d, want 0", n)
+	}
+	clock.Advance(5 * time.Minute)
+	if n := p.Sweep(); n != 1 {
+		t.Errorf("Sweep after young aged released %d, want 1", n)
+	}
+	assertLedgerEmpty(t, p)
+	if p.swept != 2 {
+		t.Errorf("swept count = %d, want 2", p.swept)
+	}
+}
+
+func TestRunSweepsUntilCancelled(t *testing.T) {
+	p := newPicker(t, 1, v1alpha1.Default(), Options{MaxRequestLifetime: 50 * time.Millisecond})
+	mustPick(t, p, Request{Model: model, Prompt: text("forgotten", 400)})
+
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	done := make(chan struct{})
+	go func() {
+		p.Run(ctx)
+		close(done)
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if in, _ := p.Totals(); in == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("Run did not sweep the forgotten reservation within 10s")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return after its context ended")
+	}
+}
+
+func TestCriticalSectionDoesNotAllocateOnKnownBlocks(t *testing.T) {
+	p := newPicker(t, 16, v1alpha1.Default(), Options{})
+	req := Request{Model: model, Prompt: text("known", 8000)}
+	hashes := prefix.Hash(nil, model, req.Prompt, p.cfg.BlockSizeChars)
+	r := &Reservation{p: p}
+	place := func() {
+		*r = Reservation{p: p, hashes: hashes}
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if err := p.placeLocked(r, req); err != nil {
+			t.Fatal(err)
+		}
+		p.releaseLocked(r)
+	}
+	place()
+	if allocs := testing.AllocsPerRun(100, place); allocs != 0 {
+		t.Errorf("the critical section allocated %.1f times per pick of a known prompt, want 0", allocs)
+	}
+}

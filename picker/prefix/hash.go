@@ -1,0 +1,68 @@
+// Package prefix estimates, for a prompt, how much of it each endpoint
+// already holds in its KV cache: prompts are cut into fixed-size blocks, each
+// block is named by a hash chained over everything before it, and an Index
+// remembers which endpoints recently received which blocks.
+//
+// The invariant not to break: a block hash stands for the whole prompt up to
+// and including that block (h_i depends on h_{i-1}). Matching therefore only
+// ever counts leading blocks; a hash that does not chain would make two
+// prompts that share a middle block look like they share a prefix.
+package prefix
+
+import (
+	"encoding/binary"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// Hash appends to dst the chained hashes of the full blocks of prompt, each
+// blockSize bytes long, and returns the extended slice:
+//
+//	h_0 = xxhash(seed(model) ‖ block_0)
+//	h_i = xxhash(h_{i-1} ‖ block_i)
+//
+// where seed(model) = xxhash(model) and ‖ is concatenation with the 64-bit
+// value written little-endian. The model name seeds the chain because two
+// models never share KV cache. A trailing partial block is not hashed: it
+// cannot be matched reliably and a model server caches whole blocks only.
+// Hash does not allocate when dst has capacity for len(prompt)/blockSize more
+// hashes. A blockSize below 1 hashes nothing.
+func Hash(dst []uint64, model string, prompt []byte, blockSize int) []uint64 {
+	if blockSize < 1 {
+		return dst
+	}
+	h := xxhash.Sum64String(model)
+	if blockSize > maxStackBlock {
+		return hashStreaming(dst, h, prompt, blockSize)
+	}
+	// One-shot hashing of a copy of (h ‖ block) is faster than streaming the
+	// two parts through a Digest; the copy stays on the stack.
+	var buf [8 + maxStackBlock]byte
+	for off := 0; off+blockSize <= len(prompt); off += blockSize {
+		binary.LittleEndian.PutUint64(buf[:8], h)
+		copy(buf[8:], prompt[off:off+blockSize])
+		h = xxhash.Sum64(buf[:8+blockSize])
+		dst = append(dst, h)
+	}
+	return dst
+}
+
+// maxStackBlock is the largest block Hash copies onto its stack; it is the
+// largest block size the configuration accepts.
+const maxStackBlock = 4096
+
+func hashStreaming(dst []uint64, h uint64, prompt []byte, blockSize int) []uint64 {
+	var (
+		d    xxhash.Digest
+		prev [8]byte
+	)
+	for off := 0; off+blockSize <= len(prompt); off += blockSize {
+		binary.LittleEndian.PutUint64(prev[:], h)
+		d.Reset()
+		_, _ = d.Write(prev[:]) // Digest.Write never fails.
+		_, _ = d.Write(prompt[off : off+blockSize])
+		h = d.Sum64()
+		dst = append(dst, h)
+	}
+	return dst
+}

@@ -1,0 +1,110 @@
+package prefix
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"testing"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// text returns n bytes that differ from block to block, derived from tag.
+func text(tag string, n int) []byte {
+	var b bytes.Buffer
+	for i := 0; b.Len() < n; i++ {
+		fmt.Fprintf(&b, "%s-%d;", tag, i)
+	}
+	return b.Bytes()[:n]
+}
+
+func TestHashFollowsTheDocumentedChain(t *testing.T) {
+	// Both the stack path and the streaming path for blocks over 4096 bytes.
+	for _, bs := range []int{16, 4096, 5000} {
+		prompt := text("p", 3*bs)
+		got := Hash(nil, "llama", prompt, bs)
+		if len(got) != 3 {
+			t.Fatalf("block size %d: %d hashes, want 3", bs, len(got))
+		}
+		prev := xxhash.Sum64String("llama")
+		for i := range 3 {
+			buf := binary.LittleEndian.AppendUint64(nil, prev)
+			buf = append(buf, prompt[i*bs:(i+1)*bs]...)
+			prev = xxhash.Sum64(buf)
+			if got[i] != prev {
+				t.Fatalf("block size %d, block %d: got %x, want xxhash(h_prev ‖ block) = %x", bs, i, got[i], prev)
+			}
+		}
+	}
+}
+
+func TestHashCountsOnlyFullBlocks(t *testing.T) {
+	for _, n := range []int{0, 1, 63, 64, 65, 127, 128, 130} {
+		if got := len(Hash(nil, "m", text("x", n), 64)); got != n/64 {
+			t.Errorf("%d bytes: %d hashes, want %d", n, got, n/64)
+		}
+	}
+	if got := Hash(nil, "m", text("x", 640), 0); len(got) != 0 {
+		t.Errorf("block size 0: %d hashes, want none", len(got))
+	}
+}
+
+func TestHashChainsSoOnlyLeadingBlocksAgree(t *testing.T) {
+	a := text("a", 5*32)
+	b := bytes.Clone(a)
+	b[32+3] ^= 1 // differs inside block 1 only
+	ha, hb := Hash(nil, "m", a, 32), Hash(nil, "m", b, 32)
+	if ha[0] != hb[0] {
+		t.Errorf("block 0 is identical but hashes differ")
+	}
+	for i := 1; i < 5; i++ {
+		if ha[i] == hb[i] {
+			t.Errorf("block %d: hashes agree after an earlier block differed", i)
+		}
+	}
+
+	// The same content at two positions hashes differently.
+	same := bytes.Repeat([]byte("0123456789abcdef"), 2)
+	h := Hash(nil, "m", same, 16)
+	if h[0] == h[1] {
+		t.Errorf("identical blocks at different positions share a hash")
+	}
+}
+
+func TestHashIsSeededByModel(t *testing.T) {
+	p := text("p", 64)
+	if Hash(nil, "m1", p, 64)[0] == Hash(nil, "m2", p, 64)[0] {
+		t.Errorf("two models give the same block hash")
+	}
+}
+
+func TestHashAppendsWithoutAllocating(t *testing.T) {
+	p := text("p", 64*100)
+	dst := append(make([]uint64, 0, 101), 42)
+	out := Hash(dst, "m", p, 64)
+	if len(out) != 101 || out[0] != 42 {
+		t.Fatalf("Hash did not append to dst: len %d, first %d", len(out), out[0])
+	}
+	allocs := testing.AllocsPerRun(100, func() { _ = Hash(dst[:0], "m", p, 64) })
+	if allocs != 0 {
+		t.Errorf("Hash allocated %.1f times per call with enough capacity, want 0", allocs)
+	}
+}
+
+func BenchmarkHash(b *testing.B) {
+	for _, tokens := range []int{1_000, 8_000, 32_000} {
+		p := text("bench", tokens*4)
+		dst := make([]uint64, 0, len(p)/64)
+		b.Run(fmt.Sprintf("tokens=%dk", tokens/1000), func(b *testing.B) {
+			b.SetBytes(int64(len(p)))
+			b.ReportAllocs()
+			start, ok := processCPU()
+			for b.Loop() {
+				dst = Hash(dst[:0], "bench-model", p, 64)
+			}
+			if end, ok2 := processCPU(); ok && ok2 && end > start {
+				b.ReportMetric(float64(len(p))*float64(b.N)/1e6/(end-start).Seconds(), "cpu-MB/s")
+			}
+		})
+	}
+}

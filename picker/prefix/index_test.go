@@ -1,0 +1,292 @@
+package prefix
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"testing"
+)
+
+// blocks returns n distinct chained hashes of a prompt named tag.
+func blocks(tag string, n int) []uint64 { return Hash(nil, "m", text(tag, n*16), 16) }
+
+func match(x *Index, hashes []uint64, ids ...int) []int {
+	out := make([]int, len(ids))
+	x.Match(hashes, ids, out)
+	return out
+}
+
+func TestMatchCountsLeadingBlocksPerEndpoint(t *testing.T) {
+	x := NewIndex(1000)
+	a, b, c, d := x.Add(), x.Add(), x.Add(), x.Add()
+	p := blocks("p", 10)
+	x.Record(a, p)
+	x.Record(b, p[:4])
+	x.Record(d, p[2:]) // holds everything but the head: matches nothing
+
+	if got, want := match(x, p, a, b, c, d), []int{10, 4, 0, 0}; !slices.Equal(got, want) {
+		t.Errorf("match of the recorded prompt = %v, want %v", got, want)
+	}
+	// A prompt that shares the first 6 blocks with p, then diverges.
+	q := Hash(nil, "m", append(text("p", 6*16), text("q", 4*16)...), 16)
+	if got, want := match(x, q, d, c, b, a), []int{0, 0, 4, 6}; !slices.Equal(got, want) {
+		t.Errorf("match of a prompt diverging after 6 blocks = %v, want %v", got, want)
+	}
+	if got := match(x, nil, a, b); !slices.Equal(got, []int{0, 0}) {
+		t.Errorf("match of no blocks = %v, want zeros", got)
+	}
+	if got := match(x, p); len(got) != 0 {
+		t.Errorf("match with no candidates = %v", got)
+	}
+}
+
+func TestLRUEvictsPerEndpoint(t *testing.T) {
+	x := NewIndex(6)
+	e, other := x.Add(), x.Add()
+	pa, pb := blocks("a", 4), blocks("b", 4)
+	x.Record(other, pa)
+	x.Record(e, pa)
+	x.Record(e, pb) // 8 blocks on a capacity of 6: pa's two tail blocks go
+
+	if got := x.Len(e); got != 6 {
+		t.Errorf("endpoint holds %d blocks, want its capacity 6", got)
+	}
+	if got := match(x, pa, e, other); !slices.Equal(got, []int{2, 4}) {
+		t.Errorf("match of the older prompt = %v, want [2 4] (head kept on e, other untouched)", got)
+	}
+	if got := match(x, pb, e); got[0] != 4 {
+		t.Errorf("match of the newer prompt = %d, want 4", got[0])
+	}
+	if got := x.Blocks(); got != 8 {
+		t.Errorf("distinct blocks = %d, want 8 (pa held whole by other)", got)
+	}
+
+	// Touching pa again makes it recent: the next prompt evicts pb instead.
+	x.Record(e, pa[:2])
+	x.Record(e, blocks("c", 2))
+	if got := match(x, pa, e); got[0] != 2 {
+		t.Errorf("after touching, match of pa = %d, want 2", got[0])
+	}
+	if got := match(x, pb, e); got[0] != 2 {
+		t.Errorf("after touching pa, match of pb = %d, want 2 (its tail evicted)", got[0])
+	}
+}
+
+func TestRecordKeepsPromptHeadsWhenOverCapacity(t *testing.T) {
+	x := NewIndex(6)
+	e := x.Add()
+	p := blocks("long", 10)
+	x.Record(e, p)
+	if got := match(x, p, e); got[0] != 6 {
+		t.Errorf("a 10-block prompt on a 6-block endpoint matches %d blocks, want 6 (the head)", got[0])
+	}
+	if got := x.Blocks(); got != 6 {
+		t.Errorf("distinct blocks = %d, want 6 (evicted blocks leave the map)", got)
+	}
+}
+
+func TestRemoveDropsOnlyThatEndpoint(t *testing.T) {
+	x := NewIndex(100)
+	a, b := x.Add(), x.Add()
+	shared, own := blocks("s", 5), blocks("o", 5)
+	x.Record(a, shared)
+	x.Record(a, own)
+	x.Record(b, shared)
+
+	x.Remove(a)
+	x.Remove(a) // a second removal is a no-op
+	if got := x.Blocks(); got != 5 {
+		t.Errorf("distinct blocks after removing a = %d, want 5 (only b's)", got)
+	}
+	if got := match(x, shared, b); got[0] != 5 {
+		t.Errorf("b lost blocks when a was removed: match %d, want 5", got[0])
+	}
+}
+
+func TestRemovedIDIsReusedEmpty(t *testing.T) {
+	x := NewIndex(100)
+	a, b := x.Add(), x.Add()
+	p := blocks("p", 5)
+	x.Record(a, p)
+	x.Record(b, p)
+	x.Remove(a)
+
+	again := x.Add()
+	if again != a {
+		t.Fatalf("Add after Remove(%d) returned %d, want the freed id", a, again)
+	}
+	if x.Len(again) != 0 {
+		t.Errorf("reused id holds %d blocks, want 0", x.Len(again))
+	}
+	if got := match(x, p, again, b); !slices.Equal(got, []int{0, 5}) {
+		t.Errorf("match after reuse = %v, want [0 5]", got)
+	}
+	if x.Add() != 2 {
+		t.Errorf("with no free id, Add should hand out the next one")
+	}
+}
+
+func TestForgetDropsOnlyTheNamedBlocks(t *testing.T) {
+	x := NewIndex(100)
+	a, b := x.Add(), x.Add()
+	p := blocks("p", 6)
+	x.Record(a, p)
+	x.Record(b, p)
+	x.Forget(a, p[3:])
+	x.Forget(a, blocks("unknown", 3))
+	if got := match(x, p, a, b); !slices.Equal(got, []int{3, 6}) {
+		t.Errorf("after forgetting a's last 3 blocks, match = %v, want [3 6]", got)
+	}
+	if x.Len(a) != 3 {
+		t.Errorf("a holds %d blocks, want 3", x.Len(a))
+	}
+}
+
+func TestManyEndpointsWidenTheBitsets(t *testing.T) {
+	x := NewIndex(100)
+	p := blocks("p", 40)
+	var ids, want []int
+	for i := range 150 {
+		id := x.Add()
+		x.Record(id, p[:i%41])
+		ids = append(ids, id)
+		want = append(want, i%41)
+	}
+	if got := match(x, p, ids...); !slices.Equal(got, want) {
+		t.Errorf("match across 150 endpoints:\n got %v\nwant %v", got, want)
+	}
+}
+
+// model is a plain reference implementation of the Index semantics.
+type model struct {
+	capacity int
+	eps      map[int][]uint64 // most recently used first
+}
+
+func (m *model) record(id int, hashes []uint64) {
+	for i := len(hashes) - 1; i >= 0; i-- {
+		l := m.eps[id]
+		if j := slices.Index(l, hashes[i]); j >= 0 {
+			l = slices.Delete(l, j, j+1)
+		} else if len(l) >= m.capacity {
+			l = l[:len(l)-1]
+		}
+		m.eps[id] = slices.Insert(l, 0, hashes[i])
+	}
+}
+
+func (m *model) forget(id int, hashes []uint64) {
+	m.eps[id] = slices.DeleteFunc(m.eps[id], func(h uint64) bool { return slices.Contains(hashes, h) })
+}
+
+func (m *model) match(id int, hashes []uint64) int {
+	n := 0
+	for n < len(hashes) && slices.Contains(m.eps[id], hashes[n]) {
+		n++
+	}
+	return n
+}
+
+func (m *model) blocks() int {
+	seen := map[uint64]bool{}
+	for _, l := range m.eps {
+		for _, h := range l {
+			seen[h] = true
+		}
+	}
+	return len(seen)
+}
+
+// TestIndexAgreesWithAReferenceModel runs random operations on an Index and
+// on the reference model and compares them after each. A Match precedes
+// every step, so Record often runs with hints from another prompt; the small
+// capacity makes prompts longer than an endpoint's LRU.
+func TestIndexAgreesWithAReferenceModel(t *testing.T) {
+	for _, capacity := range []int{5, 20} {
+		t.Run(fmt.Sprint("capacity=", capacity), func(t *testing.T) { testAgainstModel(t, capacity) })
+	}
+}
+
+func testAgainstModel(t *testing.T, capacity int) {
+	rng := rand.New(rand.NewPCG(7, uint64(capacity)))
+	// Prompts sharing prefixes of various lengths, so blocks are shared.
+	var prompts [][]uint64
+	for i := range 12 {
+		base := text(fmt.Sprint("base", i%3), (i%5)*16)
+		prompts = append(prompts, Hash(nil, "m", append(base, text(fmt.Sprint("tail", i), 8*16)...), 16))
+	}
+	x := NewIndex(capacity)
+	ref := &model{capacity: capacity, eps: map[int][]uint64{}}
+	live := []int{}
+	for step := range 5000 {
+		switch op := rng.IntN(10); {
+		case op == 0 || len(live) == 0:
+			id := x.Add()
+			if _, taken := ref.eps[id]; taken {
+				t.Fatalf("step %d: Add returned %d, which is in use", step, id)
+			}
+			ref.eps[id] = nil
+			live = append(live, id)
+		case op == 1 && len(live) > 1:
+			j := rng.IntN(len(live))
+			x.Remove(live[j])
+			delete(ref.eps, live[j])
+			live = slices.Delete(live, j, j+1)
+		case op == 2:
+			id, p := live[rng.IntN(len(live))], prompts[rng.IntN(len(prompts))]
+			lo := rng.IntN(len(p))
+			x.Forget(id, p[lo:])
+			ref.forget(id, p[lo:])
+		default:
+			id, p := live[rng.IntN(len(live))], prompts[rng.IntN(len(prompts))]
+			p = p[:rng.IntN(len(p)+1)]
+			x.Record(id, p)
+			ref.record(id, p)
+		}
+		q := prompts[rng.IntN(len(prompts))]
+		got := match(x, q, live...)
+		for i, id := range live {
+			if want := ref.match(id, q); got[i] != want {
+				t.Fatalf("step %d: endpoint %d matches %d blocks, reference %d", step, id, got[i], want)
+			}
+			if got := lruOrder(x, id); !slices.Equal(got, ref.eps[id]) {
+				t.Fatalf("step %d: endpoint %d LRU order\n got %x\nwant %x", step, id, got, ref.eps[id])
+			}
+		}
+		if x.Blocks() != ref.blocks() {
+			t.Fatalf("step %d: %d distinct blocks, reference %d", step, x.Blocks(), ref.blocks())
+		}
+	}
+}
+
+// lruOrder lists the blocks of id, most recently used first, walking the
+// list both ways to check its links.
+func lruOrder(x *Index, id int) []uint64 {
+	var fwd, back []uint64
+	for n := x.eps[id].head; n != none; n = x.node(n).next {
+		fwd = append(fwd, x.slot(x.node(n).slot).hash)
+	}
+	for n := x.eps[id].tail; n != none; n = x.node(n).prev {
+		back = append(back, x.slot(x.node(n).slot).hash)
+	}
+	slices.Reverse(back)
+	if !slices.Equal(fwd, back) || len(fwd) != x.Len(id) {
+		panic("LRU list links disagree")
+	}
+	return fwd
+}
+
+func TestTouchingKnownBlocksDoesNotAllocate(t *testing.T) {
+	x := NewIndex(1000)
+	ids := []int{x.Add(), x.Add(), x.Add()}
+	p := blocks("p", 200)
+	x.Record(ids[1], p)
+	out := make([]int, len(ids))
+	allocs := testing.AllocsPerRun(100, func() {
+		x.Match(p, ids, out)
+		x.Record(ids[1], p)
+	})
+	if allocs != 0 {
+		t.Errorf("Match+Record of known blocks allocated %.1f times, want 0", allocs)
+	}
+}

@@ -1,0 +1,664 @@
+// Package engine models one vLLM engine (v1 scheduler) in discrete scheduler
+// steps. The model-server simulator runs it in real time; a routing simulation
+// can run many of them in virtual time, thousands of requests in milliseconds.
+//
+// The engine has no goroutines and reads no clock: the caller owns time and
+// moves it forward. It is not safe for concurrent use; guard it with a mutex.
+//
+//	e, err := engine.New(engine.DefaultConfig())
+//	err = e.Add(engine.Request{ID: "r1", PromptTokens: 4096, OutputTokens: 64, BlockHashes: hashes})
+//	d, events := e.Step()            // run the next scheduler step; d is how far the clock moved
+//	events = e.AdvanceTo(t)          // or run every step that ends by t; then Now() == t
+//	next, ok := e.NextEventAt()      // when the next step ends (ok is false when idle)
+//	ok = e.Cancel("r1")              // the client went away: free its blocks
+//	st := e.Stats()                  // gauges and counters, the source of /metrics
+//
+// Time: the clock (Now) starts at 0. A step is scheduled when it starts: the
+// requests and token counts it runs are fixed then, and its events (tokens,
+// completions) are stamped with the time it ends. A request added while a step
+// runs waits for the next step, as in vLLM. AdvanceTo(t) completes the steps
+// that end by t, starts steps only at times before t, and leaves the clock at
+// t, possibly in the middle of a step; Add then stamps arrival at t. A routing
+// simulation therefore advances each engine to the next arrival time, adds the
+// request there and asks NextEventAt for the earliest next event.
+//
+// Step duration: StepBaseDuration + PrefillDurationPerToken x prefill tokens
+// scheduled in the step + DecodeDurationPerSequence x sequences decoding in
+// it. Each step has a budget of StepBudgetTokens: running requests first (one
+// token per decoding sequence, a chunk of the rest of each prompt), then
+// waiting requests in FIFO order while fewer than MaxRunningRequests run and
+// the head of the queue fits in the KV cache. The step that finishes a
+// prompt's prefill produces its first output token; every later step produces
+// one token per decoding sequence until OutputTokens.
+//
+// KV cache: KVBlocks blocks of BlockSizeTokens tokens. At admission a request
+// takes the blocks for its whole prompt and output, so a running request never
+// runs out and is never preempted (vLLM would allocate as it goes and preempt
+// when short). Prompt blocks are named by the chained hashes the caller gives
+// (Request.BlockHashes); a block's hash is registered when the step that
+// schedules its last token starts. The leading blocks already cached are
+// reused and not prefilled again, at most up to the prompt's last token, which
+// is always computed. Freed blocks that hold a hash stay cached and are
+// evicted least recently used first, a request's last blocks before its first.
+//
+// Invariant: every block is in exactly one place: the free list, held by
+// running requests (ref > 0), or cached and unreferenced on the LRU list; a
+// request's blocks are taken at admission and given back exactly once, when
+// it finishes or is cancelled. Stats are read from that state, never counted
+// beside it.
+package engine
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+	"time"
+)
+
+// Defaults, fitted to vLLM 0.8.4 serving an 8B model on one H100.
+const (
+	// DefaultKVBlocks is about what an 8B model (128 KiB of KV per token)
+	// leaves for the cache on one 80 GB GPU at 90% memory use: 400,000 tokens.
+	DefaultKVBlocks                  = 25_000
+	DefaultBlockSizeTokens           = 16
+	DefaultMaxRunningRequests        = 256
+	DefaultStepBudgetTokens          = 8192
+	DefaultStepBaseDuration          = 6500 * time.Microsecond
+	DefaultPrefillDurationPerToken   = 19800 * time.Nanosecond
+	DefaultDecodeDurationPerSequence = 25 * time.Microsecond
+)
+
+// Config sizes the engine and sets its latency model.
+type Config struct {
+	// KVBlocks is the number of blocks in the KV cache.
+	KVBlocks int
+	// BlockSizeTokens is how many tokens one block holds.
+	BlockSizeTokens int
+	// MaxRunningRequests bounds the requests admitted at once; the rest wait.
+	MaxRunningRequests int
+	// StepBudgetTokens bounds the tokens one step schedules (chunked prefill).
+	StepBudgetTokens int
+	// StepBaseDuration is the cost of a step regardless of its tokens.
+	StepBaseDuration time.Duration
+	// PrefillDurationPerToken is added per prefill token scheduled in a step.
+	PrefillDurationPerToken time.Duration
+	// DecodeDurationPerSequence is added per sequence decoding in a step.
+	DecodeDurationPerSequence time.Duration
+}
+
+// DefaultConfig returns the configuration of the latency model described in
+// the package doc.
+func DefaultConfig() Config {
+	return Config{
+		KVBlocks:                  DefaultKVBlocks,
+		BlockSizeTokens:           DefaultBlockSizeTokens,
+		MaxRunningRequests:        DefaultMaxRunningRequests,
+		StepBudgetTokens:          DefaultStepBudgetTokens,
+		StepBaseDuration:          DefaultStepBaseDuration,
+		PrefillDurationPerToken:   DefaultPrefillDurationPerToken,
+		DecodeDurationPerSequence: DefaultDecodeDurationPerSequence,
+	}
+}
+
+// Validate reports every invalid field, naming it and what it accepts.
+func (c Config) Validate() error {
+	var errs []error
+	bad := func(field string, got any, accepted string) {
+		errs = append(errs, fmt.Errorf("engine config: %s: %v is invalid: %s", field, got, accepted))
+	}
+	if c.KVBlocks < 1 || c.KVBlocks > math.MaxInt32 {
+		bad("KVBlocks", c.KVBlocks, fmt.Sprintf("must be from 1 to %d", math.MaxInt32))
+	}
+	if c.BlockSizeTokens < 1 || c.BlockSizeTokens > 1024 {
+		bad("BlockSizeTokens", c.BlockSizeTokens, "must be from 1 to 1024")
+	}
+	if c.MaxRunningRequests < 1 {
+		bad("MaxRunningRequests", c.MaxRunningRequests, "must be 1 or more")
+	}
+	if c.StepBudgetTokens < 1 {
+		bad("StepBudgetTokens", c.StepBudgetTokens, "must be 1 or more")
+	}
+	// A positive base keeps the clock moving with every step.
+	if c.StepBaseDuration <= 0 {
+		bad("StepBaseDuration", c.StepBaseDuration, "must be positive")
+	}
+	if c.PrefillDurationPerToken < 0 {
+		bad("PrefillDurationPerToken", c.PrefillDurationPerToken, "must be 0 or more")
+	}
+	if c.DecodeDurationPerSequence < 0 {
+		bad("DecodeDurationPerSequence", c.DecodeDurationPerSequence, "must be 0 or more")
+	}
+	return errors.Join(errs...)
+}
+
+// Request is one generation request.
+type Request struct {
+	// ID names the request in events and in Cancel; unique among the
+	// requests the engine holds.
+	ID string
+	// PromptTokens is the prompt length, 1 or more.
+	PromptTokens int
+	// OutputTokens is how many tokens to generate, 1 or more.
+	OutputTokens int
+	// BlockHashes names the prompt's blocks of BlockSizeTokens tokens, in
+	// order, each hash covering its block and every block before it (a
+	// chain), so equal hashes mean equal prefixes. At most one per block of
+	// the prompt (a last, partial block may have one); fewer is fine. The
+	// engine keeps the slice: do not modify it afterwards.
+	BlockHashes []uint64
+}
+
+// EventKind says what happened to a request.
+type EventKind uint8
+
+const (
+	// FirstToken: the prompt is prefilled and the first output token produced.
+	FirstToken EventKind = iota + 1
+	// Token: one more output token after the first.
+	Token
+	// Finished: the last output token was produced (it has its own event
+	// just before); the request has left the engine.
+	Finished
+)
+
+func (k EventKind) String() string {
+	switch k {
+	case FirstToken:
+		return "FirstToken"
+	case Token:
+		return "Token"
+	case Finished:
+		return "Finished"
+	}
+	return fmt.Sprintf("EventKind(%d)", uint8(k))
+}
+
+// Event is something that happened to a request at the end of a step.
+type Event struct {
+	Kind EventKind
+	ID   string
+	// At is when the step that produced the event ended.
+	At time.Duration
+	// Arrived is when the request was added: At-Arrived of FirstToken is
+	// the time to first token.
+	Arrived time.Duration
+	// OutputTokens is the number of output tokens produced so far.
+	OutputTokens int
+	// CachedTokens is the number of prompt tokens found in the prefix cache.
+	CachedTokens int
+}
+
+// Stats are the engine's gauges and counters, read from its state.
+type Stats struct {
+	Now             time.Duration
+	RunningRequests int
+	WaitingRequests int
+	// KVBlocks is the cache size; KVBlocksInUse are held by running
+	// requests; KVBlocksCached hold a reusable prefix but no request (they
+	// are evictable); the rest are free.
+	KVBlocks       int
+	KVBlocksInUse  int
+	KVBlocksCached int
+	// PrefixQueryTokens and PrefixHitTokens count, over admitted requests,
+	// prompt tokens looked up in the prefix cache and found there.
+	PrefixQueryTokens int64
+	PrefixHitTokens   int64
+	// FinishedRequests produced all their output; AbortedRequests were
+	// cancelled, waiting or running.
+	FinishedRequests int64
+	AbortedRequests  int64
+	Steps            int64
+	// PrefillTokens were computed (not found in the cache); OutputTokens
+	// were generated.
+	PrefillTokens int64
+	OutputTokens  int64
+	Evictions     int64
+	// BusyTime is the total duration of the steps started so far.
+	BusyTime time.Duration
+}
+
+// KVCacheUsage is the fraction of blocks held by running requests, as vLLM's
+// kv_cache_usage_perc reports it (cached unreferenced blocks count as free).
+func (s Stats) KVCacheUsage() float64 {
+	if s.KVBlocks == 0 {
+		return 0
+	}
+	return float64(s.KVBlocksInUse) / float64(s.KVBlocks)
+}
+
+const noBlock int32 = -1
+
+type block struct {
+	hash   uint64
+	hashed bool // hash is registered in Engine.byHash for this block
+	ref    int32
+	// LRU links, meaningful while hashed && ref == 0.
+	prev, next int32
+}
+
+type requestState uint8
+
+const (
+	waiting requestState = iota
+	running
+	gone // finished or cancelled
+)
+
+type request struct {
+	Request
+	state     requestState
+	arrived   time.Duration
+	blocks    []int32 // prompt blocks first, then output blocks
+	cached    int     // prompt tokens found in the prefix cache
+	computed  int     // prompt tokens scheduled for prefill, cached ones included
+	hashed    int     // leading prompt blocks whose hash is registered
+	generated int
+}
+
+type scheduled struct {
+	r       *request
+	prefill int // prompt tokens in this step; 0 means a decode
+}
+
+// Engine is one simulated vLLM engine. Create it with New.
+type Engine struct {
+	cfg Config
+	now time.Duration
+
+	blocks           []block
+	free             []int32
+	lruHead, lruTail int32 // least recently used at the head
+	lruLen           int
+	byHash           map[uint64]int32
+
+	requests map[string]*request
+	waiting  []*request // FIFO
+	running  []*request // in admission order
+
+	inFlight bool
+	stepEnd  time.Duration
+	plan     []scheduled
+	events   []Event
+
+	stats Stats // counters only; gauges are computed in Stats
+}
+
+// New returns an idle engine with an empty cache at time 0.
+func New(cfg Config) (*Engine, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	e := &Engine{
+		cfg:      cfg,
+		blocks:   make([]block, cfg.KVBlocks),
+		free:     make([]int32, cfg.KVBlocks),
+		lruHead:  noBlock,
+		lruTail:  noBlock,
+		byHash:   make(map[uint64]int32),
+		requests: make(map[string]*request),
+	}
+	// Pop order from the end: block 0 first.
+	for i := range e.free {
+		e.free[i] = int32(cfg.KVBlocks - 1 - i)
+	}
+	return e, nil
+}
+
+// Config returns the configuration the engine was created with.
+func (e *Engine) Config() Config { return e.cfg }
+
+// Now is the engine's clock.
+func (e *Engine) Now() time.Duration { return e.now }
+
+// Busy reports whether the engine holds requests or a step is running.
+func (e *Engine) Busy() bool { return e.inFlight || e.hasWork() }
+
+func (e *Engine) hasWork() bool { return len(e.running) > 0 || len(e.waiting) > 0 }
+
+// BlocksNeeded is how many KV blocks a request of that many prompt and
+// output tokens takes at admission.
+func (e *Engine) BlocksNeeded(promptTokens, outputTokens int) int {
+	b := e.cfg.BlockSizeTokens
+	return (promptTokens + outputTokens + b - 1) / b
+}
+
+// Add queues a request, arriving at Now. It fails, naming the field at
+// fault, when the request is malformed, its ID is in use, or it needs more
+// blocks than the whole cache holds (it could never run).
+func (e *Engine) Add(r Request) error {
+	switch {
+	case r.ID == "":
+		return errors.New("engine: request ID is empty")
+	case e.requests[r.ID] != nil:
+		return fmt.Errorf("engine: request ID %q is already in use", r.ID)
+	case r.PromptTokens < 1:
+		return fmt.Errorf("engine: request %q: PromptTokens %d is invalid: must be 1 or more", r.ID, r.PromptTokens)
+	case r.OutputTokens < 1:
+		return fmt.Errorf("engine: request %q: OutputTokens %d is invalid: must be 1 or more", r.ID, r.OutputTokens)
+	}
+	promptBlocks := (r.PromptTokens + e.cfg.BlockSizeTokens - 1) / e.cfg.BlockSizeTokens
+	if len(r.BlockHashes) > promptBlocks {
+		return fmt.Errorf("engine: request %q: %d BlockHashes for %d prompt tokens: at most %d (one per block of %d tokens)",
+			r.ID, len(r.BlockHashes), r.PromptTokens, promptBlocks, e.cfg.BlockSizeTokens)
+	}
+	if need := e.BlocksNeeded(r.PromptTokens, r.OutputTokens); need > e.cfg.KVBlocks {
+		return fmt.Errorf("engine: request %q: %d prompt + %d output tokens need %d KV blocks; the cache holds %d (%d tokens)",
+			r.ID, r.PromptTokens, r.OutputTokens, need, e.cfg.KVBlocks, e.cfg.KVBlocks*e.cfg.BlockSizeTokens)
+	}
+	req := &request{Request: r, state: waiting, arrived: e.now}
+	e.requests[r.ID] = req
+	e.waiting = append(e.waiting, req)
+	return nil
+}
+
+// Cancel removes a waiting or running request and frees its blocks; its
+// events in a step already running are dropped. It reports whether the
+// engine held the request.
+func (e *Engine) Cancel(id string) bool {
+	r := e.requests[id]
+	if r == nil {
+		return false
+	}
+	switch r.state {
+	case waiting:
+		e.waiting = slices.DeleteFunc(e.waiting, func(w *request) bool { return w == r })
+	case running:
+		e.release(r)
+		e.running = slices.DeleteFunc(e.running, func(w *request) bool { return w == r })
+	}
+	r.state = gone
+	delete(e.requests, id)
+	e.stats.AbortedRequests++
+	return true
+}
+
+// Step runs the engine to the end of its next step: the one running, or a
+// new one starting at Now. It returns how far the clock moved (0 when there
+// is nothing to do) and the step's events. The events slice is reused by the
+// next call of Step or AdvanceTo.
+func (e *Engine) Step() (time.Duration, []Event) {
+	e.events = e.events[:0]
+	start := e.now
+	if !e.inFlight {
+		if !e.hasWork() {
+			return 0, e.events
+		}
+		e.startStep()
+	}
+	e.now = e.stepEnd
+	e.finishStep()
+	return e.now - start, e.events
+}
+
+// AdvanceTo runs every step that ends by t, starting new ones only before t,
+// and sets the clock to t (a t before Now changes nothing). It returns the
+// events of the steps it completed, in order; the slice is reused by the next
+// call of Step or AdvanceTo.
+func (e *Engine) AdvanceTo(t time.Duration) []Event {
+	e.events = e.events[:0]
+	for {
+		if e.inFlight {
+			if e.stepEnd > t {
+				break
+			}
+			e.now = e.stepEnd
+			e.finishStep()
+			continue
+		}
+		if e.now >= t || !e.hasWork() {
+			break
+		}
+		e.startStep()
+	}
+	if t > e.now {
+		e.now = t
+	}
+	return e.events
+}
+
+// NextEventAt returns when the running step ends, or Now when requests wait
+// for a step to start; ok is false when the engine is idle.
+func (e *Engine) NextEventAt() (at time.Duration, ok bool) {
+	if e.inFlight {
+		return e.stepEnd, true
+	}
+	if e.hasWork() {
+		return e.now, true
+	}
+	return 0, false
+}
+
+// Stats returns the engine's gauges and counters.
+func (e *Engine) Stats() Stats {
+	s := e.stats
+	s.Now = e.now
+	s.RunningRequests = len(e.running)
+	s.WaitingRequests = len(e.waiting)
+	s.KVBlocks = e.cfg.KVBlocks
+	s.KVBlocksCached = e.lruLen
+	s.KVBlocksInUse = e.cfg.KVBlocks - len(e.free) - e.lruLen
+	return s
+}
+
+// startStep schedules a step at Now: running requests first, then admits
+// waiting ones in FIFO order.
+func (e *Engine) startStep() {
+	budget := e.cfg.StepBudgetTokens
+	prefillTokens, decodes := 0, 0
+	e.plan = e.plan[:0]
+	for _, r := range e.running {
+		if budget == 0 {
+			break
+		}
+		if r.computed < r.PromptTokens {
+			n := min(r.PromptTokens-r.computed, budget)
+			e.schedulePrefill(r, n)
+			budget -= n
+			prefillTokens += n
+			continue
+		}
+		e.plan = append(e.plan, scheduled{r: r})
+		budget--
+		decodes++
+	}
+	for len(e.waiting) > 0 && len(e.running) < e.cfg.MaxRunningRequests && budget > 0 {
+		r := e.waiting[0]
+		if !e.admit(r) {
+			break // first come, first served: nobody overtakes the head
+		}
+		e.waiting[0] = nil
+		e.waiting = e.waiting[1:]
+		e.running = append(e.running, r)
+		n := min(r.PromptTokens-r.computed, budget)
+		e.schedulePrefill(r, n)
+		budget -= n
+		prefillTokens += n
+	}
+	d := e.cfg.StepBaseDuration +
+		time.Duration(prefillTokens)*e.cfg.PrefillDurationPerToken +
+		time.Duration(decodes)*e.cfg.DecodeDurationPerSequence
+	e.inFlight = true
+	e.stepEnd = e.now + d
+	e.stats.Steps++
+	e.stats.BusyTime += d
+	e.stats.PrefillTokens += int64(prefillTokens)
+}
+
+// admit gives r its blocks, reusing its cached prefix, if the cache can
+// hold it now.
+func (e *Engine) admit(r *request) bool {
+	bs := e.cfg.BlockSizeTokens
+	// The last prompt token is always computed: its logits give the first
+	// output token.
+	maxHit := min(len(r.BlockHashes), (r.PromptTokens-1)/bs)
+	hits, hitsEvictable := 0, 0
+	for hits < maxHit {
+		idx, ok := e.byHash[r.BlockHashes[hits]]
+		if !ok {
+			break
+		}
+		if e.blocks[idx].ref == 0 {
+			hitsEvictable++
+		}
+		hits++
+	}
+	need := e.BlocksNeeded(r.PromptTokens, r.OutputTokens)
+	if need-hits > len(e.free)+e.lruLen-hitsEvictable {
+		return false
+	}
+	r.blocks = make([]int32, 0, need)
+	for i := range hits {
+		idx := e.byHash[r.BlockHashes[i]]
+		b := &e.blocks[idx]
+		if b.ref == 0 {
+			e.lruRemove(idx)
+		}
+		b.ref++
+		r.blocks = append(r.blocks, idx)
+	}
+	for len(r.blocks) < need {
+		r.blocks = append(r.blocks, e.allocate())
+	}
+	r.state = running
+	r.cached = hits * bs
+	r.computed = r.cached
+	r.hashed = hits
+	e.stats.PrefixQueryTokens += int64(r.PromptTokens)
+	e.stats.PrefixHitTokens += int64(r.cached)
+	return true
+}
+
+// schedulePrefill schedules the next n prompt tokens of r and registers the
+// hashes of the blocks they complete, so that requests admitted from now on
+// reuse them (vLLM caches a block when it is scheduled full).
+func (e *Engine) schedulePrefill(r *request, n int) {
+	e.plan = append(e.plan, scheduled{r: r, prefill: n})
+	r.computed += n
+	bs := e.cfg.BlockSizeTokens
+	for r.hashed < len(r.BlockHashes) && min((r.hashed+1)*bs, r.PromptTokens) <= r.computed {
+		h := r.BlockHashes[r.hashed]
+		if _, taken := e.byHash[h]; !taken {
+			idx := r.blocks[r.hashed]
+			e.byHash[h] = idx
+			e.blocks[idx].hash = h
+			e.blocks[idx].hashed = true
+		}
+		r.hashed++
+	}
+}
+
+// finishStep produces the tokens of the step that ends at Now.
+func (e *Engine) finishStep() {
+	e.inFlight = false
+	finished := false
+	for _, p := range e.plan {
+		r := p.r
+		if r.state != running {
+			continue // cancelled during the step
+		}
+		switch {
+		case p.prefill == 0:
+			r.generated++
+			e.emit(Token, r)
+		case r.computed == r.PromptTokens:
+			r.generated = 1
+			e.emit(FirstToken, r)
+		default:
+			continue // a chunk of a longer prompt
+		}
+		e.stats.OutputTokens++
+		if r.generated == r.OutputTokens {
+			e.emit(Finished, r)
+			e.release(r)
+			r.state = gone
+			delete(e.requests, r.ID)
+			e.stats.FinishedRequests++
+			finished = true
+		}
+	}
+	clear(e.plan) // drop references to finished requests
+	e.plan = e.plan[:0]
+	if finished {
+		e.running = slices.DeleteFunc(e.running, func(r *request) bool { return r.state == gone })
+	}
+}
+
+func (e *Engine) emit(kind EventKind, r *request) {
+	e.events = append(e.events, Event{
+		Kind:         kind,
+		ID:           r.ID,
+		At:           e.now,
+		Arrived:      r.arrived,
+		OutputTokens: r.generated,
+		CachedTokens: r.cached,
+	})
+}
+
+// release gives back r's blocks, last first, so that a prompt's tail is
+// evicted before its head (the head is the part other prompts share).
+func (e *Engine) release(r *request) {
+	for i := len(r.blocks) - 1; i >= 0; i-- {
+		idx := r.blocks[i]
+		b := &e.blocks[idx]
+		b.ref--
+		if b.ref > 0 {
+			continue
+		}
+		if b.hashed {
+			e.lruPushTail(idx)
+		} else {
+			e.free = append(e.free, idx)
+		}
+	}
+	r.blocks = nil
+}
+
+// allocate takes a free block, or evicts the least recently used cached one.
+func (e *Engine) allocate() int32 {
+	var idx int32
+	if n := len(e.free); n > 0 {
+		idx = e.free[n-1]
+		e.free = e.free[:n-1]
+	} else {
+		idx = e.lruHead
+		if idx == noBlock {
+			panic("engine: no block to allocate; admit checked there was one")
+		}
+		e.lruRemove(idx)
+		b := &e.blocks[idx]
+		delete(e.byHash, b.hash)
+		b.hashed = false
+		e.stats.Evictions++
+	}
+	e.blocks[idx].ref = 1
+	return idx
+}
+
+func (e *Engine) lruPushTail(idx int32) {
+	b := &e.blocks[idx]
+	b.prev, b.next = e.lruTail, noBlock
+	if e.lruTail != noBlock {
+		e.blocks[e.lruTail].next = idx
+	} else {
+		e.lruHead = idx
+	}
+	e.lruTail = idx
+	e.lruLen++
+}
+
+func (e *Engine) lruRemove(idx int32) {
+	b := &e.blocks[idx]
+	if b.prev != noBlock {
+		e.blocks[b.prev].next = b.next
+	} else {
+		e.lruHead = b.next
+	}
+	if b.next != noBlock {
+		e.blocks[b.next].prev = b.prev
+	} else {
+		e.lruTail = b.prev
+	}
+	b.prev, b.next = noBlock, noBlock
+	e.lruLen--
+}

@@ -1,0 +1,79 @@
+package server
+
+import (
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// engineLabel is the value of the engine label: vLLM numbers its engines
+// from 0 and a simulator runs one.
+const engineLabel = "0"
+
+func commonLabels(model string) prometheus.Labels {
+	return prometheus.Labels{"model_name": model, "engine": engineLabel}
+}
+
+func newTTFTHistogram(model string) prometheus.Histogram {
+	return prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "vllm:time_to_first_token_seconds",
+		Help: "Histogram of time to first token in seconds (engine time).",
+		// vLLM v1's buckets.
+		Buckets: []float64{
+			0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+			1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+		},
+		ConstLabels: commonLabels(model),
+	})
+}
+
+// collector reads the engine's gauges and counters at scrape time, all from
+// one snapshot, so they agree with each other and with the engine's state.
+type collector struct {
+	s                                                    *Server
+	running, waiting, usage, queries, hits, info, finish *prometheus.Desc
+}
+
+func newCollector(s *Server) *collector {
+	l := commonLabels(s.cfg.Model)
+	info := commonLabels(s.cfg.Model)
+	info["block_size"] = strconv.Itoa(s.cfg.Engine.BlockSizeTokens)
+	info["num_gpu_blocks"] = strconv.Itoa(s.cfg.Engine.KVBlocks)
+	return &collector{
+		s:       s,
+		running: prometheus.NewDesc("vllm:num_requests_running", "Number of requests in model execution batches.", nil, l),
+		waiting: prometheus.NewDesc("vllm:num_requests_waiting", "Number of requests waiting to be processed.", nil, l),
+		usage:   prometheus.NewDesc("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", nil, l),
+		queries: prometheus.NewDesc("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.", nil, l),
+		hits:    prometheus.NewDesc("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", nil, l),
+		info:    prometheus.NewDesc("vllm:cache_config_info", "Information of the KV cache configuration.", nil, info),
+		finish:  prometheus.NewDesc("vllm:request_success_total", "Count of successfully processed requests.", []string{"finished_reason"}, l),
+	}
+}
+
+func (c *collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.running, c.waiting, c.usage, c.queries, c.hits, c.info, c.finish} {
+		ch <- d
+	}
+}
+
+func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	st := c.s.Stats()
+	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+	}
+	counter := func(d *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, labels...)
+	}
+	gauge(c.running, float64(st.RunningRequests))
+	gauge(c.waiting, float64(st.WaitingRequests))
+	gauge(c.usage, st.KVCacheUsage())
+	gauge(c.info, 1)
+	counter(c.queries, float64(st.PrefixQueryTokens))
+	counter(c.hits, float64(st.PrefixHitTokens))
+	// The simulator never stops early ("stop"): it always generates the
+	// requested length. Aborted requests were cancelled by their client.
+	counter(c.finish, 0, "stop")
+	counter(c.finish, float64(st.FinishedRequests), "length")
+	counter(c.finish, float64(st.AbortedRequests), "abort")
+}

@@ -1,0 +1,337 @@
+// Package server serves one simulated vLLM engine (package engine) over HTTP
+// in real time, for tests and demos of the picker: the OpenAI completions and
+// chat completions APIs (streaming and not), GET /v1/models, GET /health and
+// GET /metrics with vLLM v1's metric names.
+//
+//	srv, err := server.New(server.DefaultConfig())
+//	defer srv.Close()
+//	http.Serve(listener, srv)
+//
+// Prompts become tokens the way the picker estimates them (bytes of text /
+// CharsPerToken), and their blocks of BlockSizeTokens x CharsPerToken bytes
+// become the chained hashes the engine's prefix cache matches, so requests
+// that share leading text share cached blocks. Token-id prompts count one
+// token per id and hash blocks of ids.
+//
+// One goroutine drives the engine: it runs the engine's virtual clock at
+// TimeScale times the wall clock, sleeping until the next step ends while
+// there is work and waiting for a request when there is none. Times the
+// engine reports (the time-to-first-token histogram) are virtual: what a real
+// engine would measure. Fault injection (AddedLatency, ErrorRate, HangRate)
+// happens in wall time, before the request reaches the engine.
+//
+// Invariant: the engine is touched only under Server.mu, and every request
+// added to it leaves exactly once: it finishes, or its handler cancels it
+// when the client goes away.
+package server
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/tallyepp/tally/test/modelsim/engine"
+)
+
+// Defaults of the fields that are not the engine's.
+const (
+	DefaultModel         = "sim-model"
+	DefaultCharsPerToken = 4
+	// DefaultMaxTokens is the output length when a request names none.
+	DefaultMaxTokens = 16
+	// MaxTimeScale keeps virtual nanoseconds within int64 for over 100 days.
+	MaxTimeScale = 1000
+	// maxRequestBytes bounds a request body.
+	maxRequestBytes = 64 << 20
+)
+
+// Config configures a Server.
+type Config struct {
+	// Model is the served model name; requests naming another get 404.
+	Model  string
+	Engine engine.Config
+	// CharsPerToken turns prompt bytes into tokens (and tokens into
+	// generated text).
+	CharsPerToken int
+	// TimeScale is how many times faster than the wall clock the engine
+	// runs: 10 makes a 65 ms step take 6.5 ms.
+	TimeScale float64
+	// AddedLatency delays every completion request (wall time) before it
+	// reaches the engine, so before its first byte.
+	AddedLatency time.Duration
+	// ErrorRate is the fraction of completion requests answered 500.
+	ErrorRate float64
+	// HangRate is the fraction of completion requests never answered: they
+	// wait until the client goes away (or the server closes).
+	HangRate float64
+	// Seed seeds the draws of ErrorRate and HangRate.
+	Seed uint64
+}
+
+// DefaultConfig returns a configuration with the engine's default latency
+// model, running in real time, without faults.
+func DefaultConfig() Config {
+	return Config{
+		Model:         DefaultModel,
+		Engine:        engine.DefaultConfig(),
+		CharsPerToken: DefaultCharsPerToken,
+		TimeScale:     1,
+	}
+}
+
+// Validate reports every invalid field, naming it and what it accepts.
+func (c Config) Validate() error {
+	var errs []error
+	bad := func(field string, got any, accepted string) {
+		errs = append(errs, fmt.Errorf("server config: %s: %v is invalid: %s", field, got, accepted))
+	}
+	if c.Model == "" {
+		bad("Model", `""`, "must not be empty")
+	}
+	if c.CharsPerToken < 1 || c.CharsPerToken > 64 {
+		bad("CharsPerToken", c.CharsPerToken, "must be from 1 to 64")
+	}
+	if !(c.TimeScale > 0 && c.TimeScale <= MaxTimeScale) {
+		bad("TimeScale", c.TimeScale, fmt.Sprintf("must be above 0 and at most %d", MaxTimeScale))
+	}
+	if c.AddedLatency < 0 {
+		bad("AddedLatency", c.AddedLatency, "must be 0 or more")
+	}
+	if !(c.ErrorRate >= 0 && c.ErrorRate <= 1) {
+		bad("ErrorRate", c.ErrorRate, "must be from 0 to 1")
+	}
+	if !(c.HangRate >= 0 && c.HangRate <= 1) {
+		bad("HangRate", c.HangRate, "must be from 0 to 1")
+	}
+	if err := c.Engine.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// Server is an http.Handler serving one simulated engine. Create it with
+// New; Close stops it.
+type Server struct {
+	cfg   Config
+	mux   *http.ServeMux
+	start time.Time // wall time of virtual time 0
+
+	mu      sync.Mutex
+	eng     *engine.Engine
+	pending map[string]*pending // requests in the engine, by ID
+	rng     *rand.Rand
+	ttft    prometheus.Histogram
+
+	nextID     atomic.Uint64
+	wake       chan struct{} // capacity 1: the driver should look again
+	done       chan struct{} // closed by Close
+	driverDone chan struct{}
+	closeOnce  sync.Once
+}
+
+// pending is what a handler learns of its request; fields are guarded by
+// Server.mu.
+type pending struct {
+	notify   chan struct{} // capacity 1: something changed
+	tokens   int           // output tokens produced so far
+	cached   int           // prompt tokens found in the prefix cache
+	finished bool
+}
+
+// New starts a server's engine driver; the caller serves it over HTTP and
+// calls Close when done.
+func New(cfg Config) (*Server, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	eng, err := engine.New(cfg.Engine)
+	if err != nil {
+		return nil, fmt.Errorf("creating engine: %w", err)
+	}
+	s := &Server{
+		cfg:        cfg,
+		start:      time.Now(),
+		eng:        eng,
+		pending:    make(map[string]*pending),
+		rng:        rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15)),
+		wake:       make(chan struct{}, 1),
+		done:       make(chan struct{}),
+		driverDone: make(chan struct{}),
+	}
+	reg := prometheus.NewRegistry()
+	s.ttft = newTTFTHistogram(cfg.Model)
+	if err := reg.Register(s.ttft); err != nil {
+		return nil, fmt.Errorf("registering metrics: %w", err)
+	}
+	if err := reg.Register(newCollector(s)); err != nil {
+		return nil, fmt.Errorf("registering metrics: %w", err)
+	}
+
+	s.mux = http.NewServeMux()
+	s.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { s.handleGenerate(w, r, false) })
+	s.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { s.handleGenerate(w, r, true) })
+	s.mux.HandleFunc("GET /v1/models", s.handleModels)
+	s.mux.HandleFunc("GET /health", s.handleHealth)
+	s.mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+
+	go s.drive()
+	return s, nil
+}
+
+// ServeHTTP implements http.Handler.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
+
+// Close stops the engine driver and ends every request in flight (streams
+// are cut, requests not yet answered get 503). Later requests get 503. It
+// is safe to call more than once.
+func (s *Server) Close() {
+	s.closeOnce.Do(func() {
+		close(s.done)
+		<-s.driverDone
+	})
+}
+
+// Stats returns the engine's gauges and counters at the current time.
+func (s *Server) Stats() engine.Stats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.advanceLocked()
+	return s.eng.Stats()
+}
+
+func (s *Server) closed() bool {
+	select {
+	case <-s.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// virtualNow maps the wall clock onto the engine's clock.
+func (s *Server) virtualNow() time.Duration {
+	return time.Duration(float64(time.Since(s.start)) * s.cfg.TimeScale)
+}
+
+// advanceLocked brings the engine to the current time and tells handlers
+// what happened to their requests.
+func (s *Server) advanceLocked() {
+	if s.closed() {
+		return
+	}
+	for _, ev := range s.eng.AdvanceTo(s.virtualNow()) {
+		p := s.pending[ev.ID]
+		if p == nil {
+			continue
+		}
+		switch ev.Kind {
+		case engine.FirstToken:
+			s.ttft.Observe((ev.At - ev.Arrived).Seconds())
+			p.cached = ev.CachedTokens
+			p.tokens = ev.OutputTokens
+		case engine.Token:
+			p.tokens = ev.OutputTokens
+		case engine.Finished:
+			p.finished = true
+			delete(s.pending, ev.ID)
+		}
+		select {
+		case p.notify <- struct{}{}:
+		default: // a notification is already waiting; the handler reads the latest state
+		}
+	}
+}
+
+// drive runs the engine in real time until Close.
+func (s *Server) drive() {
+	defer close(s.driverDone)
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	defer timer.Stop()
+	for {
+		s.mu.Lock()
+		s.advanceLocked()
+		next, busy := s.eng.NextEventAt()
+		wait := time.Duration(float64(next-s.eng.Now()) / s.cfg.TimeScale)
+		s.mu.Unlock()
+
+		var tick <-chan time.Time
+		if busy {
+			// A due step (wait 0) starts on the next pass, once the
+			// virtual clock has moved past its start.
+			timer.Reset(wait)
+			tick = timer.C
+		}
+		select {
+		case <-s.done:
+			return
+		case <-s.wake:
+		case <-tick:
+		}
+	}
+}
+
+func (s *Server) wakeDriver() {
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+}
+
+// submit adds r to the engine at the current time.
+func (s *Server) submit(r engine.Request) (*pending, error) {
+	p := &pending{notify: make(chan struct{}, 1)}
+	s.mu.Lock()
+	s.advanceLocked()
+	err := s.eng.Add(r)
+	if err == nil {
+		s.pending[r.ID] = p
+	}
+	s.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	s.wakeDriver()
+	return p, nil
+}
+
+// cancel takes the request out of the engine if it is still there.
+func (s *Server) cancel(id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed() {
+		return
+	}
+	s.advanceLocked()
+	if _, ok := s.pending[id]; ok {
+		delete(s.pending, id)
+		s.eng.Cancel(id)
+	}
+}
+
+// snapshot reads p under the lock.
+func (s *Server) snapshot(p *pending) (tokens, cached int, finished bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return p.tokens, p.cached, p.finished
+}
+
+// fault draws which injected fault, if any, hits a request.
+func (s *Server) fault() (fail, hang bool) {
+	if s.cfg.ErrorRate == 0 && s.cfg.HangRate == 0 {
+		return false, false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.rng.Float64() < s.cfg.ErrorRate {
+		return true, false
+	}
+	return false, s.rng.Float64() < s.cfg.HangRate
+}
