@@ -1,0 +1,75 @@
+{{/*
+Ports of the picker. They are fixed: gateways and the upstream charts expect
+ext_proc on 9002 and health on 9003, and the probes, Service and
+InferencePool below must agree on them.
+*/}}
+{{- define "tally.grpcPort" -}}9002{{- end -}}
+{{- define "tally.grpcHealthPort" -}}9003{{- end -}}
+{{- define "tally.metricsPort" -}}9090{{- end -}}
+{{- define "tally.configDir" -}}/config{{- end -}}
+{{- define "tally.configKey" -}}picker.yaml{{- end -}}
+
+{{/*
+The pool's name; every other name derives from it.
+*/}}
+{{- define "tally.poolName" -}}
+{{- required "inferencePool.name is required: the name of the InferencePool this picker serves, e.g. --set inferencePool.name=llama" .Values.inferencePool.name -}}
+{{- end -}}
+
+{{/*
+Name of the picker's Deployment, Service and (by default) ServiceAccount.
+*/}}
+{{- define "tally.fullname" -}}
+{{- printf "%s-epp" (include "tally.poolName" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tally.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "tally.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false: the existing ServiceAccount the picker runs as" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tally.leaderElection" -}}
+{{- if gt (int .Values.picker.replicas) 1 -}}true{{- end -}}
+{{- end -}}
+
+{{- define "tally.selectorLabels" -}}
+app.kubernetes.io/name: tally
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: endpoint-picker
+{{- end -}}
+
+{{- define "tally.labels" -}}
+{{ include "tally.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+tally.tallyepp.io/pool: {{ include "tally.poolName" . }}
+{{- end -}}
+
+{{- define "tally.image" -}}
+{{- printf "%s:%s" .Values.picker.image.repository (default .Chart.AppVersion .Values.picker.image.tag) -}}
+{{- end -}}
+
+{{/*
+Checks that span several values, which values.schema.json cannot say clearly.
+Rendered (to nothing) by every template that needs them.
+*/}}
+{{- define "tally.validate" -}}
+{{- if .Values.inferencePool.create -}}
+{{- if not .Values.inferencePool.modelServers.matchLabels -}}
+{{- fail "inferencePool.modelServers.matchLabels is required when inferencePool.create is true: the labels of the model server pods, e.g. --set inferencePool.modelServers.matchLabels.app=vllm-llama" -}}
+{{- end -}}
+{{- if not .Values.inferencePool.targetPorts -}}
+{{- fail "inferencePool.targetPorts is required when inferencePool.create is true: the ports the model servers serve on, e.g. --set inferencePool.targetPorts[0].number=8000" -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.httpRoute.create (not .Values.httpRoute.gateway.name) -}}
+{{- fail "httpRoute.gateway.name is required when httpRoute.create is true: the Gateway the route attaches to" -}}
+{{- end -}}
+{{- if and .Values.podDisruptionBudget.create (eq (toString .Values.podDisruptionBudget.minAvailable) "") (eq (toString .Values.podDisruptionBudget.maxUnavailable) "") -}}
+{{- fail "podDisruptionBudget: set minAvailable or maxUnavailable when podDisruptionBudget.create is true" -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,494 @@
+package install
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/onsi/gomega"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	appsv1 "k8s.io/api/apps/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/discovery/cached/memory"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/restmapper"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+
+	"github.com/tallyepp/tally/test/testenv"
+)
+
+const (
+	// fieldManager owns what the tests apply.
+	fieldManager = "tally-install-test"
+	// pickerReadyTimeout bounds the picker's start: connecting, syncing the
+	// pool and, with leader election, taking the lease.
+	pickerReadyTimeout = 60 * time.Second
+	pollInterval       = 100 * time.Millisecond
+	// pickerStopTimeout is how long a stopped picker may take to exit before
+	// it is killed.
+	pickerStopTimeout = 15 * time.Second
+)
+
+// cluster is the API server the tests install into, as its administrator.
+type cluster struct {
+	env    *envtest.Environment
+	cfg    *rest.Config
+	kube   kubernetes.Interface
+	dyn    dynamic.Interface
+	mapper meta.RESTMapper
+}
+
+// TestInstallOnAPIServer applies everything the chart and config/ produce to
+// a real API server and runs the picker binary the way the rendered
+// Deployment would, as the rendered ServiceAccount.
+func TestInstallOnAPIServer(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts an API server and builds the picker; skipped with -short")
+	}
+	root := repoRoot(t)
+	bin := buildPicker(t, root)
+	c := startCluster(t, root)
+
+	t.Run("chart with every optional resource", func(t *testing.T) {
+		const ns = "tally-chart"
+		r := mustRender(t, ns, requiredValues, `
+httpRoute: {create: true, gateway: {name: inference-gateway}, requestTimeout: 300s}
+serviceMonitor: {create: true, labels: {release: prometheus}}
+podDisruptionBudget: {create: true}
+`)
+		c.createNamespace(t, ns)
+		c.applyAll(t, r.objects)
+		c.createReadyPod(t, ns, "vllm-llama-0", map[string]string{"app": "vllm-llama"}, "127.0.0.2")
+
+		d, _ := pickerDeployment(t, r)
+		sa := d.Spec.Template.Spec.ServiceAccountName
+		user := c.serviceAccountUser(t, ns, sa)
+		p := startPicker(t, bin, r, user)
+		p.waitReady(t)
+		p.waitForEndpoint(t, "127.0.0.2:8000")
+
+		// The Role grants the picker its namespace's pods and pools and
+		// nothing more.
+		as := kubernetes.NewForConfigOrDie(user.Config())
+		ctx := t.Context()
+		if _, err := as.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{}); err != nil {
+			t.Errorf("%s cannot list pods in %s: %v", sa, ns, err)
+		}
+		refused := map[string]error{}
+		_, refused["list secrets in "+ns] = as.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{})
+		_, refused["list pods in all namespaces"] = as.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+		_, refused["list pods in default"] = as.CoreV1().Pods("default").List(ctx, metav1.ListOptions{})
+		_, refused["create leases in "+ns] = as.CoordinationV1().Leases(ns).Create(ctx, leaseNamed("probe"), metav1.CreateOptions{})
+		for what, err := range refused {
+			if !apierrors.IsForbidden(err) {
+				t.Errorf("%s can %s (error: %v), want Forbidden", sa, what, err)
+			}
+		}
+	})
+
+	t.Run("chart with leader election", func(t *testing.T) {
+		const ns = "tally-ha"
+		r := mustRender(t, ns, requiredValues, "picker: {replicas: 2}")
+		c.createNamespace(t, ns)
+		c.applyAll(t, r.objects)
+		c.createReadyPod(t, ns, "vllm-llama-0", map[string]string{"app": "vllm-llama"}, "127.0.0.3")
+
+		d, _ := pickerDeployment(t, r)
+		p := startPicker(t, bin, r, c.serviceAccountUser(t, ns, d.Spec.Template.Spec.ServiceAccountName))
+		p.waitReady(t)
+
+		leases, err := c.kube.CoordinationV1().Leases(ns).List(t.Context(), metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(leases.Items) != 1 || leases.Items[0].Spec.HolderIdentity == nil || *leases.Items[0].Spec.HolderIdentity == "" {
+			t.Errorf("leases in %s = %+v, want one held by the ready picker", ns, leases.Items)
+		}
+	})
+
+	t.Run("kustomize config/default and config/samples", func(t *testing.T) {
+		k := kustomizeBuild(t, "config/default")
+		samples := kustomizeBuild(t, "config/samples")
+		c.applyAll(t, append(k.objects, samples.objects...))
+		c.createReadyPod(t, kustomizeNamespace, "vllm-0", map[string]string{"app": kustomizePool}, "127.0.0.4")
+
+		d, _ := pickerDeployment(t, k)
+		p := startPicker(t, bin, k, c.serviceAccountUser(t, kustomizeNamespace, d.Spec.Template.Spec.ServiceAccountName))
+		p.waitReady(t)
+		p.waitForEndpoint(t, "127.0.0.4:8000")
+	})
+}
+
+// buildPicker builds cmd/epp into a temporary directory.
+func buildPicker(t *testing.T, root string) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "epp")
+	cmd := exec.Command("go", "build", "-o", bin, "./cmd/epp")
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build ./cmd/epp: %v\n%s", err, out)
+	}
+	return bin
+}
+
+func startCluster(t *testing.T, root string) *cluster {
+	t.Helper()
+	// envtest logs through controller-runtime's logger, which warns (with a
+	// stack trace) when it was never set. Its logs add nothing here.
+	ctrllog.SetLogger(logr.Discard())
+	gatewayAPI, err := moduleDir(root, "sigs.k8s.io/gateway-api")
+	if err != nil {
+		t.Fatal(err)
+	}
+	env, cfg, err := testenv.Start(
+		filepath.Join(gatewayAPI, "config", "crd", "standard"),
+		filepath.Join(root, "test", "install", "testdata", "monitoring.coreos.com_servicemonitors.yaml"),
+	)
+	if err != nil {
+		t.Fatalf("starting the API server: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := env.Stop(); err != nil {
+			t.Errorf("stopping the API server: %v", err)
+		}
+	})
+	kube := kubernetes.NewForConfigOrDie(cfg)
+	return &cluster{
+		env:    env,
+		cfg:    cfg,
+		kube:   kube,
+		dyn:    dynamic.NewForConfigOrDie(cfg),
+		mapper: restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(kube.Discovery())),
+	}
+}
+
+// moduleDir returns the directory of a module go.mod requires.
+func moduleDir(root, module string) (string, error) {
+	cmd := exec.Command("go", "list", "-m", "-f", "{{.Dir}}", module)
+	cmd.Dir = root
+	out, err := cmd.Output()
+	if err != nil {
+		return "", fmt.Errorf("go list -m %s: %w", module, err)
+	}
+	return strings.TrimSpace(string(out)), nil
+}
+
+func (c *cluster) createNamespace(t *testing.T, name string) {
+	t.Helper()
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}
+	if _, err := c.kube.CoreV1().Namespaces().Create(t.Context(), ns, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("creating namespace %s: %v", name, err)
+	}
+}
+
+// applyRank puts the kinds others depend on first.
+func applyRank(kind string) int {
+	switch kind {
+	case "Namespace":
+		return 0
+	case "CustomResourceDefinition":
+		return 1
+	case "ServiceAccount", "Role", "RoleBinding", "ConfigMap":
+		return 2
+	}
+	return 3
+}
+
+// applyAll server-side applies objs with strict field validation, so an
+// unknown or misplaced field is an error rather than silently dropped, and
+// checks that each can be read back.
+func (c *cluster) applyAll(t *testing.T, objs []*unstructured.Unstructured) {
+	t.Helper()
+	sorted := slices.Clone(objs)
+	slices.SortStableFunc(sorted, func(a, b *unstructured.Unstructured) int {
+		return applyRank(a.GetKind()) - applyRank(b.GetKind())
+	})
+	for _, o := range sorted {
+		ri, err := c.resourceFor(o)
+		if err != nil {
+			t.Fatalf("%s %s: %v", o.GetKind(), o.GetName(), err)
+		}
+		data, err := json.Marshal(o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		force := true
+		if _, err := ri.Patch(t.Context(), o.GetName(), types.ApplyPatchType, data, metav1.PatchOptions{
+			FieldManager: fieldManager, FieldValidation: metav1.FieldValidationStrict, Force: &force,
+		}); err != nil {
+			t.Errorf("the API server refused %s %s/%s: %v", o.GetKind(), o.GetNamespace(), o.GetName(), err)
+			continue
+		}
+		if _, err := ri.Get(t.Context(), o.GetName(), metav1.GetOptions{}); err != nil {
+			t.Errorf("reading back %s %s/%s: %v", o.GetKind(), o.GetNamespace(), o.GetName(), err)
+		}
+	}
+	if t.Failed() {
+		t.FailNow()
+	}
+}
+
+func (c *cluster) resourceFor(o *unstructured.Unstructured) (dynamic.ResourceInterface, error) {
+	gvk := o.GroupVersionKind()
+	m, err := c.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+	if err != nil {
+		return nil, fmt.Errorf("no resource for %s (is its CRD installed?): %w", gvk, err)
+	}
+	if m.Scope.Name() == meta.RESTScopeNameNamespace {
+		return c.dyn.Resource(m.Resource).Namespace(o.GetNamespace()), nil
+	}
+	return c.dyn.Resource(m.Resource), nil
+}
+
+// createReadyPod creates a model server pod and marks it Ready at ip, as a
+// kubelet would (no kubelet runs here).
+func (c *cluster) createReadyPod(t *testing.T, ns, name string, labels map[string]string, ip string) {
+	t.Helper()
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: labels},
+		Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "vllm", Image: "vllm/vllm-openai"}}},
+	}
+	created, err := c.kube.CoreV1().Pods(ns).Create(t.Context(), pod, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("creating pod %s/%s: %v", ns, name, err)
+	}
+	created.Status = corev1.PodStatus{
+		Phase:  corev1.PodRunning,
+		PodIP:  ip,
+		PodIPs: []corev1.PodIP{{IP: ip}},
+		Conditions: []corev1.PodCondition{
+			{Type: corev1.PodReady, Status: corev1.ConditionTrue, LastTransitionTime: metav1.Now()},
+		},
+	}
+	if _, err := c.kube.CoreV1().Pods(ns).UpdateStatus(t.Context(), created, metav1.UpdateOptions{}); err != nil {
+		t.Fatalf("marking pod %s/%s ready: %v", ns, name, err)
+	}
+}
+
+// serviceAccountUser returns credentials that the API server authenticates
+// as the ServiceAccount, as it would the token mounted in the picker's pod.
+func (c *cluster) serviceAccountUser(t *testing.T, ns, sa string) *envtest.AuthenticatedUser {
+	t.Helper()
+	user, err := c.env.AddUser(envtest.User{
+		Name:   "system:serviceaccount:" + ns + ":" + sa,
+		Groups: []string{"system:serviceaccounts", "system:serviceaccounts:" + ns, "system:authenticated"},
+	}, c.cfg)
+	if err != nil {
+		t.Fatalf("provisioning ServiceAccount %s/%s: %v", ns, sa, err)
+	}
+	return user
+}
+
+// picker is a running picker binary.
+type picker struct {
+	healthAddr  string
+	metricsAddr string
+	output      *syncBuffer
+	exited      chan struct{}
+	exitErr     error // set before exited is closed
+}
+
+// startPicker runs the picker binary with the arguments of the Deployment in
+// r, as user. Only what a pod provides differs: the ports (free loopback
+// ports instead of the fixed ones, so tests can run side by side), the
+// configuration file (written from the rendered ConfigMap), the kubeconfig
+// (instead of the mounted token) and the Downward API environment.
+func startPicker(t *testing.T, bin string, r rendered, user *envtest.AuthenticatedUser) *picker {
+	t.Helper()
+	d, c := pickerDeployment(t, r)
+	var cm corev1.ConfigMap
+	r.one(t, "ConfigMap", &cm)
+	dir := t.TempDir()
+	kubeconfig, err := user.KubeConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	kubeconfigPath := filepath.Join(dir, "kubeconfig")
+	if err := os.WriteFile(kubeconfigPath, kubeconfig, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	configFile := flagValue(t, c.Args, "--config-file")
+	configKey := filepath.Base(configFile)
+	configPath := filepath.Join(dir, configKey)
+	if err := os.WriteFile(configPath, []byte(cm.Data[configKey]), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ports := map[string]int{"--grpc-port": freePort(t), "--grpc-health-port": freePort(t), "--metrics-port": freePort(t)}
+	args := []string{"--kubeconfig=" + kubeconfigPath}
+	for _, a := range c.Args {
+		name, _, _ := strings.Cut(a, "=")
+		switch {
+		case ports[name] != 0:
+			a = name + "=" + strconv.Itoa(ports[name])
+		case name == "--config-file":
+			a = name + "=" + configPath
+		}
+		args = append(args, a)
+	}
+
+	p := &picker{
+		healthAddr:  net.JoinHostPort("127.0.0.1", strconv.Itoa(ports["--grpc-health-port"])),
+		metricsAddr: net.JoinHostPort("127.0.0.1", strconv.Itoa(ports["--metrics-port"])),
+		output:      &syncBuffer{},
+		exited:      make(chan struct{}),
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Env = append(os.Environ(), downwardEnv(t, d, c)...)
+	cmd.Stdout, cmd.Stderr = p.output, p.output
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("starting %s: %v", bin, err)
+	}
+	go func() {
+		p.exitErr = cmd.Wait()
+		close(p.exited)
+	}()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-p.exited:
+		case <-time.After(pickerStopTimeout):
+			_ = cmd.Process.Kill()
+			<-p.exited
+			t.Errorf("the picker did not stop within %s of SIGTERM", pickerStopTimeout)
+		}
+		if t.Failed() {
+			t.Logf("picker %q output:\n%s", args, p.output.String())
+		}
+	})
+	return p
+}
+
+// downwardEnv resolves the container's environment as the kubelet would for
+// a pod of Deployment d named after it.
+func downwardEnv(t *testing.T, d appsv1.Deployment, c corev1.Container) []string {
+	t.Helper()
+	var env []string
+	for _, e := range c.Env {
+		switch {
+		case e.ValueFrom == nil:
+			env = append(env, e.Name+"="+e.Value)
+		case e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "metadata.namespace":
+			env = append(env, e.Name+"="+d.Namespace)
+		case e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "metadata.name":
+			env = append(env, e.Name+"="+d.Name+"-0")
+		default:
+			t.Fatalf("env %s: the test cannot resolve %+v", e.Name, e.ValueFrom)
+		}
+	}
+	return env
+}
+
+// waitReady waits for the gRPC health service to report readiness SERVING,
+// as the kubelet's readiness probe would, and checks liveness too.
+func (p *picker) waitReady(t *testing.T) {
+	t.Helper()
+	conn, err := grpc.NewClient(p.healthAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	health := healthpb.NewHealthClient(conn)
+	status := func(service string) func(gomega.Gomega) healthpb.HealthCheckResponse_ServingStatus {
+		return func(g gomega.Gomega) healthpb.HealthCheckResponse_ServingStatus {
+			select {
+			case <-p.exited:
+				gomega.StopTrying(fmt.Sprintf("the picker exited (%v)", p.exitErr)).Now()
+			default:
+			}
+			ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+			defer cancel()
+			resp, err := health.Check(ctx, &healthpb.HealthCheckRequest{Service: service})
+			g.Expect(err).NotTo(gomega.HaveOccurred())
+			return resp.GetStatus()
+		}
+	}
+	g := gomega.NewWithT(t)
+	g.Eventually(status("readiness")).WithTimeout(pickerReadyTimeout).WithPolling(pollInterval).
+		Should(gomega.Equal(healthpb.HealthCheckResponse_SERVING), "readiness of the picker")
+	g.Expect(status("liveness")(g)).To(gomega.Equal(healthpb.HealthCheckResponse_SERVING), "liveness of the picker")
+}
+
+// waitForEndpoint waits until the picker's ledger lists endpoint: proof that
+// it read the pool and its pods with the credentials it was given.
+func (p *picker) waitForEndpoint(t *testing.T, endpoint string) {
+	t.Helper()
+	url := "http://" + p.metricsAddr + "/debug/ledger"
+	gomega.NewWithT(t).Eventually(func(g gomega.Gomega) []string {
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, url, nil)
+		g.Expect(err).NotTo(gomega.HaveOccurred())
+		resp, err := http.DefaultClient.Do(req)
+		g.Expect(err).NotTo(gomega.HaveOccurred())
+		defer resp.Body.Close()
+		g.Expect(resp.StatusCode).To(gomega.Equal(http.StatusOK))
+		var ledger struct {
+			Endpoints []struct {
+				Endpoint string `json:"endpoint"`
+			} `json:"endpoints"`
+		}
+		g.Expect(json.NewDecoder(resp.Body).Decode(&ledger)).To(gomega.Succeed())
+		var got []string
+		for _, e := range ledger.Endpoints {
+			got = append(got, e.Endpoint)
+		}
+		return got
+	}).WithTimeout(pickerReadyTimeout).WithPolling(pollInterval).Should(gomega.ConsistOf(endpoint), "endpoints in %s", url)
+}
+
+// freePort returns a loopback port that was free a moment ago. The picker
+// binds the port itself, so it cannot be handed a listener.
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+func leaseNamed(name string) *coordinationv1.Lease {
+	return &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name}}
+}
+
+// syncBuffer is a bytes.Buffer safe for the process's writers and the test.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}

@@ -1,0 +1,659 @@
+package install
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"reflect"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	"helm.sh/helm/v3/pkg/lint"
+	"helm.sh/helm/v3/pkg/lint/support"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
+	gwv1 "sigs.k8s.io/gateway-api/apis/v1"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+)
+
+const testNamespace = "inference"
+
+// pickerDeployment returns the picker's Deployment and its container from r.
+func pickerDeployment(t *testing.T, r rendered) (appsv1.Deployment, corev1.Container) {
+	t.Helper()
+	var d appsv1.Deployment
+	r.one(t, "Deployment", &d)
+	if n := len(d.Spec.Template.Spec.Containers); n != 1 {
+		t.Fatalf("Deployment has %d containers, want 1", n)
+	}
+	return d, d.Spec.Template.Spec.Containers[0]
+}
+
+// pickerConfig loads the PickerConfig that the rendered ConfigMap mounts at
+// the path the Deployment's --config-file names, as the picker would.
+func pickerConfig(t *testing.T, r rendered) v1alpha1.PickerConfig {
+	t.Helper()
+	d, c := pickerDeployment(t, r)
+	path := flagValue(t, c.Args, "--config-file")
+	var cm corev1.ConfigMap
+	r.one(t, "ConfigMap", &cm)
+	var mount *corev1.VolumeMount
+	for i := range c.VolumeMounts {
+		if strings.HasPrefix(path, c.VolumeMounts[i].MountPath+"/") {
+			mount = &c.VolumeMounts[i]
+		}
+	}
+	if mount == nil {
+		t.Fatalf("--config-file=%s is under no volume mount of %v", path, c.VolumeMounts)
+	}
+	var fromConfigMap string
+	for _, v := range d.Spec.Template.Spec.Volumes {
+		if v.Name == mount.Name && v.ConfigMap != nil {
+			fromConfigMap = v.ConfigMap.Name
+		}
+	}
+	if fromConfigMap != cm.Name {
+		t.Fatalf("--config-file=%s is in volume %q of ConfigMap %q, want the rendered ConfigMap %q", path, mount.Name, fromConfigMap, cm.Name)
+	}
+	key := strings.TrimPrefix(path, mount.MountPath+"/")
+	data, ok := cm.Data[key]
+	if !ok {
+		t.Fatalf("ConfigMap %s has no key %q (the file --config-file names); keys: %v", cm.Name, key, cm.Data)
+	}
+	cfg, err := v1alpha1.Load([]byte(data))
+	if err != nil {
+		t.Fatalf("the picker would refuse the rendered configuration:\n%s\n%v", data, err)
+	}
+	return cfg
+}
+
+// flagValue returns the value of the --name=value argument; it fails the
+// test unless the flag is given exactly once.
+func flagValue(t *testing.T, args []string, name string) string {
+	t.Helper()
+	var found []string
+	for _, a := range args {
+		if v, ok := strings.CutPrefix(a, name+"="); ok {
+			found = append(found, v)
+		}
+		if a == name {
+			found = append(found, "")
+		}
+	}
+	if len(found) != 1 {
+		t.Fatalf("flag %s given %d times in %q, want once", name, len(found), args)
+	}
+	return found[0]
+}
+
+func TestChartDefaults(t *testing.T) {
+	r := mustRender(t, testNamespace, requiredValues)
+
+	wantKinds := []string{"ConfigMap", "Deployment", "InferencePool", "Role", "RoleBinding", "Service", "ServiceAccount"}
+	if diff := cmp.Diff(wantKinds, r.kinds()); diff != "" {
+		t.Fatalf("rendered kinds (-want +got):\n%s", diff)
+	}
+	for _, o := range r.objects {
+		if o.GetNamespace() != testNamespace {
+			t.Errorf("%s %s is in namespace %q, want the release namespace %q", o.GetKind(), o.GetName(), o.GetNamespace(), testNamespace)
+		}
+	}
+
+	d, c := pickerDeployment(t, r)
+	if d.Name != "llama-epp" {
+		t.Errorf("Deployment name = %q, want llama-epp", d.Name)
+	}
+	if *d.Spec.Replicas != 1 || d.Spec.Strategy.Type != "" {
+		t.Errorf("replicas = %d, strategy %q; want 1 and the default rolling update", *d.Spec.Replicas, d.Spec.Strategy.Type)
+	}
+	if want := "ghcr.io/tallyepp/tally:" + loadChart(t).Metadata.AppVersion; c.Image != want {
+		t.Errorf("image = %q, want %q (the tag defaults to appVersion)", c.Image, want)
+	}
+	wantArgs := []string{
+		"--pool-name=llama",
+		"--pool-namespace=" + testNamespace,
+		"--grpc-port=9002",
+		"--grpc-health-port=9003",
+		"--metrics-port=9090",
+		"--secure-serving=true",
+		"--config-file=/config/picker.yaml",
+		"-v=0",
+	}
+	if diff := cmp.Diff(wantArgs, c.Args); diff != "" {
+		t.Errorf("args (-want +got):\n%s", diff)
+	}
+	for _, p := range []*corev1.Probe{c.LivenessProbe, c.ReadinessProbe} {
+		if p == nil || p.GRPC == nil || p.GRPC.Port != 9003 {
+			t.Fatalf("probe %+v: want a gRPC probe on port 9003", p)
+		}
+	}
+	if *c.LivenessProbe.GRPC.Service != "liveness" || *c.ReadinessProbe.GRPC.Service != "readiness" {
+		t.Errorf("probe services = %q, %q; want liveness, readiness", *c.LivenessProbe.GRPC.Service, *c.ReadinessProbe.GRPC.Service)
+	}
+	sc := c.SecurityContext
+	switch {
+	case sc == nil:
+		t.Fatal("container has no securityContext")
+	case sc.RunAsNonRoot == nil || !*sc.RunAsNonRoot,
+		sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem,
+		sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation,
+		sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) || len(sc.Capabilities.Add) > 0,
+		sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault:
+		t.Errorf("container securityContext %+v: want non-root, read-only root, no privilege escalation, drop ALL, seccomp RuntimeDefault", *sc)
+	}
+	if psc := d.Spec.Template.Spec.SecurityContext; psc == nil || psc.RunAsNonRoot == nil || !*psc.RunAsNonRoot {
+		t.Errorf("pod securityContext %+v: want runAsNonRoot", psc)
+	}
+	if c.Resources.Requests.Cpu().IsZero() || c.Resources.Requests.Memory().IsZero() {
+		t.Errorf("resource requests = %v, want cpu and memory", c.Resources.Requests)
+	}
+	podLabels := labels.Set(d.Spec.Template.Labels)
+	if sel := labels.SelectorFromSet(d.Spec.Selector.MatchLabels); !sel.Matches(podLabels) {
+		t.Errorf("Deployment selector %v does not match its pod labels %v", sel, podLabels)
+	}
+
+	var sa corev1.ServiceAccount
+	r.one(t, "ServiceAccount", &sa)
+	if d.Spec.Template.Spec.ServiceAccountName != sa.Name {
+		t.Errorf("pod runs as ServiceAccount %q, want the rendered %q", d.Spec.Template.Spec.ServiceAccountName, sa.Name)
+	}
+
+	var svc corev1.Service
+	r.one(t, "Service", &svc)
+	if sel := labels.SelectorFromSet(svc.Spec.Selector); !sel.Matches(podLabels) {
+		t.Errorf("Service selector %v does not match the pod labels %v", sel, podLabels)
+	}
+	wantPorts := []corev1.ServicePort{
+		{Name: "grpc-ext-proc", Port: 9002, TargetPort: intstr.FromString("grpc-ext-proc"), Protocol: corev1.ProtocolTCP, AppProtocol: ptr("http2")},
+		{Name: "metrics", Port: 9090, TargetPort: intstr.FromString("metrics"), Protocol: corev1.ProtocolTCP},
+	}
+	if diff := cmp.Diff(wantPorts, svc.Spec.Ports); diff != "" {
+		t.Errorf("Service ports (-want +got):\n%s", diff)
+	}
+	for _, sp := range svc.Spec.Ports {
+		if !slices.ContainsFunc(c.Ports, func(cp corev1.ContainerPort) bool {
+			return cp.Name == sp.TargetPort.StrVal && cp.ContainerPort == sp.Port
+		}) {
+			t.Errorf("Service port %s targets %q, which is not a container port of that number: %v", sp.Name, sp.TargetPort.StrVal, c.Ports)
+		}
+	}
+
+	var role rbacv1.Role
+	r.one(t, "Role", &role)
+	wantRules := []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{"inference.networking.k8s.io"}, Resources: []string{"inferencepools"}, Verbs: []string{"get", "list", "watch"}},
+	}
+	if diff := cmp.Diff(wantRules, role.Rules); diff != "" {
+		t.Errorf("Role rules without leader election (-want +got):\n%s", diff)
+	}
+	var rb rbacv1.RoleBinding
+	r.one(t, "RoleBinding", &rb)
+	wantRB := rbacv1.RoleBinding{
+		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: role.Name},
+		Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Name: sa.Name, Namespace: testNamespace}},
+	}
+	if diff := cmp.Diff(wantRB.RoleRef, rb.RoleRef); diff != "" {
+		t.Errorf("RoleBinding roleRef (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff(wantRB.Subjects, rb.Subjects); diff != "" {
+		t.Errorf("RoleBinding subjects (-want +got):\n%s", diff)
+	}
+
+	var pool infv1.InferencePool
+	r.one(t, "InferencePool", &pool)
+	wantSpec := infv1.InferencePoolSpec{
+		Selector:    infv1.LabelSelector{MatchLabels: map[infv1.LabelKey]infv1.LabelValue{"app": "vllm-llama"}},
+		TargetPorts: []infv1.Port{{Number: 8000}},
+		EndpointPickerRef: &infv1.EndpointPickerRef{
+			Name:        infv1.ObjectName(svc.Name),
+			Port:        &infv1.Port{Number: 9002},
+			FailureMode: infv1.EndpointPickerFailClose,
+		},
+	}
+	if pool.Name != "llama" {
+		t.Errorf("InferencePool name = %q, want llama", pool.Name)
+	}
+	if diff := cmp.Diff(wantSpec, pool.Spec); diff != "" {
+		t.Errorf("InferencePool spec (-want +got):\n%s", diff)
+	}
+
+	if got := pickerConfig(t, r); got != v1alpha1.Default() {
+		t.Errorf("picker configuration = %+v, want the picker's defaults %+v", got, v1alpha1.Default())
+	}
+
+	for _, want := range []string{"llama", "llama-epp", testNamespace, "rollout status deployment/llama-epp", "httpRoute.create=true"} {
+		if !strings.Contains(r.notes, want) {
+			t.Errorf("NOTES.txt does not mention %q:\n%s", want, r.notes)
+		}
+	}
+	if strings.Contains(r.notes, "<no value>") {
+		t.Errorf("NOTES.txt renders a missing value:\n%s", r.notes)
+	}
+}
+
+func TestChartLeaderElectionWithReplicas(t *testing.T) {
+	r := mustRender(t, testNamespace, requiredValues, "picker: {replicas: 3}")
+	d, c := pickerDeployment(t, r)
+	if *d.Spec.Replicas != 3 {
+		t.Errorf("replicas = %d, want 3", *d.Spec.Replicas)
+	}
+	if d.Spec.Strategy.Type != appsv1.RecreateDeploymentStrategyType {
+		t.Errorf("strategy = %q, want Recreate: a new pod cannot become Ready while the old leader holds the lease", d.Spec.Strategy.Type)
+	}
+	if flagValue(t, c.Args, "--ha-enable-leader-election") != "" {
+		t.Errorf("--ha-enable-leader-election takes no value in %q", c.Args)
+	}
+	var role rbacv1.Role
+	r.one(t, "Role", &role)
+	want := []rbacv1.PolicyRule{
+		{APIGroups: []string{"coordination.k8s.io"}, Resources: []string{"leases"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
+		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
+	}
+	for _, rule := range want {
+		if !slices.ContainsFunc(role.Rules, func(got rbacv1.PolicyRule) bool { return reflect.DeepEqual(got, rule) }) {
+			t.Errorf("Role rules %+v lack %+v, which leader election needs", role.Rules, rule)
+		}
+	}
+	if !strings.Contains(r.notes, "only the leader is Ready") {
+		t.Errorf("NOTES.txt does not explain leader-only readiness:\n%s", r.notes)
+	}
+}
+
+// TestChartOptionalResources switches each optional resource on and checks
+// what it renders and that it points at the objects it must.
+func TestChartOptionalResources(t *testing.T) {
+	cases := []struct {
+		name   string
+		values []string
+		// The kinds rendered besides ConfigMap, Deployment, Role,
+		// RoleBinding and Service.
+		wantKinds []string
+		check     func(t *testing.T, r rendered)
+	}{{
+		name: "HTTPRoute to the pool",
+		values: []string{requiredValues, `
+httpRoute:
+  create: true
+  gateway: {name: inference-gateway, namespace: gateways, sectionName: http}
+  hostnames: [llm.example.com]
+  pathPrefix: /v1
+  requestTimeout: 300s
+`},
+		wantKinds: []string{"HTTPRoute", "InferencePool", "ServiceAccount"},
+		check: func(t *testing.T, r rendered) {
+			var route gwv1.HTTPRoute
+			r.one(t, "HTTPRoute", &route)
+			parent := route.Spec.ParentRefs
+			if len(parent) != 1 || parent[0].Name != "inference-gateway" || *parent[0].Namespace != "gateways" ||
+				*parent[0].SectionName != "http" || *parent[0].Kind != "Gateway" {
+				t.Errorf("parentRefs = %+v, want the Gateway gateways/inference-gateway, section http", parent)
+			}
+			if len(route.Spec.Rules) != 1 || len(route.Spec.Rules[0].BackendRefs) != 1 {
+				t.Fatalf("rules = %+v, want one rule with one backendRef", route.Spec.Rules)
+			}
+			rule := route.Spec.Rules[0]
+			ref := rule.BackendRefs[0].BackendObjectReference
+			if *ref.Group != "inference.networking.k8s.io" || *ref.Kind != "InferencePool" || ref.Name != "llama" {
+				t.Errorf("backendRef = %s/%s %s, want inference.networking.k8s.io/InferencePool llama", *ref.Group, *ref.Kind, ref.Name)
+			}
+			if *rule.Matches[0].Path.Value != "/v1" || rule.Timeouts == nil || *rule.Timeouts.Request != "300s" {
+				t.Errorf("rule = %+v, want path prefix /v1 and a 300s request timeout", rule)
+			}
+			if slices.Equal(route.Spec.Hostnames, []gwv1.Hostname{"llm.example.com"}) == false {
+				t.Errorf("hostnames = %v", route.Spec.Hostnames)
+			}
+		},
+	}, {
+		name:      "ServiceMonitor on the metrics port",
+		values:    []string{requiredValues, `serviceMonitor: {create: true, interval: 15s, labels: {release: prometheus}}`},
+		wantKinds: []string{"InferencePool", "ServiceAccount", "ServiceMonitor"},
+		check: func(t *testing.T, r rendered) {
+			sm := r.all("ServiceMonitor")[0]
+			if sm.GetLabels()["release"] != "prometheus" {
+				t.Errorf("ServiceMonitor labels = %v, want release=prometheus", sm.GetLabels())
+			}
+			var svc corev1.Service
+			r.one(t, "Service", &svc)
+			var spec struct {
+				Selector struct {
+					MatchLabels map[string]string `json:"matchLabels"`
+				} `json:"selector"`
+				Endpoints []struct {
+					Port, Path, Scheme, Interval string
+				} `json:"endpoints"`
+			}
+			b, err := json.Marshal(sm.Object["spec"])
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := json.Unmarshal(b, &spec); err != nil {
+				t.Fatal(err)
+			}
+			if !labels.SelectorFromSet(spec.Selector.MatchLabels).Matches(labels.Set(svc.Labels)) {
+				t.Errorf("ServiceMonitor selects %v, which the Service's labels %v do not match", spec.Selector.MatchLabels, svc.Labels)
+			}
+			if len(spec.Endpoints) != 1 || spec.Endpoints[0].Port != "metrics" || spec.Endpoints[0].Path != "/metrics" || spec.Endpoints[0].Interval != "15s" {
+				t.Errorf("endpoints = %+v, want port metrics, path /metrics, interval 15s", spec.Endpoints)
+			}
+			if !slices.ContainsFunc(svc.Spec.Ports, func(p corev1.ServicePort) bool { return p.Name == "metrics" }) {
+				t.Errorf("the Service has no port named metrics: %+v", svc.Spec.Ports)
+			}
+		},
+	}, {
+		name:      "PodDisruptionBudget with the default maxUnavailable",
+		values:    []string{requiredValues, `podDisruptionBudget: {create: true}`},
+		wantKinds: []string{"InferencePool", "PodDisruptionBudget", "ServiceAccount"},
+		check: func(t *testing.T, r rendered) {
+			var pdb policyv1.PodDisruptionBudget
+			r.one(t, "PodDisruptionBudget", &pdb)
+			d, _ := pickerDeployment(t, r)
+			if !labels.SelectorFromSet(pdb.Spec.Selector.MatchLabels).Matches(labels.Set(d.Spec.Template.Labels)) {
+				t.Errorf("PDB selects %v, not the picker pods %v", pdb.Spec.Selector.MatchLabels, d.Spec.Template.Labels)
+			}
+			if pdb.Spec.MinAvailable != nil || pdb.Spec.MaxUnavailable == nil || *pdb.Spec.MaxUnavailable != intstr.FromInt32(1) {
+				t.Errorf("PDB minAvailable %v, maxUnavailable %v; want only maxUnavailable 1", pdb.Spec.MinAvailable, pdb.Spec.MaxUnavailable)
+			}
+			if pdb.Spec.UnhealthyPodEvictionPolicy == nil || *pdb.Spec.UnhealthyPodEvictionPolicy != policyv1.AlwaysAllow {
+				t.Errorf("unhealthyPodEvictionPolicy = %v, want AlwaysAllow (standbys are never Ready)", pdb.Spec.UnhealthyPodEvictionPolicy)
+			}
+		},
+	}, {
+		name:      "PodDisruptionBudget with minAvailable",
+		values:    []string{requiredValues, `podDisruptionBudget: {create: true, minAvailable: "50%"}`},
+		wantKinds: []string{"InferencePool", "PodDisruptionBudget", "ServiceAccount"},
+		check: func(t *testing.T, r rendered) {
+			var pdb policyv1.PodDisruptionBudget
+			r.one(t, "PodDisruptionBudget", &pdb)
+			if pdb.Spec.MaxUnavailable != nil || pdb.Spec.MinAvailable == nil || *pdb.Spec.MinAvailable != intstr.FromString("50%") {
+				t.Errorf("PDB minAvailable %v, maxUnavailable %v; want only minAvailable 50%%", pdb.Spec.MinAvailable, pdb.Spec.MaxUnavailable)
+			}
+		},
+	}, {
+		name:      "pool managed elsewhere: only its name is required",
+		values:    []string{`inferencePool: {name: llama, create: false}`},
+		wantKinds: []string{"ServiceAccount"},
+		check: func(t *testing.T, r rendered) {
+			_, c := pickerDeployment(t, r)
+			if got := flagValue(t, c.Args, "--pool-name"); got != "llama" {
+				t.Errorf("--pool-name = %q, want llama", got)
+			}
+			if !strings.Contains(r.notes, "did not create the pool") {
+				t.Errorf("NOTES.txt does not say the pool is not created:\n%s", r.notes)
+			}
+		},
+	}, {
+		name: "pool with h2c and FailOpen",
+		values: []string{requiredValues, `
+inferencePool:
+  appProtocol: kubernetes.io/h2c
+  failureMode: FailOpen
+  targetPorts: [{number: 8000}, {number: 8001}]
+`},
+		wantKinds: []string{"InferencePool", "ServiceAccount"},
+		check: func(t *testing.T, r rendered) {
+			var pool infv1.InferencePool
+			r.one(t, "InferencePool", &pool)
+			if pool.Spec.AppProtocol != "kubernetes.io/h2c" || pool.Spec.EndpointPickerRef.FailureMode != infv1.EndpointPickerFailOpen ||
+				!slices.Equal(pool.Spec.TargetPorts, []infv1.Port{{Number: 8000}, {Number: 8001}}) {
+				t.Errorf("pool spec = %+v", pool.Spec)
+			}
+		},
+	}, {
+		name: "picker configuration and flags",
+		values: []string{requiredValues, `
+picker:
+  verbosity: 3
+  secureServing: false
+  extraArgs: [--max-request-lifetime=10m]
+  image: {tag: v9.9.9}
+  config:
+    blockSizeChars: 128
+    fallbackEndpoints: 2
+    saturation: {maxInFlightRequests: 64}
+`},
+		wantKinds: []string{"InferencePool", "ServiceAccount"},
+		check: func(t *testing.T, r rendered) {
+			_, c := pickerDeployment(t, r)
+			for flag, want := range map[string]string{"-v": "3", "--secure-serving": "false", "--max-request-lifetime": "10m"} {
+				if got := flagValue(t, c.Args, flag); got != want {
+					t.Errorf("%s = %q, want %q", flag, got, want)
+				}
+			}
+			if !strings.HasSuffix(c.Image, ":v9.9.9") {
+				t.Errorf("image = %q, want tag v9.9.9", c.Image)
+			}
+			want := v1alpha1.Default()
+			want.BlockSizeChars = 128
+			want.FallbackEndpoints = 2
+			want.Saturation.MaxInFlightRequests = 64
+			if got := pickerConfig(t, r); got != want {
+				t.Errorf("picker configuration = %+v, want %+v", got, want)
+			}
+		},
+	}, {
+		name:      "existing ServiceAccount",
+		values:    []string{requiredValues, `serviceAccount: {create: false, name: inference-sa}`},
+		wantKinds: []string{"InferencePool"},
+		check: func(t *testing.T, r rendered) {
+			if len(r.all("ServiceAccount")) != 0 {
+				t.Error("a ServiceAccount was rendered with serviceAccount.create=false")
+			}
+			d, _ := pickerDeployment(t, r)
+			var rb rbacv1.RoleBinding
+			r.one(t, "RoleBinding", &rb)
+			if d.Spec.Template.Spec.ServiceAccountName != "inference-sa" || rb.Subjects[0].Name != "inference-sa" {
+				t.Errorf("pod runs as %q, Role bound to %q; want inference-sa for both", d.Spec.Template.Spec.ServiceAccountName, rb.Subjects[0].Name)
+			}
+		},
+	}}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			r := mustRender(t, testNamespace, tc.values...)
+			want := append([]string{"ConfigMap", "Deployment", "Role", "RoleBinding", "Service"}, tc.wantKinds...)
+			slices.Sort(want)
+			if diff := cmp.Diff(want, r.kinds()); diff != "" {
+				t.Fatalf("rendered kinds (-want +got):\n%s", diff)
+			}
+			tc.check(t, r)
+			if strings.Contains(r.notes, "<no value>") {
+				t.Errorf("NOTES.txt renders a missing value:\n%s", r.notes)
+			}
+		})
+	}
+}
+
+// TestChartRejectsBadValues checks that a mistake stops the install with a
+// message naming the value at fault.
+func TestChartRejectsBadValues(t *testing.T) {
+	cases := []struct {
+		name   string
+		values []string
+		want   []string
+	}{
+		{"negative replicas", []string{requiredValues, "picker: {replicas: -1}"}, []string{"/picker/replicas", "minimum", "-1"}},
+		{"zero replicas", []string{requiredValues, "picker: {replicas: 0}"}, []string{"/picker/replicas", "minimum"}},
+		{"unknown failure mode", []string{requiredValues, "inferencePool: {failureMode: Sometimes}"}, []string{"/inferencePool/failureMode", "FailOpen", "FailClose"}},
+		{"misspelt key", []string{requiredValues, "picker: {replica: 2}"}, []string{"/picker", "'replica' not allowed"}},
+		{"unknown top-level key", []string{requiredValues, "inferencepool: {name: x}"}, []string{"'inferencepool' not allowed"}},
+		{"unknown picker config field", []string{requiredValues, "picker: {config: {blockSize: 16}}"}, []string{"/picker/config", "'blockSize' not allowed"}},
+		{"picker config out of range", []string{requiredValues, "picker: {config: {blockSizeChars: 2}}"}, []string{"/picker/config/blockSizeChars", "minimum"}},
+		{"pool name not a DNS label", []string{requiredValues, "inferencePool: {name: Llama_3}"}, []string{"/inferencePool/name"}},
+		{"target port out of range", []string{requiredValues, "inferencePool: {targetPorts: [{number: 70000}]}"}, []string{"/inferencePool/targetPorts/0/number", "maximum"}},
+		{"no values", nil, []string{"inferencePool.name is required"}},
+		{"no pool name", []string{"inferencePool: {modelServers: {matchLabels: {app: x}}, targetPorts: [{number: 8000}]}"}, []string{"inferencePool.name is required"}},
+		{"no model server labels", []string{"inferencePool: {name: llama, targetPorts: [{number: 8000}]}"}, []string{"inferencePool.modelServers.matchLabels is required"}},
+		{"no target ports", []string{"inferencePool: {name: llama, modelServers: {matchLabels: {app: x}}}"}, []string{"inferencePool.targetPorts is required"}},
+		{"route without a gateway", []string{requiredValues, "httpRoute: {create: true}"}, []string{"httpRoute.gateway.name is required"}},
+		{"existing ServiceAccount without a name", []string{requiredValues, "serviceAccount: {create: false}"}, []string{"serviceAccount.name is required"}},
+		{"budget without a bound", []string{requiredValues, `podDisruptionBudget: {create: true, maxUnavailable: ""}`}, []string{"set minAvailable or maxUnavailable"}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := render(t, testNamespace, values(t, tc.values...))
+			if err == nil {
+				t.Fatalf("values %q were accepted", tc.values)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error does not contain %q:\n%v", w, err)
+				}
+			}
+		})
+	}
+}
+
+// TestChartLint runs Helm's linter (what `helm lint --strict` runs) with the
+// required values and with every optional resource on.
+func TestChartLint(t *testing.T) {
+	allOn := `
+picker: {replicas: 2}
+httpRoute: {create: true, gateway: {name: inference-gateway}}
+serviceMonitor: {create: true}
+podDisruptionBudget: {create: true}
+`
+	for name, vals := range map[string]map[string]any{
+		"required values": values(t, requiredValues),
+		"all resources":   values(t, requiredValues, allOn),
+	} {
+		t.Run(name, func(t *testing.T) {
+			linter := lint.All(chartDir(t), vals, testNamespace, true)
+			for _, m := range linter.Messages {
+				if m.Severity >= support.WarningSev {
+					t.Errorf("lint: %v", m)
+				} else {
+					t.Logf("lint: %v", m)
+				}
+			}
+		})
+	}
+	t.Run("the linter checks the rendered objects", func(t *testing.T) {
+		// An invalid object name passes the schema and renders, and only the
+		// linter's checks of the rendered objects catch it: if it reported
+		// nothing here, the checks above would prove nothing.
+		bad := values(t, requiredValues, `httpRoute: {create: true, name: Not_A_Name, gateway: {name: gw}}`)
+		linter := lint.All(chartDir(t), bad, testNamespace, true)
+		if linter.HighestSeverity < support.WarningSev {
+			t.Fatalf("lint of an HTTPRoute named Not_A_Name found nothing: %v", linter.Messages)
+		}
+	})
+}
+
+// TestChartSchemaMatchesPickerConfig keeps values.schema.json's picker.config
+// in step with api/v1alpha1: the same fields, and bounds that accept exactly
+// what the picker accepts.
+func TestChartSchemaMatchesPickerConfig(t *testing.T) {
+	type property struct {
+		Type       string              `json:"type"`
+		Minimum    *int64              `json:"minimum"`
+		Maximum    *int64              `json:"maximum"`
+		Properties map[string]property `json:"properties"`
+	}
+	raw, err := os.ReadFile(filepath.Join(chartDir(t), "values.schema.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var schema struct {
+		Properties map[string]struct {
+			Properties map[string]property `json:"properties"`
+		} `json:"properties"`
+	}
+	if err := json.Unmarshal(raw, &schema); err != nil {
+		t.Fatalf("values.schema.json: %v", err)
+	}
+	config := schema.Properties["picker"].Properties["config"]
+
+	wantTop := jsonFields(reflect.TypeFor[v1alpha1.PickerConfig](), "apiVersion", "kind")
+	if diff := cmp.Diff(wantTop, sortedKeys(config.Properties)); diff != "" {
+		t.Errorf("picker.config properties differ from PickerConfig's fields (-PickerConfig +schema):\n%s", diff)
+	}
+	wantSat := jsonFields(reflect.TypeFor[v1alpha1.Saturation]())
+	if diff := cmp.Diff(wantSat, sortedKeys(config.Properties["saturation"].Properties)); diff != "" {
+		t.Errorf("picker.config.saturation properties differ from Saturation's fields (-Saturation +schema):\n%s", diff)
+	}
+
+	// Each bound: the schema accepts it and so does the picker; one past it
+	// the schema refuses and so would the picker.
+	type bound struct {
+		path  []string
+		value int64
+		ok    bool
+	}
+	var bounds []bound
+	add := func(path []string, p property) {
+		if p.Minimum != nil {
+			bounds = append(bounds, bound{path, *p.Minimum, true}, bound{path, *p.Minimum - 1, false})
+		}
+		if p.Maximum != nil {
+			bounds = append(bounds, bound{path, *p.Maximum, true}, bound{path, *p.Maximum + 1, false})
+		}
+	}
+	for name, p := range config.Properties {
+		if p.Type == "integer" {
+			add([]string{name}, p)
+		}
+		for sub, sp := range p.Properties {
+			add([]string{name, sub}, sp)
+		}
+	}
+	if len(bounds) < 2*len(wantTop) {
+		t.Fatalf("found only %d bounds in the schema: %+v", len(bounds), bounds)
+	}
+	for _, b := range bounds {
+		field := strings.Join(b.path, ".")
+		doc := fmt.Sprintf("%d", b.value)
+		for i := len(b.path) - 1; i >= 0; i-- {
+			doc = fmt.Sprintf("{%s: %s}", b.path[i], doc)
+		}
+		_, loadErr := v1alpha1.Load([]byte("apiVersion: " + v1alpha1.GroupVersion + "\nkind: PickerConfig\n" + strings.TrimSuffix(strings.TrimPrefix(doc, "{"), "}")))
+		r, renderErr := render(t, testNamespace, values(t, requiredValues, "picker: {config: "+doc+"}"))
+		switch {
+		case b.ok && renderErr != nil:
+			t.Errorf("%s = %d: the schema refuses a value at its own bound: %v", field, b.value, renderErr)
+		case b.ok && loadErr != nil:
+			t.Errorf("%s = %d: the schema accepts it but the picker refuses it: %v", field, b.value, loadErr)
+		case b.ok:
+			pickerConfig(t, r)
+		case renderErr == nil:
+			t.Errorf("%s = %d: the schema accepts a value past its bound", field, b.value)
+		case loadErr == nil && b.value == 0:
+			// The picker reads a zero as "not set" and applies its default;
+			// the schema asks for the key to be left out instead.
+		case loadErr == nil:
+			t.Errorf("%s = %d: the schema refuses it but the picker accepts it: the schema is stricter than the picker", field, b.value)
+		}
+	}
+}
+
+// jsonFields returns the JSON names of typ's fields, sorted, without skip.
+func jsonFields(typ reflect.Type, skip ...string) []string {
+	var names []string
+	for i := range typ.NumField() {
+		name, _, _ := strings.Cut(typ.Field(i).Tag.Get("json"), ",")
+		if name != "" && name != "-" && !slices.Contains(skip, name) {
+			names = append(names, name)
+		}
+	}
+	slices.Sort(names)
+	return names
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+func ptr[T any](v T) *T { return &v }
