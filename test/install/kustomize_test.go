@@ -26,11 +26,16 @@ const (
 	kustomizePool      = "vllm-llama3-8b-instruct"
 )
 
-// kubectlPath returns the kubectl whose embedded kustomize builds config/,
-// or skips the test: kustomize is not a Go dependency of the module.
+// kubectlPath returns the kubectl whose embedded kustomize builds config/
+// (the one hack/envtest-assets.sh builds beside kube-apiserver first), or
+// skips the test: kustomize is not a Go dependency of the module.
 func kubectlPath(t *testing.T) string {
 	t.Helper()
-	for _, p := range []string{"/usr/bin/kubectl", os.Getenv("KUBECTL")} {
+	var assets string
+	if dir := os.Getenv("KUBEBUILDER_ASSETS"); dir != "" {
+		assets = filepath.Join(dir, "kubectl")
+	}
+	for _, p := range []string{os.Getenv("KUBECTL"), assets, "/usr/bin/kubectl"} {
 		if p == "" {
 			continue
 		}
