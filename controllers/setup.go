@@ -1,0 +1,71 @@
+package controllers
+
+import (
+	"errors"
+	"fmt"
+
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
+
+	"github.com/tallyepp/tally/picker"
+)
+
+// Leader election (configured by the binary) needs leases and events in the
+// picker's namespace.
+// +kubebuilder:rbac:groups=coordination.k8s.io,namespace=tally-system,resources=leases,verbs=get;list;watch;create;update;patch;delete
+// +kubebuilder:rbac:groups="",namespace=tally-system,resources=events,verbs=create;patch
+
+// Scheme returns a scheme with the client-go core types and InferencePool v1.
+func Scheme() *runtime.Scheme {
+	s := runtime.NewScheme()
+	// Registering compiled-in types fails only on a programming error
+	// (conflicting registrations), which no input can cause.
+	if err := clientgoscheme.AddToScheme(s); err != nil {
+		panic(fmt.Sprintf("registering client-go types: %v", err))
+	}
+	if err := infv1.Install(s); err != nil {
+		panic(fmt.Sprintf("registering %s: %v", infv1.SchemeGroupVersion, err))
+	}
+	return s
+}
+
+// CacheOptions limits the manager's cache to namespace, the pool's namespace:
+// the picker only needs that namespace's pods (pools select pods in their own
+// namespace), and its Role grants nothing else.
+func CacheOptions(namespace string) cache.Options {
+	return cache.Options{
+		DefaultNamespaces: map[string]cache.Config{namespace: {}},
+		// Managed fields are never read and are a large share of a pod's size.
+		DefaultTransform: cache.TransformStripManagedFields(),
+	}
+}
+
+// Setup registers the InferencePool and pod reconcilers on mgr. They keep set
+// equal to the endpoints of the pool named pool, which must be in the
+// namespace that the manager's cache covers (CacheOptions).
+func Setup(mgr ctrl.Manager, pool types.NamespacedName, set picker.EndpointSet) error {
+	if pool.Name == "" || pool.Namespace == "" {
+		return fmt.Errorf("InferencePool %q: both a name and a namespace are required", pool)
+	}
+	if set == nil {
+		return errors.New("endpoint set is nil: the reconcilers need a picker.EndpointSet to feed")
+	}
+	endpoints := NewEndpointSync(set)
+	poolR := &InferencePoolReconciler{Client: mgr.GetClient(), Pool: pool, Endpoints: endpoints}
+	if err := poolR.SetupWithManager(mgr); err != nil {
+		return err
+	}
+	podR := &PodReconciler{Client: mgr.GetClient(), Pool: pool, Endpoints: endpoints}
+	return podR.SetupWithManager(mgr)
+}
+
+// readOnlyController is the NeedLeaderElection option of both controllers:
+// they write nothing to the cluster, so every replica runs them and a standby
+// holds a current endpoint set the moment it takes over.
+func readOnlyController() *bool {
+	return new(false)
+}

@@ -1,0 +1,98 @@
+// Package manifests checks the manifests Tally ships against their sources.
+package manifests
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/tallyepp/tally/test/testenv"
+)
+
+const (
+	inferenceModule = "sigs.k8s.io/gateway-api-inference-extension"
+	poolCRDFile     = "inference.networking.k8s.io_inferencepools.yaml"
+)
+
+// TestInferencePoolCRDMatchesModule fails when a copy of the InferencePool CRD
+// in this repository differs from the one shipped in the module version that
+// go.mod pins: the controllers are compiled against that version's types, so
+// the cluster must serve that version's schema.
+func TestInferencePoolCRDMatchesModule(t *testing.T) {
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	modDir := moduleDir(t, root, inferenceModule)
+	shipped := filepath.Join(modDir, "config", "crd", "bases", poolCRDFile)
+	want, err := os.ReadFile(shipped)
+	if err != nil {
+		t.Fatalf("reading the CRD shipped in %s: %v", inferenceModule, err)
+	}
+
+	copies := []struct {
+		path     string
+		optional bool // the chart may not carry CRDs yet
+	}{
+		{path: filepath.Join("config", "crd", "bases", poolCRDFile)},
+		{path: filepath.Join("charts", "tally", "crds", poolCRDFile), optional: true},
+	}
+	for _, c := range copies {
+		t.Run(c.path, func(t *testing.T) {
+			got, err := os.ReadFile(filepath.Join(root, c.path))
+			if c.optional && errors.Is(err, os.ErrNotExist) {
+				t.Skipf("%s does not exist", c.path)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, want) {
+				t.Errorf("%s differs from %s, the CRD of the version go.mod pins; copy it from there.\n%s",
+					c.path, shipped, firstDifference(got, want))
+			}
+		})
+	}
+}
+
+func moduleDir(t *testing.T, root, module string) string {
+	t.Helper()
+	cmd := exec.Command("go", "list", "-m", "-f", "{{.Dir}}", module)
+	cmd.Dir = root
+	out, err := cmd.Output()
+	if err != nil {
+		var stderr []byte
+		if ee, ok := errors.AsType[*exec.ExitError](err); ok {
+			stderr = ee.Stderr
+		}
+		t.Fatalf("go list -m %s: %v\n%s", module, err, stderr)
+	}
+	dir := strings.TrimSpace(string(out))
+	if dir == "" {
+		t.Fatalf("go list -m %s gave no directory: is the module downloaded (go mod download %s)?", module, module)
+	}
+	return dir
+}
+
+// firstDifference describes the first line at which got and want differ.
+func firstDifference(got, want []byte) string {
+	g := strings.Split(string(got), "\n")
+	w := strings.Split(string(want), "\n")
+	for i := 0; i < len(g) || i < len(w); i++ {
+		var gl, wl string
+		if i < len(g) {
+			gl = g[i]
+		}
+		if i < len(w) {
+			wl = w[i]
+		}
+		if i >= len(g) || i >= len(w) || gl != wl {
+			return fmt.Sprintf("first difference at line %d:\n  repository: %q\n  module:     %q", i+1, gl, wl)
+		}
+	}
+	return "the files differ only in line endings or trailing bytes"
+}
