@@ -11,7 +11,7 @@ POOL_NAMESPACE ?= default
 
 .PHONY: help
 help: ## Show this help.
-	@awk 'BEGIN {FS = ":.*##"} /^[a-zA-Z_-]+:.*##/ { printf "  %-16s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*##"} /^[a-zA-Z0-9_-]+:.*##/ { printf "  %-16s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
 .PHONY: build
 build: ## Build every binary into bin/.
@@ -24,6 +24,14 @@ envtest-assets: ## Build (once) the kube-apiserver and etcd the tests run agains
 .PHONY: test
 test: envtest-assets ## Run unit, envtest and fuzz-corpus tests with -race.
 	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(GO) test -race -count=1 ./...
+
+.PHONY: test-e2e
+test-e2e: envtest-assets ## Run only the end-to-end suite (real API server, epp, simulators, dev gateway).
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(GO) test -count=1 ./test/e2e/...
+
+.PHONY: demo
+demo: envtest-assets build ## Start a local stack (API server, simulators, epp, dev gateway on localhost:8080), replay a burst and a trace, compare policies. DEMO_ARGS=--keep leaves it running.
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" bin/demo $(DEMO_ARGS)
 
 .PHONY: fuzz
 fuzz: ## Fuzz the request parser for FUZZTIME (default 2m).
