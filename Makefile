@@ -22,12 +22,12 @@ envtest-assets: ## Build (once) the kube-apiserver and etcd the tests run agains
 	@hack/envtest-assets.sh >/dev/null
 
 .PHONY: test
-test: envtest-assets ## Run unit, envtest and fuzz-corpus tests with -race.
-	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(GO) test -race -count=1 ./...
+test: envtest-assets build ## Run unit, envtest, end-to-end and fuzz-corpus tests with -race.
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" TALLY_E2E_BIN_DIR="$(CURDIR)/bin" $(GO) test -race -count=1 ./...
 
 .PHONY: test-e2e
-test-e2e: envtest-assets ## Run only the end-to-end suite (real API server, epp, simulators, dev gateway).
-	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(GO) test -count=1 ./test/e2e/...
+test-e2e: envtest-assets build ## Run only the end-to-end suite (real API server, epp, simulators, dev gateway).
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" TALLY_E2E_BIN_DIR="$(CURDIR)/bin" $(GO) test -count=1 ./test/e2e/...
 
 .PHONY: demo
 demo: envtest-assets build ## Start a local stack (API server, simulators, epp, dev gateway on localhost:8080), replay a burst and a trace, compare policies. DEMO_ARGS=--keep leaves it running.

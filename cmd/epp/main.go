@@ -30,7 +30,6 @@ import (
 
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap/zapcore"
 	"golang.org/x/sync/errgroup"
@@ -137,8 +136,9 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 	if err != nil {
 		return err
 	}
+	// The picker's own metrics; the Go and process collectors are already on
+	// controller-runtime's registry, served beside this one.
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
 	pick := picker.New(cfg, picker.Options{
 		Registerer:         reg,

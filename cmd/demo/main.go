@@ -1,0 +1,360 @@
+// Command demo runs Tally end to end on this machine and compares it with
+// round-robin routing: `make demo`.
+//
+// It starts a real kube-apiserver and etcd, creates namespace "demo" with
+// InferencePool "demo-pool" and --pods Ready pods whose IPs are 127.0.0.2,
+// 127.0.0.3, ..., serves a simulated vLLM engine on each pod IP at port 8000,
+// and runs the picker (bin/epp) and the dev gateway (bin/devgateway, on
+// localhost:8080) as processes. Then, for each policy, with fresh simulators
+// (empty prefix caches), it replays two workloads and measures them client
+// side:
+//   - burst: --burst concurrent requests sharing a system prompt of
+//     --system-tokens tokens, each with its own user turn;
+//   - mooncake: the Mooncake trace sample (test/data), its arrivals
+//     compressed by --time-scale.
+//
+// Policy "tally" sends the requests through the gateway; "round-robin" sends
+// the same requests straight to the pods in rotation. The simulators run
+// --time-scale times faster than real time, so every time in the table is
+// the measured wall time multiplied back by --time-scale.
+//
+// With --keep the stack stays up after the table until Ctrl-C. Whatever
+// happens, everything the demo started is stopped before it exits; a failure
+// (including any failed request) exits with status 1, a bad flag with status 2.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/go-logr/logr"
+	logf "sigs.k8s.io/controller-runtime/pkg/log"
+
+	"github.com/tallyepp/tally/test/stack"
+	"github.com/tallyepp/tally/test/testenv"
+)
+
+const (
+	exitOK       = 0
+	exitFailure  = 1
+	exitBadUsage = 2
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	opts, err := parseFlags(args, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return exitOK
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "demo: %v\n", err)
+		return exitBadUsage
+	}
+	if err := demo(ctx, opts, stdout, stderr); err != nil {
+		fmt.Fprintf(stderr, "demo: %v\n", err)
+		return exitFailure
+	}
+	return exitOK
+}
+
+func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err error) {
+	// envtest logs through controller-runtime's logger; the demo reports
+	// failures as errors instead.
+	logf.SetLogger(logr.Discard())
+	if err := opts.resolvePaths(); err != nil {
+		return err
+	}
+	trace, err := stack.LoadTraceFile(opts.tracePath)
+	if err != nil {
+		return fmt.Errorf("flag --trace: %w", err)
+	}
+	if opts.traceRequests > 0 && opts.traceRequests < len(trace) {
+		trace = trace[:opts.traceRequests]
+	}
+	workloads := []workload{
+		// The burst runs in real time: through the gateway it pays for the
+		// gateway's and the picker's real work, which a time scale would
+		// multiply along with the simulated engine time.
+		{name: "burst", timeScale: 1, requests: stack.Burst{
+			Requests: opts.burst, SystemTokens: opts.systemTokens, UserTokens: opts.userTokens,
+			MaxTokens: opts.burstMaxTokens, Model: stack.DefaultModel,
+		}.Workload()},
+		{name: "mooncake", timeScale: opts.timeScale, requests: stack.TraceWorkload(trace, stack.DefaultModel, opts.timeScale)},
+	}
+
+	started := time.Now()
+	fmt.Fprintf(stdout, "Starting the API server, %d pods with simulators (trace time scale %g), the picker and the gateway...\n", opts.pods, opts.timeScale)
+	var procOut io.Writer
+	if opts.verbose {
+		procOut = stderr
+	}
+	s, err := stack.Start(ctx, stack.Options{
+		BinDir:        opts.binDir,
+		Pods:          opts.pods,
+		TimeScale:     opts.timeScale,
+		GatewayListen: opts.gatewayListen,
+		Output:        procOut,
+	})
+	if err != nil {
+		return err
+	}
+	defer func() {
+		fmt.Fprintln(stdout, "Stopping the stack...")
+		if stopErr := s.Stop(); stopErr != nil {
+			err = errors.Join(err, fmt.Errorf("stopping the stack: %w", stopErr))
+		}
+	}()
+	fmt.Fprintf(stdout, "Stack up in %.1fs: API server %s, gateway %s, pods %v\n",
+		time.Since(started).Seconds(), s.APIServerURL(), s.GatewayURL(), s.PodNames())
+
+	summaries, err := runPolicies(ctx, s, workloads, opts, stdout)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintln(stdout)
+	if err := stack.WriteTable(stdout, summaries); err != nil {
+		return err
+	}
+	fmt.Fprintln(stdout, "tally: through the dev gateway and the picker; round-robin: the same requests straight to the pods in turn.")
+	fmt.Fprintf(stdout, "Demo took %.0fs of wall time.\n", time.Since(started).Seconds())
+	failed := 0
+	for _, sum := range summaries {
+		failed += sum.Errors
+	}
+	if opts.keep {
+		printKeepInstructions(stdout, s)
+		<-ctx.Done()
+	}
+	if failed > 0 {
+		// The table shows them; a demo with failed requests is still a failure.
+		return fmt.Errorf("%d requests failed (first errors above)", failed)
+	}
+	return nil
+}
+
+type workload struct {
+	name      string
+	timeScale float64 // the simulators' speed-up while it runs
+	requests  []stack.Request
+}
+
+type policy struct {
+	name string
+	// baseURL says where request i goes.
+	baseURL func(s *stack.Stack, pods []*stack.Pod) func(i int) string
+}
+
+var policies = []policy{
+	{name: "tally", baseURL: func(s *stack.Stack, _ []*stack.Pod) func(int) string {
+		return func(int) string { return s.GatewayURL() }
+	}},
+	{name: "round-robin", baseURL: func(_ *stack.Stack, pods []*stack.Pod) func(int) string {
+		return func(i int) string { return pods[i%len(pods)].URL() }
+	}},
+}
+
+// ledgerIdleTimeout bounds the wait for the picker's ledger to drain after
+// a workload through the gateway: every release happens as the last
+// response bytes pass, so it is at zero almost at once.
+const ledgerIdleTimeout = 10 * time.Second
+
+func runPolicies(ctx context.Context, s *stack.Stack, workloads []workload, opts options, stdout io.Writer) ([]stack.Summary, error) {
+	pods := s.Pods()
+	var summaries []stack.Summary
+	for _, pol := range policies {
+		for _, w := range workloads {
+			// Every policy and workload starts from cold simulators: empty
+			// prefix caches.
+			if err := s.ResetSimulators(w.timeScale); err != nil {
+				return nil, err
+			}
+			if err := warmUp(ctx, s, pol.baseURL(s, pods), len(pods)); err != nil {
+				return nil, fmt.Errorf("warming up %s: %w", pol.name, err)
+			}
+			label := pol.name + "/" + w.name
+			fmt.Fprintf(stdout, "%s: replaying %d requests\n", label, len(w.requests))
+			replay := &stack.Replayer{
+				Client:   s.HTTPClient(),
+				BaseURL:  pol.baseURL(s, pods),
+				IDPrefix: label,
+				Progress: func(done, total int) {
+					fmt.Fprintf(stdout, "  %s: %d/%d requests done\n", label, done, total)
+				},
+			}
+			begin := time.Now()
+			results := replay.Run(ctx, w.requests)
+			wall := time.Since(begin)
+			if err := ctx.Err(); err != nil {
+				return nil, fmt.Errorf("interrupted during %s: %w", label, err)
+			}
+			sum := stack.Summarize(pol.name, w.name, results, s.PodNames(), s.ServedBy, wall, w.timeScale)
+			summaries = append(summaries, sum)
+			if pol.name == "tally" {
+				if err := waitLedgerIdle(ctx, s); err != nil {
+					return nil, fmt.Errorf("after %s: %w", label, err)
+				}
+			}
+		}
+	}
+	return summaries, nil
+}
+
+// warmUp sends n small requests the policy's way, one at a time, so the
+// measured workloads find connections open (client to gateway, gateway to
+// picker and pods), as they would be in a running system. Their prompts
+// share nothing with the workloads'.
+func warmUp(ctx context.Context, s *stack.Stack, baseURL func(int) string, n int) error {
+	for i := range n {
+		req := stack.Completion(stack.DefaultModel, fmt.Sprintf("warm-up request %d", i), 1, true)
+		if res := stack.Send(ctx, s.HTTPClient(), baseURL(i), fmt.Sprintf("warmup-%d", i), req); res.Err != nil {
+			return res.Err
+		}
+	}
+	return nil
+}
+
+// waitLedgerIdle checks that the picker released every reservation.
+func waitLedgerIdle(ctx context.Context, s *stack.Stack) error {
+	deadline := time.Now().Add(ledgerIdleTimeout)
+	for {
+		l, err := s.Ledger(ctx)
+		if err == nil && l.Idle() {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			if err != nil {
+				return fmt.Errorf("the picker's ledger: %w", err)
+			}
+			return fmt.Errorf("the picker's ledger still holds %d requests and %d prefill tokens %v after the workload ended", l.InFlight, l.PrefillTokens, ledgerIdleTimeout)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+func printKeepInstructions(w io.Writer, s *stack.Stack) {
+	fmt.Fprintf(w, `
+The stack keeps running until Ctrl-C.
+  API server:  %s (kubeconfig: %s)
+  picker:      %s/metrics and %s/debug/ledger
+  try:
+    curl -s %s/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model":"%s","prompt":"Hello, Tally","max_tokens":8}'
+    kubectl --kubeconfig %s -n %s get inferencepools,pods -o wide
+`, s.APIServerURL(), s.Kubeconfig(), s.PickerMetricsURL(), s.PickerMetricsURL(),
+		s.GatewayURL(), stack.DefaultModel, s.Kubeconfig(), s.Options().Namespace)
+}
+
+type options struct {
+	pods           int
+	timeScale      float64
+	keep           bool
+	verbose        bool
+	binDir         string
+	tracePath      string
+	traceRequests  int
+	burst          int
+	systemTokens   int
+	userTokens     int
+	burstMaxTokens int
+	gatewayListen  string
+}
+
+func parseFlags(args []string, stderr io.Writer) (options, error) {
+	o := options{}
+	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.IntVar(&o.pods, "pods", stack.DefaultPods, "number of pods (simulated model servers) in the pool")
+	fs.Float64Var(&o.timeScale, "time-scale", defaultTimeScale, "how many times faster than real time the simulators run during the trace replay (the burst runs in real time)")
+	fs.BoolVar(&o.keep, "keep", false, "leave the stack running after the table until Ctrl-C")
+	fs.BoolVar(&o.verbose, "v", false, "copy the picker's and the gateway's logs to stderr")
+	fs.StringVar(&o.binDir, "bin-dir", "", "directory holding the epp and devgateway binaries (default: beside this binary, else <repo>/bin)")
+	fs.StringVar(&o.tracePath, "trace", "", "Mooncake-format trace to replay (default: <repo>/test/data/mooncake_sample.jsonl)")
+	fs.IntVar(&o.traceRequests, "trace-requests", 0, "replay only the first N requests of the trace (0: all)")
+	fs.IntVar(&o.burst, "burst", 64, "requests in the burst")
+	fs.IntVar(&o.systemTokens, "system-tokens", 4096, "tokens of the burst's shared system prompt")
+	fs.IntVar(&o.userTokens, "user-tokens", 256, "tokens of each burst request's own user turn")
+	fs.IntVar(&o.burstMaxTokens, "burst-max-tokens", 64, "tokens each burst request generates")
+	fs.StringVar(&o.gatewayListen, "gateway-listen", "localhost:8080", "the gateway's listen address")
+	if err := fs.Parse(args); err != nil {
+		return options{}, err
+	}
+	if fs.NArg() > 0 {
+		return options{}, fmt.Errorf("unexpected argument %q: demo takes flags only", fs.Arg(0))
+	}
+	return o, o.validate()
+}
+
+// defaultTimeScale runs the simulators five times faster than real time: the
+// demo takes under a minute once built. The gateway and the picker run in
+// real time, so their own cost per request (about a millisecond of CPU on
+// this path) is multiplied by the scale in the table's simulated times; a
+// larger scale is faster but inflates the "tally" rows' times by that much.
+const defaultTimeScale = 5
+
+// maxPods keeps pod IPs within 127.0.0.0/8 and the demo within what two
+// cores can simulate.
+const maxPods = 64
+
+func (o options) validate() error {
+	var errs []error
+	positive := func(name string, v, maxV int) {
+		if v < 1 || v > maxV {
+			errs = append(errs, fmt.Errorf("flag --%s: %d is invalid: must be from 1 to %d", name, v, maxV))
+		}
+	}
+	positive("pods", o.pods, maxPods)
+	positive("burst", o.burst, 4096)
+	positive("system-tokens", o.systemTokens, 1<<20)
+	positive("user-tokens", o.userTokens, 1<<20)
+	positive("burst-max-tokens", o.burstMaxTokens, 1<<16)
+	if !(o.timeScale >= 1 && o.timeScale <= 100) {
+		errs = append(errs, fmt.Errorf("flag --time-scale: %g is invalid: must be from 1 to 100", o.timeScale))
+	}
+	if o.traceRequests < 0 {
+		errs = append(errs, fmt.Errorf("flag --trace-requests: %d is invalid: must be 0 (all) or more", o.traceRequests))
+	}
+	return errors.Join(errs...)
+}
+
+// resolvePaths fills in the default binary directory and trace.
+func (o *options) resolvePaths() error {
+	if o.binDir == "" {
+		if exe, err := os.Executable(); err == nil {
+			if _, err := os.Stat(filepath.Join(filepath.Dir(exe), "epp")); err == nil {
+				o.binDir = filepath.Dir(exe)
+			}
+		}
+	}
+	if o.binDir != "" && o.tracePath != "" {
+		return nil
+	}
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		return fmt.Errorf("finding the repository (needed for the defaults of --bin-dir and --trace): %w", err)
+	}
+	if o.binDir == "" {
+		o.binDir = filepath.Join(root, "bin")
+	}
+	if o.tracePath == "" {
+		o.tracePath = filepath.Join(root, "test", "data", "mooncake_sample.jsonl")
+	}
+	return nil
+}

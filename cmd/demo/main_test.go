@@ -1,0 +1,61 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+)
+
+func TestBadFlagsExitTwoNamingTheFlag(t *testing.T) {
+	cases := []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--pods=0"}, "flag --pods: 0 is invalid"},
+		{[]string{"--pods=65"}, "flag --pods: 65 is invalid: must be from 1 to 64"},
+		{[]string{"--time-scale=0.5"}, "flag --time-scale: 0.5 is invalid"},
+		{[]string{"--burst=0"}, "flag --burst: 0 is invalid"},
+		{[]string{"--system-tokens=-1"}, "flag --system-tokens: -1 is invalid"},
+		{[]string{"--trace-requests=-3"}, "flag --trace-requests: -3 is invalid"},
+		{[]string{"--no-such-flag"}, "no-such-flag"},
+		{[]string{"extra"}, `unexpected argument "extra"`},
+	}
+	for _, c := range cases {
+		var stdout, stderr bytes.Buffer
+		code := run(context.Background(), c.args, &stdout, &stderr)
+		if code != exitBadUsage {
+			t.Errorf("%v: exit %d, want %d", c.args, code, exitBadUsage)
+		}
+		if !strings.Contains(stderr.String(), c.want) {
+			t.Errorf("%v: stderr %q does not contain %q", c.args, stderr.String(), c.want)
+		}
+		if stdout.Len() != 0 {
+			t.Errorf("%v: wrote %q on stdout; nothing should start", c.args, stdout.String())
+		}
+	}
+}
+
+func TestDefaultsAreValid(t *testing.T) {
+	o, err := parseFlags(nil, &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.pods != 4 || o.timeScale != defaultTimeScale || o.gatewayListen != "localhost:8080" || o.keep {
+		t.Fatalf("defaults %+v: want 4 pods, time scale %d, gateway on localhost:8080, no --keep", o, defaultTimeScale)
+	}
+}
+
+func TestAMissingTraceFailsBeforeStartingAnything(t *testing.T) {
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), []string{"--bin-dir=" + t.TempDir(), "--trace=/nonexistent/trace.jsonl"}, &stdout, &stderr)
+	if code != exitFailure {
+		t.Fatalf("exit %d, want %d", code, exitFailure)
+	}
+	if !strings.Contains(stderr.String(), "flag --trace") || !strings.Contains(stderr.String(), "/nonexistent/trace.jsonl") {
+		t.Fatalf("stderr %q does not name --trace and the path", stderr.String())
+	}
+	if stdout.Len() != 0 {
+		t.Fatalf("stdout %q: nothing should have started", stdout.String())
+	}
+}

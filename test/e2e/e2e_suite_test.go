@@ -1,0 +1,76 @@
+// Package e2e runs Tally end to end: a real kube-apiserver and etcd, the
+// picker (cmd/epp) and the dev gateway (cmd/devgateway) as processes built
+// from this tree, and simulated vLLM servers on loopback pod IPs. It checks
+// what a user of the pool sees: where requests go as pods come and go, how a
+// burst is spread, that responses pass through whole, the failure modes,
+// and that the picker's ledger drains.
+//
+// Every spec shares one stack and runs in order; a spec that changes the
+// pool (a pod's readiness, the failure mode, the picker's life) puts it back
+// before it ends.
+package e2e
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+	logf "sigs.k8s.io/controller-runtime/pkg/log"
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+
+	"github.com/tallyepp/tally/test/stack"
+	"github.com/tallyepp/tally/test/testenv"
+)
+
+func TestE2E(t *testing.T) {
+	RegisterFailHandler(Fail)
+	RunSpecs(t, "End-to-end suite")
+}
+
+var st *stack.Stack
+
+// binDirEnv names a directory holding already built epp and devgateway
+// binaries; when it is unset the suite builds them from this tree.
+const binDirEnv = "TALLY_E2E_BIN_DIR"
+
+var _ = BeforeSuite(func(ctx SpecContext) {
+	// envtest logs through controller-runtime's logger.
+	logf.SetLogger(zap.New(zap.WriteTo(GinkgoWriter), zap.UseDevMode(true)))
+	binDir := os.Getenv(binDirEnv)
+	if binDir == "" {
+		root, err := testenv.RepoRoot()
+		Expect(err).NotTo(HaveOccurred())
+		binDir = GinkgoT().TempDir()
+		// The same build settings as `make build`, so the build cache
+		// serves both.
+		build := exec.CommandContext(ctx, "go", "build", "-o", binDir+string(filepath.Separator), "./cmd/epp", "./cmd/devgateway")
+		build.Dir = root
+		build.Stdout, build.Stderr = GinkgoWriter, GinkgoWriter
+		Expect(build.Run()).To(Succeed(), "building cmd/epp and cmd/devgateway")
+	}
+
+	var err error
+	st, err = stack.Start(ctx, stack.Options{
+		BinDir:     binDir,
+		Namespace:  "e2e",
+		PoolName:   "e2e-pool",
+		Pods:       4,
+		FirstPodIP: firstPodIP,
+		TimeScale:  10,
+		Output:     GinkgoWriter,
+	})
+	Expect(err).NotTo(HaveOccurred())
+	DeferCleanup(func() {
+		Expect(st.Stop()).To(Succeed())
+	})
+}, NodeTimeout(8*time.Minute)) // a cold build of cmd/epp takes minutes on two cores
+
+// eventually polls with the suite's usual interval.
+func eventually(ctx context.Context, f any) AsyncAssertion {
+	return Eventually(ctx, f).WithPolling(50 * time.Millisecond)
+}

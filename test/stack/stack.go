@@ -1,0 +1,699 @@
+package stack
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
+
+	"github.com/tallyepp/tally/test/modelsim/server"
+	"github.com/tallyepp/tally/test/testenv"
+)
+
+// Defaults of Options.
+const (
+	DefaultNamespace  = "demo"
+	DefaultPoolName   = "demo-pool"
+	DefaultPods       = 4
+	DefaultTargetPort = 8000
+	DefaultModel      = server.DefaultModel
+)
+
+// DefaultFirstPodIP is the first pod's IP; the next pods count up from it.
+var DefaultFirstPodIP = netip.MustParseAddr("127.0.0.2")
+
+const (
+	pickerReadyTimeout  = 60 * time.Second
+	gatewayReadyTimeout = 30 * time.Second
+	pollInterval        = 100 * time.Millisecond
+	// requestTimeout bounds one control request (health, ledger).
+	requestTimeout = 5 * time.Second
+)
+
+// Options configure a Stack. Zero fields take the defaults above.
+type Options struct {
+	// BinDir holds the epp and devgateway binaries (required).
+	BinDir string
+	// Namespace and PoolName name the InferencePool and where it lives.
+	Namespace string
+	PoolName  string
+	// Pods is how many Ready pods to start with.
+	Pods int
+	// FirstPodIP is the first pod's IP (a loopback address); pod i gets
+	// FirstPodIP+i. Each pod's simulator listens on its IP and TargetPort.
+	FirstPodIP netip.Addr
+	TargetPort int32
+	// Model is the model name the simulators serve.
+	Model string
+	// TimeScale runs the simulators this many times faster than real time.
+	TimeScale float64
+	// KVBlocks sizes each simulator's KV cache (16-token blocks); 0 keeps
+	// the engine's default.
+	KVBlocks int
+	// FailureMode is the pool's endpointPickerRef.failureMode (default FailClose).
+	FailureMode infv1.EndpointPickerFailureMode
+	// GatewayListen is the dev gateway's listen address (default
+	// 127.0.0.1:0, a free port).
+	GatewayListen string
+	// PickerArgs are extra flags for the picker.
+	PickerArgs []string
+	// Output receives the processes' output, each line prefixed with the
+	// process name; nil drops it (the last lines still appear in errors).
+	Output io.Writer
+}
+
+func (o *Options) setDefaults() error {
+	if o.BinDir == "" {
+		return errors.New("stack options: BinDir is required: the directory holding the epp and devgateway binaries")
+	}
+	if o.Namespace == "" {
+		o.Namespace = DefaultNamespace
+	}
+	if o.PoolName == "" {
+		o.PoolName = DefaultPoolName
+	}
+	if o.Pods == 0 {
+		o.Pods = DefaultPods
+	}
+	if o.Pods < 0 {
+		return fmt.Errorf("stack options: Pods: %d is invalid: must be 0 or more", o.Pods)
+	}
+	if !o.FirstPodIP.IsValid() {
+		o.FirstPodIP = DefaultFirstPodIP
+	}
+	if !o.FirstPodIP.IsLoopback() {
+		return fmt.Errorf("stack options: FirstPodIP: %s is invalid: must be a loopback address", o.FirstPodIP)
+	}
+	if o.TargetPort == 0 {
+		o.TargetPort = DefaultTargetPort
+	}
+	if o.Model == "" {
+		o.Model = DefaultModel
+	}
+	if o.TimeScale == 0 {
+		o.TimeScale = 1
+	}
+	if o.FailureMode == "" {
+		o.FailureMode = infv1.EndpointPickerFailClose
+	}
+	if o.GatewayListen == "" {
+		o.GatewayListen = "127.0.0.1:0"
+	}
+	for _, bin := range []string{"epp", "devgateway"} {
+		if _, err := os.Stat(filepath.Join(o.BinDir, bin)); err != nil {
+			return fmt.Errorf("stack options: BinDir %q: %w (build it with `go build -o %s/ ./cmd/%s`)", o.BinDir, err, o.BinDir, bin)
+		}
+	}
+	return nil
+}
+
+// Stack is Tally running end to end on loopback. Create it with Start and
+// always Stop it.
+type Stack struct {
+	opts       Options
+	env        *envtest.Environment
+	restConfig *rest.Config
+	kube       client.Client
+	dir        string
+	kubeconfig string
+
+	pickerGRPCPort, pickerHealthPort, pickerMetricsPort int
+	picker                                              *Process
+	gateway                                             *Process
+	gatewayAddr                                         string
+
+	http *http.Client
+
+	mu       sync.Mutex
+	pods     []*Pod
+	nextIP   netip.Addr
+	servedBy map[string]string // request id -> pod name
+	hold     *gate             // non-nil while requests are held at the pods
+}
+
+// Start brings the whole stack up: API server, namespace, pool, pods and
+// their simulators, the picker (ready, with every pod in its endpoint set)
+// and the gateway (listening). On error it stops what it started.
+func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
+	if err := opts.setDefaults(); err != nil {
+		return nil, err
+	}
+	s := &Stack{opts: opts, nextIP: opts.FirstPodIP, servedBy: map[string]string{}, http: NewHTTPClient()}
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, s.Stop())
+		}
+	}()
+	if s.dir, err = os.MkdirTemp("", "tally-stack-"); err != nil {
+		return nil, fmt.Errorf("creating a temporary directory: %w", err)
+	}
+	if s.env, s.restConfig, err = testenv.Start(); err != nil {
+		return nil, fmt.Errorf("starting the API server: %w", err)
+	}
+	scheme := runtime.NewScheme()
+	if err := clientgoscheme.AddToScheme(scheme); err != nil {
+		return nil, err
+	}
+	if err := infv1.Install(scheme); err != nil {
+		return nil, err
+	}
+	if s.kube, err = client.New(s.restConfig, client.Options{Scheme: scheme}); err != nil {
+		return nil, fmt.Errorf("creating an API client: %w", err)
+	}
+	if err := s.writeKubeconfig(); err != nil {
+		return nil, err
+	}
+	if err := createNamespace(ctx, s.kube, opts.Namespace); err != nil {
+		return nil, err
+	}
+	if err := s.kube.Create(ctx, newPool(opts.Namespace, opts.PoolName, opts.TargetPort, opts.FailureMode)); err != nil {
+		return nil, fmt.Errorf("creating InferencePool %s/%s: %w", opts.Namespace, opts.PoolName, err)
+	}
+	for range opts.Pods {
+		if _, err := s.AddPod(ctx, true); err != nil {
+			return nil, err
+		}
+	}
+	if err := s.pickPickerPorts(); err != nil {
+		return nil, err
+	}
+	if err := s.StartPicker(ctx); err != nil {
+		return nil, err
+	}
+	if err := s.WaitForEndpoints(ctx, s.PodNames()...); err != nil {
+		return nil, err
+	}
+	if err := s.startGateway(ctx); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// writeKubeconfig writes a kubeconfig for the picker and the gateway. They
+// run as an administrator: RBAC is the install tests' concern, not this one's.
+func (s *Stack) writeKubeconfig() error {
+	user, err := s.env.AddUser(envtest.User{Name: "tally-stack", Groups: []string{"system:masters"}}, nil)
+	if err != nil {
+		return fmt.Errorf("adding an API server user: %w", err)
+	}
+	data, err := user.KubeConfig()
+	if err != nil {
+		return fmt.Errorf("writing a kubeconfig: %w", err)
+	}
+	s.kubeconfig = filepath.Join(s.dir, "kubeconfig")
+	if err := os.WriteFile(s.kubeconfig, data, 0o600); err != nil {
+		return fmt.Errorf("writing a kubeconfig: %w", err)
+	}
+	return nil
+}
+
+// Stop stops everything the stack started, in reverse order, and removes
+// its temporary files. It is safe to call more than once.
+func (s *Stack) Stop() error {
+	var errs []error
+	if s.gateway != nil {
+		errs = append(errs, s.gateway.Stop())
+	}
+	if s.picker != nil {
+		errs = append(errs, s.picker.Stop())
+	}
+	s.mu.Lock()
+	pods := s.pods
+	hold := s.hold
+	s.hold = nil
+	s.mu.Unlock()
+	if hold != nil {
+		hold.open()
+	}
+	for _, p := range pods {
+		p.stopSimulator()
+	}
+	if s.env != nil {
+		if err := s.env.Stop(); err != nil {
+			errs = append(errs, fmt.Errorf("stopping the API server: %w", err))
+		}
+		s.env = nil
+	}
+	if s.dir != "" {
+		errs = append(errs, os.RemoveAll(s.dir))
+		s.dir = ""
+	}
+	if t, ok := s.http.Transport.(*http.Transport); ok {
+		t.CloseIdleConnections()
+	}
+	return errors.Join(errs...)
+}
+
+// Client is an administrator's client of the stack's API server.
+func (s *Stack) Client() client.Client { return s.kube }
+
+// RestConfig is the administrator's connection to the API server.
+func (s *Stack) RestConfig() *rest.Config { return s.restConfig }
+
+// Kubeconfig is the path of a kubeconfig file for the API server.
+func (s *Stack) Kubeconfig() string { return s.kubeconfig }
+
+// APIServerURL is the API server's address.
+func (s *Stack) APIServerURL() string { return s.restConfig.Host }
+
+// Options returns the options the stack runs with, defaults filled in.
+func (s *Stack) Options() Options { return s.opts }
+
+// GatewayURL is the dev gateway's base URL ("http://127.0.0.1:PORT").
+func (s *Stack) GatewayURL() string { return "http://" + s.gatewayAddr }
+
+// PickerMetricsURL is the picker's metrics server ("/metrics", "/debug/ledger").
+func (s *Stack) PickerMetricsURL() string {
+	return "http://127.0.0.1:" + strconv.Itoa(s.pickerMetricsPort)
+}
+
+// HTTPClient is the client the stack uses for its own requests.
+func (s *Stack) HTTPClient() *http.Client { return s.http }
+
+// freePort finds a port free on the loopback interface. It is free when
+// this returns; a process told to use it binds it soon after.
+func freePort() (int, error) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, fmt.Errorf("finding a free port: %w", err)
+	}
+	defer lis.Close()
+	return lis.Addr().(*net.TCPAddr).Port, nil
+}
+
+func (s *Stack) pickPickerPorts() error {
+	ports := make([]int, 0, 3)
+	for len(ports) < 3 {
+		p, err := freePort()
+		if err != nil {
+			return err
+		}
+		if !slices.Contains(ports, p) {
+			ports = append(ports, p)
+		}
+	}
+	s.pickerGRPCPort, s.pickerHealthPort, s.pickerMetricsPort = ports[0], ports[1], ports[2]
+	return nil
+}
+
+// StartPicker starts the picker process and waits until its gRPC health
+// service reports "readiness" SERVING. The picker keeps its ports across
+// restarts, so the gateway finds it again.
+func (s *Stack) StartPicker(ctx context.Context) error {
+	if s.picker != nil {
+		select {
+		case <-s.picker.Done():
+		default:
+			return errors.New("the picker is already running")
+		}
+	}
+	args := append([]string{
+		"--pool-name=" + s.opts.PoolName,
+		"--pool-namespace=" + s.opts.Namespace,
+		"--kubeconfig=" + s.kubeconfig,
+		"--grpc-port=" + strconv.Itoa(s.pickerGRPCPort),
+		"--grpc-health-port=" + strconv.Itoa(s.pickerHealthPort),
+		"--metrics-port=" + strconv.Itoa(s.pickerMetricsPort),
+	}, s.opts.PickerArgs...)
+	p, err := startProcess("epp", filepath.Join(s.opts.BinDir, "epp"), args, s.opts.Output, nil)
+	if err != nil {
+		return err
+	}
+	s.picker = p
+	conn, err := grpc.NewClient("127.0.0.1:"+strconv.Itoa(s.pickerHealthPort), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return fmt.Errorf("connecting to the picker's health port: %w", err)
+	}
+	defer conn.Close()
+	health := healthpb.NewHealthClient(conn)
+	return p.waitFor(ctx, "the picker to report readiness SERVING", pickerReadyTimeout, pollInterval, func(ctx context.Context) bool {
+		ctx, cancel := context.WithTimeout(ctx, requestTimeout)
+		defer cancel()
+		resp, err := health.Check(ctx, &healthpb.HealthCheckRequest{Service: "readiness"})
+		return err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING
+	})
+}
+
+// KillPicker kills the picker (SIGKILL), as a crash would.
+func (s *Stack) KillPicker() {
+	if s.picker != nil {
+		s.picker.Kill()
+	}
+}
+
+// Picker is the running (or last) picker process.
+func (s *Stack) Picker() *Process { return s.picker }
+
+func (s *Stack) startGateway(ctx context.Context) error {
+	listening := make(chan string, 1)
+	const prefix = "devgateway listening on "
+	onLine := func(line string) {
+		if _, addr, ok := strings.Cut(line, prefix); ok {
+			select {
+			case listening <- strings.TrimSpace(addr):
+			default:
+			}
+		}
+	}
+	args := []string{
+		"--listen=" + s.opts.GatewayListen,
+		"--picker-addr=127.0.0.1:" + strconv.Itoa(s.pickerGRPCPort),
+		"--picker-tls=true",
+		"--kubeconfig=" + s.kubeconfig,
+		"--pool-name=" + s.opts.PoolName,
+		"--pool-namespace=" + s.opts.Namespace,
+	}
+	p, err := startProcess("devgateway", filepath.Join(s.opts.BinDir, "devgateway"), args, s.opts.Output, onLine)
+	if err != nil {
+		return err
+	}
+	s.gateway = p
+	ctx, cancel := context.WithTimeout(ctx, gatewayReadyTimeout)
+	defer cancel()
+	select {
+	case s.gatewayAddr = <-listening:
+		return nil
+	case <-p.Done():
+		return fmt.Errorf("waiting for the gateway to listen: %w", p.exitError())
+	case <-ctx.Done():
+		return fmt.Errorf("waiting for the gateway to print %q: %w; its last output:\n%s", prefix, ctx.Err(), p.Output())
+	}
+}
+
+// SetFailureMode changes the pool's failure mode through the API server.
+func (s *Stack) SetFailureMode(ctx context.Context, mode infv1.EndpointPickerFailureMode) error {
+	return setFailureMode(ctx, s.kube, s.opts.Namespace, s.opts.PoolName, mode)
+}
+
+// Ledger is the picker's in-flight ledger as /debug/ledger reports it.
+type Ledger struct {
+	InFlight      int              `json:"inFlight"`
+	PrefillTokens int              `json:"prefillTokens"`
+	Endpoints     []LedgerEndpoint `json:"endpoints"`
+}
+
+// LedgerEndpoint is one endpoint's row of the ledger.
+type LedgerEndpoint struct {
+	Pod           string `json:"pod"`
+	Endpoint      string `json:"endpoint"`
+	InFlight      int    `json:"inFlight"`
+	PrefillTokens int    `json:"prefillTokens"`
+	Decoding      int    `json:"decoding"`
+}
+
+// Idle reports whether nothing is reserved anywhere in the ledger.
+func (l Ledger) Idle() bool {
+	if l.InFlight != 0 || l.PrefillTokens != 0 {
+		return false
+	}
+	for _, e := range l.Endpoints {
+		if e.InFlight != 0 || e.PrefillTokens != 0 || e.Decoding != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// Pods lists the pods of the ledger's endpoints, sorted.
+func (l Ledger) Pods() []string {
+	pods := make([]string, 0, len(l.Endpoints))
+	for _, e := range l.Endpoints {
+		pods = append(pods, e.Pod)
+	}
+	slices.Sort(pods)
+	return slices.Compact(pods)
+}
+
+// Ledger reads the picker's /debug/ledger.
+func (s *Stack) Ledger(ctx context.Context) (Ledger, error) {
+	ctx, cancel := context.WithTimeout(ctx, requestTimeout)
+	defer cancel()
+	url := s.PickerMetricsURL() + "/debug/ledger"
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return Ledger{}, err
+	}
+	resp, err := s.http.Do(req)
+	if err != nil {
+		return Ledger{}, fmt.Errorf("reading the ledger: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return Ledger{}, fmt.Errorf("reading the ledger: GET %s: HTTP %d", url, resp.StatusCode)
+	}
+	var l Ledger
+	if err := json.NewDecoder(resp.Body).Decode(&l); err != nil {
+		return Ledger{}, fmt.Errorf("decoding the ledger from %s: %w", url, err)
+	}
+	return l, nil
+}
+
+// WaitForEndpoints waits until the picker's endpoint set is exactly the
+// given pods (in any order).
+func (s *Stack) WaitForEndpoints(ctx context.Context, pods ...string) error {
+	want := slices.Sorted(slices.Values(pods))
+	var last []string
+	err := s.picker.waitFor(ctx, fmt.Sprintf("the picker's endpoints to be %v", want), pickerReadyTimeout, pollInterval, func(ctx context.Context) bool {
+		l, err := s.Ledger(ctx)
+		if err != nil {
+			return false
+		}
+		last = l.Pods()
+		return slices.Equal(last, want)
+	})
+	if err != nil {
+		return fmt.Errorf("%w (last seen: %v)", err, last)
+	}
+	return nil
+}
+
+// Pod is one pod of the pool and the simulator that serves its IP.
+type Pod struct {
+	Name string
+	// Addr is the pod's endpoint: its IP and the target port.
+	Addr netip.AddrPort
+
+	stack *Stack
+
+	mu     sync.Mutex
+	served int
+	sim    *server.Server
+	srv    *http.Server
+}
+
+// URL is the pod's simulator base URL ("http://127.0.0.2:8000").
+func (p *Pod) URL() string { return "http://" + p.Addr.String() }
+
+// Served counts the completion requests that reached this pod.
+func (p *Pod) Served() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.served
+}
+
+// Pods returns the stack's pods, in creation order.
+func (s *Stack) Pods() []*Pod {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.pods)
+}
+
+// PodNames returns the pods' names, in creation order.
+func (s *Stack) PodNames() []string {
+	var names []string
+	for _, p := range s.Pods() {
+		names = append(names, p.Name)
+	}
+	return names
+}
+
+// AddPod creates the next pod (IP one above the last) with its simulator
+// already serving, Ready or not.
+func (s *Stack) AddPod(ctx context.Context, ready bool) (*Pod, error) {
+	s.mu.Lock()
+	ip := s.nextIP
+	s.nextIP = ip.Next()
+	p := &Pod{
+		Name:  fmt.Sprintf("sim-%d", len(s.pods)),
+		Addr:  netip.AddrPortFrom(ip, uint16(s.opts.TargetPort)),
+		stack: s,
+	}
+	s.pods = append(s.pods, p)
+	s.mu.Unlock()
+	if !ip.IsLoopback() {
+		return nil, fmt.Errorf("pod %s: IP %s is past the loopback range", p.Name, ip)
+	}
+	if err := p.startSimulator(); err != nil {
+		return nil, err
+	}
+	if err := createPod(ctx, s.kube, s.opts.Namespace, p.Name, ip, s.opts.TargetPort, ready); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// SetReady sets the pod's Ready condition through the API server.
+func (s *Stack) SetReady(ctx context.Context, p *Pod, ready bool) error {
+	return setPodReady(ctx, s.kube, s.opts.Namespace, p.Name, ready)
+}
+
+// ResetSimulators replaces every pod's simulator with a fresh one (an empty
+// KV cache, no requests) on the same address, running timeScale times faster
+// than real time (0 keeps the current scale).
+func (s *Stack) ResetSimulators(timeScale float64) error {
+	if timeScale > 0 {
+		s.mu.Lock()
+		s.opts.TimeScale = timeScale
+		s.mu.Unlock()
+	}
+	for _, p := range s.Pods() {
+		p.stopSimulator()
+		if err := p.startSimulator(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ServedBy names the pod that received the request with this id (sent in
+// RequestIDHeader), or "" if none did.
+func (s *Stack) ServedBy(id string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.servedBy[id]
+}
+
+// Hold makes every pod hold the completion requests it receives (after
+// counting them) until release is called, so a test can see where a burst
+// was placed while all of it is in flight. release is idempotent; Stop
+// releases too.
+func (s *Stack) Hold() (release func()) {
+	g := &gate{ch: make(chan struct{})}
+	s.mu.Lock()
+	prev := s.hold
+	s.hold = g
+	s.mu.Unlock()
+	if prev != nil {
+		prev.open()
+	}
+	return func() {
+		s.mu.Lock()
+		if s.hold == g {
+			s.hold = nil
+		}
+		s.mu.Unlock()
+		g.open()
+	}
+}
+
+// gate holds requests until it opens.
+type gate struct {
+	ch   chan struct{}
+	once sync.Once
+}
+
+func (g *gate) open() { g.once.Do(func() { close(g.ch) }) }
+
+func (s *Stack) currentHold() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.hold == nil {
+		return nil
+	}
+	return s.hold.ch
+}
+
+func (s *Stack) simulatorConfig() server.Config {
+	cfg := server.DefaultConfig()
+	cfg.Model = s.opts.Model
+	s.mu.Lock()
+	cfg.TimeScale = s.opts.TimeScale
+	s.mu.Unlock()
+	if s.opts.KVBlocks > 0 {
+		cfg.Engine.KVBlocks = s.opts.KVBlocks
+	}
+	return cfg
+}
+
+// ServeHTTP records which pod a completion request reached, holds it while
+// the stack holds, and passes it to the simulator.
+func (p *Pod) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	s := p.stack
+	if r.Method == http.MethodPost {
+		p.mu.Lock()
+		p.served++
+		p.mu.Unlock()
+		if id := r.Header.Get(RequestIDHeader); id != "" {
+			s.mu.Lock()
+			s.servedBy[id] = p.Name
+			s.mu.Unlock()
+		}
+		if hold := s.currentHold(); hold != nil {
+			select {
+			case <-hold:
+			case <-r.Context().Done():
+				return
+			}
+		}
+	}
+	p.mu.Lock()
+	sim := p.sim
+	p.mu.Unlock()
+	if sim == nil {
+		http.Error(w, "simulator stopped", http.StatusServiceUnavailable)
+		return
+	}
+	sim.ServeHTTP(w, r)
+}
+
+func (p *Pod) startSimulator() error {
+	sim, err := server.New(p.stack.simulatorConfig())
+	if err != nil {
+		return fmt.Errorf("pod %s: creating its simulator: %w", p.Name, err)
+	}
+	lis, err := net.Listen("tcp", p.Addr.String())
+	if err != nil {
+		sim.Close()
+		return fmt.Errorf("pod %s: listening on its IP: %w", p.Name, err)
+	}
+	srv := &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
+	p.mu.Lock()
+	p.sim, p.srv = sim, srv
+	p.mu.Unlock()
+	go srv.Serve(lis)
+	return nil
+}
+
+func (p *Pod) stopSimulator() {
+	p.mu.Lock()
+	sim, srv := p.sim, p.srv
+	p.sim, p.srv = nil, nil
+	p.mu.Unlock()
+	if srv != nil {
+		srv.Close()
+	}
+	if sim != nil {
+		sim.Close()
+	}
+}
