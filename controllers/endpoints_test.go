@@ -2,6 +2,7 @@ package controllers_test
 
 import (
 	"slices"
+	"strings"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
@@ -163,5 +164,12 @@ func TestEndpointsForIgnoresPodOrder(t *testing.T) {
 		if got := addrs(controllers.EndpointsFor(pool, in)); !slices.Equal(got, want) {
 			t.Errorf("EndpointsFor = %q, want %q", got, want)
 		}
+	}
+}
+
+func TestRESTConfigNamesTheFlagOfABadKubeconfig(t *testing.T) {
+	_, err := controllers.RESTConfig("/does/not/exist/kubeconfig")
+	if err == nil || !strings.Contains(err.Error(), "--kubeconfig") || !strings.Contains(err.Error(), "/does/not/exist/kubeconfig") {
+		t.Fatalf("error %v: want it to name --kubeconfig and the path", err)
 	}
 }

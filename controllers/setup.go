@@ -7,6 +7,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
@@ -68,4 +70,22 @@ func Setup(mgr ctrl.Manager, pool types.NamespacedName, set picker.EndpointSet) 
 // holds a current endpoint set the moment it takes over.
 func readOnlyController() *bool {
 	return new(false)
+}
+
+// RESTConfig returns the API server connection the binaries use: the
+// kubeconfig file at path (their --kubeconfig flag, which defaults to
+// $KUBECONFIG), else the in-cluster service account.
+func RESTConfig(path string) (*rest.Config, error) {
+	if path != "" {
+		c, err := clientcmd.BuildConfigFromFlags("", path)
+		if err != nil {
+			return nil, fmt.Errorf("flag --kubeconfig %q: %w", path, err)
+		}
+		return c, nil
+	}
+	c, err := rest.InClusterConfig()
+	if err != nil {
+		return nil, fmt.Errorf("no --kubeconfig or KUBECONFIG given and not running in a cluster: %w", err)
+	}
+	return c, nil
 }

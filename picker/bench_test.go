@@ -9,6 +9,7 @@ import (
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/picker/prefix"
+	"github.com/tallyepp/tally/test/benchcpu"
 )
 
 // Benchmarks run in the steady state of a busy picker: every endpoint's
@@ -151,13 +152,13 @@ type cpuMeter struct {
 }
 
 func startCPU() cpuMeter {
-	t, ok := processCPU()
+	t, ok := benchcpu.ProcessCPU()
 	return cpuMeter{t, ok}
 }
 
 // report adds cpu-ns/op: the process's CPU time per operation (GC included).
 func (m cpuMeter) report(b *testing.B) {
-	if end, ok := processCPU(); ok && m.ok && b.N > 0 {
+	if end, ok := benchcpu.ProcessCPU(); ok && m.ok && b.N > 0 {
 		b.ReportMetric(float64(end-m.start)/float64(b.N), "cpu-ns/op")
 	}
 }

@@ -71,8 +71,6 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
@@ -234,21 +232,6 @@ func parseEndpointsFlag(s string) ([]string, error) {
 	return out, nil
 }
 
-func restConfig(kubeconfig string) (*rest.Config, error) {
-	if kubeconfig != "" {
-		c, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
-		if err != nil {
-			return nil, fmt.Errorf("flag --kubeconfig %q: %w", kubeconfig, err)
-		}
-		return c, nil
-	}
-	c, err := rest.InClusterConfig()
-	if err != nil {
-		return nil, fmt.Errorf("no --kubeconfig or KUBECONFIG given and not running in a cluster: %w", err)
-	}
-	return c, nil
-}
-
 func dialPicker(opts options) (*grpc.ClientConn, error) {
 	creds := insecure.NewCredentials()
 	if opts.pickerTLS {
@@ -286,7 +269,7 @@ func serve(ctx context.Context, opts options, log *slog.Logger, stderr io.Writer
 	pollCtx, stopPolling := context.WithCancel(ctx)
 	defer stopPolling()
 	if opts.poolName != "" {
-		kube, err := restConfig(opts.kubeconfig)
+		kube, err := controllers.RESTConfig(opts.kubeconfig)
 		if err != nil {
 			return err
 		}

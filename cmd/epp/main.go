@@ -36,8 +36,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
@@ -115,24 +113,9 @@ func loadConfig(opts options) (v1alpha1.PickerConfig, error) {
 	return cfg, nil
 }
 
-func restConfig(kubeconfig string) (*rest.Config, error) {
-	if kubeconfig != "" {
-		c, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
-		if err != nil {
-			return nil, fmt.Errorf("flag --kubeconfig %q: %w", kubeconfig, err)
-		}
-		return c, nil
-	}
-	c, err := rest.InClusterConfig()
-	if err != nil {
-		return nil, fmt.Errorf("no --kubeconfig or KUBECONFIG given and not running in a cluster: %w", err)
-	}
-	return c, nil
-}
-
 // serve runs every part of the picker until ctx ends or one part fails.
 func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log logr.Logger) error {
-	kube, err := restConfig(opts.kubeconfig)
+	kube, err := controllers.RESTConfig(opts.kubeconfig)
 	if err != nil {
 		return err
 	}

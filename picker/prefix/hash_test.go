@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/tallyepp/tally/test/benchcpu"
 )
 
 // text returns n bytes that differ from block to block, derived from tag.
@@ -98,11 +100,11 @@ func BenchmarkHash(b *testing.B) {
 		b.Run(fmt.Sprintf("tokens=%dk", tokens/1000), func(b *testing.B) {
 			b.SetBytes(int64(len(p)))
 			b.ReportAllocs()
-			start, ok := processCPU()
+			start, ok := benchcpu.ProcessCPU()
 			for b.Loop() {
 				dst = Hash(dst[:0], "bench-model", p, 64)
 			}
-			if end, ok2 := processCPU(); ok && ok2 && end > start {
+			if end, ok2 := benchcpu.ProcessCPU(); ok && ok2 && end > start {
 				b.ReportMetric(float64(len(p))*float64(b.N)/1e6/(end-start).Seconds(), "cpu-MB/s")
 			}
 		})

@@ -6,6 +6,8 @@ import (
 	"math/rand/v2"
 	"strings"
 	"testing"
+
+	"github.com/tallyepp/tally/test/benchcpu"
 )
 
 // chatBody builds a realistic chat request of about the given number of
@@ -67,7 +69,7 @@ func BenchmarkParse(b *testing.B) {
 			var dst []byte
 			b.SetBytes(int64(len(body)))
 			b.ReportAllocs()
-			cpu, cpuOK := processCPU()
+			cpu, cpuOK := benchcpu.ProcessCPU()
 			for b.Loop() {
 				p, err := Parse("/v1/chat/completions", body, dst)
 				if err != nil {
@@ -75,8 +77,8 @@ func BenchmarkParse(b *testing.B) {
 				}
 				dst = p.Prompt
 			}
-			if end, ok := processCPU(); ok && cpuOK {
-				// CPU time per operation (GC included): see processCPU.
+			if end, ok := benchcpu.ProcessCPU(); ok && cpuOK {
+				// CPU time per operation (GC included): see benchcpu.ProcessCPU.
 				b.ReportMetric(float64(end-cpu)/float64(b.N), "cpu-ns/op")
 			}
 		})
