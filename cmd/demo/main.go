@@ -216,11 +216,19 @@ func runPolicies(ctx context.Context, s *stack.Stack, workloads []workload, opts
 // warmUp sends n small requests the policy's way, one at a time, so the
 // measured workloads find connections open (client to gateway, gateway to
 // picker and pods), as they would be in a running system. Their prompts
-// share nothing with the workloads'.
+// share nothing with the workloads'. Each is tried twice: the gateway may
+// still pool a connection to a simulator that ResetSimulators replaced, and
+// the first request on it fails; that is what warming up clears.
 func warmUp(ctx context.Context, s *stack.Stack, baseURL func(int) string, n int) error {
 	for i := range n {
 		req := stack.Completion(stack.DefaultModel, fmt.Sprintf("warm-up request %d", i), 1, true)
-		if res := stack.Send(ctx, s.HTTPClient(), baseURL(i), fmt.Sprintf("warmup-%d", i), req); res.Err != nil {
+		var res stack.Result
+		for try := range 2 {
+			if res = stack.Send(ctx, s.HTTPClient(), baseURL(i), fmt.Sprintf("warmup-%d-%d", i, try), req); res.Err == nil {
+				break
+			}
+		}
+		if res.Err != nil {
 			return res.Err
 		}
 	}

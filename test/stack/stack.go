@@ -573,6 +573,9 @@ func (s *Stack) ResetSimulators(timeScale float64) error {
 			return err
 		}
 	}
+	// Pooled connections led to the old simulators: a POST on one fails
+	// with EOF and is not retried, so drop them.
+	s.http.CloseIdleConnections()
 	return nil
 }
 
