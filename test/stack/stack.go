@@ -278,7 +278,11 @@ func (s *Stack) Kubeconfig() string { return s.kubeconfig }
 func (s *Stack) APIServerURL() string { return s.restConfig.Host }
 
 // Options returns the options the stack runs with, defaults filled in.
-func (s *Stack) Options() Options { return s.opts }
+func (s *Stack) Options() Options {
+	s.mu.Lock() // ResetSimulators may change TimeScale
+	defer s.mu.Unlock()
+	return s.opts
+}
 
 // GatewayURL is the dev gateway's base URL ("http://127.0.0.1:PORT").
 func (s *Stack) GatewayURL() string { return "http://" + s.gatewayAddr }
