@@ -3,14 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"io"
-	"math/big"
 	"net/http"
 	"regexp"
 	"strings"
@@ -21,6 +14,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
+
+	"github.com/tallyepp/tally/picker/extproc"
 )
 
 func noEnv(string) string { return "" }
@@ -116,25 +111,6 @@ func (b *lockedBuffer) String() string {
 	return b.buf.String()
 }
 
-func selfSignedCert(t *testing.T) tls.Certificate {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1),
-		Subject:      pkix.Name{CommonName: "picker"},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(time.Hour),
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
-}
-
 // TestRunServesOverTLSAndStopsCleanly runs the command as the demo does:
 // the default --picker-tls against a picker with a self-signed certificate,
 // the listening line on stderr, and a clean stop when the context (the
@@ -144,7 +120,13 @@ func TestRunServesOverTLSAndStopsCleanly(t *testing.T) {
 		_, _ = io.WriteString(w, "from the model server")
 	})
 	picker := newTestPicker(pickerBehavior{destination: up.addr()})
-	creds := credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{selfSignedCert(t)}})
+	// The certificate the picker generates for itself when no --cert-path
+	// is given: the one the gateway meets by default.
+	tlsConfig, err := extproc.ServerTLS("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	creds := credentials.NewTLS(tlsConfig)
 	pickerAddr, _ := startPicker(t, picker, grpc.Creds(creds))
 
 	ctx, stop := context.WithCancel(context.Background())
