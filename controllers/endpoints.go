@@ -48,6 +48,7 @@ func EndpointsFor(pool *infv1.InferencePool, pods []corev1.Pod) []picker.Endpoin
 			}
 			eps = append(eps, picker.Endpoint{
 				Pod:     pod.Name,
+				UID:     string(pod.UID),
 				Address: netip.AddrPortFrom(ip, uint16(port.Number)),
 			})
 		}

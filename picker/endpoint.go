@@ -6,6 +6,12 @@ import "net/netip"
 type Endpoint struct {
 	// Pod names the pod that serves this endpoint (its name in the pool's namespace).
 	Pod string
+	// UID is the pod's UID: what identifies the endpoint's ledger row and
+	// prefix memory across readiness flaps. A pod that leaves the set and
+	// comes back with the same UID gets its row back; another pod at the same
+	// address (a new UID) starts from zero. Empty means "identify by Pod and
+	// Address" (tests, callers without a UID).
+	UID string
 	// Address is the pod IP and target port. Its String form is the value the
 	// picker writes into the destination header ("ip:port", "[v6]:port").
 	Address netip.AddrPort

@@ -59,6 +59,16 @@ type Request struct {
 	// Prompt is the prefix text of the prompt; nil or empty for requests
 	// routed by load alone.
 	Prompt []byte
+	// PromptChars, when Prompt is empty, estimates the prompt's size in
+	// characters for a request routed before its body is known (for
+	// example from its content-length); it is reserved as prefill but
+	// matches no prefix. Ignored when Prompt is set.
+	PromptChars int
+	// Stream says the client asked for a streamed response, so its first
+	// response bytes mark the end of its prefill (the picker learns each
+	// endpoint's prefill rate from them). A non-streamed response's first
+	// bytes come when generation ends.
+	Stream bool
 	// Subset holds the candidates named by the gateway's subset hint.
 	Subset []netip.AddrPort
 	// HasSubset says the gateway sent a subset hint; an empty or
