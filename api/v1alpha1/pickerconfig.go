@@ -23,6 +23,15 @@ const (
 	DefaultDecodeWeightTokens       = 128
 	DefaultFallbackEndpoints        = 3
 	DefaultMaxRequestBytes    int64 = 32 << 20
+	// DefaultEndpointRetentionSeconds is how long an endpoint that left the
+	// set keeps its ledger row and prefix memory (a readiness flap).
+	DefaultEndpointRetentionSeconds = 300
+	// DefaultPrefillTokensPerSecond is each endpoint's starting prefill rate,
+	// before the picker has learned it from streamed first bytes.
+	DefaultPrefillTokensPerSecond = 10_000
+	// DefaultMaxPromptBlocks caps the prompt blocks hashed and recorded per
+	// request: 2,048 blocks of 64 characters, about 32,000 tokens.
+	DefaultMaxPromptBlocks = 2048
 )
 
 // PickerConfig configures how the picker scores and places requests.
@@ -48,6 +57,22 @@ type PickerConfig struct {
 	FallbackEndpoints int `json:"fallbackEndpoints,omitempty"`
 	// MaxRequestBytes bounds a request body; a larger one is answered 413.
 	MaxRequestBytes int64 `json:"maxRequestBytes,omitempty"`
+	// MaxBufferedRequestBytes bounds the request bytes buffered over all
+	// streams at once; a stream that would pass it is answered 503. Zero
+	// derives it from the memory limit the picker runs under (GOMEMLIMIT):
+	// half of it, or 1 GiB without one, and never less than maxRequestBytes.
+	MaxBufferedRequestBytes int64 `json:"maxBufferedRequestBytes,omitempty"`
+	// MaxPromptBlocks caps the prompt blocks hashed and recorded per request.
+	// A longer prompt is matched and recorded on its first MaxPromptBlocks
+	// blocks only (its prefill cost still counts every token).
+	MaxPromptBlocks int `json:"maxPromptBlocks,omitempty"`
+	// EndpointRetentionSeconds is how long an endpoint that left the pool's
+	// endpoint set (a pod turned NotReady) keeps its ledger row and prefix
+	// memory; it keeps them anyway while requests are still in flight on it.
+	EndpointRetentionSeconds int `json:"endpointRetentionSeconds,omitempty"`
+	// PrefillTokensPerSecond is the starting estimate of each endpoint's
+	// prefill rate; the picker learns the real rate from streamed responses.
+	PrefillTokensPerSecond int `json:"prefillTokensPerSecond,omitempty"`
 	// Saturation, when set, answers 429 once every candidate endpoint is over
 	// a limit. Off by default: requests queue on the model servers instead.
 	Saturation Saturation `json:"saturation,omitempty"`
@@ -92,6 +117,15 @@ func (c *PickerConfig) setDefaults() {
 	}
 	if c.MaxRequestBytes == 0 {
 		c.MaxRequestBytes = DefaultMaxRequestBytes
+	}
+	if c.MaxPromptBlocks == 0 {
+		c.MaxPromptBlocks = DefaultMaxPromptBlocks
+	}
+	if c.EndpointRetentionSeconds == 0 {
+		c.EndpointRetentionSeconds = DefaultEndpointRetentionSeconds
+	}
+	if c.PrefillTokensPerSecond == 0 {
+		c.PrefillTokensPerSecond = DefaultPrefillTokensPerSecond
 	}
 }
 
@@ -139,6 +173,18 @@ func (c *PickerConfig) Validate() error {
 	}
 	if c.MaxRequestBytes < 1024 || c.MaxRequestBytes > 1<<30 {
 		bad("maxRequestBytes", c.MaxRequestBytes, "must be from 1024 to 1073741824")
+	}
+	if c.MaxBufferedRequestBytes != 0 && (c.MaxBufferedRequestBytes < c.MaxRequestBytes || c.MaxBufferedRequestBytes > 1<<40) {
+		bad("maxBufferedRequestBytes", c.MaxBufferedRequestBytes, "must be 0 (derived from the memory limit) or from maxRequestBytes to 1099511627776")
+	}
+	if c.MaxPromptBlocks < 1 || c.MaxPromptBlocks > 1_000_000 {
+		bad("maxPromptBlocks", c.MaxPromptBlocks, "must be from 1 to 1000000")
+	}
+	if c.EndpointRetentionSeconds < 1 || c.EndpointRetentionSeconds > 86_400 {
+		bad("endpointRetentionSeconds", c.EndpointRetentionSeconds, "must be from 1 to 86400")
+	}
+	if c.PrefillTokensPerSecond < 1 || c.PrefillTokensPerSecond > 100_000_000 {
+		bad("prefillTokensPerSecond", c.PrefillTokensPerSecond, "must be from 1 to 100000000")
 	}
 	if c.Saturation.MaxInFlightRequests < 0 {
 		bad("saturation.maxInFlightRequests", c.Saturation.MaxInFlightRequests, "must be 0 (off) or more")
