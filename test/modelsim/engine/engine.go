@@ -200,6 +200,12 @@ type Stats struct {
 	KVBlocks       int
 	KVBlocksInUse  int
 	KVBlocksCached int
+	// QueuedPrefillTokens are the prompt tokens still to be computed, the
+	// truth a picker's prefill estimate is measured against: the rest of
+	// each running request's prompt (a chunk in the step that is running
+	// counts until the step ends), and each waiting prompt less the leading
+	// blocks the cache holds for it now (admission may find more or fewer).
+	QueuedPrefillTokens int
 	// PrefixQueryTokens and PrefixHitTokens count, over admitted requests,
 	// prompt tokens looked up in the prefix cache and found there.
 	PrefixQueryTokens int64
@@ -438,7 +444,29 @@ func (e *Engine) Stats() Stats {
 	s.KVBlocks = e.cfg.KVBlocks
 	s.KVBlocksCached = e.lruLen
 	s.KVBlocksInUse = e.cfg.KVBlocks - len(e.free) - e.lruLen
+	s.QueuedPrefillTokens = e.queuedPrefillTokens()
 	return s
+}
+
+// queuedPrefillTokens reads the prefill still to do from the requests, as
+// Stats documents it.
+func (e *Engine) queuedPrefillTokens() int {
+	n := 0
+	for _, r := range e.running {
+		n += r.PromptTokens - r.computed
+	}
+	// computed already counts the chunks of the running step; they are done
+	// only when it ends. The plan is empty between steps.
+	for _, p := range e.plan {
+		if p.r.state == running {
+			n += p.prefill
+		}
+	}
+	for _, r := range e.waiting {
+		hits, _ := e.cachedPrefix(r)
+		n += r.PromptTokens - hits*e.cfg.BlockSizeTokens
+	}
+	return n
 }
 
 // startStep schedules a step at Now: running requests first, then admits
@@ -489,20 +517,7 @@ func (e *Engine) startStep() {
 // hold it now.
 func (e *Engine) admit(r *request) bool {
 	bs := e.cfg.BlockSizeTokens
-	// The last prompt token is always computed: its logits give the first
-	// output token.
-	maxHit := min(len(r.BlockHashes), (r.PromptTokens-1)/bs)
-	hits, hitsEvictable := 0, 0
-	for hits < maxHit {
-		idx, ok := e.byHash[r.BlockHashes[hits]]
-		if !ok {
-			break
-		}
-		if e.blocks[idx].ref == 0 {
-			hitsEvictable++
-		}
-		hits++
-	}
+	hits, hitsEvictable := e.cachedPrefix(r)
 	need := e.BlocksNeeded(r.PromptTokens, r.OutputTokens)
 	if need-hits > len(e.free)+e.lruLen-hitsEvictable {
 		return false
@@ -527,6 +542,25 @@ func (e *Engine) admit(r *request) bool {
 	e.stats.PrefixQueryTokens += int64(r.PromptTokens)
 	e.stats.PrefixHitTokens += int64(r.cached)
 	return true
+}
+
+// cachedPrefix counts the leading prompt blocks of r the cache holds now,
+// and how many of those no running request holds (they sit on the LRU list).
+func (e *Engine) cachedPrefix(r *request) (hits, evictable int) {
+	// The last prompt token is always computed: its logits give the first
+	// output token.
+	maxHit := min(len(r.BlockHashes), (r.PromptTokens-1)/e.cfg.BlockSizeTokens)
+	for hits < maxHit {
+		idx, ok := e.byHash[r.BlockHashes[hits]]
+		if !ok {
+			break
+		}
+		if e.blocks[idx].ref == 0 {
+			evictable++
+		}
+		hits++
+	}
+	return hits, evictable
 }
 
 // schedulePrefill schedules the next n prompt tokens of r and registers the

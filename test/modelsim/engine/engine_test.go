@@ -323,6 +323,58 @@ func TestCancelFreesTheRequest(t *testing.T) {
 	}
 }
 
+// TestQueuedPrefillTokensCountWhatIsLeftToCompute follows one long prompt
+// through chunked prefill, with a second one that shares part of it waiting
+// behind: the gauge counts each step's chunk until the step ends, and a
+// waiting prompt without the blocks the cache already holds.
+func TestQueuedPrefillTokensCountWhatIsLeftToCompute(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.MaxRunningRequests = 1 // keep the second request waiting
+	e := newEngine(t, cfg)
+	bs := cfg.BlockSizeTokens
+	queued := func(want int, when string) {
+		t.Helper()
+		if got := e.Stats().QueuedPrefillTokens; got != want {
+			t.Fatalf("%s: QueuedPrefillTokens = %d, want %d", when, got, want)
+		}
+	}
+	queued(0, "idle")
+
+	const longTokens = 20_000 // chunks of 8,192, 8,192 and 3,616
+	long := Request{ID: "long", PromptTokens: longTokens, OutputTokens: 2, BlockHashes: chain(blocksOf(0, longTokens/bs)...)}
+	mustAdd(t, e, long)
+	queued(longTokens, "waiting, nothing cached")
+
+	e.AdvanceTo(time.Nanosecond) // the first step starts and is still running
+	queued(longTokens, "during the first chunk")
+	e.Step()
+	queued(longTokens-cfg.StepBudgetTokens, "after the first chunk")
+
+	// Shares the first 100 blocks of the long prompt, which the first chunk
+	// has cached; waits, since the long request takes the only running slot.
+	const sharedBlocks, shortTokens = 100, 4000
+	contents := append(blocksOf(0, sharedBlocks), blocksOf(1_000_000, shortTokens/bs-sharedBlocks)...)
+	mustAdd(t, e, Request{ID: "short", PromptTokens: shortTokens, OutputTokens: 1, BlockHashes: chain(contents...)})
+	queued(longTokens-cfg.StepBudgetTokens+shortTokens-sharedBlocks*bs, "with a waiting prompt partly cached")
+
+	runUntil(t, e, FirstToken, "long")
+	queued(shortTokens-sharedBlocks*bs, "the long prompt computed, the short one waiting")
+	runUntil(t, e, FirstToken, "short")
+	queued(0, "both prompts computed")
+	if st := e.Stats(); st.PrefillTokens != int64(longTokens+shortTokens-sharedBlocks*bs) {
+		t.Fatalf("PrefillTokens = %d, want %d: the gauge and the counter disagree on what was computed", st.PrefillTokens, longTokens+shortTokens-sharedBlocks*bs)
+	}
+
+	// A cancelled request leaves nothing queued.
+	mustAdd(t, e, Request{ID: "gone", PromptTokens: 5000, OutputTokens: 1})
+	e.AdvanceTo(e.Now() + time.Nanosecond)
+	e.Cancel("gone")
+	for e.Busy() {
+		e.Step()
+	}
+	queued(0, "after a cancellation")
+}
+
 // TestStatsMatchStateUnderRandomLoad drives the engine with random arrivals,
 // shared prefixes and cancellations, checking after every call that the
 // blocks partition as the invariant says and that Stats agree with the
@@ -372,6 +424,13 @@ func TestStatsMatchStateUnderRandomLoad(t *testing.T) {
 		if st.PrefixHitTokens > st.PrefixQueryTokens {
 			t.Fatalf("hits %d > queries %d", st.PrefixHitTokens, st.PrefixQueryTokens)
 		}
+		livePrompts := 0
+		for _, n := range live {
+			livePrompts += n
+		}
+		if st.QueuedPrefillTokens < 0 || st.QueuedPrefillTokens > livePrompts {
+			t.Fatalf("QueuedPrefillTokens = %d, want from 0 to %d (the live prompts)", st.QueuedPrefillTokens, livePrompts)
+		}
 		if st.KVCacheUsage() != float64(st.KVBlocksInUse)/float64(cfg.KVBlocks) {
 			t.Fatalf("KVCacheUsage %v disagrees with %d/%d", st.KVCacheUsage(), st.KVBlocksInUse, cfg.KVBlocks)
 		}
@@ -412,8 +471,8 @@ func TestStatsMatchStateUnderRandomLoad(t *testing.T) {
 		check(evs)
 	}
 	st := e.Stats()
-	if st.KVBlocksInUse != 0 {
-		t.Fatalf("blocks in use when idle: %d", st.KVBlocksInUse)
+	if st.KVBlocksInUse != 0 || st.QueuedPrefillTokens != 0 {
+		t.Fatalf("idle with %d blocks in use and %d prefill tokens queued", st.KVBlocksInUse, st.QueuedPrefillTokens)
 	}
 	// Requests cancelled before their first token may have been admitted
 	// (counted) or not; all others were counted exactly once.

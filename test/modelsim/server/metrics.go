@@ -32,6 +32,9 @@ func newTTFTHistogram(model string) prometheus.Histogram {
 type collector struct {
 	s                                                    *Server
 	running, waiting, usage, queries, hits, info, finish *prometheus.Desc
+	// queuedPrefill is the simulator's own: vLLM exports no such gauge. It
+	// is the truth the picker's prefill estimate is tested against.
+	queuedPrefill *prometheus.Desc
 }
 
 func newCollector(s *Server) *collector {
@@ -48,11 +51,13 @@ func newCollector(s *Server) *collector {
 		hits:    prometheus.NewDesc("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", nil, l),
 		info:    prometheus.NewDesc("vllm:cache_config_info", "Information of the KV cache configuration.", nil, info),
 		finish:  prometheus.NewDesc("vllm:request_success_total", "Count of successfully processed requests.", []string{"finished_reason"}, l),
+		queuedPrefill: prometheus.NewDesc("modelsim_queued_prefill_tokens",
+			"Prompt tokens not yet computed over waiting and running requests (simulator only; cached tokens excluded).", nil, l),
 	}
 }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.running, c.waiting, c.usage, c.queries, c.hits, c.info, c.finish} {
+	for _, d := range []*prometheus.Desc{c.running, c.waiting, c.usage, c.queries, c.hits, c.info, c.finish, c.queuedPrefill} {
 		ch <- d
 	}
 }
@@ -69,6 +74,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	gauge(c.waiting, float64(st.WaitingRequests))
 	gauge(c.usage, st.KVCacheUsage())
 	gauge(c.info, 1)
+	gauge(c.queuedPrefill, float64(st.QueuedPrefillTokens))
 	counter(c.queries, float64(st.PrefixQueryTokens))
 	counter(c.hits, float64(st.PrefixHitTokens))
 	// The simulator never stops early ("stop"): it always generates the

@@ -1,7 +1,9 @@
 // Package server serves one simulated vLLM engine (package engine) over HTTP
 // in real time, for tests and demos of the picker: the OpenAI completions and
 // chat completions APIs (streaming and not), GET /v1/models, GET /health and
-// GET /metrics with vLLM v1's metric names.
+// GET /metrics with vLLM v1's metric names, plus one of its own,
+// modelsim_queued_prefill_tokens: the prefill the engine has still to do,
+// which a real server cannot report and a test of the picker's estimate needs.
 //
 //	srv, err := server.New(server.DefaultConfig())
 //	defer srv.Close()

@@ -306,6 +306,38 @@ func TestMetricsReflectInFlightRequestsAndCancellationFreesThem(t *testing.T) {
 	})
 }
 
+func TestMetricsReportQueuedPrefillUntilTheFirstToken(t *testing.T) {
+	// One step of a 1,000-token prompt takes about 2 s, long enough to
+	// scrape it in the middle.
+	_, url := startServer(t, func(c *Config) {
+		c.TimeScale = 1
+		c.Engine.PrefillDurationPerToken = 2 * time.Millisecond
+	})
+	const promptTokens = 1000
+	body := fmt.Sprintf(`{"prompt":"%s","max_tokens":1,"stream":true}`, strings.Repeat("y", 4*promptTokens))
+	got := make(chan *http.Response, 1)
+	go func() {
+		resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Errorf("POST: %v", err)
+		}
+		got <- resp
+	}()
+	eventually(t, 2*time.Second, func() error {
+		if q := value(t, scrape(t, url), "modelsim_queued_prefill_tokens", nil); q != promptTokens {
+			return fmt.Errorf("modelsim_queued_prefill_tokens = %v, want %d while the prompt is computed", q, promptTokens)
+		}
+		return nil
+	})
+	if resp := <-got; resp != nil {
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	if q := value(t, scrape(t, url), "modelsim_queued_prefill_tokens", nil); q != 0 {
+		t.Fatalf("modelsim_queued_prefill_tokens = %v once the response is done, want 0", q)
+	}
+}
+
 func TestTimeScaleRunsFasterButReportsEngineTime(t *testing.T) {
 	const scale = 10
 	srv, url := startServer(t, func(c *Config) { c.TimeScale = scale })
