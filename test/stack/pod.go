@@ -1,0 +1,227 @@
+package stack
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"net/netip"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/tallyepp/tally/test/modelsim/server"
+)
+
+// Pod is one pod of the pool and the simulator that serves its IP.
+type Pod struct {
+	Name string
+	// Addr is the pod's endpoint: its IP and the target port.
+	Addr netip.AddrPort
+
+	stack *Stack
+
+	mu     sync.Mutex
+	served int
+	sim    *server.Server
+	srv    *http.Server
+}
+
+// URL is the pod's simulator base URL ("http://127.0.0.2:8000").
+func (p *Pod) URL() string { return "http://" + p.Addr.String() }
+
+// Served counts the completion requests that reached this pod.
+func (p *Pod) Served() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.served
+}
+
+// Pods returns the stack's pods, in creation order.
+func (s *Stack) Pods() []*Pod {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.pods)
+}
+
+// PodNames returns the pods' names, in creation order.
+func (s *Stack) PodNames() []string {
+	var names []string
+	for _, p := range s.Pods() {
+		names = append(names, p.Name)
+	}
+	return names
+}
+
+// AddPod creates the next pod (IP one above the last) with its simulator
+// already serving, Ready or not.
+func (s *Stack) AddPod(ctx context.Context, ready bool) (*Pod, error) {
+	s.mu.Lock()
+	ip := s.nextIP
+	s.nextIP = ip.Next()
+	p := &Pod{
+		Name:  fmt.Sprintf("sim-%d", len(s.pods)),
+		Addr:  netip.AddrPortFrom(ip, uint16(s.opts.TargetPort)),
+		stack: s,
+	}
+	s.pods = append(s.pods, p)
+	s.mu.Unlock()
+	if !ip.IsLoopback() {
+		return nil, fmt.Errorf("pod %s: IP %s is past the loopback range", p.Name, ip)
+	}
+	if err := p.startSimulator(); err != nil {
+		return nil, err
+	}
+	if err := createPod(ctx, s.kube, s.opts.Namespace, p.Name, ip, s.opts.TargetPort, ready); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// SetReady sets the pod's Ready condition through the API server.
+func (s *Stack) SetReady(ctx context.Context, p *Pod, ready bool) error {
+	return setPodReady(ctx, s.kube, s.opts.Namespace, p.Name, ready)
+}
+
+// ResetSimulators replaces every pod's simulator with a fresh one (an empty
+// KV cache, no requests) on the same address, running timeScale times faster
+// than real time (0 keeps the current scale).
+func (s *Stack) ResetSimulators(timeScale float64) error {
+	if timeScale > 0 {
+		s.mu.Lock()
+		s.opts.TimeScale = timeScale
+		s.mu.Unlock()
+	}
+	for _, p := range s.Pods() {
+		p.stopSimulator()
+		if err := p.startSimulator(); err != nil {
+			return err
+		}
+	}
+	// Pooled connections led to the old simulators: a POST on one fails
+	// with EOF and is not retried, so drop them.
+	s.http.CloseIdleConnections()
+	return nil
+}
+
+// ServedBy names the pod that received the request with this id (sent in
+// RequestIDHeader), or "" if none did.
+func (s *Stack) ServedBy(id string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.servedBy[id]
+}
+
+// Hold makes every pod hold the completion requests it receives (after
+// counting them) until release is called, so a test can see where a burst
+// was placed while all of it is in flight. release is idempotent; Stop
+// releases too.
+func (s *Stack) Hold() (release func()) {
+	g := &gate{ch: make(chan struct{})}
+	s.mu.Lock()
+	prev := s.hold
+	s.hold = g
+	s.mu.Unlock()
+	if prev != nil {
+		prev.open()
+	}
+	return func() {
+		s.mu.Lock()
+		if s.hold == g {
+			s.hold = nil
+		}
+		s.mu.Unlock()
+		g.open()
+	}
+}
+
+// gate holds requests until it opens.
+type gate struct {
+	ch   chan struct{}
+	once sync.Once
+}
+
+func (g *gate) open() { g.once.Do(func() { close(g.ch) }) }
+
+func (s *Stack) currentHold() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.hold == nil {
+		return nil
+	}
+	return s.hold.ch
+}
+
+func (s *Stack) simulatorConfig() server.Config {
+	cfg := server.DefaultConfig()
+	cfg.Model = s.opts.Model
+	s.mu.Lock()
+	cfg.TimeScale = s.opts.TimeScale
+	s.mu.Unlock()
+	if s.opts.KVBlocks > 0 {
+		cfg.Engine.KVBlocks = s.opts.KVBlocks
+	}
+	return cfg
+}
+
+// ServeHTTP records which pod a completion request reached, holds it while
+// the stack holds, and passes it to the simulator.
+func (p *Pod) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	s := p.stack
+	if r.Method == http.MethodPost {
+		p.mu.Lock()
+		p.served++
+		p.mu.Unlock()
+		if id := r.Header.Get(RequestIDHeader); id != "" {
+			s.mu.Lock()
+			s.servedBy[id] = p.Name
+			s.mu.Unlock()
+		}
+		if hold := s.currentHold(); hold != nil {
+			select {
+			case <-hold:
+			case <-r.Context().Done():
+				return
+			}
+		}
+	}
+	p.mu.Lock()
+	sim := p.sim
+	p.mu.Unlock()
+	if sim == nil {
+		http.Error(w, "simulator stopped", http.StatusServiceUnavailable)
+		return
+	}
+	sim.ServeHTTP(w, r)
+}
+
+func (p *Pod) startSimulator() error {
+	sim, err := server.New(p.stack.simulatorConfig())
+	if err != nil {
+		return fmt.Errorf("pod %s: creating its simulator: %w", p.Name, err)
+	}
+	lis, err := net.Listen("tcp", p.Addr.String())
+	if err != nil {
+		sim.Close()
+		return fmt.Errorf("pod %s: listening on its IP: %w", p.Name, err)
+	}
+	srv := &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
+	p.mu.Lock()
+	p.sim, p.srv = sim, srv
+	p.mu.Unlock()
+	go srv.Serve(lis)
+	return nil
+}
+
+func (p *Pod) stopSimulator() {
+	p.mu.Lock()
+	sim, srv := p.sim, p.srv
+	p.sim, p.srv = nil, nil
+	p.mu.Unlock()
+	if srv != nil {
+		srv.Close()
+	}
+	if sim != nil {
+		sim.Close()
+	}
+}
