@@ -200,11 +200,13 @@ type Stats struct {
 	KVBlocks       int
 	KVBlocksInUse  int
 	KVBlocksCached int
-	// QueuedPrefillTokens are the prompt tokens still to be computed, the
-	// truth a picker's prefill estimate is measured against: the rest of
-	// each running request's prompt (a chunk in the step that is running
-	// counts until the step ends), and each waiting prompt less the leading
-	// blocks the cache holds for it now (admission may find more or fewer).
+	// QueuedPrefillTokens is the prefill work left, in prompt tokens: the
+	// truth a picker's prefill estimate is measured against. It counts the
+	// rest of each running request's prompt, each waiting prompt less the
+	// leading blocks the cache holds for it now (admission may find more or
+	// fewer), and, of the chunks in the step that is running, the share of
+	// the step still to run: a request arriving mid-step waits only for the
+	// rest of it.
 	QueuedPrefillTokens int
 	// PrefixQueryTokens and PrefixHitTokens count, over admitted requests,
 	// prompt tokens looked up in the prefix cache and found there.
@@ -282,10 +284,11 @@ type Engine struct {
 	waiting  []*request // FIFO
 	running  []*request // in admission order
 
-	inFlight bool
-	stepEnd  time.Duration
-	plan     []scheduled
-	events   []Event
+	inFlight  bool
+	stepStart time.Duration
+	stepEnd   time.Duration
+	plan      []scheduled
+	events    []Event
 
 	stats Stats // counters only; gauges are computed in Stats
 }
@@ -448,19 +451,22 @@ func (e *Engine) Stats() Stats {
 	return s
 }
 
-// queuedPrefillTokens reads the prefill still to do from the requests, as
-// Stats documents it.
+// queuedPrefillTokens reads the prefill work left from the requests and the
+// running step, as Stats documents it.
 func (e *Engine) queuedPrefillTokens() int {
 	n := 0
 	for _, r := range e.running {
-		n += r.PromptTokens - r.computed
+		n += r.PromptTokens - r.computed // computed counts the running step's chunks already
 	}
-	// computed already counts the chunks of the running step; they are done
-	// only when it ends. The plan is empty between steps.
-	for _, p := range e.plan {
-		if p.r.state == running {
-			n += p.prefill
+	if e.inFlight {
+		inStep := 0
+		for _, p := range e.plan {
+			if p.r.state == running {
+				inStep += p.prefill
+			}
 		}
+		left := float64(e.stepEnd-e.now) / float64(e.stepEnd-e.stepStart)
+		n += int(math.Round(float64(inStep) * left))
 	}
 	for _, r := range e.waiting {
 		hits, _ := e.cachedPrefix(r)
@@ -507,6 +513,7 @@ func (e *Engine) startStep() {
 		time.Duration(prefillTokens)*e.cfg.PrefillDurationPerToken +
 		time.Duration(decodes)*e.cfg.DecodeDurationPerSequence
 	e.inFlight = true
+	e.stepStart = e.now
 	e.stepEnd = e.now + d
 	e.stats.Steps++
 	e.stats.BusyTime += d

@@ -325,8 +325,9 @@ func TestCancelFreesTheRequest(t *testing.T) {
 
 // TestQueuedPrefillTokensCountWhatIsLeftToCompute follows one long prompt
 // through chunked prefill, with a second one that shares part of it waiting
-// behind: the gauge counts each step's chunk until the step ends, and a
-// waiting prompt without the blocks the cache already holds.
+// behind: the gauge counts the share of a step's chunk that the step has
+// still to run, and a waiting prompt without the blocks the cache already
+// holds.
 func TestQueuedPrefillTokensCountWhatIsLeftToCompute(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.MaxRunningRequests = 1 // keep the second request waiting
@@ -346,7 +347,10 @@ func TestQueuedPrefillTokensCountWhatIsLeftToCompute(t *testing.T) {
 	queued(longTokens, "waiting, nothing cached")
 
 	e.AdvanceTo(time.Nanosecond) // the first step starts and is still running
-	queued(longTokens, "during the first chunk")
+	queued(longTokens, "as the first chunk starts")
+	stepEnd, _ := e.NextEventAt()
+	e.AdvanceTo(stepEnd / 2)
+	queued(longTokens-cfg.StepBudgetTokens/2, "half way through the first chunk")
 	e.Step()
 	queued(longTokens-cfg.StepBudgetTokens, "after the first chunk")
 

@@ -308,7 +308,7 @@ func TestMetricsReflectInFlightRequestsAndCancellationFreesThem(t *testing.T) {
 
 func TestMetricsReportQueuedPrefillUntilTheFirstToken(t *testing.T) {
 	// One step of a 1,000-token prompt takes about 2 s, long enough to
-	// scrape it in the middle.
+	// scrape it twice in the middle.
 	_, url := startServer(t, func(c *Config) {
 		c.TimeScale = 1
 		c.Engine.PrefillDurationPerToken = 2 * time.Millisecond
@@ -323,9 +323,17 @@ func TestMetricsReportQueuedPrefillUntilTheFirstToken(t *testing.T) {
 		}
 		got <- resp
 	}()
+	// While the step runs, the work left shrinks from the whole prompt.
+	var first float64
 	eventually(t, 2*time.Second, func() error {
-		if q := value(t, scrape(t, url), "modelsim_queued_prefill_tokens", nil); q != promptTokens {
-			return fmt.Errorf("modelsim_queued_prefill_tokens = %v, want %d while the prompt is computed", q, promptTokens)
+		if first = value(t, scrape(t, url), "modelsim_queued_prefill_tokens", nil); first <= 0 || first > promptTokens {
+			return fmt.Errorf("modelsim_queued_prefill_tokens = %v, want from 1 to %d while the prompt is computed", first, promptTokens)
+		}
+		return nil
+	})
+	eventually(t, 2*time.Second, func() error {
+		if q := value(t, scrape(t, url), "modelsim_queued_prefill_tokens", nil); q >= first || q <= 0 {
+			return fmt.Errorf("modelsim_queued_prefill_tokens = %v, want below %v and above 0 later in the step", q, first)
 		}
 		return nil
 	})
