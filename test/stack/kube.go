@@ -8,6 +8,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
@@ -53,8 +55,9 @@ func createNamespace(ctx context.Context, c client.Client, name string) error {
 }
 
 // createPod creates a pod of the pool and, with no kubelet to do it, sets
-// its status: the pod IP and the Ready condition.
-func createPod(ctx context.Context, c client.Client, namespace, name string, ip netip.Addr, port int32, ready bool) error {
+// its status: the pod IP and the Ready condition. It returns the UID the
+// API server gave the pod.
+func createPod(ctx context.Context, c client.Client, namespace, name string, ip netip.Addr, port int32, ready bool) (types.UID, error) {
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name, Labels: podSelectorLabel},
 		Spec: corev1.PodSpec{Containers: []corev1.Container{{
@@ -64,7 +67,7 @@ func createPod(ctx context.Context, c client.Client, namespace, name string, ip 
 		}}},
 	}
 	if err := c.Create(ctx, pod); err != nil {
-		return fmt.Errorf("creating pod %s/%s: %w", namespace, name, err)
+		return "", fmt.Errorf("creating pod %s/%s: %w", namespace, name, err)
 	}
 	pod.Status = corev1.PodStatus{
 		Phase:  corev1.PodRunning,
@@ -75,7 +78,28 @@ func createPod(ctx context.Context, c client.Client, namespace, name string, ip 
 		},
 	}
 	if err := c.Status().Update(ctx, pod); err != nil {
-		return fmt.Errorf("setting the status of pod %s/%s: %w", namespace, name, err)
+		return "", fmt.Errorf("setting the status of pod %s/%s: %w", namespace, name, err)
+	}
+	return pod.UID, nil
+}
+
+// deletePod deletes a pod at once (no kubelet would confirm a graceful
+// deletion) and waits until the API server no longer has it, so that a pod
+// created next under its name is a new object.
+func deletePod(ctx context.Context, c client.Client, namespace, name string) error {
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name}}
+	if err := c.Delete(ctx, pod, client.GracePeriodSeconds(0)); err != nil {
+		return fmt.Errorf("deleting pod %s/%s: %w", namespace, name, err)
+	}
+	err := wait.PollUntilContextTimeout(ctx, pollInterval, podDeleteTimeout, true, func(ctx context.Context) (bool, error) {
+		err := c.Get(ctx, client.ObjectKey{Namespace: namespace, Name: name}, &corev1.Pod{})
+		if apierrors.IsNotFound(err) {
+			return true, nil
+		}
+		return false, err
+	})
+	if err != nil {
+		return fmt.Errorf("waiting for pod %s/%s to be gone: %w", namespace, name, err)
 	}
 	return nil
 }

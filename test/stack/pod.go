@@ -10,6 +10,9 @@ import (
 	"sync"
 	"time"
 
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/tallyepp/tally/test/modelsim/engine"
 	"github.com/tallyepp/tally/test/modelsim/server"
 )
 
@@ -22,9 +25,30 @@ type Pod struct {
 	stack *Stack
 
 	mu     sync.Mutex
+	uid    types.UID // of the pod object now in the API server
 	served int
 	sim    *server.Server
 	srv    *http.Server
+}
+
+// UID is the UID of the pod object that now stands for this pod: a new one
+// after RecreatePod.
+func (p *Pod) UID() types.UID {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.uid
+}
+
+// Stats reads the pod's simulated engine: its gauges (such as the prefill
+// still queued) and counters. ok is false while no simulator runs.
+func (p *Pod) Stats() (st engine.Stats, ok bool) {
+	p.mu.Lock()
+	sim := p.sim
+	p.mu.Unlock()
+	if sim == nil {
+		return engine.Stats{}, false
+	}
+	return sim.Stats(), true
 }
 
 // URL is the pod's simulator base URL ("http://127.0.0.2:8000").
@@ -72,10 +96,36 @@ func (s *Stack) AddPod(ctx context.Context, ready bool) (*Pod, error) {
 	if err := p.startSimulator(); err != nil {
 		return nil, err
 	}
-	if err := createPod(ctx, s.kube, s.opts.Namespace, p.Name, ip, s.opts.TargetPort, ready); err != nil {
+	uid, err := createPod(ctx, s.kube, s.opts.Namespace, p.Name, ip, s.opts.TargetPort, ready)
+	if err != nil {
 		return nil, err
 	}
+	p.mu.Lock()
+	p.uid = uid
+	p.mu.Unlock()
 	return p, nil
+}
+
+// DeletePod deletes the pod's object from the API server and waits until it
+// is gone. Its simulator keeps serving, and holding what it holds: requests
+// already sent to the address are still in flight, as they are on a node
+// until their connections break.
+func (s *Stack) DeletePod(ctx context.Context, p *Pod) error {
+	return deletePod(ctx, s.kube, s.opts.Namespace, p.Name)
+}
+
+// RecreatePod creates a new pod object for p after DeletePod: the same
+// name and IP, served by the same simulator, but a new UID, as when a
+// StatefulSet replaces a pod and the address is reused.
+func (s *Stack) RecreatePod(ctx context.Context, p *Pod, ready bool) error {
+	uid, err := createPod(ctx, s.kube, s.opts.Namespace, p.Name, p.Addr.Addr(), s.opts.TargetPort, ready)
+	if err != nil {
+		return err
+	}
+	p.mu.Lock()
+	p.uid = uid
+	p.mu.Unlock()
+	return nil
 }
 
 // SetReady sets the pod's Ready condition through the API server.

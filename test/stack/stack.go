@@ -47,7 +47,8 @@ const (
 	gatewayReadyTimeout = 30 * time.Second
 	pollInterval        = 100 * time.Millisecond
 	// requestTimeout bounds one control request (health, ledger).
-	requestTimeout = 5 * time.Second
+	requestTimeout   = 5 * time.Second
+	podDeleteTimeout = 30 * time.Second
 )
 
 // Options configure a Stack. Zero fields take the defaults above.
