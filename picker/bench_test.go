@@ -123,12 +123,12 @@ func BenchmarkCriticalSection(b *testing.B) {
 								hashes[i] = base[i] ^ n<<40
 							}
 						}
-						*r = Reservation{p: p, hashes: hashes}
+						*r = Reservation{p: p, hashes: hashes, promptChars: len(prompt)}
 						p.mu.Lock()
 						if err := p.placeLocked(r, req); err != nil {
 							panic(err)
 						}
-						p.releaseLocked(r)
+						p.releaseLocked(r, 0)
 						p.mu.Unlock()
 					}
 					for range 2 * benchLRUBlocks / len(hashes) { // fill the LRU

@@ -62,6 +62,11 @@ func newPicker(t testing.TB, n int, cfg v1alpha1.PickerConfig, opts Options) *Pi
 	if opts.Rand == nil {
 		opts.Rand = rand.New(rand.NewPCG(1, 2))
 	}
+	if opts.Now == nil {
+		// A clock that stands still unless a test moves it: the drain model
+		// then releases no prefill behind a test's back.
+		opts.Now = newFakeClock().Now
+	}
 	p := New(cfg, opts)
 	p.Replace(endpoints(n))
 	return p

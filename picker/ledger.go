@@ -1,22 +1,47 @@
 package picker
 
-import "net/netip"
+import (
+	"math"
+	"net/netip"
+)
 
 // row is one endpoint's line in the ledger. Reservations point at their row,
-// never at an address: once an endpoint is removed its row is no longer live
-// and releases against it do nothing, so a later endpoint at the same address
-// (a new row) is never decremented by requests it did not receive.
+// never at an address, and a row is identified by its pod's UID (rowKey), so
+// a readiness flap hands the same row back and another pod at the same
+// address never inherits it.
 //
-// A live row's counters are the sums over the unreleased reservations that
-// point at it, so they never go negative.
+// A row is current while its endpoint is in the set (a candidate), retained
+// after it leaves while it still holds reservations or for the retention
+// window, and dropped after that; a dropped row holds no reservations.
+//
+// A row's counters are the sums over the unreleased reservations that point
+// at it, so they never go negative: hold and drop are the only places that
+// change them, besides endPrefill, which moves a reservation from prefill to
+// decoding.
 type row struct {
-	ep   Endpoint
-	id   int // prefix index id while live
-	live bool
+	ep      Endpoint
+	key     rowKey
+	id      int // prefix index id until dropped
+	current bool
+	dropped bool
+	leftAt  int64 // clock (ns) when it left the set, while retained
 
 	inFlight int // reserved and not released
-	prefill  int // outstanding prefill tokens
-	decoding int // past the first byte, not released
+	prefill  int // prefill tokens of its reservations still in prefill
+	decoding int // past their first byte, or past their modelled prefill
+
+	// The prefill drain model (see the package doc). posIn counts the
+	// prefill tokens ever queued here and posOut those the model says are
+	// computed, as of at; both are positions in one FIFO, so a
+	// reservation's prefill is done when posOut reaches its endPos.
+	rate          float64 // tokens per second
+	posIn, posOut float64
+	at            int64
+	// learnTokens / learnSeconds: decayed sums of the work done before
+	// streamed first bytes, and of the time it took; their ratio is rate.
+	learnTokens, learnSeconds float64
+	// Reservations still in prefill, in the order they joined the queue.
+	qHead, qTail *Reservation
 
 	// Scratch of the pick in progress (under the lock).
 	mark      uint64
@@ -26,15 +51,153 @@ type row struct {
 	taken     bool // chosen already, or not eligible
 }
 
+// rowKey identifies an endpoint across endpoint sets: its pod UID and
+// address, or, for callers that give no UID, its pod name and address.
+type rowKey struct {
+	uid, pod string
+	addr     netip.AddrPort
+}
+
+func identity(ep Endpoint) rowKey {
+	if ep.UID != "" {
+		return rowKey{uid: ep.UID, addr: key(ep.Address)}
+	}
+	return rowKey{pod: ep.Pod, addr: key(ep.Address)}
+}
+
 // key is the form addresses take in byAddr: an IPv4 endpoint may be named
 // in IPv4-mapped IPv6 form by a gateway.
 func key(a netip.AddrPort) netip.AddrPort {
 	return netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
 }
 
-// candidatesLocked returns the rows the request may go to: every endpoint, or
-// those the subset hint names (each once). It does not allocate: p.cand has
-// room for every row.
+// Bounds on a learned prefill rate, in tokens per second, and how fast
+// learning forgets: each streamed first byte weighs the earlier samples by
+// rateDecay, and the configured starting rate counts as one sample of
+// ratePriorSeconds.
+const (
+	minPrefillRate   = 1.0
+	maxPrefillRate   = 1e8
+	rateDecay        = 0.9
+	ratePriorSeconds = 0.1
+)
+
+// advance moves the drain model to now: the queue has drained at rate since
+// the last update, never past what was queued.
+func (w *row) advance(now int64) {
+	if now <= w.at {
+		return
+	}
+	w.posOut = min(w.posIn, w.posOut+w.rate*float64(now-w.at)/1e9)
+	w.at = now
+}
+
+// drain advances the model and moves every reservation whose modelled
+// prefill is done to decoding: amortised O(1), since each reservation leaves
+// the queue once.
+func (w *row) drain(now int64) {
+	w.advance(now)
+	for r := w.qHead; r != nil && (r.endPos <= w.posOut || w.posOut >= w.posIn); r = w.qHead {
+		w.endPrefill(r, now)
+	}
+}
+
+// queued is the modelled prefill still to compute here, in tokens (call
+// drain first).
+func (w *row) queued() int {
+	return min(w.prefill, max(int(math.Ceil(w.posIn-w.posOut)), 0))
+}
+
+// hold adds r to the row: its request, and its prefill at the back of the
+// queue (or its decoding).
+func (w *row) hold(r *Reservation, now int64) {
+	w.inFlight++
+	if r.decoding {
+		w.decoding++
+		return
+	}
+	w.advance(now)
+	ahead := w.queued()
+	w.prefill += r.prefill
+	w.posIn += float64(r.prefill)
+	r.endPos = w.posIn
+	r.work = ahead + r.prefill
+	r.enqueuedAt = now
+	r.qPrev, r.qNext = w.qTail, nil
+	if w.qTail != nil {
+		w.qTail.qNext = r
+	} else {
+		w.qHead = r
+	}
+	w.qTail = r
+}
+
+// drop takes r off the row, whatever it holds there.
+func (w *row) drop(r *Reservation, now int64) {
+	w.inFlight--
+	if r.decoding {
+		w.decoding--
+		return
+	}
+	w.leaveQueue(r, now)
+}
+
+// endPrefill moves r from prefill to decoding: its first byte came, or the
+// model says its prefill is done.
+func (w *row) endPrefill(r *Reservation, now int64) {
+	w.leaveQueue(r, now)
+	r.prefill = 0
+	r.decoding = true
+	w.decoding++
+}
+
+// leaveQueue takes r's prefill out of the queue before the model finished
+// it. What the model still counted for r leaves the queue with it: at the
+// head by moving posOut (everything behind moves up, exactly), elsewhere by
+// moving posIn (later reservations keep their positions and finish a little
+// late, until the queue empties).
+func (w *row) leaveQueue(r *Reservation, now int64) {
+	w.advance(now)
+	rem := min(float64(r.prefill), max(r.endPos-w.posOut, 0))
+	if r == w.qHead {
+		w.posOut += rem
+	} else {
+		w.posIn -= rem
+	}
+	if r.qPrev != nil {
+		r.qPrev.qNext = r.qNext
+	} else {
+		w.qHead = r.qNext
+	}
+	if r.qNext != nil {
+		r.qNext.qPrev = r.qPrev
+	} else {
+		w.qTail = r.qPrev
+	}
+	r.qPrev, r.qNext = nil, nil
+	w.prefill -= r.prefill
+	if w.qHead == nil { // nothing in prefill: the model has nothing queued
+		w.posIn, w.posOut = 0, 0
+	}
+}
+
+// learn updates the rate from a streamed first byte: the request's own
+// prefill and the prefill the model had queued ahead of it took the time
+// since it joined the queue. Weighing by tokens keeps short prompts (whose
+// first byte is mostly fixed overhead) from dragging the rate down.
+func (w *row) learn(r *Reservation, now int64) {
+	seconds := float64(now-r.enqueuedAt) / 1e9
+	if seconds <= 0 || r.work <= 0 {
+		return
+	}
+	w.learnTokens = w.learnTokens*rateDecay + float64(r.work)
+	w.learnSeconds = w.learnSeconds*rateDecay + seconds
+	w.rate = min(max(w.learnTokens/w.learnSeconds, minPrefillRate), maxPrefillRate)
+}
+
+// candidatesLocked returns the rows the request may go to: every current
+// endpoint, or those the subset hint names (each once). It does not allocate:
+// p.cand has room for every row.
 func (p *Picker) candidatesLocked(req Request) []*row {
 	if !req.HasSubset {
 		return p.rows
@@ -56,12 +219,12 @@ func (p *Picker) candidatesLocked(req Request) []*row {
 // record, all against the same view of the ledger and the prefix index.
 //
 // The cost of an endpoint estimates the request's time to first token there,
-// in prefill tokens: the prefill already queued on it, plus this request's
-// prompt tokens it does not hold, plus a weight per request decoding on it.
-// Because the cost includes the request's own uncached tokens, a shared
-// prefix pulls only as much as the tokens it saves: once the queue on its
-// holder is longer than the saving, the next request goes elsewhere (and
-// records the prefix there too).
+// in prefill tokens: the prefill the model says is still queued on it, plus
+// this request's prompt tokens it does not hold, plus a weight per request
+// decoding on it. Because the cost includes the request's own uncached
+// tokens, a shared prefix pulls only as much as the tokens it saves: once the
+// queue on its holder is longer than the saving, the next request goes
+// elsewhere (and records the prefix there too).
 func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	cands := p.candidatesLocked(req)
 	if len(cands) == 0 {
@@ -76,10 +239,12 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	sat := p.cfg.Saturation
 	eligible := 0
 	for i, c := range cands {
-		c.uncached = p.uncachedTokens(len(req.Prompt), matched[i])
-		c.cost = c.prefill + c.uncached + p.cfg.DecodeWeightTokens*c.decoding
+		c.drain(r.pickedNs)
+		queued := c.queued()
+		c.uncached = p.uncachedTokens(r.promptChars, matched[i])
+		c.cost = queued + c.uncached + p.cfg.DecodeWeightTokens*c.decoding
 		c.saturated = sat.MaxInFlightRequests > 0 && c.inFlight >= sat.MaxInFlightRequests ||
-			sat.MaxPrefillTokens > 0 && c.prefill >= sat.MaxPrefillTokens
+			sat.MaxPrefillTokens > 0 && queued >= sat.MaxPrefillTokens
 		c.taken = c.saturated
 		if !c.saturated {
 			eligible++
@@ -100,14 +265,15 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	}
 
 	c := cands[first]
-	c.inFlight++
-	c.prefill += c.uncached
+	p.owners++
+	r.owner = p.owners
 	r.row = c
 	r.prefill = c.uncached
 	r.heldBefore = matched[first]
 	r.cachedTokens = matched[first] * p.cfg.BlockSizeChars / p.cfg.CharsPerToken
+	c.hold(r, r.pickedNs)
 	p.linkLocked(r)
-	p.index.Record(c.id, r.hashes)
+	p.index.Record(c.id, r.hashes, r.owner)
 	return nil
 }
 

@@ -16,7 +16,8 @@ type metrics struct {
 	pickDuration    prometheus.Histogram
 
 	// Gauges read from the ledger at scrape time.
-	endpointInFlight, endpointPrefill, endpointDecoding, endpoints, inFlight *prometheus.Desc
+	endpointInFlight, endpointPrefill, endpointDecoding, endpointPrefillRate *prometheus.Desc
+	endpoints, retained, inFlight                                            *prometheus.Desc
 }
 
 func newMetrics() *metrics {
@@ -50,9 +51,15 @@ func newMetrics() *metrics {
 		"Estimated prefill tokens outstanding on the endpoint.", []string{"endpoint"}, nil)
 	m.endpointDecoding = prometheus.NewDesc("tally_endpoint_decoding_requests",
 		"Requests on the endpoint past their first response byte.", []string{"endpoint"}, nil)
+	m.endpointPrefillRate = prometheus.NewDesc("tally_endpoint_prefill_tokens_per_second",
+		"The endpoint's prefill rate in the drain model: learned from streamed first bytes, the configured starting value until then.",
+		[]string{"endpoint"}, nil)
 	m.endpoints = prometheus.NewDesc("tally_endpoints", "Endpoints in the pool.", nil, nil)
+	m.retained = prometheus.NewDesc("tally_retained_endpoints",
+		"Endpoints that left the pool's endpoint set and keep their ledger row and prefix memory (requests in flight, or the retention window).",
+		nil, nil)
 	m.inFlight = prometheus.NewDesc("tally_inflight_requests",
-		"Requests reserved on any endpoint and not yet released.", nil, nil)
+		"Requests reserved and not yet released, on current and retained endpoints.", nil, nil)
 	m.picksOK = m.picks.WithLabelValues("ok")
 	m.picksNoEndpoint = m.picks.WithLabelValues("no_endpoint")
 	m.picksSaturated = m.picks.WithLabelValues("saturated")
@@ -66,7 +73,7 @@ func (m *metrics) collectors() []prometheus.Collector {
 // Describe implements prometheus.Collector.
 func (p *Picker) Describe(ch chan<- *prometheus.Desc) {
 	m := p.metrics
-	for _, d := range []*prometheus.Desc{m.endpointInFlight, m.endpointPrefill, m.endpointDecoding, m.endpoints, m.inFlight} {
+	for _, d := range []*prometheus.Desc{m.endpointInFlight, m.endpointPrefill, m.endpointDecoding, m.endpointPrefillRate, m.endpoints, m.retained, m.inFlight} {
 		ch <- d
 	}
 	for _, c := range m.collectors() {
@@ -78,17 +85,17 @@ func (p *Picker) Describe(ch chan<- *prometheus.Desc) {
 // lock and sends the metrics after releasing it.
 func (p *Picker) Collect(ch chan<- prometheus.Metric) {
 	m := p.metrics
-	stats := p.Stats()
-	total := 0
-	for _, s := range stats {
+	l := p.Snapshot()
+	for _, s := range l.Endpoints {
 		ep := s.Endpoint.Address.String()
 		ch <- prometheus.MustNewConstMetric(m.endpointInFlight, prometheus.GaugeValue, float64(s.InFlight), ep)
 		ch <- prometheus.MustNewConstMetric(m.endpointPrefill, prometheus.GaugeValue, float64(s.PrefillTokens), ep)
 		ch <- prometheus.MustNewConstMetric(m.endpointDecoding, prometheus.GaugeValue, float64(s.Decoding), ep)
-		total += s.InFlight
+		ch <- prometheus.MustNewConstMetric(m.endpointPrefillRate, prometheus.GaugeValue, s.PrefillTokensPerSecond, ep)
 	}
-	ch <- prometheus.MustNewConstMetric(m.endpoints, prometheus.GaugeValue, float64(len(stats)))
-	ch <- prometheus.MustNewConstMetric(m.inFlight, prometheus.GaugeValue, float64(total))
+	ch <- prometheus.MustNewConstMetric(m.endpoints, prometheus.GaugeValue, float64(len(l.Endpoints)))
+	ch <- prometheus.MustNewConstMetric(m.retained, prometheus.GaugeValue, float64(len(l.Retained)))
+	ch <- prometheus.MustNewConstMetric(m.inFlight, prometheus.GaugeValue, float64(l.InFlight))
 	for _, c := range m.collectors() {
 		c.Collect(ch)
 	}

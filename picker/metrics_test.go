@@ -78,7 +78,7 @@ func TestMetricsMatchStats(t *testing.T) {
 	fmt.Fprintf(&want, `# HELP tally_endpoints Endpoints in the pool.
 # TYPE tally_endpoints gauge
 tally_endpoints %d
-# HELP tally_inflight_requests Requests reserved on any endpoint and not yet released.
+# HELP tally_inflight_requests Requests reserved and not yet released, on current and retained endpoints.
 # TYPE tally_inflight_requests gauge
 tally_inflight_requests %d
 # HELP tally_picks_total Picks by result: ok, no_endpoint (answered 503) or saturated (answered 429).
@@ -125,8 +125,8 @@ tally_prefix_cached_tokens_total %d
 func TestPickerWithoutRegistererStillCollects(t *testing.T) {
 	p := newPicker(t, 2, v1alpha1.Default(), Options{})
 	mustPick(t, p, Request{Model: model})
-	// 3 gauges per endpoint, 2 pool gauges, 3 pick results, 3 counters, 1 histogram.
-	if got := testutil.CollectAndCount(p); got != 3*2+2+3+3+1 {
-		t.Errorf("collected %d metrics, want %d", got, 3*2+2+3+3+1)
+	// 4 gauges per endpoint, 3 pool gauges, 3 pick results, 3 counters, 1 histogram.
+	if got := testutil.CollectAndCount(p); got != 4*2+3+3+3+1 {
+		t.Errorf("collected %d metrics, want %d", got, 4*2+3+3+3+1)
 	}
 }

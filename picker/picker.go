@@ -78,20 +78,37 @@ type Request struct {
 
 // EndpointStats is one endpoint's row of the ledger.
 type EndpointStats struct {
-	Endpoint      Endpoint
-	InFlight      int // requests reserved and not released
-	PrefillTokens int // outstanding prefill tokens
-	Decoding      int // requests past their first byte
+	Endpoint Endpoint
+	InFlight int // requests reserved and not released
+	// PrefillTokens is the prefill the drain model says is still queued.
+	PrefillTokens int
+	Decoding      int // requests past their first byte or modelled prefill
+	// PrefillTokensPerSecond is the endpoint's prefill rate: learned from
+	// streamed first bytes, the configured starting value until then.
+	PrefillTokensPerSecond float64
+}
+
+// Ledger is one consistent view of the whole ledger.
+type Ledger struct {
+	// InFlight and PrefillTokens sum every row, retained ones included.
+	InFlight, PrefillTokens int
+	// Endpoints are the current endpoints, sorted by address.
+	Endpoints []EndpointStats
+	// Retained are endpoints that left the set and keep their row (in flight
+	// requests, or the retention window), sorted by address.
+	Retained []EndpointStats
 }
 
 // Picker places requests on endpoints. It implements EndpointSet and
 // prometheus.Collector. All methods are safe for concurrent use.
 type Picker struct {
-	cfg      v1alpha1.PickerConfig
-	opts     Options
-	metrics  *metrics
-	hashBufs sync.Pool // of *[]uint64
-	synced   atomic.Bool
+	cfg       v1alpha1.PickerConfig
+	opts      Options
+	metrics   *metrics
+	hashBufs  sync.Pool // of *[]uint64
+	synced    atomic.Bool
+	epoch     time.Time // origin of the drain model's clock
+	retention time.Duration
 
 	// afterPick, when set (tests only), runs right after Pick unlocks.
 	afterPick func()
@@ -99,11 +116,13 @@ type Picker struct {
 	// mu guards everything below. Inside it: no I/O, no logging, no channel
 	// operations, no allocation on the pick path in steady state.
 	mu     sync.Mutex
-	rows   []*row // current endpoints, sorted by address
-	byAddr map[netip.AddrPort]*row
+	rows   []*row                  // current endpoints, sorted by address
+	byAddr map[netip.AddrPort]*row // current endpoints
+	byKey  map[rowKey]*row         // current and retained endpoints
 	index  *prefix.Index
 	rand   *rand.Rand
 	mark   uint64 // epoch for de-duplicating rows without allocating
+	owners uint32 // the last owner tag given to a pick's prefix records
 
 	// Reservations not yet released, oldest pick first (for the sweeper).
 	oldest, newest *Reservation
@@ -121,19 +140,7 @@ type Picker struct {
 // defaults of v1alpha1.Default. It panics if opts.Registerer rejects the
 // picker's metrics (registering two pickers on one registry is a bug).
 func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
-	def := v1alpha1.Default()
-	orDefault := func(v *int, d int) {
-		if *v <= 0 {
-			*v = d
-		}
-	}
-	orDefault(&cfg.BlockSizeChars, def.BlockSizeChars)
-	orDefault(&cfg.LRUCapacityBlocks, def.LRUCapacityBlocks)
-	orDefault(&cfg.CharsPerToken, def.CharsPerToken)
-	orDefault(&cfg.FallbackEndpoints, def.FallbackEndpoints)
-	if cfg.DecodeWeightTokens == 0 {
-		cfg.DecodeWeightTokens = def.DecodeWeightTokens
-	}
+	cfg = v1alpha1.WithDefaults(cfg)
 	cfg.FallbackEndpoints = min(cfg.FallbackEndpoints, maxFallbackEndpoints)
 
 	if opts.Now == nil {
@@ -147,12 +154,15 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 	}
 
 	p := &Picker{
-		cfg:     cfg,
-		opts:    opts,
-		metrics: newMetrics(),
-		byAddr:  make(map[netip.AddrPort]*row),
-		index:   prefix.NewIndex(cfg.LRUCapacityBlocks),
-		rand:    opts.Rand,
+		cfg:       cfg,
+		opts:      opts,
+		metrics:   newMetrics(),
+		epoch:     opts.Now(),
+		retention: time.Duration(cfg.EndpointRetentionSeconds) * time.Second,
+		byAddr:    make(map[netip.AddrPort]*row),
+		byKey:     make(map[rowKey]*row),
+		index:     prefix.NewIndex(cfg.LRUCapacityBlocks),
+		rand:      opts.Rand,
 	}
 	p.hashBufs.New = func() any {
 		b := make([]uint64, 0, 1024)
@@ -164,45 +174,56 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 	return p
 }
 
-// Replace makes eps the whole endpoint set. Removed endpoints lose their
-// ledger row and prefix entries at once; their in-flight reservations keep
-// running and release as no-ops. An endpoint whose address comes back, or
-// whose address now belongs to another pod, starts from zero. The first call
-// marks the picker as synced.
+// clock reads the picker's clock as nanoseconds since New (monotonic when
+// Options.Now is time.Now). Read it before taking the lock.
+func (p *Picker) clock() int64 { return int64(p.opts.Now().Sub(p.epoch)) }
+
+// Replace makes eps the whole endpoint set. An endpoint is identified by its
+// pod's UID (or, without one, its pod name) and address: one that leaves the
+// set keeps its row (ledger and prefix memory), no longer a candidate, while
+// requests are in flight on it or for the retention window, and gets it back
+// if it returns. Another pod at the same address starts from zero. Dropping a
+// row costs O(1) under the lock; its prefix entries are freed afterwards in
+// short batches. The first call marks the picker as synced.
 func (p *Picker) Replace(eps []Endpoint) {
-	var added, removed int
+	now := p.clock()
+	var added, returned, left int
 	p.mu.Lock()
 	p.mark++
 	for _, ep := range eps {
 		if !ep.Address.IsValid() {
 			continue
 		}
-		r, ok := p.byAddr[key(ep.Address)]
-		if ok && r.mark == p.mark {
-			continue // listed twice: the first wins
+		if w, ok := p.byAddr[key(ep.Address)]; ok && w.mark == p.mark {
+			continue // the address is listed twice: the first wins
 		}
-		if ok && r.ep.Pod != ep.Pod {
-			// Another pod reuses the address: its cache is not the old one's.
-			p.dropRowLocked(r)
-			removed++
-			ok = false
-		}
-		if !ok {
-			r = &row{ep: ep, id: p.index.Add(), live: true}
-			p.byAddr[key(ep.Address)] = r
+		k := identity(ep)
+		w, ok := p.byKey[k]
+		switch {
+		case !ok:
+			w = &row{key: k, id: p.index.Add(), rate: float64(p.cfg.PrefillTokensPerSecond), at: now}
+			w.learnTokens, w.learnSeconds = w.rate*ratePriorSeconds, ratePriorSeconds
+			p.byKey[k] = w
 			added++
+		case !w.current:
+			returned++
 		}
-		r.mark = p.mark
+		w.ep, w.current, w.mark = ep, true, p.mark
+		p.byAddr[key(ep.Address)] = w
 	}
-	for _, r := range p.rows {
-		if r.live && r.mark != p.mark {
-			p.dropRowLocked(r)
-			removed++
+	for _, w := range p.rows {
+		if w.mark != p.mark {
+			w.current, w.leftAt = false, now
+			left++
 		}
 	}
+	clear(p.byAddr)
 	p.rows = p.rows[:0]
-	for _, r := range p.byAddr { // only live rows are in byAddr
-		p.rows = append(p.rows, r)
+	for _, w := range p.byKey {
+		if w.current {
+			p.rows = append(p.rows, w)
+			p.byAddr[key(w.ep.Address)] = w
+		}
 	}
 	clear(p.rows[len(p.rows):cap(p.rows)]) // let dropped rows be collected
 	slices.SortFunc(p.rows, func(a, b *row) int { return a.ep.Address.Compare(b.ep.Address) })
@@ -211,22 +232,44 @@ func (p *Picker) Replace(eps []Endpoint) {
 		p.candIDs = make([]int, 0, n)
 		p.matched = make([]int, n)
 	}
+	dropped := p.expireLocked(now)
 	total := len(p.rows)
 	p.mu.Unlock()
+	p.reclaim()
 
 	p.synced.Store(true)
-	if added > 0 || removed > 0 {
-		p.opts.Log.V(1).Info("endpoint set changed", "added", added, "removed", removed, "endpoints", total)
+	if added > 0 || returned > 0 || left > 0 || dropped > 0 {
+		p.opts.Log.V(1).Info("endpoint set changed", "added", added, "returned", returned,
+			"left", left, "forgotten", dropped, "endpoints", total)
 	}
 }
 
-// dropRowLocked forgets an endpoint. Reservations that point at r see it is
-// no longer live and release nothing from it.
-func (p *Picker) dropRowLocked(r *row) {
-	r.live = false
-	p.index.Remove(r.id)
-	r.id = -1
-	delete(p.byAddr, key(r.ep.Address))
+// expireLocked drops the retained rows whose requests have all ended and
+// whose retention window is over. It does not walk their prefix entries.
+func (p *Picker) expireLocked(now int64) (dropped int) {
+	for k, w := range p.byKey {
+		if !w.current && w.inFlight == 0 && time.Duration(now-w.leftAt) >= p.retention {
+			p.index.Remove(w.id)
+			w.id, w.dropped = -1, true
+			delete(p.byKey, k)
+			dropped++
+		}
+	}
+	return dropped
+}
+
+// reclaimBatchBlocks bounds the prefix entries of dropped rows freed under
+// one hold of the lock (tens of microseconds), so a pick never waits long
+// behind a removal.
+const reclaimBatchBlocks = 256
+
+// reclaim frees the prefix entries of dropped rows, a batch per lock hold.
+func (p *Picker) reclaim() {
+	for more := true; more; {
+		p.mu.Lock()
+		more = p.index.Reclaim(reclaimBatchBlocks)
+		p.mu.Unlock()
+	}
 }
 
 // Synced reports whether the endpoint set has been replaced at least once.
@@ -238,13 +281,24 @@ func (p *Picker) Synced() bool { return p.synced.Load() }
 // reservation when the request ends.
 func (p *Picker) Pick(req Request) (*Reservation, error) {
 	start := time.Now()
+	chars := len(req.Prompt)
+	if chars == 0 {
+		chars = max(req.PromptChars, 0)
+	}
+	// Only the first MaxPromptBlocks blocks are hashed and recorded, so that
+	// a huge prompt holds the lock no longer than a long one.
+	hashed := req.Prompt[:min(len(req.Prompt), p.cfg.MaxPromptBlocks*p.cfg.BlockSizeChars)]
 	buf := p.hashBufs.Get().(*[]uint64)
-	hashes := prefix.Hash((*buf)[:0], req.Model, req.Prompt, p.cfg.BlockSizeChars)
+	hashes := prefix.Hash((*buf)[:0], req.Model, hashed, p.cfg.BlockSizeChars)
 	*buf = hashes
+	now := p.opts.Now()
 	r := &Reservation{
 		p:            p,
-		pickedAt:     p.opts.Now(),
-		promptTokens: p.tokens(len(req.Prompt)),
+		pickedAt:     now,
+		pickedNs:     int64(now.Sub(p.epoch)),
+		promptChars:  chars,
+		promptTokens: p.tokens(chars),
+		stream:       req.Stream,
 	}
 	if len(hashes) > 0 {
 		// Set before the lock: once linked, the sweeper may release r.
@@ -279,26 +333,37 @@ func (p *Picker) Pick(req Request) (*Reservation, error) {
 	return nil, err
 }
 
-// Stats returns the ledger row of every current endpoint, sorted by address.
-func (p *Picker) Stats() []EndpointStats {
+// Snapshot returns the whole ledger, read under one hold of the lock.
+func (p *Picker) Snapshot() Ledger {
+	now := p.clock()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	out := make([]EndpointStats, len(p.rows))
-	for i, r := range p.rows {
-		out[i] = EndpointStats{Endpoint: r.ep, InFlight: r.inFlight, PrefillTokens: r.prefill, Decoding: r.decoding}
+	l := Ledger{Endpoints: make([]EndpointStats, 0, len(p.rows))}
+	for _, w := range p.byKey {
+		w.drain(now)
+		s := EndpointStats{Endpoint: w.ep, InFlight: w.inFlight, PrefillTokens: w.queued(),
+			Decoding: w.decoding, PrefillTokensPerSecond: w.rate}
+		l.InFlight += s.InFlight
+		l.PrefillTokens += s.PrefillTokens
+		if w.current {
+			l.Endpoints = append(l.Endpoints, s)
+		} else {
+			l.Retained = append(l.Retained, s)
+		}
 	}
-	return out
+	byAddress := func(a, b EndpointStats) int { return a.Endpoint.Address.Compare(b.Endpoint.Address) }
+	slices.SortFunc(l.Endpoints, byAddress)
+	slices.SortFunc(l.Retained, byAddress)
+	return l
 }
 
-// Totals sums the ledger over the current endpoints.
+// Stats returns the ledger row of every current endpoint, sorted by address.
+func (p *Picker) Stats() []EndpointStats { return p.Snapshot().Endpoints }
+
+// Totals sums the ledger over every row, retained endpoints included.
 func (p *Picker) Totals() (inFlight, prefillTokens int) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, r := range p.rows {
-		inFlight += r.inFlight
-		prefillTokens += r.prefill
-	}
-	return inFlight, prefillTokens
+	l := p.Snapshot()
+	return l.InFlight, l.PrefillTokens
 }
 
 // Run sweeps stale reservations until ctx ends: every tenth of
@@ -322,20 +387,27 @@ func (p *Picker) Run(ctx context.Context) {
 
 // Sweep releases every reservation picked more than MaxRequestLifetime ago
 // and returns how many it released. It is the backstop for a stream whose end
-// was never seen; a later Release of a swept reservation does nothing.
+// was never seen; a later Release of a swept reservation does nothing. It
+// also forgets retained endpoints whose retention is over.
 func (p *Picker) Sweep() int {
-	cutoff := p.opts.Now().Add(-p.opts.MaxRequestLifetime)
+	wall := p.opts.Now()
+	now := int64(wall.Sub(p.epoch))
+	cutoff := wall.Add(-p.opts.MaxRequestLifetime)
 	n := 0
 	p.mu.Lock()
 	// The list is in lock order, and pick times are read just before the
 	// lock, so a reservation may sit behind one a few microseconds younger:
 	// it is then swept on the next run.
 	for r := p.oldest; r != nil && r.pickedAt.Before(cutoff); r = p.oldest {
-		p.releaseLocked(r)
+		p.releaseLocked(r, now)
 		p.swept++
 		n++
 	}
+	dropped := p.expireLocked(now)
 	p.mu.Unlock()
+	if dropped > 0 {
+		p.reclaim()
+	}
 	if n > 0 {
 		p.metrics.swept.Add(float64(n))
 	}

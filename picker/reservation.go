@@ -14,19 +14,32 @@ type Reservation struct {
 
 	// Fixed at pick time.
 	pickedAt     time.Time
+	pickedNs     int64 // pickedAt on the picker's clock
+	promptChars  int
 	promptTokens int
 	cachedTokens int
+	stream       bool
 	endpoints    [maxFallbackEndpoints]netip.AddrPort
 	nEndpoints   int
 
 	// Guarded by p.mu.
-	row        *row // current holder; its counters include this reservation while live
-	prefill    int  // prefill tokens still held (0 once decoding)
-	decoding   bool
-	released   bool
-	heldBefore int      // leading blocks the holder had before this request recorded there
-	hashes     []uint64 // the prompt's blocks, kept for ServedBy
-	hashBuf    *[]uint64
+	row          *row // current holder; its counters include this reservation until released
+	prefill      int  // prefill tokens still held (0 once decoding)
+	decoding     bool // past the first byte, or past the modelled prefill
+	sawFirstByte bool
+	released     bool
+	heldBefore   int      // leading blocks the holder had before this request recorded there
+	owner        uint32   // tag of this request's records in the prefix index
+	hashes       []uint64 // the prompt's blocks, kept for ServedBy
+	hashBuf      *[]uint64
+
+	// The drain model of its row, while in prefill: where its prefill ends
+	// in the row's queue, the work (tokens) from joining the queue to its
+	// end, when it joined, and its neighbours in the queue.
+	endPos       float64
+	work         int
+	enqueuedAt   int64
+	qPrev, qNext *Reservation
 
 	// The sweeper's list, in pick order; guarded by p.mu.
 	older, newer *Reservation
@@ -52,21 +65,28 @@ func (r *Reservation) PromptTokens() int { return r.promptTokens }
 // held in its prefix index at pick time.
 func (r *Reservation) CachedTokens() int { return r.cachedTokens }
 
-// FirstByte releases the prefill tokens: the endpoint has computed the
-// prompt and the request is now decoding. Later calls do nothing.
+// FirstByte marks the first response bytes: the endpoint has computed the
+// prompt, so what is left of the prefill is released and the request is
+// decoding. For a streamed request it also teaches the endpoint's prefill
+// rate. Later calls do nothing.
 func (r *Reservation) FirstByte() {
 	p := r.p
+	now := p.clock()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if r.released || r.decoding {
+	if r.released || r.sawFirstByte {
 		return
 	}
-	if h := r.row; h.live {
-		h.prefill -= r.prefill
-		h.decoding++
+	r.sawFirstByte = true
+	w := r.row
+	if r.stream {
+		// Also when the model ended the prefill before this first byte: the
+		// model was too fast, and the sample corrects it.
+		w.learn(r, now)
 	}
-	r.prefill = 0
-	r.decoding = true
+	if !r.decoding {
+		w.endPrefill(r, now)
+	}
 	p.firstBytes++
 }
 
@@ -74,8 +94,9 @@ func (r *Reservation) FirstByte() {
 // and calls after the sweeper released it, do nothing.
 func (r *Reservation) Release() {
 	p := r.p
+	now := p.clock()
 	p.mu.Lock()
-	buf := p.releaseLocked(r)
+	buf := p.releaseLocked(r, now)
 	p.mu.Unlock()
 	if buf != nil {
 		*buf = (*buf)[:0]
@@ -85,17 +106,11 @@ func (r *Reservation) Release() {
 
 // releaseLocked releases r if it is still held and returns its hash buffer
 // for reuse (outside the lock).
-func (p *Picker) releaseLocked(r *Reservation) *[]uint64 {
+func (p *Picker) releaseLocked(r *Reservation, now int64) *[]uint64 {
 	if r.released {
 		return nil
 	}
-	if h := r.row; h.live {
-		h.inFlight--
-		h.prefill -= r.prefill
-		if r.decoding {
-			h.decoding--
-		}
-	}
+	r.row.drop(r, now)
 	r.prefill = 0
 	r.released = true
 	p.unlinkLocked(r)
@@ -108,36 +123,33 @@ func (p *Picker) releaseLocked(r *Reservation) *[]uint64 {
 // ServedBy moves what the reservation still holds to addr, the endpoint
 // that actually served the request (the gateway may have used a fallback),
 // and records the prompt's blocks there. The blocks this request added to
-// the previous holder are forgotten there: it never computed them. Nothing
-// happens if addr is unknown, already the holder, or the reservation has
-// been released.
+// the previous holder are forgotten there, unless another request recorded
+// them since: this one never computed them. Nothing happens if addr is not
+// a current endpoint, already the holder, or the reservation has been
+// released.
 func (r *Reservation) ServedBy(addr netip.AddrPort) {
 	p := r.p
+	now := p.clock()
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	to, ok := p.byAddr[key(addr)]
 	if r.released || !ok || to == r.row {
 		return
 	}
-	if from := r.row; from.live {
-		from.inFlight--
-		from.prefill -= r.prefill
-		if r.decoding {
-			from.decoding--
-		}
-		p.index.Forget(from.id, r.hashes[r.heldBefore:])
-	}
-	to.inFlight++
-	to.prefill += r.prefill
-	if r.decoding {
-		to.decoding++
-	}
-	r.row = to
+	from := r.row
+	from.drop(r, now)
+	p.index.ForgetOwn(from.id, r.hashes[r.heldBefore:], r.owner)
+
 	ids, matched := p.candIDs[:1], p.matched[:1]
 	ids[0] = to.id
 	p.index.Match(r.hashes, ids, matched)
 	r.heldBefore = matched[0]
-	p.index.Record(to.id, r.hashes)
+	if !r.decoding {
+		r.prefill = p.uncachedTokens(r.promptChars, matched[0])
+	}
+	r.row = to
+	to.hold(r, now)
+	p.index.Record(to.id, r.hashes, r.owner)
 }
 
 // linkLocked appends r to the sweeper's list: no allocation, the links live

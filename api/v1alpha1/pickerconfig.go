@@ -93,6 +93,14 @@ func Default() PickerConfig {
 	return c
 }
 
+// WithDefaults returns c with every zero field set to its default: the one
+// place defaults are filled in, for Load and for callers that build a
+// PickerConfig in code.
+func WithDefaults(c PickerConfig) PickerConfig {
+	c.setDefaults()
+	return c
+}
+
 func (c *PickerConfig) setDefaults() {
 	if c.APIVersion == "" {
 		c.APIVersion = GroupVersion

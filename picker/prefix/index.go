@@ -6,10 +6,14 @@ import "math/bits"
 //
 // Layout and invariants (the picker's mutex guards an Index; it has no lock):
 //
-//   - Endpoints are small integer ids handed out by Add and returned by
-//     Remove; a removed id is reused by a later Add and starts empty. Small
-//     dense ids let "which endpoints hold block h" be a bitset of words
-//     uint64s, and the match of every candidate be found in one walk.
+//   - Endpoints are small integer ids handed out by Add. Remove is O(1): it
+//     marks the id dying and queues it; Reclaim frees a dying id's blocks a
+//     bounded batch at a time, and only an id with no blocks left is reused
+//     by a later Add (so a reused id always starts empty, and a bit in a
+//     holder bitset always belongs to the id's current owner). A dying id is
+//     never a candidate: Match only reads the bits of the ids it is given.
+//     Small dense ids let "which endpoints hold block h" be a bitset of
+//     words uint64s, and the match of every candidate be found in one walk.
 //   - slotOf maps a block hash to a slot. A slot exists exactly while at least
 //     one endpoint holds the block; its holder bitset (held(slot)) has bit id
 //     set exactly when endpoint id holds it, and its holder chain links one
@@ -18,6 +22,9 @@ import "math/bits"
 //     lists: the slot's holder chain and the endpoint's LRU list (head = most
 //     recently used). An endpoint's list length never exceeds capacity:
 //     recording a new block on a full endpoint first evicts its tail.
+//   - Each node carries the owner tag of the last Record that touched it,
+//     so ForgetOwn can take back what one request recorded without taking
+//     blocks that a later request recorded (or touched) on the same endpoint.
 //   - Record leaves a prompt's blocks at the head of the list in prompt order,
 //     as if it touched them last to first: a prompt's first blocks are the
 //     most recently used, so eviction drops prompt tails before prompt heads
@@ -41,6 +48,7 @@ type Index struct {
 
 	eps     []lru
 	freeIDs []int
+	dying   []int // removed ids whose blocks Reclaim has not freed yet
 
 	// Scratch for Match, sized with eps.
 	alive   []uint64
@@ -87,6 +95,7 @@ type slot struct {
 type node struct {
 	slot                   int32
 	id                     int32
+	owner                  uint32 // tag of the last Record that touched it
 	prev, next             int32 // the endpoint's LRU list; prev is more recent
 	prevHolder, nextHolder int32 // the slot's holder chain
 }
@@ -94,7 +103,7 @@ type node struct {
 type lru struct {
 	head, tail int32
 	n          int
-	live       bool
+	live       bool // false once removed (dying, or free)
 }
 
 // NewIndex returns an empty index that remembers at most capacityBlocks
@@ -142,32 +151,51 @@ func (x *Index) growWords(words int) {
 	x.alive = make([]uint64, words)
 }
 
-// Remove forgets every block of endpoint id and frees the id for reuse.
-// Removing an id that is not in use does nothing.
+// Remove forgets endpoint id in O(1): it stops being an endpoint at once
+// (it must no longer be passed to Match, Record or Forget), and Reclaim frees
+// its blocks later. Removing an id that is not in use does nothing.
 func (x *Index) Remove(id int) {
 	if id < 0 || id >= len(x.eps) || !x.eps[id].live {
 		return
 	}
-	for n := x.eps[id].head; n != none; {
-		next := x.node(n).next
-		x.dropHolder(n)
-		x.freeNodeAt(n)
-		n = next
+	x.eps[id].live = false
+	x.dying = append(x.dying, id)
+}
+
+// Reclaim frees at most budget blocks of removed endpoints, and makes an id
+// reusable once all of its blocks are freed. It reports whether removed
+// blocks remain, so a caller can free them in short batches, each under its
+// own hold of the lock that guards the index.
+func (x *Index) Reclaim(budget int) (more bool) {
+	for budget > 0 && len(x.dying) > 0 {
+		id := x.dying[len(x.dying)-1]
+		e := &x.eps[id]
+		for ; budget > 0 && e.tail != none; budget-- {
+			t := e.tail
+			x.dropHolder(t)
+			x.unlinkLRU(id, t)
+			x.freeNodeAt(t)
+		}
+		if e.tail == none {
+			*e = lru{head: none, tail: none}
+			x.dying = x.dying[:len(x.dying)-1]
+			x.freeIDs = append(x.freeIDs, id)
+		}
 	}
-	x.eps[id] = lru{head: none, tail: none}
-	x.freeIDs = append(x.freeIDs, id)
+	return len(x.dying) > 0
 }
 
 // Len reports how many blocks endpoint id holds.
 func (x *Index) Len(id int) int { return x.eps[id].n }
 
-// Blocks reports how many distinct blocks at least one endpoint holds.
+// Blocks reports how many distinct blocks at least one endpoint holds,
+// counting removed endpoints until Reclaim has freed their blocks.
 func (x *Index) Blocks() int { return len(x.slotOf) }
 
 // Record notes that endpoint id now holds every block in hashes, making them
-// its most recently used with hashes[0] first. Blocks beyond the endpoint's
-// capacity evict its least recently used ones.
-func (x *Index) Record(id int, hashes []uint64) {
+// its most recently used with hashes[0] first, and tags them with owner.
+// Blocks beyond the endpoint's capacity evict its least recently used ones.
+func (x *Index) Record(id int, hashes []uint64, owner uint32) {
 	e := &x.eps[id]
 	// Leading blocks that already head the endpoint's list, in prompt order,
 	// stay where they are: recording a prompt the endpoint just received (or
@@ -180,6 +208,7 @@ func (x *Index) Record(id int, hashes []uint64) {
 		if !ok || x.node(cur).slot != s {
 			break
 		}
+		x.node(cur).owner = owner
 		anchor, cur = cur, x.node(cur).next
 	}
 	if k >= x.capacity {
@@ -189,7 +218,9 @@ func (x *Index) Record(id int, hashes []uint64) {
 		h := hashes[i]
 		s, known := x.lookup(i, h)
 		if known && x.has(s, id) {
-			if n := x.holderNode(s, id); n != anchor { // n == anchor only for a repeated hash
+			n := x.holderNode(s, id)
+			x.node(n).owner = owner
+			if n != anchor { // n == anchor only for a repeated hash
 				x.unlinkLRU(id, n)
 				x.insertAfter(id, anchor, n)
 			}
@@ -208,19 +239,30 @@ func (x *Index) Record(id int, hashes []uint64) {
 			x.slotOf[h] = s
 		}
 		n := x.newNode(s, int32(id))
+		x.node(n).owner = owner
 		x.addHolder(s, n)
 		x.insertAfter(id, anchor, n)
 	}
 }
 
 // Forget drops the blocks in hashes from endpoint id, where it holds them.
-func (x *Index) Forget(id int, hashes []uint64) {
+func (x *Index) Forget(id int, hashes []uint64) { x.forget(id, hashes, false, 0) }
+
+// ForgetOwn drops the blocks in hashes from endpoint id where it holds them
+// and the last Record to touch them was tagged owner: a block another
+// request recorded there since is kept.
+func (x *Index) ForgetOwn(id int, hashes []uint64, owner uint32) { x.forget(id, hashes, true, owner) }
+
+func (x *Index) forget(id int, hashes []uint64, onlyOwned bool, owner uint32) {
 	for _, h := range hashes {
 		s, ok := x.slotOf[h]
 		if !ok || !x.has(s, id) {
 			continue
 		}
 		n := x.holderNode(s, id)
+		if onlyOwned && x.node(n).owner != owner {
+			continue
+		}
 		x.dropHolder(n)
 		x.unlinkLRU(id, n)
 		x.freeNodeAt(n)

@@ -20,9 +20,9 @@ func TestMatchCountsLeadingBlocksPerEndpoint(t *testing.T) {
 	x := NewIndex(1000)
 	a, b, c, d := x.Add(), x.Add(), x.Add(), x.Add()
 	p := blocks("p", 10)
-	x.Record(a, p)
-	x.Record(b, p[:4])
-	x.Record(d, p[2:]) // holds everything but the head: matches nothing
+	x.Record(a, p, 0)
+	x.Record(b, p[:4], 0)
+	x.Record(d, p[2:], 0) // holds everything but the head: matches nothing
 
 	if got, want := match(x, p, a, b, c, d), []int{10, 4, 0, 0}; !slices.Equal(got, want) {
 		t.Errorf("match of the recorded prompt = %v, want %v", got, want)
@@ -44,9 +44,9 @@ func TestLRUEvictsPerEndpoint(t *testing.T) {
 	x := NewIndex(6)
 	e, other := x.Add(), x.Add()
 	pa, pb := blocks("a", 4), blocks("b", 4)
-	x.Record(other, pa)
-	x.Record(e, pa)
-	x.Record(e, pb) // 8 blocks on a capacity of 6: pa's two tail blocks go
+	x.Record(other, pa, 0)
+	x.Record(e, pa, 0)
+	x.Record(e, pb, 0) // 8 blocks on a capacity of 6: pa's two tail blocks go
 
 	if got := x.Len(e); got != 6 {
 		t.Errorf("endpoint holds %d blocks, want its capacity 6", got)
@@ -62,8 +62,8 @@ func TestLRUEvictsPerEndpoint(t *testing.T) {
 	}
 
 	// Touching pa again makes it recent: the next prompt evicts pb instead.
-	x.Record(e, pa[:2])
-	x.Record(e, blocks("c", 2))
+	x.Record(e, pa[:2], 0)
+	x.Record(e, blocks("c", 2), 0)
 	if got := match(x, pa, e); got[0] != 2 {
 		t.Errorf("after touching, match of pa = %d, want 2", got[0])
 	}
@@ -76,7 +76,7 @@ func TestRecordKeepsPromptHeadsWhenOverCapacity(t *testing.T) {
 	x := NewIndex(6)
 	e := x.Add()
 	p := blocks("long", 10)
-	x.Record(e, p)
+	x.Record(e, p, 0)
 	if got := match(x, p, e); got[0] != 6 {
 		t.Errorf("a 10-block prompt on a 6-block endpoint matches %d blocks, want 6 (the head)", got[0])
 	}
@@ -89,12 +89,17 @@ func TestRemoveDropsOnlyThatEndpoint(t *testing.T) {
 	x := NewIndex(100)
 	a, b := x.Add(), x.Add()
 	shared, own := blocks("s", 5), blocks("o", 5)
-	x.Record(a, shared)
-	x.Record(a, own)
-	x.Record(b, shared)
+	x.Record(a, shared, 0)
+	x.Record(a, own, 0)
+	x.Record(b, shared, 0)
 
 	x.Remove(a)
 	x.Remove(a) // a second removal is a no-op
+	if got := match(x, shared, b); got[0] != 5 {
+		t.Errorf("b lost blocks when a was removed: match %d, want 5", got[0])
+	}
+	for x.Reclaim(3) { // in batches, as the picker does between its locks
+	}
 	if got := x.Blocks(); got != 5 {
 		t.Errorf("distinct blocks after removing a = %d, want 5 (only b's)", got)
 	}
@@ -107,9 +112,14 @@ func TestRemovedIDIsReusedEmpty(t *testing.T) {
 	x := NewIndex(100)
 	a, b := x.Add(), x.Add()
 	p := blocks("p", 5)
-	x.Record(a, p)
-	x.Record(b, p)
+	x.Record(a, p, 0)
+	x.Record(b, p, 0)
 	x.Remove(a)
+	if again := x.Add(); again == a {
+		t.Fatalf("Add reused id %d before its blocks were reclaimed", a)
+	}
+	for x.Reclaim(2) {
+	}
 
 	again := x.Add()
 	if again != a {
@@ -121,7 +131,7 @@ func TestRemovedIDIsReusedEmpty(t *testing.T) {
 	if got := match(x, p, again, b); !slices.Equal(got, []int{0, 5}) {
 		t.Errorf("match after reuse = %v, want [0 5]", got)
 	}
-	if x.Add() != 2 {
+	if x.Add() != 3 {
 		t.Errorf("with no free id, Add should hand out the next one")
 	}
 }
@@ -130,8 +140,8 @@ func TestForgetDropsOnlyTheNamedBlocks(t *testing.T) {
 	x := NewIndex(100)
 	a, b := x.Add(), x.Add()
 	p := blocks("p", 6)
-	x.Record(a, p)
-	x.Record(b, p)
+	x.Record(a, p, 0)
+	x.Record(b, p, 0)
 	x.Forget(a, p[3:])
 	x.Forget(a, blocks("unknown", 3))
 	if got := match(x, p, a, b); !slices.Equal(got, []int{3, 6}) {
@@ -148,7 +158,7 @@ func TestManyEndpointsWidenTheBitsets(t *testing.T) {
 	var ids, want []int
 	for i := range 150 {
 		id := x.Add()
-		x.Record(id, p[:i%41])
+		x.Record(id, p[:i%41], 0)
 		ids = append(ids, id)
 		want = append(want, i%41)
 	}
@@ -161,9 +171,13 @@ func TestManyEndpointsWidenTheBitsets(t *testing.T) {
 type model struct {
 	capacity int
 	eps      map[int][]uint64 // most recently used first
+	owner    map[[2]uint64]uint32
 }
 
-func (m *model) record(id int, hashes []uint64) {
+func (m *model) record(id int, hashes []uint64, owner uint32) {
+	for _, h := range hashes {
+		m.owner[[2]uint64{uint64(id), h}] = owner
+	}
 	for i := len(hashes) - 1; i >= 0; i-- {
 		l := m.eps[id]
 		if j := slices.Index(l, hashes[i]); j >= 0 {
@@ -177,6 +191,12 @@ func (m *model) record(id int, hashes []uint64) {
 
 func (m *model) forget(id int, hashes []uint64) {
 	m.eps[id] = slices.DeleteFunc(m.eps[id], func(h uint64) bool { return slices.Contains(hashes, h) })
+}
+
+func (m *model) forgetOwn(id int, hashes []uint64, owner uint32) {
+	m.eps[id] = slices.DeleteFunc(m.eps[id], func(h uint64) bool {
+		return slices.Contains(hashes, h) && m.owner[[2]uint64{uint64(id), h}] == owner
+	})
 }
 
 func (m *model) match(id int, hashes []uint64) int {
@@ -216,7 +236,7 @@ func testAgainstModel(t *testing.T, capacity int) {
 		prompts = append(prompts, Hash(nil, "m", append(base, text(fmt.Sprint("tail", i), 8*16)...), 16))
 	}
 	x := NewIndex(capacity)
-	ref := &model{capacity: capacity, eps: map[int][]uint64{}}
+	ref := &model{capacity: capacity, eps: map[int][]uint64{}, owner: map[[2]uint64]uint32{}}
 	live := []int{}
 	for step := range 5000 {
 		switch op := rng.IntN(10); {
@@ -237,11 +257,19 @@ func testAgainstModel(t *testing.T, capacity int) {
 			lo := rng.IntN(len(p))
 			x.Forget(id, p[lo:])
 			ref.forget(id, p[lo:])
+		case op == 3:
+			id, p := live[rng.IntN(len(live))], prompts[rng.IntN(len(prompts))]
+			lo, owner := rng.IntN(len(p)), uint32(rng.IntN(3))
+			x.ForgetOwn(id, p[lo:], owner)
+			ref.forgetOwn(id, p[lo:], owner)
+		case op == 4:
+			x.Reclaim(rng.IntN(8) + 1) // removed blocks go a batch at a time
 		default:
 			id, p := live[rng.IntN(len(live))], prompts[rng.IntN(len(prompts))]
 			p = p[:rng.IntN(len(p)+1)]
-			x.Record(id, p)
-			ref.record(id, p)
+			owner := uint32(rng.IntN(3))
+			x.Record(id, p, owner)
+			ref.record(id, p, owner)
 		}
 		q := prompts[rng.IntN(len(prompts))]
 		got := match(x, q, live...)
@@ -253,7 +281,7 @@ func testAgainstModel(t *testing.T, capacity int) {
 				t.Fatalf("step %d: endpoint %d LRU order\n got %x\nwant %x", step, id, got, ref.eps[id])
 			}
 		}
-		if x.Blocks() != ref.blocks() {
+		if len(x.dying) == 0 && x.Blocks() != ref.blocks() {
 			t.Fatalf("step %d: %d distinct blocks, reference %d", step, x.Blocks(), ref.blocks())
 		}
 	}
@@ -280,13 +308,51 @@ func TestTouchingKnownBlocksDoesNotAllocate(t *testing.T) {
 	x := NewIndex(1000)
 	ids := []int{x.Add(), x.Add(), x.Add()}
 	p := blocks("p", 200)
-	x.Record(ids[1], p)
+	x.Record(ids[1], p, 0)
 	out := make([]int, len(ids))
 	allocs := testing.AllocsPerRun(100, func() {
 		x.Match(p, ids, out)
-		x.Record(ids[1], p)
+		x.Record(ids[1], p, 0)
 	})
 	if allocs != 0 {
 		t.Errorf("Match+Record of known blocks allocated %.1f times, want 0", allocs)
+	}
+}
+
+func TestForgetOwnKeepsBlocksOthersRecordedSince(t *testing.T) {
+	x := NewIndex(100)
+	a := x.Add()
+	shared, mine := blocks("s", 3), blocks("m", 3)
+	x.Record(a, shared, 1)
+	x.Record(a, mine, 1)
+	x.Record(a, shared, 2) // a later request recorded the shared head there too
+
+	x.ForgetOwn(a, append(slices.Clone(shared), mine...), 1)
+	if got := match(x, shared, a); got[0] != 3 {
+		t.Errorf("the later request's blocks: match %d, want 3 (kept)", got[0])
+	}
+	if got := match(x, mine, a); got[0] != 0 {
+		t.Errorf("the forgotten request's own blocks: match %d, want 0", got[0])
+	}
+}
+
+func TestRemoveIsConstantTimeAndReclaimIsBounded(t *testing.T) {
+	x := NewIndex(10_000)
+	a, b := x.Add(), x.Add()
+	x.Record(a, blocks("a", 10_000), 0)
+	x.Record(b, blocks("b", 10), 0)
+	x.Remove(a)
+	if x.Len(a) != 10_000 {
+		t.Fatalf("Remove freed %d blocks at once, want none (Reclaim frees them)", 10_000-x.Len(a))
+	}
+	batches := 0
+	for x.Reclaim(1000) {
+		batches++
+		if batches > 10 {
+			t.Fatal("Reclaim(1000) did not finish 10,000 blocks in 10 batches")
+		}
+	}
+	if x.Blocks() != 10 {
+		t.Errorf("after reclaim %d distinct blocks, want 10 (b's)", x.Blocks())
 	}
 }

@@ -1,0 +1,219 @@
+package picker
+
+import (
+	"math"
+	"testing"
+	"time"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+)
+
+// podEndpoints are n endpoints with pod UIDs, as the controllers give them.
+func podEndpoints(n int) []Endpoint {
+	eps := endpoints(n)
+	for i := range eps {
+		eps[i].UID = "uid-" + eps[i].Pod
+	}
+	return eps
+}
+
+func TestAFlappingPodKeepsItsRow(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 0, v1alpha1.Default(), Options{Now: clock.Now})
+	eps := podEndpoints(3)
+	p.Replace(eps)
+	a := addr(0)
+	prompt := text("on a", 4000)
+	held := []*Reservation{mustPick(t, p, on(a, prompt)), mustPick(t, p, on(a, text("more", 400)))}
+	held[1].FirstByte()
+
+	p.Replace(eps[1:]) // a turns NotReady
+	l := p.Snapshot()
+	if len(l.Endpoints) != 2 || len(l.Retained) != 1 || l.InFlight != 2 {
+		t.Fatalf("after a left: %d current, %d retained, %d in flight; want 2, 1, 2", len(l.Endpoints), len(l.Retained), l.InFlight)
+	}
+	for range 4 {
+		if r := mustPick(t, p, Request{Model: model, Prompt: prompt}); r.Endpoint() == a {
+			t.Fatal("a retained endpoint was picked")
+		} else {
+			r.Release()
+		}
+	}
+	if _, err := p.Pick(on(a, prompt)); err == nil {
+		t.Error("a subset hint naming only a retained endpoint was routed; want ErrNoEndpoint")
+	}
+
+	clock.Advance(1500 * time.Millisecond)
+	p.Replace(eps) // a is Ready again: the same pod, the same row
+	got := statsOf(p, a)
+	// Both are decoding now: the model finished the first one's prefill
+	// while a was away.
+	if got.InFlight != 2 || got.Decoding != 2 {
+		t.Errorf("a came back with %+v, want its 2 requests (decoding)", got)
+	}
+	if n := heldBlocks(p, prompt, a); n != 4000/64 {
+		t.Errorf("a came back holding %d blocks of its prompt, want %d", n, 4000/64)
+	}
+	for _, r := range held {
+		r.Release()
+	}
+	assertLedgerEmpty(t, p)
+}
+
+func TestANewPodAtTheSameAddressStartsFromZero(t *testing.T) {
+	p := newPicker(t, 0, v1alpha1.Default(), Options{})
+	eps := podEndpoints(2)
+	p.Replace(eps)
+	a := addr(0)
+	prompt := text("old pod", 4000)
+	old := mustPick(t, p, on(a, prompt))
+
+	eps[0].UID = "uid-of-the-replacement"
+	p.Replace(eps)
+	if got := statsOf(p, a); got.InFlight != 0 || got.PrefillTokens != 0 {
+		t.Errorf("the new pod at %s starts with %+v, want zero", a, got)
+	}
+	if n := heldBlocks(p, prompt, a); n != 0 {
+		t.Errorf("the new pod inherits %d blocks of the old one", n)
+	}
+	if l := p.Snapshot(); len(l.Retained) != 1 || l.Retained[0].InFlight != 1 {
+		t.Errorf("the old pod's row = %+v, want retained with its request", l.Retained)
+	}
+	fresh := mustPick(t, p, on(a, text("new pod", 800)))
+	old.FirstByte()
+	old.Release() // touches the old pod's row only
+	if got := statsOf(p, a); got.InFlight != 1 || got.PrefillTokens != 200 {
+		t.Errorf("the new pod = %+v after the old pod's request ended, want only its own (1, 200)", got)
+	}
+	fresh.Release()
+	assertLedgerEmpty(t, p)
+}
+
+func TestARetainedRowIsForgottenAfterItsWindowAndItsRequests(t *testing.T) {
+	clock := newFakeClock()
+	cfg := v1alpha1.Default()
+	cfg.EndpointRetentionSeconds = 60
+	p := newPicker(t, 0, cfg, Options{Now: clock.Now})
+	eps := podEndpoints(2)
+	p.Replace(eps)
+	a := addr(0)
+	prompt := text("warm", 4000)
+	r := mustPick(t, p, on(a, prompt))
+
+	p.Replace(eps[1:])
+	clock.Advance(2 * time.Minute)
+	p.Sweep()
+	if l := p.Snapshot(); len(l.Retained) != 1 {
+		t.Fatalf("a row with a request in flight was forgotten after its window: retained %v", l.Retained)
+	}
+	r.Release()
+	p.Sweep()
+	if l := p.Snapshot(); len(l.Retained) != 0 {
+		t.Errorf("retained %v after its window and its last request, want none", l.Retained)
+	}
+	p.Replace(eps)
+	if n := heldBlocks(p, prompt, a); n != 0 {
+		t.Errorf("a pod back after its retention window still holds %d blocks", n)
+	}
+	p.mu.Lock()
+	dying := p.index.Reclaim(0)
+	p.mu.Unlock()
+	if dying {
+		t.Error("the forgotten row's prefix entries were not reclaimed")
+	}
+	assertLedgerEmpty(t, p)
+}
+
+func TestNonStreamedPrefillDrainsAtTheModelRate(t *testing.T) {
+	clock := newFakeClock()
+	cfg := v1alpha1.Default()
+	cfg.PrefillTokensPerSecond = 10_000
+	p := newPicker(t, 1, cfg, Options{Now: clock.Now})
+	a := addr(0)
+	first := mustPick(t, p, Request{Model: model, Prompt: text("one", 4000)}) // 1000 tokens: 100 ms
+	second := mustPick(t, p, Request{Model: model, Prompt: text("two", 4000)})
+
+	clock.Advance(50 * time.Millisecond)
+	if got := statsOf(p, a); got.PrefillTokens != 1500 || got.Decoding != 0 {
+		t.Errorf("after 50 ms: %+v, want 1500 prefill, none decoding", got)
+	}
+	clock.Advance(100 * time.Millisecond)
+	if got := statsOf(p, a); got.PrefillTokens != 500 || got.Decoding != 1 {
+		t.Errorf("after 150 ms: %+v, want the first done (decoding) and 500 prefill left", got)
+	}
+	// The second's first byte comes early: what the model still counted goes.
+	second.FirstByte()
+	if got := statsOf(p, a); got.PrefillTokens != 0 || got.Decoding != 2 {
+		t.Errorf("after the second's first byte: %+v, want 0 prefill, 2 decoding", got)
+	}
+	first.FirstByte() // non-streamed: its body at the end of generation
+	if got := statsOf(p, a); got.Decoding != 2 || got.InFlight != 2 {
+		t.Errorf("a late first byte changed the ledger: %+v", got)
+	}
+	if rate := statsOf(p, a).PrefillTokensPerSecond; rate != 10_000 {
+		t.Errorf("non-streamed first bytes taught the rate: %v, want the starting 10000", rate)
+	}
+	first.Release()
+	second.Release()
+	assertLedgerEmpty(t, p)
+}
+
+func TestStreamedFirstBytesTeachThePrefillRate(t *testing.T) {
+	clock := newFakeClock()
+	cfg := v1alpha1.Default()
+	cfg.PrefillTokensPerSecond = 10_000
+	p := newPicker(t, 1, cfg, Options{Now: clock.Now})
+	a := addr(0)
+	// The engine really prefills 50,000 tokens/s: 5,000 tokens take 100 ms.
+	for i := range 30 {
+		r := mustPick(t, p, Request{Model: model, Prompt: text("p"+string(rune('a'+i)), 20_000), Stream: true})
+		clock.Advance(100 * time.Millisecond)
+		r.FirstByte()
+		r.Release()
+	}
+	if rate := statsOf(p, a).PrefillTokensPerSecond; math.Abs(rate-50_000) > 5_000 {
+		t.Errorf("learned rate %.0f tokens/s, want about 50000", rate)
+	}
+	// Now a queue of non-streamed requests drains at the learned rate.
+	for i := range 4 {
+		mustPick(t, p, Request{Model: model, Prompt: text("q"+string(rune('a'+i)), 20_000)})
+	}
+	clock.Advance(250 * time.Millisecond)
+	if got := statsOf(p, a); got.Decoding != 2 || got.PrefillTokens < 7_000 || got.PrefillTokens > 8_000 {
+		t.Errorf("after 250 ms of 4 x 5,000 tokens at about 50,000/s: %+v, want 2 decoding and about 7,500 prefill", got)
+	}
+}
+
+func TestOnlyTheFirstPromptBlocksAreRecorded(t *testing.T) {
+	cfg := v1alpha1.Default()
+	cfg.MaxPromptBlocks = 10
+	p := newPicker(t, 1, cfg, Options{})
+	a := addr(0)
+	prompt := text("huge", 100*64)
+	r := mustPick(t, p, Request{Model: model, Prompt: prompt})
+	if r.PromptTokens() != 100*64/4 {
+		t.Errorf("prompt tokens = %d, want every token counted (%d)", r.PromptTokens(), 100*64/4)
+	}
+	if n := heldBlocks(p, prompt, a); n != 10 {
+		t.Errorf("recorded %d blocks, want the cap of 10", n)
+	}
+	again := mustPick(t, p, Request{Model: model, Prompt: prompt})
+	if again.CachedTokens() != 10*64/4 {
+		t.Errorf("a repeat matched %d cached tokens, want the capped %d", again.CachedTokens(), 10*64/4)
+	}
+}
+
+func TestServedByKeepsBlocksAnotherRequestRecorded(t *testing.T) {
+	p := newPicker(t, 2, v1alpha1.Default(), Options{})
+	a, b := addr(0), addr(1)
+	prompt := text("shared by two", 4000)
+	first := mustPick(t, p, on(a, prompt))
+	second := mustPick(t, p, on(a, prompt)) // is served by a, from the blocks first put there
+	first.ServedBy(b)
+	if n := heldBlocks(p, prompt, a); n != 4000/64 {
+		t.Errorf("a holds %d blocks after the first request moved to b, want %d: the second still computes them there", n, 4000/64)
+	}
+	second.Release()
+	first.Release()
+	assertLedgerEmpty(t, p)
+}
