@@ -5,8 +5,6 @@ import (
 	"net/netip"
 	"sync"
 	"testing"
-
-	"github.com/tallyepp/tally/api/v1alpha1"
 )
 
 const (
@@ -99,7 +97,7 @@ func assertEven(t *testing.T, split map[netip.AddrPort]int) {
 }
 
 func TestBurstWithAWarmSharedPrefixSpreadsEvenly(t *testing.T) {
-	p := newPicker(t, 3, v1alpha1.Default(), Options{})
+	p := newPicker(t, 3, testConfig(), Options{})
 	shared := text("system prompt", 2048) // 512 tokens
 	holder := warm(t, p, shared)
 	if heldBlocks(p, shared, holder) != 2048/64 {
@@ -112,14 +110,14 @@ func TestBurstWithAWarmSharedPrefixSpreadsEvenly(t *testing.T) {
 }
 
 func TestBurstWithAColdSharedPrefixSpreadsEvenly(t *testing.T) {
-	p := newPicker(t, 3, v1alpha1.Default(), Options{})
+	p := newPicker(t, 3, testConfig(), Options{})
 	split := burst(t, p, burstPrompts(text("fresh system prompt", 2048), "cold"))
 	t.Logf("cold 512-token prefix, 128 x 32k tokens:%s", splitString(p, split, netip.AddrPort{}))
 	assertEven(t, split)
 }
 
 func TestBurstWithALongHeldPrefixFavoursItsHolderButSpills(t *testing.T) {
-	p := newPicker(t, 3, v1alpha1.Default(), Options{})
+	p := newPicker(t, 3, testConfig(), Options{})
 	shared := text("long document", 120_000) // 30,000 tokens
 	holder := warm(t, p, shared)
 

@@ -8,8 +8,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
-
-	"github.com/tallyepp/tally/api/v1alpha1"
 )
 
 // TestReleasesTakeEffectExactlyOnce races every way a reservation can end
@@ -18,7 +16,7 @@ import (
 // to exactly zero without ever going negative.
 func TestReleasesTakeEffectExactlyOnce(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 4, v1alpha1.Default(), Options{Now: clock.Now, MaxRequestLifetime: time.Minute})
+	p := newPicker(t, 4, testConfig(), Options{Now: clock.Now, MaxRequestLifetime: time.Minute})
 	const n = 300
 	res := make([]*Reservation, 0, n)
 	for i := range n {
@@ -102,7 +100,7 @@ func TestReleasesTakeEffectExactlyOnce(t *testing.T) {
 // TestPicksRaceWithReplace runs picks and their releases concurrently with
 // endpoint set changes: nothing may go negative and the ledger ends empty.
 func TestPicksRaceWithReplace(t *testing.T) {
-	p := newPicker(t, 4, v1alpha1.Default(), Options{})
+	p := newPicker(t, 4, testConfig(), Options{})
 	var wg sync.WaitGroup
 	for g := range 8 {
 		wg.Go(func() {

@@ -2,12 +2,48 @@
 // request, and keeps the live in-flight ledger that makes that choice right
 // under bursts.
 //
-// A pick hashes the prompt outside any lock, then in one short critical
-// section reads the ledger and the prefix index, scores the candidates,
-// chooses, reserves the request's cost in the ledger and records its prompt
-// blocks on the chosen endpoint. The reservation is released exactly once:
-// its prefill part on the first response bytes, the rest at the end of the
-// stream, on error, on disconnect, or by the sweeper as a backstop.
+// A pick hashes the prompt outside any lock (its first maxPromptBlocks
+// blocks only), then in one short critical section reads the ledger and the
+// prefix index, scores the candidates, chooses, reserves the request's cost
+// in the ledger and records its prompt blocks on the chosen endpoint. The
+// evictions those records owe run right after, in short holds of the lock of
+// their own. The reservation is released exactly once: its prefill part at
+// the first response bytes or when the drain model says it is done (below),
+// the rest at the end of the stream, on error, on disconnect, or by the
+// sweeper as a backstop.
+//
+// # Endpoint identity
+//
+// A ledger row belongs to a pod (its UID) and address, not to an address: an
+// endpoint that leaves the set (a readiness flap) keeps its row and prefix
+// memory, no longer a candidate, while requests are in flight on it or for
+// the retention window, and the same pod gets the same row back. Another pod
+// at the same address starts from zero. Forgetting a row is O(1) under the
+// lock; its prefix entries are freed afterwards in bounded batches.
+//
+// # Prefill drain model
+//
+// Each endpoint's outstanding prefill is a FIFO queue that drains at the
+// endpoint's prefill rate, in tokens per second. A reservation joins the
+// back of its endpoint's queue with its uncached prompt tokens; the model's
+// position moves forward at the rate, never past what is queued, and a
+// reservation whose end the position has passed has finished its prefill:
+// it moves to decoding. Its first response bytes end its prefill too,
+// whichever comes first, taking what the model still counted for it out of
+// the queue. An endpoint's cost uses the drained amount, so a request whose
+// client does not stream (its first bytes come only when generation ends)
+// stops counting as prefill once the engine has computed its prompt.
+//
+// The rate starts at the configured prefillTokensPerSecond and is learned
+// from streamed requests: a streamed first byte says the request's own
+// prefill and the prefill queued ahead of it took the time since it joined
+// the queue. The rate is the ratio of decayed sums of those tokens and
+// seconds, so long prompts weigh more than short ones, whose first byte is
+// mostly fixed overhead. Endpoints that see only non-streamed traffic keep
+// the configured rate.
+//
+// Everything the model does under the lock is O(1) per candidate (amortised:
+// each reservation leaves its queue once) and allocates nothing.
 //
 // The invariant not to break: the reservation and the prefix record are
 // written inside the same critical section that read the state they were

@@ -15,6 +15,16 @@ import (
 
 const model = "test-model"
 
+// testConfig is the default configuration with blocks of 64 characters, so
+// that the tests' prompts are many blocks long.
+func testConfig() v1alpha1.PickerConfig {
+	cfg := v1alpha1.Default()
+	cfg.BlockSizeChars = 64
+	cfg.LRUCapacityBlocks = 100_000
+	cfg.MaxPromptBlocks = 2048
+	return cfg
+}
+
 // addr is the address of test endpoint i.
 func addr(i int) netip.AddrPort {
 	return netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 0, byte(2 + i)}), 8000)

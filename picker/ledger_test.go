@@ -4,8 +4,6 @@ import (
 	"math"
 	"testing"
 	"time"
-
-	"github.com/tallyepp/tally/api/v1alpha1"
 )
 
 // podEndpoints are n endpoints with pod UIDs, as the controllers give them.
@@ -19,7 +17,7 @@ func podEndpoints(n int) []Endpoint {
 
 func TestAFlappingPodKeepsItsRow(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 0, v1alpha1.Default(), Options{Now: clock.Now})
+	p := newPicker(t, 0, testConfig(), Options{Now: clock.Now})
 	eps := podEndpoints(3)
 	p.Replace(eps)
 	a := addr(0)
@@ -61,7 +59,7 @@ func TestAFlappingPodKeepsItsRow(t *testing.T) {
 }
 
 func TestANewPodAtTheSameAddressStartsFromZero(t *testing.T) {
-	p := newPicker(t, 0, v1alpha1.Default(), Options{})
+	p := newPicker(t, 0, testConfig(), Options{})
 	eps := podEndpoints(2)
 	p.Replace(eps)
 	a := addr(0)
@@ -91,7 +89,7 @@ func TestANewPodAtTheSameAddressStartsFromZero(t *testing.T) {
 
 func TestARetainedRowIsForgottenAfterItsWindowAndItsRequests(t *testing.T) {
 	clock := newFakeClock()
-	cfg := v1alpha1.Default()
+	cfg := testConfig()
 	cfg.EndpointRetentionSeconds = 60
 	p := newPicker(t, 0, cfg, Options{Now: clock.Now})
 	eps := podEndpoints(2)
@@ -116,7 +114,7 @@ func TestARetainedRowIsForgottenAfterItsWindowAndItsRequests(t *testing.T) {
 		t.Errorf("a pod back after its retention window still holds %d blocks", n)
 	}
 	p.mu.Lock()
-	dying := p.index.Reclaim(0)
+	dying := p.index.Untidy()
 	p.mu.Unlock()
 	if dying {
 		t.Error("the forgotten row's prefix entries were not reclaimed")
@@ -126,7 +124,7 @@ func TestARetainedRowIsForgottenAfterItsWindowAndItsRequests(t *testing.T) {
 
 func TestNonStreamedPrefillDrainsAtTheModelRate(t *testing.T) {
 	clock := newFakeClock()
-	cfg := v1alpha1.Default()
+	cfg := testConfig()
 	cfg.PrefillTokensPerSecond = 10_000
 	p := newPicker(t, 1, cfg, Options{Now: clock.Now})
 	a := addr(0)
@@ -160,7 +158,7 @@ func TestNonStreamedPrefillDrainsAtTheModelRate(t *testing.T) {
 
 func TestStreamedFirstBytesTeachThePrefillRate(t *testing.T) {
 	clock := newFakeClock()
-	cfg := v1alpha1.Default()
+	cfg := testConfig()
 	cfg.PrefillTokensPerSecond = 10_000
 	p := newPicker(t, 1, cfg, Options{Now: clock.Now})
 	a := addr(0)
@@ -185,7 +183,7 @@ func TestStreamedFirstBytesTeachThePrefillRate(t *testing.T) {
 }
 
 func TestOnlyTheFirstPromptBlocksAreRecorded(t *testing.T) {
-	cfg := v1alpha1.Default()
+	cfg := testConfig()
 	cfg.MaxPromptBlocks = 10
 	p := newPicker(t, 1, cfg, Options{})
 	a := addr(0)
@@ -204,7 +202,7 @@ func TestOnlyTheFirstPromptBlocksAreRecorded(t *testing.T) {
 }
 
 func TestServedByKeepsBlocksAnotherRequestRecorded(t *testing.T) {
-	p := newPicker(t, 2, v1alpha1.Default(), Options{})
+	p := newPicker(t, 2, testConfig(), Options{})
 	a, b := addr(0), addr(1)
 	prompt := text("shared by two", 4000)
 	first := mustPick(t, p, on(a, prompt))

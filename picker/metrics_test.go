@@ -8,14 +8,12 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
-
-	"github.com/tallyepp/tally/api/v1alpha1"
 )
 
 func TestMetricsMatchStats(t *testing.T) {
 	reg := prometheus.NewPedanticRegistry()
 	clock := newFakeClock()
-	cfg := v1alpha1.Default()
+	cfg := testConfig()
 	cfg.Saturation.MaxInFlightRequests = 3
 	p := newPicker(t, 3, cfg, Options{Registerer: reg, Now: clock.Now, MaxRequestLifetime: time.Minute})
 
@@ -123,7 +121,7 @@ tally_prefix_cached_tokens_total %d
 }
 
 func TestPickerWithoutRegistererStillCollects(t *testing.T) {
-	p := newPicker(t, 2, v1alpha1.Default(), Options{})
+	p := newPicker(t, 2, testConfig(), Options{})
 	mustPick(t, p, Request{Model: model})
 	// 4 gauges per endpoint, 3 pool gauges, 3 pick results, 3 counters, 1 histogram.
 	if got := testutil.CollectAndCount(p); got != 4*2+3+3+3+1 {

@@ -184,7 +184,7 @@ func (p *Picker) clock() int64 { return int64(p.opts.Now().Sub(p.epoch)) }
 // requests are in flight on it or for the retention window, and gets it back
 // if it returns. Another pod at the same address starts from zero. Dropping a
 // row costs O(1) under the lock; its prefix entries are freed afterwards in
-// short batches. The first call marks the picker as synced.
+// short batches of their own. The first call marks the picker as synced.
 func (p *Picker) Replace(eps []Endpoint) {
 	now := p.clock()
 	var added, returned, left int
@@ -235,7 +235,7 @@ func (p *Picker) Replace(eps []Endpoint) {
 	dropped := p.expireLocked(now)
 	total := len(p.rows)
 	p.mu.Unlock()
-	p.reclaim()
+	p.tidy()
 
 	p.synced.Store(true)
 	if added > 0 || returned > 0 || left > 0 || dropped > 0 {
@@ -258,16 +258,17 @@ func (p *Picker) expireLocked(now int64) (dropped int) {
 	return dropped
 }
 
-// reclaimBatchBlocks bounds the prefix entries of dropped rows freed under
-// one hold of the lock (tens of microseconds), so a pick never waits long
-// behind a removal.
-const reclaimBatchBlocks = 256
+// tidyBatchBlocks bounds the prefix entries evicted or freed under one
+// hold of the lock (tens of microseconds), so a pick never waits long behind
+// an eviction or a removal.
+const tidyBatchBlocks = 256
 
-// reclaim frees the prefix entries of dropped rows, a batch per lock hold.
-func (p *Picker) reclaim() {
+// tidy evicts the prefix entries over an endpoint's capacity and frees
+// those of dropped rows, a batch per hold of the lock.
+func (p *Picker) tidy() {
 	for more := true; more; {
 		p.mu.Lock()
-		more = p.index.Reclaim(reclaimBatchBlocks)
+		more = p.index.Tidy(tidyBatchBlocks)
 		p.mu.Unlock()
 	}
 }
@@ -309,9 +310,13 @@ func (p *Picker) Pick(req Request) (*Reservation, error) {
 
 	p.mu.Lock()
 	err := p.placeLocked(r, req)
+	untidy := p.index.Untidy()
 	p.mu.Unlock()
 	if p.afterPick != nil {
 		p.afterPick()
+	}
+	if untidy {
+		p.tidy() // the evictions this pick's records owe, outside its critical section
 	}
 
 	m := p.metrics
@@ -406,7 +411,7 @@ func (p *Picker) Sweep() int {
 	dropped := p.expireLocked(now)
 	p.mu.Unlock()
 	if dropped > 0 {
-		p.reclaim()
+		p.tidy()
 	}
 	if n > 0 {
 		p.metrics.swept.Add(float64(n))

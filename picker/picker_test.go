@@ -10,12 +10,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/picker/prefix"
 )
 
 func TestLedgerCountsPrefillDecodingAndRelease(t *testing.T) {
-	p := newPicker(t, 1, v1alpha1.Default(), Options{})
+	p := newPicker(t, 1, testConfig(), Options{})
 	a := addr(0)
 	prompt := text("p", 1000) // 250 tokens; 15 full blocks of 64 characters
 
@@ -68,7 +67,7 @@ func TestCostWeighsDecodingRequests(t *testing.T) {
 		{weight: 1, want: 0},   // 1 < 100
 		{weight: 500, want: 1}, // 500 > 100
 	} {
-		cfg := v1alpha1.Default()
+		cfg := testConfig()
 		cfg.DecodeWeightTokens = tc.weight
 		p := newPicker(t, 2, cfg, Options{})
 		dec := mustPick(t, p, on(addr(0), nil))
@@ -85,7 +84,7 @@ func TestCostWeighsDecodingRequests(t *testing.T) {
 // reserved and the prefix it recorded. It fails if either write is moved
 // after the unlock.
 func TestCriticalSectionPublishesBeforeUnlock(t *testing.T) {
-	p := newPicker(t, 2, v1alpha1.Default(), Options{})
+	p := newPicker(t, 2, testConfig(), Options{})
 	a, b := addr(0), addr(1)
 	// b carries 100 queued tokens, so a fresh pick prefers a unless it sees
 	// a's load.
@@ -148,7 +147,7 @@ func TestTiesAreBrokenAtRandomNotByListOrder(t *testing.T) {
 		if order == "reversed" {
 			slices.Reverse(eps)
 		}
-		p := New(v1alpha1.Default(), Options{Rand: rand.New(rand.NewPCG(3, 4))})
+		p := New(testConfig(), Options{Rand: rand.New(rand.NewPCG(3, 4))})
 		p.Replace(eps)
 		counts := map[netip.AddrPort]int{}
 		const cycles = 2000
@@ -191,7 +190,7 @@ func TestFallbackListIsOrderedByCost(t *testing.T) {
 		{"more than there are", 2, 5, []int{10, 0}, []int{1, 0}},
 		{"all five", 5, 5, []int{5, 4, 3, 2, 1}, []int{4, 3, 2, 1, 0}},
 	} {
-		cfg := v1alpha1.Default()
+		cfg := testConfig()
 		cfg.FallbackEndpoints = tc.fallbacks
 		p := newPicker(t, tc.endpoints, cfg, Options{})
 		load(p, tc.load...)
@@ -210,7 +209,7 @@ func TestFallbackListIsOrderedByCost(t *testing.T) {
 }
 
 func TestSubsetRestrictsCandidates(t *testing.T) {
-	p := newPicker(t, 3, v1alpha1.Default(), Options{})
+	p := newPicker(t, 3, testConfig(), Options{})
 	unknown := netip.MustParseAddrPort("127.0.0.99:8000")
 
 	for name, req := range map[string]Request{
@@ -242,7 +241,7 @@ func TestSubsetRestrictsCandidates(t *testing.T) {
 }
 
 func TestNoEndpoints(t *testing.T) {
-	p := New(v1alpha1.Default(), Options{})
+	p := New(testConfig(), Options{})
 	if p.Synced() {
 		t.Error("synced before the first Replace")
 	}
@@ -260,7 +259,7 @@ func TestNoEndpoints(t *testing.T) {
 
 func TestSaturation(t *testing.T) {
 	t.Run("off by default", func(t *testing.T) {
-		p := newPicker(t, 1, v1alpha1.Default(), Options{})
+		p := newPicker(t, 1, testConfig(), Options{})
 		for i := range 200 {
 			if _, err := p.Pick(Request{Model: model, Prompt: text("big", 40_000)}); err != nil {
 				t.Fatalf("pick %d: %v", i, err)
@@ -269,7 +268,7 @@ func TestSaturation(t *testing.T) {
 	})
 
 	t.Run("in-flight limit", func(t *testing.T) {
-		cfg := v1alpha1.Default()
+		cfg := testConfig()
 		cfg.Saturation.MaxInFlightRequests = 2
 		p := newPicker(t, 2, cfg, Options{})
 		var held []*Reservation
@@ -292,7 +291,7 @@ func TestSaturation(t *testing.T) {
 	})
 
 	t.Run("prefill limit skips a cheaper endpoint", func(t *testing.T) {
-		cfg := v1alpha1.Default()
+		cfg := testConfig()
 		cfg.Saturation.MaxPrefillTokens = 1000
 		cfg.DecodeWeightTokens = 1
 		p := newPicker(t, 2, cfg, Options{})
@@ -315,7 +314,7 @@ func TestSaturation(t *testing.T) {
 }
 
 func TestServedByMovesTheReservation(t *testing.T) {
-	p := newPicker(t, 3, v1alpha1.Default(), Options{})
+	p := newPicker(t, 3, testConfig(), Options{})
 	a, b, c := addr(0), addr(1), addr(2)
 	shared := text("shared", 640) // 10 blocks a already holds
 	warm := mustPick(t, p, on(a, shared))
@@ -363,7 +362,7 @@ func TestServedByMovesTheReservation(t *testing.T) {
 
 func TestSweepReleasesOnlyOldReservations(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 2, v1alpha1.Default(), Options{Now: clock.Now, MaxRequestLifetime: 10 * time.Minute})
+	p := newPicker(t, 2, testConfig(), Options{Now: clock.Now, MaxRequestLifetime: 10 * time.Minute})
 
 	old := mustPick(t, p, Request{Model: model, Prompt: text("old", 400)})
 	old.FirstByte()
@@ -396,7 +395,7 @@ func TestSweepReleasesOnlyOldReservations(t *testing.T) {
 }
 
 func TestRunSweepsUntilCancelled(t *testing.T) {
-	p := newPicker(t, 1, v1alpha1.Default(), Options{Now: time.Now, MaxRequestLifetime: 50 * time.Millisecond})
+	p := newPicker(t, 1, testConfig(), Options{Now: time.Now, MaxRequestLifetime: 50 * time.Millisecond})
 	mustPick(t, p, Request{Model: model, Prompt: text("forgotten", 400)})
 
 	ctx, cancel := context.WithCancel(t.Context())
@@ -425,7 +424,7 @@ func TestRunSweepsUntilCancelled(t *testing.T) {
 }
 
 func TestCriticalSectionDoesNotAllocateOnKnownBlocks(t *testing.T) {
-	p := newPicker(t, 16, v1alpha1.Default(), Options{})
+	p := newPicker(t, 16, testConfig(), Options{})
 	req := Request{Model: model, Prompt: text("known", 8000)}
 	hashes := prefix.Hash(nil, model, req.Prompt, p.cfg.BlockSizeChars)
 	r := &Reservation{p: p}

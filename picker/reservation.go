@@ -131,10 +131,20 @@ func (r *Reservation) ServedBy(addr netip.AddrPort) {
 	p := r.p
 	now := p.clock()
 	p.mu.Lock()
-	defer p.mu.Unlock()
+	untidy := r.moveLocked(addr, now)
+	p.mu.Unlock()
+	if untidy {
+		p.tidy()
+	}
+}
+
+// moveLocked is ServedBy under the lock; it reports whether the index owes
+// evictions.
+func (r *Reservation) moveLocked(addr netip.AddrPort, now int64) bool {
+	p := r.p
 	to, ok := p.byAddr[key(addr)]
 	if r.released || !ok || to == r.row {
-		return
+		return false
 	}
 	from := r.row
 	from.drop(r, now)
@@ -150,6 +160,7 @@ func (r *Reservation) ServedBy(addr netip.AddrPort) {
 	r.row = to
 	to.hold(r, now)
 	p.index.Record(to.id, r.hashes, r.owner)
+	return p.index.Untidy()
 }
 
 // linkLocked appends r to the sweeper's list: no allocation, the links live

@@ -17,8 +17,12 @@ const (
 
 // Defaults, each with its unit in its name.
 const (
-	DefaultBlockSizeChars           = 64
-	DefaultLRUCapacityBlocks        = 100_000
+	// DefaultBlockSizeChars is about 64 tokens: fine enough that a match
+	// misses at most 63 tokens of a shared prefix, coarse enough that a
+	// 32,000-token prompt is 500 blocks, recorded within about 100 µs.
+	DefaultBlockSizeChars = 256
+	// DefaultLRUCapacityBlocks is about 1.6 million tokens per endpoint.
+	DefaultLRUCapacityBlocks        = 25_000
 	DefaultCharsPerToken            = 4
 	DefaultDecodeWeightTokens       = 128
 	DefaultFallbackEndpoints        = 3
@@ -30,8 +34,9 @@ const (
 	// before the picker has learned it from streamed first bytes.
 	DefaultPrefillTokensPerSecond = 10_000
 	// DefaultMaxPromptBlocks caps the prompt blocks hashed and recorded per
-	// request: 2,048 blocks of 64 characters, about 32,000 tokens.
-	DefaultMaxPromptBlocks = 2048
+	// request: 500 blocks of 256 characters, about 32,000 tokens, so that a
+	// huge prompt holds the picker's lock no longer than a 32,000-token one.
+	DefaultMaxPromptBlocks = 500
 )
 
 // PickerConfig configures how the picker scores and places requests.
@@ -41,7 +46,7 @@ type PickerConfig struct {
 	Kind       string `json:"kind"`
 
 	// BlockSizeChars is the size, in characters of prompt text, of one prefix
-	// block: the unit in which shared prefixes are found (64 is about 16 tokens).
+	// block: the unit in which shared prefixes are found (256 is about 64 tokens).
 	BlockSizeChars int `json:"blockSizeChars,omitempty"`
 	// LRUCapacityBlocks is how many prefix blocks are remembered per endpoint;
 	// the least recently used are forgotten first.

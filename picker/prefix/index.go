@@ -7,7 +7,7 @@ import "math/bits"
 // Layout and invariants (the picker's mutex guards an Index; it has no lock):
 //
 //   - Endpoints are small integer ids handed out by Add. Remove is O(1): it
-//     marks the id dying and queues it; Reclaim frees a dying id's blocks a
+//     marks the id dying and queues it; Tidy frees a dying id's blocks a
 //     bounded batch at a time, and only an id with no blocks left is reused
 //     by a later Add (so a reused id always starts empty, and a bit in a
 //     holder bitset always belongs to the id's current owner). A dying id is
@@ -20,8 +20,12 @@ import "math/bits"
 //     node per holding endpoint.
 //   - A node is one (block, endpoint) pair. It sits on two doubly linked
 //     lists: the slot's holder chain and the endpoint's LRU list (head = most
-//     recently used). An endpoint's list length never exceeds capacity:
-//     recording a new block on a full endpoint first evicts its tail.
+//     recently used). Record never evicts: an endpoint it takes over
+//     capacity is queued, and Tidy evicts its tail back to capacity, a
+//     bounded batch at a time. So a pick's critical section only inserts,
+//     and the evictions run in short holds of the lock right after it; a
+//     list exceeds capacity by at most the blocks recorded since the last
+//     Tidy.
 //   - Each node carries the owner tag of the last Record that touched it,
 //     so ForgetOwn can take back what one request recorded without taking
 //     blocks that a later request recorded (or touched) on the same endpoint.
@@ -48,7 +52,8 @@ type Index struct {
 
 	eps     []lru
 	freeIDs []int
-	dying   []int // removed ids whose blocks Reclaim has not freed yet
+	dying   []int // removed ids whose blocks Tidy has not freed yet
+	over    []int // ids whose lists Record took over capacity
 
 	// Scratch for Match, sized with eps.
 	alive   []uint64
@@ -96,14 +101,15 @@ type node struct {
 	slot                   int32
 	id                     int32
 	owner                  uint32 // tag of the last Record that touched it
-	prev, next             int32 // the endpoint's LRU list; prev is more recent
-	prevHolder, nextHolder int32 // the slot's holder chain
+	prev, next             int32  // the endpoint's LRU list; prev is more recent
+	prevHolder, nextHolder int32  // the slot's holder chain
 }
 
 type lru struct {
 	head, tail int32
 	n          int
 	live       bool // false once removed (dying, or free)
+	over       bool // listed in Index.over
 }
 
 // NewIndex returns an empty index that remembers at most capacityBlocks
@@ -152,7 +158,7 @@ func (x *Index) growWords(words int) {
 }
 
 // Remove forgets endpoint id in O(1): it stops being an endpoint at once
-// (it must no longer be passed to Match, Record or Forget), and Reclaim frees
+// (it must no longer be passed to Match, Record or Forget), and Tidy frees
 // its blocks later. Removing an id that is not in use does nothing.
 func (x *Index) Remove(id int) {
 	if id < 0 || id >= len(x.eps) || !x.eps[id].live {
@@ -162,19 +168,28 @@ func (x *Index) Remove(id int) {
 	x.dying = append(x.dying, id)
 }
 
-// Reclaim frees at most budget blocks of removed endpoints, and makes an id
-// reusable once all of its blocks are freed. It reports whether removed
-// blocks remain, so a caller can free them in short batches, each under its
-// own hold of the lock that guards the index.
-func (x *Index) Reclaim(budget int) (more bool) {
-	for budget > 0 && len(x.dying) > 0 {
+// Tidy evicts the least recently used blocks of endpoints that Record took
+// over capacity, then frees the blocks of removed endpoints, at most budget
+// blocks in all, and makes an id reusable once all of its blocks are freed.
+// It reports whether work remains, so a caller can run it in short batches,
+// each under its own hold of the lock that guards the index.
+func (x *Index) Tidy(budget int) (more bool) {
+	for budget > 0 && len(x.over) > 0 {
+		id := x.over[len(x.over)-1]
+		e := &x.eps[id]
+		for ; budget > 0 && e.live && e.n > x.capacity; budget-- {
+			x.evictTail(id)
+		}
+		if !e.live || e.n <= x.capacity {
+			e.over = false
+			x.over = x.over[:len(x.over)-1]
+		}
+	}
+	for budget > 0 && len(x.over) == 0 && len(x.dying) > 0 {
 		id := x.dying[len(x.dying)-1]
 		e := &x.eps[id]
 		for ; budget > 0 && e.tail != none; budget-- {
-			t := e.tail
-			x.dropHolder(t)
-			x.unlinkLRU(id, t)
-			x.freeNodeAt(t)
+			x.evictTail(id)
 		}
 		if e.tail == none {
 			*e = lru{head: none, tail: none}
@@ -182,19 +197,30 @@ func (x *Index) Reclaim(budget int) (more bool) {
 			x.freeIDs = append(x.freeIDs, id)
 		}
 	}
-	return len(x.dying) > 0
+	return len(x.over) > 0 || len(x.dying) > 0
+}
+
+// Untidy reports whether Tidy has work to do.
+func (x *Index) Untidy() bool { return len(x.over) > 0 || len(x.dying) > 0 }
+
+func (x *Index) evictTail(id int) {
+	t := x.eps[id].tail
+	x.dropHolder(t)
+	x.unlinkLRU(id, t)
+	x.freeNodeAt(t)
 }
 
 // Len reports how many blocks endpoint id holds.
 func (x *Index) Len(id int) int { return x.eps[id].n }
 
 // Blocks reports how many distinct blocks at least one endpoint holds,
-// counting removed endpoints until Reclaim has freed their blocks.
+// counting removed endpoints and blocks over capacity until Tidy frees them.
 func (x *Index) Blocks() int { return len(x.slotOf) }
 
 // Record notes that endpoint id now holds every block in hashes, making them
 // its most recently used with hashes[0] first, and tags them with owner.
-// Blocks beyond the endpoint's capacity evict its least recently used ones.
+// Blocks beyond the endpoint's capacity are evicted, least recently used
+// first, by the next Tidy.
 func (x *Index) Record(id int, hashes []uint64, owner uint32) {
 	e := &x.eps[id]
 	// Leading blocks that already head the endpoint's list, in prompt order,
@@ -226,14 +252,6 @@ func (x *Index) Record(id int, hashes []uint64, owner uint32) {
 			}
 			continue
 		}
-		// id does not hold s, so evicting its tail cannot free s; and the
-		// tail is not among the k kept blocks, since k < capacity <= e.n.
-		if e.n >= x.capacity {
-			t := e.tail
-			x.dropHolder(t)
-			x.unlinkLRU(id, t)
-			x.freeNodeAt(t)
-		}
 		if !known {
 			s = x.newSlot(h)
 			x.slotOf[h] = s
@@ -242,6 +260,10 @@ func (x *Index) Record(id int, hashes []uint64, owner uint32) {
 		x.node(n).owner = owner
 		x.addHolder(s, n)
 		x.insertAfter(id, anchor, n)
+	}
+	if e.n > x.capacity && !e.over {
+		e.over = true
+		x.over = append(x.over, id)
 	}
 }
 

@@ -20,9 +20,9 @@ func TestMatchCountsLeadingBlocksPerEndpoint(t *testing.T) {
 	x := NewIndex(1000)
 	a, b, c, d := x.Add(), x.Add(), x.Add(), x.Add()
 	p := blocks("p", 10)
-	x.Record(a, p, 0)
-	x.Record(b, p[:4], 0)
-	x.Record(d, p[2:], 0) // holds everything but the head: matches nothing
+	record(x, a, p, 0)
+	record(x, b, p[:4], 0)
+	record(x, d, p[2:], 0) // holds everything but the head: matches nothing
 
 	if got, want := match(x, p, a, b, c, d), []int{10, 4, 0, 0}; !slices.Equal(got, want) {
 		t.Errorf("match of the recorded prompt = %v, want %v", got, want)
@@ -44,9 +44,9 @@ func TestLRUEvictsPerEndpoint(t *testing.T) {
 	x := NewIndex(6)
 	e, other := x.Add(), x.Add()
 	pa, pb := blocks("a", 4), blocks("b", 4)
-	x.Record(other, pa, 0)
-	x.Record(e, pa, 0)
-	x.Record(e, pb, 0) // 8 blocks on a capacity of 6: pa's two tail blocks go
+	record(x, other, pa, 0)
+	record(x, e, pa, 0)
+	record(x, e, pb, 0) // 8 blocks on a capacity of 6: pa's two tail blocks go
 
 	if got := x.Len(e); got != 6 {
 		t.Errorf("endpoint holds %d blocks, want its capacity 6", got)
@@ -62,8 +62,8 @@ func TestLRUEvictsPerEndpoint(t *testing.T) {
 	}
 
 	// Touching pa again makes it recent: the next prompt evicts pb instead.
-	x.Record(e, pa[:2], 0)
-	x.Record(e, blocks("c", 2), 0)
+	record(x, e, pa[:2], 0)
+	record(x, e, blocks("c", 2), 0)
 	if got := match(x, pa, e); got[0] != 2 {
 		t.Errorf("after touching, match of pa = %d, want 2", got[0])
 	}
@@ -76,7 +76,7 @@ func TestRecordKeepsPromptHeadsWhenOverCapacity(t *testing.T) {
 	x := NewIndex(6)
 	e := x.Add()
 	p := blocks("long", 10)
-	x.Record(e, p, 0)
+	record(x, e, p, 0)
 	if got := match(x, p, e); got[0] != 6 {
 		t.Errorf("a 10-block prompt on a 6-block endpoint matches %d blocks, want 6 (the head)", got[0])
 	}
@@ -89,16 +89,16 @@ func TestRemoveDropsOnlyThatEndpoint(t *testing.T) {
 	x := NewIndex(100)
 	a, b := x.Add(), x.Add()
 	shared, own := blocks("s", 5), blocks("o", 5)
-	x.Record(a, shared, 0)
-	x.Record(a, own, 0)
-	x.Record(b, shared, 0)
+	record(x, a, shared, 0)
+	record(x, a, own, 0)
+	record(x, b, shared, 0)
 
 	x.Remove(a)
 	x.Remove(a) // a second removal is a no-op
 	if got := match(x, shared, b); got[0] != 5 {
 		t.Errorf("b lost blocks when a was removed: match %d, want 5", got[0])
 	}
-	for x.Reclaim(3) { // in batches, as the picker does between its locks
+	for x.Tidy(3) { // in batches, as the picker does between its locks
 	}
 	if got := x.Blocks(); got != 5 {
 		t.Errorf("distinct blocks after removing a = %d, want 5 (only b's)", got)
@@ -112,13 +112,13 @@ func TestRemovedIDIsReusedEmpty(t *testing.T) {
 	x := NewIndex(100)
 	a, b := x.Add(), x.Add()
 	p := blocks("p", 5)
-	x.Record(a, p, 0)
-	x.Record(b, p, 0)
+	record(x, a, p, 0)
+	record(x, b, p, 0)
 	x.Remove(a)
 	if again := x.Add(); again == a {
 		t.Fatalf("Add reused id %d before its blocks were reclaimed", a)
 	}
-	for x.Reclaim(2) {
+	for x.Tidy(2) {
 	}
 
 	again := x.Add()
@@ -140,8 +140,8 @@ func TestForgetDropsOnlyTheNamedBlocks(t *testing.T) {
 	x := NewIndex(100)
 	a, b := x.Add(), x.Add()
 	p := blocks("p", 6)
-	x.Record(a, p, 0)
-	x.Record(b, p, 0)
+	record(x, a, p, 0)
+	record(x, b, p, 0)
 	x.Forget(a, p[3:])
 	x.Forget(a, blocks("unknown", 3))
 	if got := match(x, p, a, b); !slices.Equal(got, []int{3, 6}) {
@@ -158,7 +158,7 @@ func TestManyEndpointsWidenTheBitsets(t *testing.T) {
 	var ids, want []int
 	for i := range 150 {
 		id := x.Add()
-		x.Record(id, p[:i%41], 0)
+		record(x, id, p[:i%41], 0)
 		ids = append(ids, id)
 		want = append(want, i%41)
 	}
@@ -263,12 +263,12 @@ func testAgainstModel(t *testing.T, capacity int) {
 			x.ForgetOwn(id, p[lo:], owner)
 			ref.forgetOwn(id, p[lo:], owner)
 		case op == 4:
-			x.Reclaim(rng.IntN(8) + 1) // removed blocks go a batch at a time
+			x.Tidy(rng.IntN(8) + 1) // removed blocks go a batch at a time
 		default:
 			id, p := live[rng.IntN(len(live))], prompts[rng.IntN(len(prompts))]
 			p = p[:rng.IntN(len(p)+1)]
 			owner := uint32(rng.IntN(3))
-			x.Record(id, p, owner)
+			record(x, id, p, owner)
 			ref.record(id, p, owner)
 		}
 		q := prompts[rng.IntN(len(prompts))]
@@ -308,11 +308,11 @@ func TestTouchingKnownBlocksDoesNotAllocate(t *testing.T) {
 	x := NewIndex(1000)
 	ids := []int{x.Add(), x.Add(), x.Add()}
 	p := blocks("p", 200)
-	x.Record(ids[1], p, 0)
+	record(x, ids[1], p, 0)
 	out := make([]int, len(ids))
 	allocs := testing.AllocsPerRun(100, func() {
 		x.Match(p, ids, out)
-		x.Record(ids[1], p, 0)
+		record(x, ids[1], p, 0)
 	})
 	if allocs != 0 {
 		t.Errorf("Match+Record of known blocks allocated %.1f times, want 0", allocs)
@@ -323,9 +323,9 @@ func TestForgetOwnKeepsBlocksOthersRecordedSince(t *testing.T) {
 	x := NewIndex(100)
 	a := x.Add()
 	shared, mine := blocks("s", 3), blocks("m", 3)
-	x.Record(a, shared, 1)
-	x.Record(a, mine, 1)
-	x.Record(a, shared, 2) // a later request recorded the shared head there too
+	record(x, a, shared, 1)
+	record(x, a, mine, 1)
+	record(x, a, shared, 2) // a later request recorded the shared head there too
 
 	x.ForgetOwn(a, append(slices.Clone(shared), mine...), 1)
 	if got := match(x, shared, a); got[0] != 3 {
@@ -339,14 +339,14 @@ func TestForgetOwnKeepsBlocksOthersRecordedSince(t *testing.T) {
 func TestRemoveIsConstantTimeAndReclaimIsBounded(t *testing.T) {
 	x := NewIndex(10_000)
 	a, b := x.Add(), x.Add()
-	x.Record(a, blocks("a", 10_000), 0)
-	x.Record(b, blocks("b", 10), 0)
+	record(x, a, blocks("a", 10_000), 0)
+	record(x, b, blocks("b", 10), 0)
 	x.Remove(a)
 	if x.Len(a) != 10_000 {
 		t.Fatalf("Remove freed %d blocks at once, want none (Reclaim frees them)", 10_000-x.Len(a))
 	}
 	batches := 0
-	for x.Reclaim(1000) {
+	for x.Tidy(1000) {
 		batches++
 		if batches > 10 {
 			t.Fatal("Reclaim(1000) did not finish 10,000 blocks in 10 batches")
@@ -354,5 +354,33 @@ func TestRemoveIsConstantTimeAndReclaimIsBounded(t *testing.T) {
 	}
 	if x.Blocks() != 10 {
 		t.Errorf("after reclaim %d distinct blocks, want 10 (b's)", x.Blocks())
+	}
+}
+
+// record records and then tidies fully, in small batches, as the picker
+// does right after a pick.
+func record(x *Index, id int, hashes []uint64, owner uint32) {
+	x.Record(id, hashes, owner)
+	for x.Tidy(3) {
+	}
+}
+
+func TestRecordDefersEvictionToTidy(t *testing.T) {
+	x := NewIndex(6)
+	e := x.Add()
+	pa, pb := blocks("a", 4), blocks("b", 4)
+	record(x, e, pa, 0)
+	x.Record(e, pb, 0)
+	if x.Len(e) != 8 || !x.Untidy() {
+		t.Fatalf("after recording 8 blocks on a capacity of 6: %d blocks, untidy %v; want 8 until Tidy", x.Len(e), x.Untidy())
+	}
+	if x.Tidy(1) != true || x.Len(e) != 7 {
+		t.Fatalf("Tidy(1) left %d blocks, want 7 and more to do", x.Len(e))
+	}
+	if x.Tidy(10) || x.Len(e) != 6 {
+		t.Fatalf("Tidy(10) left %d blocks, want 6 and nothing more", x.Len(e))
+	}
+	if got := match(x, pa, e); got[0] != 2 {
+		t.Errorf("pa matches %d blocks, want its head 2 (its tail was least recently used)", got[0])
 	}
 }
