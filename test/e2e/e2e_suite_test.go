@@ -5,9 +5,10 @@
 // burst is spread, that responses pass through whole, the failure modes,
 // and that the picker's ledger drains.
 //
-// Every spec shares one stack and runs in order; a spec that changes the
-// pool (a pod's readiness, the failure mode, the picker's life) puts it back
-// before it ends.
+// The routing specs share one stack and run in order; a spec that changes
+// the pool (a pod's readiness, the failure mode, the picker's life) puts it
+// back before it ends. Specs that need a pool of their own (three pods, a
+// picker configuration of their own) start their own stack with startStack.
 package e2e
 
 import (
@@ -34,6 +35,9 @@ func TestE2E(t *testing.T) {
 
 var st *stack.Stack
 
+// binDir holds the epp and devgateway binaries every stack runs.
+var binDir string
+
 // binDirEnv names a directory holding already built epp and devgateway
 // binaries; when it is unset the suite builds them from this tree.
 const binDirEnv = "TALLY_E2E_BIN_DIR"
@@ -41,7 +45,7 @@ const binDirEnv = "TALLY_E2E_BIN_DIR"
 var _ = BeforeSuite(func(ctx SpecContext) {
 	// envtest logs through controller-runtime's logger.
 	logf.SetLogger(zap.New(zap.WriteTo(GinkgoWriter), zap.UseDevMode(true)))
-	binDir := os.Getenv(binDirEnv)
+	binDir = os.Getenv(binDirEnv)
 	if binDir == "" {
 		root, err := testenv.RepoRoot()
 		Expect(err).NotTo(HaveOccurred())
@@ -54,21 +58,29 @@ var _ = BeforeSuite(func(ctx SpecContext) {
 		Expect(build.Run()).To(Succeed(), "building cmd/epp and cmd/devgateway")
 	}
 
-	var err error
-	st, err = stack.Start(ctx, stack.Options{
-		BinDir:     binDir,
+	st = startStack(ctx, stack.Options{
 		Namespace:  "e2e",
 		PoolName:   "e2e-pool",
 		Pods:       4,
 		FirstPodIP: firstPodIP,
 		TimeScale:  10,
-		Output:     GinkgoWriter,
-	})
-	Expect(err).NotTo(HaveOccurred())
-	DeferCleanup(func() {
-		Expect(st.Stop()).To(Succeed())
 	})
 }, NodeTimeout(8*time.Minute)) // a cold build of cmd/epp takes minutes on two cores
+
+// startStack starts a stack of the suite's binaries, its processes' output
+// going to the spec's output, and stops it when the node that started it
+// ends (the suite, or an Ordered container's BeforeAll).
+func startStack(ctx context.Context, opts stack.Options) *stack.Stack {
+	GinkgoHelper()
+	opts.BinDir = binDir
+	opts.Output = GinkgoWriter
+	s, err := stack.Start(ctx, opts)
+	Expect(err).NotTo(HaveOccurred())
+	DeferCleanup(func() {
+		Expect(s.Stop()).To(Succeed())
+	})
+	return s
+}
 
 // eventually polls with the suite's usual interval.
 func eventually(ctx context.Context, f any) AsyncAssertion {

@@ -1,0 +1,166 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"net/http"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+
+	"github.com/tallyepp/tally/test/stack"
+)
+
+// prefillFirstPodIP keeps this pool's pods off the other specs' addresses.
+var prefillFirstPodIP = netip.MustParseAddr("127.0.44.2")
+
+// The workload: closed-loop clients, half streaming and half not, each
+// sending prompts of a few thousand tokens that share no prefix (so the
+// picker's uncached estimate is the engine's), with short outputs. Measured
+// in virtual time beforehand, 12 such clients keep each of 3 engines about
+// half busy with prefill, with a prompt's worth queued at times: the queues
+// are real but drain, and a non-streaming request spends most of its life
+// decoding, where its prefill is done.
+const (
+	prefillClients      = 12
+	prefillPromptTokens = 4000
+	prefillOutputTokens = 32
+	// prefillWarmUp is left out of the averages: the picker starts from a
+	// guessed prefill rate (prefillTokensPerSecond) until streamed first
+	// bytes have taught it the engines' rate.
+	prefillWarmUp   = 3 * time.Second
+	prefillMeasured = 20 * time.Second
+	prefillSampling = 50 * time.Millisecond
+	// prefillTolerance is how far the ledger's average may be from the
+	// engine's. The engine's figure is exact; the picker models it from the
+	// outside, and sees each request a few milliseconds before the engine
+	// does (the gateway forwards it) and each first byte a few after.
+	prefillTolerance = 0.25
+	// prefillMinQueued is the least average queue per engine for the
+	// comparison to mean something: an eighth of a prompt.
+	prefillMinQueued = prefillPromptTokens / 8
+)
+
+// distinctRequest is a completion of prefillPromptTokens tokens whose first
+// block is its own.
+func distinctRequest(stream bool) stack.Request {
+	head := fmt.Sprintf("prefill %08d: ", requestSeq.Add(1))
+	const unit = "a question about queues "
+	text := head + strings.Repeat(unit, prefillPromptTokens*4/len(unit)+1)
+	return stack.Completion(stack.DefaultModel, text[:prefillPromptTokens*4], prefillOutputTokens, stream)
+}
+
+// prefillAverages accumulates, per pod, the ledger's prefill and the
+// engine's queued prefill, sampled together.
+type prefillAverages struct {
+	samples        int
+	ledger, engine map[string]float64
+}
+
+func (a *prefillAverages) sample(ctx context.Context, s *stack.Stack) error {
+	l, err := s.Ledger(ctx)
+	if err != nil {
+		return err
+	}
+	for _, p := range s.Pods() {
+		st, ok := p.Stats()
+		if !ok {
+			return fmt.Errorf("pod %s has no simulator", p.Name)
+		}
+		for _, row := range rowsAt(l, p.Addr) {
+			a.ledger[p.Name] += float64(row.PrefillTokens)
+		}
+		a.engine[p.Name] += float64(st.QueuedPrefillTokens)
+	}
+	a.samples++
+	return nil
+}
+
+func (a *prefillAverages) String() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%d samples, %v apart; average prefill tokens per pod:", a.samples, prefillSampling)
+	for _, name := range slices.Sorted(maps.Keys(a.engine)) {
+		l, e := a.ledger[name]/float64(a.samples), a.engine[name]/float64(a.samples)
+		fmt.Fprintf(&b, " %s ledger %.0f engine %.0f (ledger/engine %.2f);", name, l, e, l/e)
+	}
+	return b.String()
+}
+
+var _ = Describe("The ledger's prefill under a non-streaming workload", Ordered, func() {
+	var ps *stack.Stack
+
+	BeforeAll(func(ctx SpecContext) {
+		// Real time: a prompt takes tens of milliseconds to prefill, so the
+		// gateway's few milliseconds per request are small beside it.
+		ps = startStack(ctx, stack.Options{
+			Namespace:  "e2e-prefill",
+			PoolName:   "prefill-pool",
+			Pods:       3,
+			FirstPodIP: prefillFirstPodIP,
+			TimeScale:  1,
+		})
+	}, NodeTimeout(2*time.Minute))
+
+	It("tracks each engine's queued prefill within 25% over a mix of streaming and non-streaming requests", func(ctx SpecContext) {
+		run, stop := context.WithCancel(ctx)
+		defer stop()
+		var (
+			mu      sync.Mutex
+			results []stack.Result
+			streams int
+			wg      sync.WaitGroup
+		)
+		for c := range prefillClients {
+			stream := c%2 == 0
+			wg.Go(func() {
+				for run.Err() == nil {
+					r := stack.Send(run, ps.HTTPClient(), ps.GatewayURL(), nextID("prefill"), distinctRequest(stream))
+					if run.Err() != nil {
+						return // cut by the end of the run
+					}
+					mu.Lock()
+					results = append(results, r)
+					if stream {
+						streams++
+					}
+					mu.Unlock()
+				}
+			})
+		}
+
+		avg := &prefillAverages{ledger: map[string]float64{}, engine: map[string]float64{}}
+		start := time.Now()
+		tick := time.NewTicker(prefillSampling)
+		for time.Since(start) < prefillWarmUp+prefillMeasured {
+			<-tick.C
+			if time.Since(start) >= prefillWarmUp {
+				Expect(avg.sample(ctx, ps)).To(Succeed())
+			}
+		}
+		tick.Stop()
+		stop()
+		wg.Wait()
+		expectLedgerDrains(ctx, ps)
+
+		AddReportEntry("prefill averages", avg.String())
+		fmt.Fprintf(GinkgoWriter, "%d requests (%d streamed) in %v: %s\n", len(results), streams, prefillWarmUp+prefillMeasured, avg)
+		for _, r := range results {
+			Expect(r.Err).NotTo(HaveOccurred())
+			Expect(r.Status).To(Equal(http.StatusOK))
+		}
+		Expect(streams).To(BeNumerically(">", 0))
+		Expect(len(results) - streams).To(BeNumerically(">", 0))
+		for _, p := range ps.Pods() {
+			engine := avg.engine[p.Name] / float64(avg.samples)
+			ledger := avg.ledger[p.Name] / float64(avg.samples)
+			Expect(engine).To(BeNumerically(">=", prefillMinQueued), "the load kept %s's queue non-trivial: %s", p.Name, avg)
+			Expect(ledger).To(BeNumerically("~", engine, prefillTolerance*engine), "%s: the ledger's prefill against the engine's: %s", p.Name, avg)
+		}
+	}, SpecTimeout(2*time.Minute))
+})
