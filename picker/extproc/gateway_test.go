@@ -54,8 +54,11 @@ type fixtureOptions struct {
 	cfg             *v1alpha1.PickerConfig // nil: defaults
 	endpoints       []picker.Endpoint      // nil: A, B, C
 	maxRequestBytes int64                  // 0: cfg.MaxRequestBytes
-	wrap            func(extproc.Picker) extproc.Picker
-	quiet           bool // log nothing (load tests)
+	// maxBufferedRequestBytes is the server's buffer budget; 0: none.
+	maxBufferedRequestBytes int64
+	wrap                    func(extproc.Picker) extproc.Picker
+	quiet                   bool         // log nothing (load tests)
+	log                     *logr.Logger // nil: the test's log (or none if quiet)
 }
 
 type fixture struct {
@@ -79,17 +82,29 @@ func newFixture(t testing.TB, o fixtureOptions) *fixture {
 		o.maxRequestBytes = cfg.MaxRequestBytes
 	}
 	log := logr.Discard()
-	if !o.quiet {
+	switch {
+	case o.log != nil:
+		log = *o.log
+	case !o.quiet:
 		log = testr.New(t.(*testing.T))
 	}
 	reg := prometheus.NewRegistry()
-	p := picker.New(cfg, picker.Options{Rand: rand.New(rand.NewPCG(1, 2)), Log: log, Registerer: reg})
+	// A clock that stands still: the picker's drain model then releases no
+	// prefill behind the tests' backs, so they can assert exact ledgers.
+	frozen := time.Now()
+	p := picker.New(cfg, picker.Options{Rand: rand.New(rand.NewPCG(1, 2)), Log: log, Registerer: reg,
+		Now: func() time.Time { return frozen }})
 	p.Replace(o.endpoints)
 	var routed extproc.Picker = p
 	if o.wrap != nil {
 		routed = o.wrap(p)
 	}
-	srv := extproc.NewServer(routed, extproc.Options{MaxRequestBytes: o.maxRequestBytes, Log: log, Registerer: reg})
+	srv := extproc.NewServer(routed, extproc.Options{
+		MaxRequestBytes:         o.maxRequestBytes,
+		MaxBufferedRequestBytes: o.maxBufferedRequestBytes,
+		Log:                     log,
+		Registerer:              reg,
+	})
 	// WaitForHandlers: Stop returns only once every stream has ended, so no
 	// stream logs after its test is over.
 	g := grpc.NewServer(append(extproc.GRPCServerOptions(o.maxRequestBytes), grpc.WaitForHandlers(true))...)
@@ -149,6 +164,8 @@ type httpRequest struct {
 	headers      map[string]string
 	body         []byte // nil: a bodiless request (end_of_stream on the headers)
 	chunkBytes   int    // size of the body chunks the gateway sends; 0: 16 KiB
+	// chunked leaves content-length out, as for a chunked HTTP/1.1 body.
+	chunked bool
 	hint         *structpb.Value
 	// mode, when set, is announced in protocol_config for both bodies; unset,
 	// no protocol_config is sent (the gateway's FULL_DUPLEX_STREAMED).
@@ -172,6 +189,7 @@ func completionBody(model, prompt string) []byte {
 // routed is what the gateway learnt from the request path.
 type routed struct {
 	headersAnswer *extprocv3.CommonResponse // the answer to the request headers
+	bodyAnswer    *extprocv3.CommonResponse // the answer to a BUFFERED, STREAMED or BUFFERED_PARTIAL body
 	destination   string                    // the header mutation's value
 	metadata      string                    // the dynamic metadata's value
 	body          []byte                    // the body passed on upstream
@@ -192,7 +210,7 @@ func (x *exchange) sendRequest(req httpRequest) (routed, error) {
 		{Key: ":method", RawValue: []byte(req.method)},
 		{Key: ":authority", RawValue: []byte("gateway.example")},
 	}}
-	if req.body != nil {
+	if req.body != nil && !req.chunked {
 		headers.Headers = append(headers.Headers, &corev3.HeaderValue{Key: "content-length", RawValue: fmt.Appendf(nil, "%d", len(req.body))})
 	}
 	for k, v := range req.headers {
@@ -220,7 +238,9 @@ func (x *exchange) sendRequest(req httpRequest) (routed, error) {
 		return r, x.recvHeadersAnswer(&r)
 	}
 	if !duplex {
-		// Envoy holds the body back until the headers are answered.
+		// Envoy holds the body back until the headers are answered, then
+		// sends it as one message (the modes this helper plays are
+		// BUFFERED, BUFFERED_PARTIAL and a one-chunk STREAMED).
 		if err := x.recvHeadersAnswer(&r); err != nil || r.immediate != nil {
 			return r, err
 		}
@@ -238,9 +258,12 @@ func (x *exchange) sendRequest(req httpRequest) (routed, error) {
 		if common == nil {
 			return r, fmt.Errorf("answer to the body is %T, want a request body answer", resp.GetResponse())
 		}
-		r.destination = destination(common)
-		r.metadata = metadataDestination(resp)
-		r.body = req.body // BUFFERED: the body passes on unless mutated
+		r.bodyAnswer = common
+		if r.destination == "" { // only BUFFERED routes in the body answer
+			r.destination = destination(common)
+			r.metadata = metadataDestination(resp)
+		}
+		r.body = req.body // the body passes on unless mutated
 		return r, nil
 	}
 
@@ -478,6 +501,18 @@ func hintList(addrs ...string) *structpb.Value {
 		vals[i] = structpb.NewStringValue(a)
 	}
 	return structpb.NewListValue(&structpb.ListValue{Values: vals})
+}
+
+// gauge reads an unlabelled gauge from the fixture's registry; unlike
+// counter it may be called from any goroutine (0 if it cannot be read).
+func (f *fixture) gauge(name string) float64 {
+	families, _ := f.reg.Gather()
+	for _, fam := range families {
+		if fam.GetName() == name && len(fam.GetMetric()) > 0 {
+			return fam.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	return 0
 }
 
 // counter reads a counter (or counter vec member) from the fixture's registry.

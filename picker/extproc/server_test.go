@@ -295,6 +295,17 @@ func TestErrorsAreAnsweredAsJSON(t *testing.T) {
 			wantStatus: 413, wantInMsg: "maxRequestBytes",
 		},
 		{
+			// No content-length to refuse on: the chunks are counted as they come.
+			name: "body too large, chunked", opts: fixtureOptions{maxRequestBytes: 4096},
+			req:        httpRequest{path: "/v1/completions", method: "POST", body: completionBody("m", letters(7, 10_000)), chunkBytes: 1024, chunked: true},
+			wantStatus: 413, wantInMsg: "maxRequestBytes",
+		},
+		{
+			name: "buffer budget exhausted", opts: fixtureOptions{maxBufferedRequestBytes: 4096},
+			req:        httpRequest{path: "/v1/completions", method: "POST", body: completionBody("m", letters(7, 10_000)), chunkBytes: 1024},
+			wantStatus: 503, wantInMsg: "budget 4096 bytes",
+		},
+		{
 			name: "body too large, buffered", opts: fixtureOptions{maxRequestBytes: 4096},
 			req:        httpRequest{path: "/v1/completions", method: "POST", body: completionBody("m", letters(7, 10_000)), mode: filterv3.ProcessingMode_BUFFERED},
 			wantStatus: 413, wantInMsg: "maxRequestBytes",
@@ -420,7 +431,8 @@ func TestEndpointRemovedWhileRequestsAreInFlight(t *testing.T) {
 		}
 		held = append(held, x)
 	}
-	// B goes away, then comes back while its two old requests still run.
+	// B goes away, then comes back while its two old requests still run: it
+	// gets its row back, with them.
 	f.picker.Replace(endpoints(epA, epC))
 	f.picker.Replace(endpoints(epA, epB, epC))
 	x, err := f.gw.open(ctx)
@@ -440,7 +452,7 @@ func TestEndpointRemovedWhileRequestsAreInFlight(t *testing.T) {
 	if err := held[0].respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "old requests released without touching B's new row", func() (bool, string) {
+	eventually(t, "old requests released from B's row, leaving the new one", func() (bool, string) {
 		b := statsOf(f.picker, epB)
 		in, prefill := f.picker.Totals()
 		return b.InFlight == 1 && b.PrefillTokens == 300 && in == 2 && prefill == 600,
