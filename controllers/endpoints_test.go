@@ -173,3 +173,17 @@ func TestRESTConfigNamesTheFlagOfABadKubeconfig(t *testing.T) {
 		t.Fatalf("error %v: want it to name --kubeconfig and the path", err)
 	}
 }
+
+func TestEndpointsCarryThePodUID(t *testing.T) {
+	pool := testPool(map[string]string{"app": "llm"}, 8000, 8001)
+	pod := testPod("a", "10.0.0.1", func(p *corev1.Pod) { p.UID = "uid-a" })
+	eps := controllers.EndpointsFor(pool, []corev1.Pod{pod})
+	if len(eps) != 2 {
+		t.Fatalf("got %d endpoints, want 2 (one per target port)", len(eps))
+	}
+	for _, e := range eps {
+		if e.UID != "uid-a" {
+			t.Errorf("%s: UID %q, want the pod's uid-a: the picker keys its ledger rows by it", e.Address, e.UID)
+		}
+	}
+}
