@@ -29,6 +29,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -93,7 +94,7 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 			Requests: opts.burst, SystemTokens: opts.systemTokens, UserTokens: opts.userTokens,
 			MaxTokens: opts.burstMaxTokens, Model: stack.DefaultModel,
 		}.Workload()},
-		{name: "mooncake", timeScale: opts.timeScale, requests: stack.TraceWorkload(trace, stack.DefaultModel, opts.timeScale)},
+		{name: "mooncake", timeScale: opts.timeScale, requests: withNonStreaming(trace, stack.TraceWorkload(trace, stack.DefaultModel, opts.timeScale), opts.nonStreaming)},
 	}
 
 	started := time.Now()
@@ -121,7 +122,7 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 	fmt.Fprintf(stdout, "Stack up in %.1fs: API server %s, gateway %s, pods %v\n",
 		time.Since(started).Seconds(), s.APIServerURL(), s.GatewayURL(), s.PodNames())
 
-	summaries, err := runPolicies(ctx, s, workloads, opts, stdout)
+	summaries, streamTimes, err := runPolicies(ctx, s, workloads, opts, stdout)
 	if err != nil {
 		return err
 	}
@@ -130,6 +131,10 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 		return err
 	}
 	fmt.Fprintln(stdout, "tally: through the dev gateway and the picker; round-robin: the same requests straight to the pods in turn.")
+	if opts.nonStreaming > 0 {
+		fmt.Fprintln(stdout)
+		writeStreamingTable(stdout, summaries, streamTimes)
+	}
 	fmt.Fprintf(stdout, "Demo took %.0fs of wall time.\n", time.Since(started).Seconds())
 	failed := 0
 	for _, sum := range summaries {
@@ -172,18 +177,19 @@ var policies = []policy{
 // response bytes pass, so it is at zero almost at once.
 const ledgerIdleTimeout = 10 * time.Second
 
-func runPolicies(ctx context.Context, s *stack.Stack, workloads []workload, opts options, stdout io.Writer) ([]stack.Summary, error) {
+func runPolicies(ctx context.Context, s *stack.Stack, workloads []workload, opts options, stdout io.Writer) ([]stack.Summary, []streamingTimes, error) {
 	pods := s.Pods()
 	var summaries []stack.Summary
+	var times []streamingTimes
 	for _, pol := range policies {
 		for _, w := range workloads {
 			// Every policy and workload starts from cold simulators: empty
 			// prefix caches.
 			if err := s.ResetSimulators(w.timeScale); err != nil {
-				return nil, err
+				return nil, nil, err
 			}
 			if err := warmUp(ctx, s, pol.baseURL(s, pods), len(pods)); err != nil {
-				return nil, fmt.Errorf("warming up %s: %w", pol.name, err)
+				return nil, nil, fmt.Errorf("warming up %s: %w", pol.name, err)
 			}
 			label := pol.name + "/" + w.name
 			fmt.Fprintf(stdout, "%s: replaying %d requests\n", label, len(w.requests))
@@ -199,18 +205,74 @@ func runPolicies(ctx context.Context, s *stack.Stack, workloads []workload, opts
 			results := replay.Run(ctx, w.requests)
 			wall := time.Since(begin)
 			if err := ctx.Err(); err != nil {
-				return nil, fmt.Errorf("interrupted during %s: %w", label, err)
+				return nil, nil, fmt.Errorf("interrupted during %s: %w", label, err)
 			}
 			sum := stack.Summarize(pol.name, w.name, results, s.PodNames(), s.ServedBy, wall, w.timeScale)
 			summaries = append(summaries, sum)
+			times = append(times, splitByStreaming(w.requests, results, w.timeScale))
 			if pol.name == "tally" {
 				if err := waitLedgerIdle(ctx, s); err != nil {
-					return nil, fmt.Errorf("after %s: %w", label, err)
+					return nil, nil, fmt.Errorf("after %s: %w", label, err)
 				}
 			}
 		}
 	}
-	return summaries, nil
+	return summaries, times, nil
+}
+
+// withNonStreaming makes a deterministic fraction of the trace's requests
+// non-streaming ("stream": false): request i is, when the fractional part
+// of i times the golden ratio is below fraction, which spreads them evenly
+// over the trace.
+func withNonStreaming(trace []stack.TraceRequest, reqs []stack.Request, fraction float64) []stack.Request {
+	if fraction <= 0 {
+		return reqs
+	}
+	for i := range reqs {
+		if _, frac := math.Modf(float64(i+1) * 0.6180339887498949); frac < fraction {
+			at := reqs[i].At
+			reqs[i] = stack.Completion(stack.DefaultModel, trace[i].PromptText(), trace[i].OutputTokens, false)
+			reqs[i].At = at
+		}
+	}
+	return reqs
+}
+
+// streamingTimes are a replay's successful requests split by streaming: a
+// streamed request's TTFT is when its first token arrives; a non-streamed
+// one's client sees nothing before the whole response, so only its latency
+// is shown.
+type streamingTimes struct {
+	streamedTTFT, nonStreamedLatency []time.Duration
+}
+
+func splitByStreaming(reqs []stack.Request, results []stack.Result, timeScale float64) streamingTimes {
+	var t streamingTimes
+	for i, r := range results {
+		if r.Err != nil {
+			continue
+		}
+		if reqs[i].Stream {
+			t.streamedTTFT = append(t.streamedTTFT, time.Duration(float64(r.TTFT)*timeScale))
+		} else {
+			t.nonStreamedLatency = append(t.nonStreamedLatency, time.Duration(float64(r.Latency)*timeScale))
+		}
+	}
+	return t
+}
+
+func writeStreamingTable(w io.Writer, summaries []stack.Summary, times []streamingTimes) {
+	fmt.Fprintln(w, "With non-streaming clients (simulated seconds):")
+	fmt.Fprintf(w, "%-12s %-9s %9s %9s %9s %9s   %12s %9s %9s %9s\n", "policy", "workload",
+		"streamed", "TTFT p50", "TTFT p90", "TTFT p99", "non-streamed", "lat p50", "lat p90", "lat p99")
+	for i, sum := range summaries {
+		t := times[i]
+		fmt.Fprintf(w, "%-12s %-9s %9d %8.3fs %8.3fs %8.3fs   %12d %8.3fs %8.3fs %8.3fs\n", sum.Policy, sum.Workload,
+			len(t.streamedTTFT), stack.Percentile(t.streamedTTFT, 50).Seconds(), stack.Percentile(t.streamedTTFT, 90).Seconds(),
+			stack.Percentile(t.streamedTTFT, 99).Seconds(), len(t.nonStreamedLatency),
+			stack.Percentile(t.nonStreamedLatency, 50).Seconds(), stack.Percentile(t.nonStreamedLatency, 90).Seconds(),
+			stack.Percentile(t.nonStreamedLatency, 99).Seconds())
+	}
 }
 
 // warmUp sends n small requests the policy's way, one at a time, so the
@@ -278,6 +340,7 @@ type options struct {
 	binDir         string
 	tracePath      string
 	traceRequests  int
+	nonStreaming   float64
 	burst          int
 	systemTokens   int
 	userTokens     int
@@ -296,6 +359,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.binDir, "bin-dir", "", "directory holding the epp and devgateway binaries (default: beside this binary, else <repo>/bin)")
 	fs.StringVar(&o.tracePath, "trace", "", "Mooncake-format trace to replay (default: <repo>/test/data/mooncake_sample.jsonl)")
 	fs.IntVar(&o.traceRequests, "trace-requests", 0, "replay only the first N requests of the trace (0: all)")
+	fs.Float64Var(&o.nonStreaming, "non-streaming", 0, "fraction (0 to 1) of the trace's requests sent with \"stream\": false")
 	fs.IntVar(&o.burst, "burst", 64, "requests in the burst")
 	fs.IntVar(&o.systemTokens, "system-tokens", 4096, "tokens of the burst's shared system prompt")
 	fs.IntVar(&o.userTokens, "user-tokens", 256, "tokens of each burst request's own user turn")
@@ -335,6 +399,9 @@ func (o options) validate() error {
 	positive("burst-max-tokens", o.burstMaxTokens, 1<<16)
 	if !(o.timeScale >= 1 && o.timeScale <= 100) {
 		errs = append(errs, fmt.Errorf("flag --time-scale: %g is invalid: must be from 1 to 100", o.timeScale))
+	}
+	if !(o.nonStreaming >= 0 && o.nonStreaming <= 1) {
+		errs = append(errs, fmt.Errorf("flag --non-streaming: %g is invalid: must be from 0 to 1", o.nonStreaming))
 	}
 	if o.traceRequests < 0 {
 		errs = append(errs, fmt.Errorf("flag --trace-requests: %d is invalid: must be 0 (all) or more", o.traceRequests))

@@ -5,6 +5,8 @@ import (
 	"context"
 	"strings"
 	"testing"
+
+	"github.com/tallyepp/tally/test/stack"
 )
 
 func TestBadFlagsExitTwoNamingTheFlag(t *testing.T) {
@@ -57,5 +59,28 @@ func TestAMissingTraceFailsBeforeStartingAnything(t *testing.T) {
 	}
 	if stdout.Len() != 0 {
 		t.Fatalf("stdout %q: nothing should have started", stdout.String())
+	}
+}
+
+func TestNonStreamingFractionIsDeterministicAndSpread(t *testing.T) {
+	trace := make([]stack.TraceRequest, 200)
+	for i := range trace {
+		trace[i] = stack.TraceRequest{InputTokens: 512, OutputTokens: 4, HashIDs: []int{i}}
+	}
+	reqs := withNonStreaming(trace, stack.TraceWorkload(trace, stack.DefaultModel, 1), 0.5)
+	off := 0
+	for i, r := range reqs {
+		if !r.Stream {
+			off++
+			if !strings.Contains(string(r.Body), `"stream":false`) {
+				t.Fatalf("request %d is marked non-streaming but its body is %s", i, r.Body)
+			}
+		}
+	}
+	if off < 95 || off > 105 {
+		t.Errorf("%d of 200 requests are non-streaming with --non-streaming=0.5, want about 100", off)
+	}
+	if _, err := parseFlags([]string{"--non-streaming=1.5"}, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "--non-streaming") {
+		t.Errorf("--non-streaming=1.5: err = %v, want one naming the flag", err)
 	}
 }
