@@ -164,12 +164,12 @@ type httpRequest struct {
 	headers      map[string]string
 	body         []byte // nil: a bodiless request (end_of_stream on the headers)
 	chunkBytes   int    // size of the body chunks the gateway sends; 0: 16 KiB
-	// chunked leaves content-length out, as for a chunked HTTP/1.1 body.
-	chunked bool
 	hint         *structpb.Value
 	// mode, when set, is announced in protocol_config for both bodies; unset,
 	// no protocol_config is sent (the gateway's FULL_DUPLEX_STREAMED).
 	mode filterv3.ProcessingMode_BodySendMode
+	// chunked leaves content-length out, as for a chunked HTTP/1.1 body.
+	chunked bool
 }
 
 func completion(model, prompt string) httpRequest {

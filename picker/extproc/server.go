@@ -3,11 +3,12 @@
 // writes the choice into the destination header and metadata, passes the body
 // on unchanged, and follows the response to release the request's reservation.
 //
-// The invariant not to break: every reservation a stream obtains is released
-// by that stream, whatever way the stream ends (response end, upstream error,
-// client disconnect, stream reset, panic). Process releases it in a deferred
-// call, so a new exit path cannot leak it; the picker makes repeated releases
-// harmless, never the other way round.
+// The invariant not to break: every reservation a stream obtains, and every
+// byte it charges to the server's buffer budget, is given back by that
+// stream, whatever way the stream ends (response end, upstream error, client
+// disconnect, stream reset, protocol violation, panic). Process gives them
+// back in a deferred call, so a new exit path cannot leak them; the picker
+// makes repeated releases harmless, never the other way round.
 package extproc
 
 import (
@@ -15,6 +16,7 @@ import (
 	"fmt"
 	"io"
 	"sync"
+	"sync/atomic"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
@@ -27,7 +29,8 @@ import (
 )
 
 // Picker chooses an endpoint for a request and reserves its cost;
-// *picker.Picker implements it.
+// *picker.Picker implements it. The stream keeps req.Prompt untouched until
+// it ends, so Pick and the returned reservation may read it until then.
 type Picker interface {
 	Pick(picker.Request) (*picker.Reservation, error)
 }
@@ -37,7 +40,11 @@ type Options struct {
 	// MaxRequestBytes bounds a request body (cfg.MaxRequestBytes); a larger
 	// one is answered 413. Zero or less means no bound.
 	MaxRequestBytes int64
-	Log             logr.Logger
+	// MaxBufferedRequestBytes bounds the request body bytes buffered over
+	// all streams at once; a chunk that would pass it is answered 503.
+	// Zero or less means no bound (cmd/epp always sets one).
+	MaxBufferedRequestBytes int64
+	Log                     logr.Logger
 	// Registerer receives the server's metrics; nil means no metrics.
 	Registerer prometheus.Registerer
 }
@@ -50,16 +57,24 @@ type Server struct {
 	picker  Picker
 	opts    Options
 	metrics metrics
-	// buffers recycles request body and prompt buffers between streams.
+	// buffers recycles request body and prompt buffers (*[]byte) between
+	// streams.
 	buffers sync.Pool
+	// buffered is the request body bytes all streams hold right now; it
+	// never exceeds opts.MaxBufferedRequestBytes (see charge).
+	buffered atomic.Int64
+	// loadOnlyWarned makes the body-mode warning a once-per-process line
+	// rather than one per request.
+	loadOnlyWarned atomic.Bool
 }
 
 // NewServer returns a server that routes through p. It panics if
 // opts.Registerer already holds metrics of the same names, as
 // prometheus.MustRegister does.
 func NewServer(p Picker, opts Options) *Server {
-	s := &Server{picker: p, opts: opts, metrics: newMetrics()}
-	s.buffers.New = func() any { return new(buffers) }
+	s := &Server{picker: p, opts: opts}
+	s.metrics = newMetrics(&s.buffered)
+	s.buffers.New = func() any { return new([]byte) }
 	if opts.Registerer != nil {
 		s.metrics.register(opts.Registerer)
 	}
@@ -118,40 +133,55 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) (err err
 	}
 }
 
-// buffers are one stream's request body and parsed prompt, recycled through
-// Server.buffers.
-type buffers struct {
-	body   []byte
-	prompt []byte
-}
-
 // Buffers larger than this are dropped instead of recycled, so one huge
 // request does not pin its memory in the pool forever.
 const maxPooledBufferBytes = 4 << 20
 
-func (s *Server) getBuffers() *buffers {
-	return s.buffers.Get().(*buffers)
+func (s *Server) getBuffer() *[]byte {
+	return s.buffers.Get().(*[]byte)
 }
 
-func (s *Server) putBuffers(b *buffers) {
-	if cap(b.body) > maxPooledBufferBytes || cap(b.prompt) > maxPooledBufferBytes {
+func (s *Server) putBuffer(b *[]byte) {
+	if b == nil || cap(*b) > maxPooledBufferBytes {
 		return
 	}
-	b.body, b.prompt = b.body[:0], b.prompt[:0]
+	*b = (*b)[:0]
 	s.buffers.Put(b)
 }
 
+// charge takes n bytes from the buffer budget, or reports that they would
+// pass it. Compare-and-swap rather than add-then-undo, so the total never
+// passes the budget even for an instant: the gauge shows what is really held.
+func (s *Server) charge(n int64) bool {
+	limit := s.opts.MaxBufferedRequestBytes
+	for {
+		held := s.buffered.Load()
+		if limit > 0 && held+n > limit {
+			return false
+		}
+		if s.buffered.CompareAndSwap(held, held+n) {
+			return true
+		}
+	}
+}
+
+func (s *Server) uncharge(n int64) { s.buffered.Add(-n) }
+
 type metrics struct {
-	requests       *prometheus.CounterVec
-	requestBytes   prometheus.Histogram
-	streamsActive  prometheus.Gauge
-	streamPanics   prometheus.Counter
-	upstreamErrors prometheus.Counter
+	requests         *prometheus.CounterVec
+	requestBytes     prometheus.Histogram
+	bufferedBytes    prometheus.GaugeFunc
+	budgetRejections prometheus.Counter
+	loadOnlyRoutes   *prometheus.CounterVec
+	protocolErrors   prometheus.Counter
+	streamsActive    prometheus.Gauge
+	streamPanics     prometheus.Counter
+	upstreamErrors   prometheus.Counter
 }
 
 // newMetrics builds the collectors unregistered: with no Registerer they still
 // count, nobody reads them, and the code that updates them needs no nil checks.
-func newMetrics() metrics {
+func newMetrics(buffered *atomic.Int64) metrics {
 	return metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tally_requests_total",
@@ -161,6 +191,23 @@ func newMetrics() metrics {
 			Name:    "tally_request_bytes",
 			Help:    "Size of the request bodies the picker buffered.",
 			Buckets: prometheus.ExponentialBuckets(1024, 4, 10), // 1 KiB .. 256 MiB
+		}),
+		bufferedBytes: prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "tally_buffered_request_bytes",
+			Help: "Request body bytes buffered over all streams right now (bounded by maxBufferedRequestBytes).",
+		}, func() float64 { return float64(buffered.Load()) }),
+		budgetRejections: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "tally_buffer_budget_rejections_total",
+			Help: "Requests answered 503 because buffering their body would pass maxBufferedRequestBytes.",
+		}),
+		loadOnlyRoutes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tally_load_only_routes_total",
+			Help: "Requests with a body routed on load alone, without prefix affinity, by reason " +
+				"(request_body_mode: the gateway's request body mode is neither FULL_DUPLEX_STREAMED nor BUFFERED).",
+		}, []string{"reason"}),
+		protocolErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "tally_protocol_errors_total",
+			Help: "ext_proc streams ended with InvalidArgument because the gateway broke the protocol.",
 		}),
 		streamsActive: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "tally_streams_active",
@@ -178,5 +225,6 @@ func newMetrics() metrics {
 }
 
 func (m metrics) register(r prometheus.Registerer) {
-	r.MustRegister(m.requests, m.requestBytes, m.streamsActive, m.streamPanics, m.upstreamErrors)
+	r.MustRegister(m.requests, m.requestBytes, m.bufferedBytes, m.budgetRejections, m.loadOnlyRoutes,
+		m.protocolErrors, m.streamsActive, m.streamPanics, m.upstreamErrors)
 }

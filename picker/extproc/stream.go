@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"net/netip"
 	"runtime/debug"
-	"slices"
 	"strconv"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -19,8 +18,7 @@ import (
 
 const (
 	fullDuplex = filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
-	streamed   = filterv3.ProcessingMode_STREAMED
-	noBody     = filterv3.ProcessingMode_NONE
+	buffered   = filterv3.ProcessingMode_BUFFERED
 )
 
 // stream is the state of one ext_proc stream, that is of one HTTP request.
@@ -33,26 +31,37 @@ type stream struct {
 	// configuration (FULL_DUPLEX_STREAMED both ways) when it announced none.
 	requestMode, responseMode filterv3.ProcessingMode_BodySendMode
 
-	path          string
+	headersSeen   bool
+	path, method  string
 	contentLength int64 // from the content-length header; 0 when absent
 	subset        []netip.AddrPort
 	hasSubset     bool
 
-	buf      *buffers
-	bodySeen bool
+	// body holds the request body while it arrives: nil before its first
+	// chunk, and again once the body has been passed on.
+	body *[]byte
+	// charged is what body holds against the server's buffer budget.
+	charged int64
+	// prompt is the parsed prompt, kept until the stream ends (see Picker).
+	prompt *[]byte
 	// decided: the request phase is over (routed, or left to the gateway).
-	decided   bool
+	decided bool
+	// loadOnly: routed on its headers while its body passes by unread.
+	loadOnly  bool
 	res       *picker.Reservation // nil until routed
 	firstByte bool
 }
 
 func (s *Server) newStream(srv extprocv3.ExternalProcessor_ProcessServer) *stream {
-	return &stream{s: s, srv: srv, requestMode: fullDuplex, responseMode: fullDuplex, buf: s.getBuffers()}
+	return &stream{s: s, srv: srv, requestMode: fullDuplex, responseMode: fullDuplex}
 }
 
 func (st *stream) handle(req *extprocv3.ProcessingRequest) error {
 	if pc := req.GetProtocolConfig(); pc != nil {
 		st.requestMode, st.responseMode = pc.GetRequestBodyMode(), pc.GetResponseBodyMode()
+	}
+	if v := st.outOfOrder(req); v != "" {
+		return st.violation(v)
 	}
 	switch r := req.GetRequest().(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
@@ -71,9 +80,34 @@ func (st *stream) handle(req *extprocv3.ProcessingRequest) error {
 	return nil // flow-control-only messages need no answer
 }
 
+// outOfOrder names the protocol violation req would be, or returns "".
+// Envoy sends a stream's messages in the order of the HTTP exchange, so these
+// come only from a broken ext_proc client, never from an HTTP client: there
+// is no HTTP request to answer, and guessing one could book a reservation for
+// a request that does not exist.
+func (st *stream) outOfOrder(req *extprocv3.ProcessingRequest) string {
+	switch req.GetRequest().(type) {
+	case *extprocv3.ProcessingRequest_RequestHeaders:
+		if st.headersSeen {
+			return "a second request headers message on one stream"
+		}
+	case *extprocv3.ProcessingRequest_RequestBody, *extprocv3.ProcessingRequest_RequestTrailers:
+		if !st.headersSeen {
+			return "request body or trailers before the request headers"
+		}
+	case *extprocv3.ProcessingRequest_ResponseHeaders, *extprocv3.ProcessingRequest_ResponseBody,
+		*extprocv3.ProcessingRequest_ResponseTrailers:
+		if !st.decided {
+			return "response headers, body or trailers before the request was routed"
+		}
+	}
+	return ""
+}
+
 func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) error {
+	st.headersSeen = true
 	headers := h.GetHeaders()
-	st.path = headerValue(headers, ":path")
+	st.path, st.method = headerValue(headers, ":path"), headerValue(headers, ":method")
 	if n, err := strconv.ParseInt(headerValue(headers, "content-length"), 10, 64); err == nil && n > 0 {
 		st.contentLength = n
 	}
@@ -82,75 +116,124 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	if len(bad) > 0 {
 		st.s.opts.Log.V(1).Info("ignoring subset hint entries that are not ip:port", "entries", bad, "path", st.path)
 	}
-
 	switch {
-	case h.GetEndOfStream() || st.requestMode == noBody:
-		return st.route(false, false) // no body follows: routed on load alone
-	case st.requestMode == fullDuplex:
+	case st.path == "":
+		return st.reject(fmt.Errorf("%w: no :path", errBadHeaders))
+	case st.method == "":
+		return st.reject(fmt.Errorf("%w: no :method", errBadHeaders))
+	}
+
+	if h.GetEndOfStream() {
+		if kind := request.KindOf(st.path); kind != request.KindOther && st.method == "POST" {
+			// The model server would refuse it too, but only after it
+			// had been booked against an endpoint.
+			return st.reject(fmt.Errorf("%w: a %s request needs a JSON body", errEmptyBody, kind))
+		}
+		return st.route(picker.Request{}, false) // no body follows: routed on load alone
+	}
+	if limit := st.s.opts.MaxRequestBytes; limit > 0 && st.contentLength > limit {
+		// Refused before a byte is buffered or reserved.
+		return st.reject(tooLarge(limit))
+	}
+	switch st.requestMode {
+	case fullDuplex:
 		return nil // answered once the body is complete
-	default:
-		// The gateway holds the body back until its headers are answered;
-		// the destination goes into the body's answer.
+	case buffered:
+		// Envoy holds the body back until its headers are answered, and
+		// applies the body answer's header mutation: the destination goes
+		// there.
 		return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
 			RequestHeaders: &extprocv3.HeadersResponse{Response: unrouted()},
 		}})
+	default:
+		return st.routeOnLoad()
 	}
 }
 
-func (st *stream) requestBody(b *extprocv3.HttpBody) error {
-	if st.decided {
-		return nil // nothing is expected after the body's end; ignore stragglers
+// routeOnLoad routes, on its headers, a request whose body the picker will
+// not see whole: in STREAMED, BUFFERED_PARTIAL and NONE request body modes.
+// Envoy applies a body answer's header mutation only in BUFFERED mode, so
+// the headers answer is the last one that can carry the destination. Routed
+// on load alone, with its prompt size estimated from content-length, the
+// traffic keeps flowing with exact load accounting instead of every request
+// failing over a mode setting; the metric and the warning say what is lost.
+func (st *stream) routeOnLoad() error {
+	if st.s.loadOnlyWarned.CompareAndSwap(false, true) {
+		st.s.opts.Log.Info("WARNING: the gateway sends request bodies in a mode the picker cannot read them in: "+
+			"requests are routed on load alone, without prefix affinity, their prompt size estimated from content-length; "+
+			"prefix-aware routing needs the FULL_DUPLEX_STREAMED (or BUFFERED) request body mode in the gateway's ext_proc processing mode",
+			"requestBodyMode", st.requestMode.String(), "metric", "tally_load_only_routes_total")
 	}
-	chunk := b.GetBody()
-	if limit := st.s.opts.MaxRequestBytes; limit > 0 && int64(len(st.buf.body)+len(chunk)) > limit {
-		return st.reject(fmt.Errorf("%w: the body exceeds the picker's maxRequestBytes of %d bytes", errBodyTooLarge, limit))
+	st.loadOnly = true
+	if err := st.route(picker.Request{PromptChars: int(st.contentLength)}, false); err != nil {
+		return err
 	}
-	if !st.bodySeen {
-		st.bodySeen = true
-		if limit := st.s.opts.MaxRequestBytes; st.contentLength > 0 && (limit <= 0 || st.contentLength <= limit) {
-			st.buf.body = slices.Grow(st.buf.body, int(st.contentLength))
-		}
-	}
-	st.buf.body = append(st.buf.body, chunk...)
+	st.s.metrics.loadOnlyRoutes.WithLabelValues("request_body_mode").Inc()
+	return nil
+}
 
+func (st *stream) requestBody(b *extprocv3.HttpBody) error {
 	switch {
-	case st.requestMode == fullDuplex:
-		if !b.GetEndOfStream() {
-			return nil
-		}
-		if err := st.route(true, false); err != nil {
-			return err
-		}
-		return st.echoRequestBody(true)
-	case st.requestMode == streamed && !b.GetEndOfStream():
-		// Each streamed chunk must be answered; it passes on unchanged.
+	case st.loadOnly:
+		// Routed on its headers: each STREAMED chunk, or the one
+		// BUFFERED_PARTIAL message, is answered and passes on unchanged.
 		return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
 			RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}},
 		}})
-	default:
-		// BUFFERED and BUFFERED_PARTIAL send one body message, whether or
-		// not trailers follow; STREAMED has reached its last chunk.
-		return st.route(true, true)
+	case st.decided:
+		return nil // nothing is expected after the body's end; ignore stragglers
 	}
+	if err := st.buffer(b.GetBody()); err != nil {
+		return st.reject(err)
+	}
+	if st.requestMode == fullDuplex && !b.GetEndOfStream() {
+		return nil
+	}
+	// FULL_DUPLEX_STREAMED has reached its last chunk; BUFFERED sends one
+	// body message, whether or not trailers follow.
+	return st.routeBody(b.GetEndOfStream())
+}
+
+// buffer appends chunk to the body, charging it to the server's budget first.
+func (st *stream) buffer(chunk []byte) error {
+	if st.body == nil {
+		st.body = st.s.getBuffer()
+	}
+	n := int64(len(chunk))
+	if limit := st.s.opts.MaxRequestBytes; limit > 0 && int64(len(*st.body))+n > limit {
+		return tooLarge(limit)
+	}
+	if !st.s.charge(n) {
+		st.s.metrics.budgetRejections.Inc()
+		return fmt.Errorf("%w (budget %d bytes); retry later", errBufferBudget, st.s.opts.MaxBufferedRequestBytes)
+	}
+	st.charged += n
+	// Plain append: the buffer grows with the bytes that arrive, never with
+	// what content-length promises, so a stream that declares a large body
+	// and sends little holds little.
+	*st.body = append(*st.body, chunk...)
+	return nil
+}
+
+func tooLarge(limit int64) error {
+	return fmt.Errorf("%w: the body exceeds the picker's maxRequestBytes of %d bytes", errBodyTooLarge, limit)
 }
 
 func (st *stream) requestTrailers() error {
 	if !st.decided {
-		if st.requestMode != fullDuplex {
-			// Only a STREAMED body ending in trailers gets here: no answer
-			// left can carry the destination, so the gateway routes alone.
-			st.decided = true
-			st.s.opts.Log.V(1).Info("request not routed: its STREAMED body ended with trailers", "path", st.path)
-		} else {
+		if st.requestMode == fullDuplex {
 			// The body ended with trailers instead of end_of_stream.
-			if err := st.route(st.bodySeen, false); err != nil {
+			if err := st.routeBody(false); err != nil {
 				return err
 			}
-			if st.bodySeen {
-				if err := st.echoRequestBody(false); err != nil {
-					return err
-				}
+		} else {
+			// BUFFERED, and no body message came before the trailers: the
+			// body is empty, and no answer left can carry a destination.
+			if _, err := st.parse(); err != nil {
+				return st.reject(err)
 			}
+			st.decided = true
+			st.s.opts.Log.V(1).Info("request not routed: its BUFFERED body was empty and ended with trailers", "path", st.path)
 		}
 	}
 	return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
@@ -199,13 +282,37 @@ func (st *stream) responseTrailers() error {
 	}})
 }
 
-// route decides where the request goes and answers the message that carries
-// the decision: the request headers (bodiless requests, and
+// routeBody routes the request on its buffered body, passes the body on in
+// FULL_DUPLEX_STREAMED mode, then gives the body buffer and its budget back:
+// nothing reads the body after that, and a long response must not keep its
+// request's bytes charged.
+func (st *stream) routeBody(bodyEnds bool) error {
+	defer st.dropBody()
+	req, err := st.parse()
+	if err != nil {
+		return st.reject(err)
+	}
+	if st.requestMode != fullDuplex {
+		// BUFFERED: the headers were answered before the body came, and
+		// Envoy passes on the body it holds.
+		return st.route(req, true)
+	}
+	if err := st.route(req, false); err != nil {
+		return err
+	}
+	if st.body == nil {
+		return nil // trailers came with no body
+	}
+	return st.echoRequestBody(bodyEnds)
+}
+
+// route picks an endpoint for req and answers the message that carries the
+// decision: the request headers (bodiless requests, the load-only modes, and
 // FULL_DUPLEX_STREAMED mode where their answer was held back until the body
-// was complete) or the request body (the other modes, whose headers were
-// answered before the body came).
-func (st *stream) route(parseBody, inBodyAnswer bool) error {
-	res, err := st.pick(parseBody)
+// was complete) or, in BUFFERED mode, the request body.
+func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
+	req.Subset, req.HasSubset = st.subset, st.hasSubset
+	res, err := st.s.picker.Pick(req)
 	if err != nil {
 		return st.reject(err)
 	}
@@ -213,6 +320,14 @@ func (st *stream) route(parseBody, inBodyAnswer bool) error {
 	st.s.metrics.requests.WithLabelValues("200").Inc()
 
 	common, metadata := routeTo(res.Endpoints())
+	if st.requestMode == fullDuplex && st.body != nil {
+		// Envoy drops content-length from a request whose body it streams
+		// in this mode, since a processor could change the body. This one
+		// passes on unchanged, so its length is known: setting it again
+		// spares the model server a chunked request.
+		mutation := common.GetHeaderMutation()
+		mutation.SetHeaders = append(mutation.SetHeaders, headerOption("content-length", strconv.Itoa(len(*st.body))))
+	}
 	resp := &extprocv3.ProcessingResponse{DynamicMetadata: metadata}
 	if inBodyAnswer {
 		resp.Response = &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: common}}
@@ -222,30 +337,33 @@ func (st *stream) route(parseBody, inBodyAnswer bool) error {
 	return st.send(resp)
 }
 
-func (st *stream) pick(parseBody bool) (*picker.Reservation, error) {
-	req := picker.Request{Subset: st.subset, HasSubset: st.hasSubset}
-	if parseBody {
-		st.s.metrics.requestBytes.Observe(float64(len(st.buf.body)))
-		parsed, err := request.Parse(st.path, st.buf.body, st.buf.prompt)
-		// Prompt is always appended to the buffer given (never a view of the
-		// body): keeping it recycles the buffer at whatever size it grew to.
-		// It stays untouched until the stream ends, after the release, since
-		// the picker may read it again when ServedBy moves the request.
-		st.buf.prompt = parsed.Prompt
-		if err != nil {
-			return nil, fmt.Errorf("parsing the request body: %w", err)
-		}
-		req.Model, req.Prompt = parsed.Model, parsed.Prompt
+// parse reads the buffered body (nil when none came) into a picker request.
+func (st *stream) parse() (picker.Request, error) {
+	var body []byte
+	if st.body != nil {
+		body = *st.body
+		st.s.metrics.requestBytes.Observe(float64(len(body)))
 	}
-	return st.s.picker.Pick(req)
+	if st.prompt == nil {
+		st.prompt = st.s.getBuffer()
+	}
+	parsed, err := request.Parse(st.path, body, *st.prompt)
+	// Prompt is always appended to the buffer given (never a view of the
+	// body): keeping it recycles the buffer at whatever size it grew to.
+	*st.prompt = parsed.Prompt
+	if err != nil {
+		return picker.Request{}, fmt.Errorf("parsing the request body: %w", err)
+	}
+	return picker.Request{Model: parsed.Model, Prompt: parsed.Prompt, Stream: parsed.Stream}, nil
 }
 
 // echoRequestBody sends the buffered body back unchanged, in chunks the
 // gateway accepts; a zero-length body is one empty chunk. The chunks alias
-// the pooled buffer: gRPC has encoded each message when Send returns, and the
-// buffer goes back to the pool only when the stream ends.
+// the pooled buffer: gRPC has encoded each message when Send returns (the
+// server installs no stats handler that could read it later), and the
+// buffer goes back to the pool only after the last Send.
 func (st *stream) echoRequestBody(endOfStream bool) error {
-	body := st.buf.body
+	body := *st.body
 	for {
 		n := min(len(body), maxChunkBytes)
 		last := n == len(body)
@@ -297,16 +415,37 @@ func (st *stream) recovered(r any) error {
 	return status.Error(codes.Internal, errPanic.Error())
 }
 
+// violation ends the stream with InvalidArgument, for a message the gateway
+// should never have sent (see outOfOrder). The stream's deferred close
+// releases whatever it had reserved.
+func (st *stream) violation(what string) error {
+	st.s.metrics.protocolErrors.Inc()
+	err := status.Error(codes.InvalidArgument, "ext_proc protocol violation: "+what)
+	st.s.opts.Log.Error(err, "ending an ext_proc stream", "path", st.path)
+	return err
+}
+
 func (st *stream) release() {
 	if st.res != nil {
 		st.res.Release()
 	}
 }
 
+// dropBody gives the body buffer back to the pool and its bytes back to the
+// budget; it is harmless when there is no body.
+func (st *stream) dropBody() {
+	st.s.uncharge(st.charged)
+	st.charged = 0
+	st.s.putBuffer(st.body)
+	st.body = nil
+}
+
 // close runs when the stream ends, however it ends.
 func (st *stream) close() {
 	st.release()
-	st.s.putBuffers(st.buf)
+	st.dropBody()
+	st.s.putBuffer(st.prompt)
+	st.prompt = nil
 }
 
 func (st *stream) send(resp *extprocv3.ProcessingResponse) error {

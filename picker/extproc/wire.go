@@ -46,6 +46,9 @@ const maxChunkBytes = 62_000
 
 var (
 	errBodyTooLarge = errors.New("request body too large")
+	errEmptyBody    = errors.New("the request body is empty")
+	errBadHeaders   = errors.New("malformed request headers")
+	errBufferBudget = errors.New("the picker is buffering too many request bytes")
 	errPanic        = errors.New("internal error while routing the request")
 	// errAnswered ends a stream cleanly once an ImmediateResponse is sent:
 	// the gateway sends nothing more for that request.
@@ -62,7 +65,10 @@ var errorAnswers = []struct {
 	message func(err error) (string, bool)
 }{
 	{400, "invalid_request_error", requestErrorMessage},
+	{400, "invalid_request_error", is(errEmptyBody)},
+	{400, "invalid_request_error", is(errBadHeaders)},
 	{413, "invalid_request_error", is(errBodyTooLarge)},
+	{503, "service_unavailable", is(errBufferBudget)},
 	{503, "service_unavailable", is(picker.ErrNoEndpoint)},
 	{429, "rate_limit_exceeded", is(picker.ErrSaturated)},
 	{500, "internal_error", is(errPanic)},

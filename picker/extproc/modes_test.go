@@ -1,0 +1,432 @@
+package extproc_test
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/extproc"
+)
+
+// recording remembers what each pick was asked, the prompt by its length
+// only (the stream reuses its buffer).
+type recording struct {
+	extproc.Picker
+	mu   sync.Mutex
+	reqs []picked
+}
+
+type picked struct {
+	model       string
+	promptBytes int
+	promptChars int
+	stream      bool
+}
+
+func (r *recording) Pick(req picker.Request) (*picker.Reservation, error) {
+	r.mu.Lock()
+	r.reqs = append(r.reqs, picked{req.Model, len(req.Prompt), req.PromptChars, req.Stream})
+	r.mu.Unlock()
+	return r.Picker.Pick(req)
+}
+
+func (r *recording) all() []picked {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.reqs)
+}
+
+func headerOf(c *extprocv3.CommonResponse, key string) (string, bool) {
+	for _, h := range c.GetHeaderMutation().GetSetHeaders() {
+		if h.GetHeader().GetKey() == key {
+			return string(h.GetHeader().GetRawValue()) + h.GetHeader().GetValue(), true
+		}
+	}
+	return "", false
+}
+
+// headersMessage is the request headers of a POST of body to path, with its
+// content-length, announcing mode unless announce is false.
+func headersMessage(path string, body []byte, mode filterv3.ProcessingMode_BodySendMode, announce bool) *extprocv3.ProcessingRequest {
+	return headersDeclaring(path, len(body), mode, announce)
+}
+
+// headersDeclaring is headersMessage for a body of contentLength bytes.
+func headersDeclaring(path string, contentLength int, mode filterv3.ProcessingMode_BodySendMode, announce bool) *extprocv3.ProcessingRequest {
+	m := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
+		RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap(
+			":path", path, ":method", "POST", "content-length", strconv.Itoa(contentLength))},
+	}}
+	if announce {
+		m.ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: mode, ResponseBodyMode: mode}
+	}
+	return m
+}
+
+// TestEveryBodyModeRoutes plays one request in each request body mode and
+// checks that its destination is written where Envoy applies it in that
+// mode: the headers answer, or the body answer in BUFFERED mode (the only
+// mode in which Envoy applies a body answer's header mutation).
+func TestEveryBodyModeRoutes(t *testing.T) {
+	body := []byte(`{"model":"m","prompt":"` + letters(70, 3000) + `","stream":true}`)
+	for _, tc := range []struct {
+		name     string
+		mode     filterv3.ProcessingMode_BodySendMode
+		announce bool
+		chunks   int // body messages the gateway sends
+		// loadOnly: routed on the headers by load alone, the body passing by.
+		loadOnly bool
+	}{
+		{name: "FULL_DUPLEX_STREAMED, not announced", mode: fullDuplexMode, chunks: 3},
+		{name: "FULL_DUPLEX_STREAMED", mode: fullDuplexMode, announce: true, chunks: 3},
+		{name: "BUFFERED", mode: filterv3.ProcessingMode_BUFFERED, announce: true, chunks: 1},
+		{name: "BUFFERED_PARTIAL", mode: filterv3.ProcessingMode_BUFFERED_PARTIAL, announce: true, chunks: 1, loadOnly: true},
+		{name: "STREAMED", mode: filterv3.ProcessingMode_STREAMED, announce: true, chunks: 3, loadOnly: true},
+		{name: "NONE", mode: filterv3.ProcessingMode_NONE, announce: true, chunks: 0, loadOnly: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var rec *recording
+			f := newFixture(t, fixtureOptions{wrap: func(p extproc.Picker) extproc.Picker {
+				rec = &recording{Picker: p}
+				return rec
+			}})
+			x, err := f.gw.open(t.Context())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer x.cancel()
+			x.responseMode = tc.mode
+			if !tc.announce {
+				x.responseMode = fullDuplexMode
+			}
+			if err := x.send(headersMessage("/v1/completions", body, tc.mode, tc.announce)); err != nil {
+				t.Fatal(err)
+			}
+			pieces := split(body, tc.chunks)
+			switch {
+			case tc.mode == fullDuplexMode:
+				playFullDuplex(t, x, body, pieces)
+			case tc.mode == filterv3.ProcessingMode_BUFFERED:
+				playBuffered(t, x, body)
+			default:
+				playLoadOnly(t, x, pieces)
+			}
+
+			got := rec.all()
+			if len(got) != 1 {
+				t.Fatalf("picks %+v, want one", got)
+			}
+			want := picked{model: "m", promptBytes: 3000, stream: true}
+			if tc.loadOnly {
+				want = picked{promptChars: len(body)}
+			}
+			if got[0] != want {
+				t.Errorf("the picker was asked %+v, want %+v", got[0], want)
+			}
+			if in, _ := f.picker.Totals(); in != 1 {
+				t.Errorf("in flight %d, want 1", in)
+			}
+			if err := x.respond(okResponse); err != nil {
+				t.Fatal(err)
+			}
+			if ok, state := ledgerEmpty(f.picker); !ok {
+				t.Error(state)
+			}
+			wantLoadOnly := 0.0
+			if tc.loadOnly {
+				wantLoadOnly = 1
+			}
+			if got := f.counter(t, "tally_load_only_routes_total", map[string]string{"reason": "request_body_mode"}); got != wantLoadOnly {
+				t.Errorf("tally_load_only_routes_total{reason=request_body_mode} = %v, want %v", got, wantLoadOnly)
+			}
+		})
+	}
+}
+
+const fullDuplexMode = filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
+
+// split cuts b into n pieces (n = 0: none).
+func split(b []byte, n int) [][]byte {
+	var out [][]byte
+	for i := range n {
+		out = append(out, b[len(b)*i/n:len(b)*(i+1)/n])
+	}
+	return out
+}
+
+// playFullDuplex sends the body chunks, then expects the held-back headers
+// answer, routed and restoring content-length, and the body back unchanged.
+func playFullDuplex(t *testing.T, x *exchange, body []byte, pieces [][]byte) {
+	t.Helper()
+	for i, p := range pieces {
+		if err := x.send(bodyMessage(p, i == len(pieces)-1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var r routed
+	if err := x.recvHeadersAnswer(&r); err != nil || r.destination == "" || r.metadata != r.destination {
+		t.Fatalf("headers answer %+v, %v: want routed", r, err)
+	}
+	if cl, _ := headerOf(r.headersAnswer, "content-length"); cl != strconv.Itoa(len(body)) {
+		t.Errorf("content-length in the headers answer = %q, want %d: Envoy drops it in this mode", cl, len(body))
+	}
+	var echoed []byte
+	for {
+		resp, err := x.stream.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		sb := resp.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
+		if sb == nil {
+			t.Fatalf("got %v while the body streams back", resp)
+		}
+		echoed = append(echoed, sb.GetBody()...)
+		if sb.GetEndOfStream() {
+			break
+		}
+	}
+	if !bytes.Equal(echoed, body) {
+		t.Errorf("the body came back changed: %d bytes, sent %d", len(echoed), len(body))
+	}
+}
+
+// playBuffered expects an unrouted headers answer, then the destination in
+// the answer to the one body message.
+func playBuffered(t *testing.T, x *exchange, body []byte) {
+	t.Helper()
+	var r routed
+	if err := x.recvHeadersAnswer(&r); err != nil || r.immediate != nil {
+		t.Fatalf("headers answer %+v, %v", r, err)
+	}
+	if r.destination != "" || r.headersAnswer.GetClearRouteCache() {
+		t.Errorf("the headers answer routes already: %v", r.headersAnswer)
+	}
+	if err := x.send(bodyMessage(body, true)); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := x.stream.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	common := resp.GetRequestBody().GetResponse()
+	if d := destination(common); d == "" || metadataDestination(resp) != d || !common.GetClearRouteCache() {
+		t.Fatalf("body answer %v: want the destination in its header mutation and metadata", resp)
+	}
+	if cl, ok := headerOf(common, "content-length"); ok {
+		t.Errorf("content-length %q set in BUFFERED mode, where Envoy keeps the client's", cl)
+	}
+}
+
+// playLoadOnly expects the headers answer routed at once, then an empty
+// answer to each body message.
+func playLoadOnly(t *testing.T, x *exchange, pieces [][]byte) {
+	t.Helper()
+	var r routed
+	if err := x.recvHeadersAnswer(&r); err != nil || r.destination == "" || r.metadata != r.destination || !r.headersAnswer.GetClearRouteCache() {
+		t.Fatalf("headers answer %+v, %v: want routed on the headers", r, err)
+	}
+	if cl, ok := headerOf(r.headersAnswer, "content-length"); ok {
+		t.Errorf("content-length %q set in the headers answer, want the client's left alone", cl)
+	}
+	for i, p := range pieces {
+		if err := x.send(bodyMessage(p, i == len(pieces)-1)); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := x.stream.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		common := resp.GetRequestBody().GetResponse()
+		if common == nil || !proto.Equal(common, &extprocv3.CommonResponse{}) || resp.GetDynamicMetadata() != nil {
+			t.Fatalf("answer to body message %d: %v, want an empty body answer", i, resp)
+		}
+	}
+}
+
+// logLines is a logger that keeps what it logs.
+type logLines struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *logLines) logger() logr.Logger {
+	return funcr.New(func(prefix, args string) {
+		l.mu.Lock()
+		l.lines = append(l.lines, prefix+" "+args)
+		l.mu.Unlock()
+	}, funcr.Options{})
+}
+
+func (l *logLines) count(substr string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, line := range l.lines {
+		if strings.Contains(line, substr) {
+			n++
+		}
+	}
+	return n
+}
+
+func TestLoadOnlyRoutingIsWarnedOnce(t *testing.T) {
+	var lines logLines
+	log := lines.logger()
+	f := newFixture(t, fixtureOptions{log: &log})
+	for i := range 3 {
+		req := completion("m", letters(uint64(80+i), 500))
+		req.mode = filterv3.ProcessingMode_STREAMED
+		if r, err := f.gw.roundTrip(t.Context(), req); err != nil || r.destination == "" {
+			t.Fatalf("request %d: %+v, %v", i, r, err)
+		}
+	}
+	if n := lines.count("FULL_DUPLEX_STREAMED"); n != 1 {
+		t.Errorf("the body-mode warning was logged %d times, want once:\n%s", n, strings.Join(lines.lines, "\n"))
+	}
+	if got := f.counter(t, "tally_load_only_routes_total", map[string]string{"reason": "request_body_mode"}); got != 3 {
+		t.Errorf("tally_load_only_routes_total = %v, want 3", got)
+	}
+}
+
+// TestMalformedStreamsAreAnsweredNotRouted plays message sequences no
+// well-formed request produces. Each gets an HTTP answer or, for a broken
+// ext_proc protocol, a gRPC InvalidArgument; none leaves a reservation.
+func TestMalformedStreamsAreAnsweredNotRouted(t *testing.T) {
+	bodiless := func(kv ...string) *extprocv3.ProcessingRequest {
+		return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
+			RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap(kv...), EndOfStream: true},
+		}}
+	}
+	body := completionBody("m", letters(90, 400))
+	responseHeaders := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{
+		ResponseHeaders: &extprocv3.HttpHeaders{Headers: headerMap(":status", "200")},
+	}}
+	responseBody := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
+		ResponseBody: &extprocv3.HttpBody{Body: []byte("data: x\n\n")},
+	}}
+	trailers := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{}}}
+	for _, tc := range []struct {
+		name string
+		msgs []*extprocv3.ProcessingRequest
+		// Exactly one of these: the HTTP status answered, a gRPC code the
+		// stream ends with, or routed on load alone.
+		wantStatus int32
+		wantCode   codes.Code
+		wantRouted bool
+		wantInMsg  string
+		// picks is how many picks succeed (released when the stream ends).
+		picks int64
+	}{
+		{name: "bodiless POST to completions", msgs: msgs(bodiless(":path", "/v1/completions", ":method", "POST")),
+			wantStatus: 400, wantInMsg: "empty"},
+		{name: "bodiless POST to chat, content-length 0", msgs: msgs(bodiless(":path", "/v1/chat/completions?x=1", ":method", "POST", "content-length", "0")),
+			wantStatus: 400, wantInMsg: "empty"},
+		{name: "bodiless GET to completions", msgs: msgs(bodiless(":path", "/v1/completions", ":method", "GET")), wantRouted: true, picks: 1},
+		{name: "bodiless POST to another path", msgs: msgs(bodiless(":path", "/v1/embeddings", ":method", "POST")), wantRouted: true, picks: 1},
+		{name: "no :path", msgs: msgs(bodiless(":method", "GET")), wantStatus: 400, wantInMsg: ":path"},
+		{name: "no :method", msgs: msgs(bodiless(":path", "/v1/models")), wantStatus: 400, wantInMsg: ":method"},
+		{name: "no :method, body follows", msgs: msgs(
+			&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
+				RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap(":path", "/v1/completions")},
+			}}, bodyMessage(body, true)), wantStatus: 400, wantInMsg: ":method"},
+		{name: "body before the headers", msgs: msgs(bodyMessage(body, true)), wantCode: codes.InvalidArgument},
+		{name: "trailers before the headers", msgs: msgs(trailers), wantCode: codes.InvalidArgument},
+		{name: "second headers while the body is awaited", msgs: msgs(postHeaders("/v1/completions"), postHeaders("/v1/completions")),
+			wantCode: codes.InvalidArgument},
+		{name: "second headers after a bodiless route", msgs: msgs(bodiless(":path", "/v1/models", ":method", "GET"), postHeaders("/v1/completions")),
+			wantCode: codes.InvalidArgument, picks: 1},
+		{name: "second headers after the body", msgs: msgs(postHeaders("/v1/completions"), bodyMessage(body, true), postHeaders("/v1/completions")),
+			wantCode: codes.InvalidArgument, picks: 1},
+		{name: "response headers first", msgs: msgs(responseHeaders), wantCode: codes.InvalidArgument},
+		{name: "response headers before the body ended", msgs: msgs(postHeaders("/v1/completions"), bodyMessage(body[:10], false), responseHeaders),
+			wantCode: codes.InvalidArgument},
+		{name: "response body before the request was routed", msgs: msgs(postHeaders("/v1/completions"), responseBody),
+			wantCode: codes.InvalidArgument},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var picks *counting
+			f := newFixture(t, fixtureOptions{wrap: func(p extproc.Picker) extproc.Picker {
+				picks = &counting{Picker: p}
+				return picks
+			}})
+			x, err := f.gw.open(t.Context())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer x.cancel()
+			for _, m := range tc.msgs {
+				if err := x.send(m); errors.Is(err, io.EOF) {
+					break // the server has ended the stream: its answer is waiting
+				} else if err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := x.stream.CloseSend(); err != nil {
+				t.Fatal(err)
+			}
+			var (
+				immediate *extprocv3.ImmediateResponse
+				routedTo  string
+				end       error
+			)
+			for {
+				resp, err := x.stream.Recv()
+				if err != nil {
+					end = err
+					break
+				}
+				if im := resp.GetImmediateResponse(); im != nil {
+					immediate = im
+				}
+				if d := destination(resp.GetRequestHeaders().GetResponse()); d != "" {
+					routedTo = d
+				}
+			}
+			switch {
+			case tc.wantStatus != 0:
+				if int32(immediate.GetStatus().GetCode()) != tc.wantStatus || !strings.Contains(string(immediate.GetBody()), tc.wantInMsg) {
+					t.Errorf("answered %v %s (stream end %v), want %d mentioning %q",
+						immediate.GetStatus().GetCode(), immediate.GetBody(), end, tc.wantStatus, tc.wantInMsg)
+				}
+			case tc.wantCode != codes.OK:
+				if status.Code(end) != tc.wantCode || immediate != nil {
+					t.Errorf("stream ended with %v (immediate %v), want %v", end, immediate, tc.wantCode)
+				}
+			case tc.wantRouted:
+				if routedTo == "" || !errors.Is(end, io.EOF) {
+					t.Errorf("destination %q, stream end %v: want routed and a clean end", routedTo, end)
+				}
+			}
+			if got := picks.ok.Load(); got != tc.picks {
+				t.Errorf("%d picks, want %d", got, tc.picks)
+			}
+			eventually(t, "nothing reserved", func() (bool, string) { return ledgerEmpty(f.picker) })
+			eventually(t, "the stream has ended", func() (bool, string) {
+				n := f.counter(t, "tally_streams_active", nil)
+				return n == 0, fmt.Sprintf("tally_streams_active = %v", n)
+			})
+			if tc.wantCode != codes.OK {
+				if got := f.counter(t, "tally_protocol_errors_total", nil); got != 1 {
+					t.Errorf("tally_protocol_errors_total = %v, want 1", got)
+				}
+			}
+		})
+	}
+}
+
+func msgs(m ...*extprocv3.ProcessingRequest) []*extprocv3.ProcessingRequest { return m }
