@@ -13,21 +13,24 @@ import (
 // meanings follow the upstream endpoint picker so that gateway charts that
 // pass its flags work unchanged.
 type options struct {
-	poolName           string
-	poolNamespace      string
-	poolGroup          string
-	grpcPort           int
-	grpcHealthPort     int
-	metricsPort        int
-	secureServing      bool
-	certPath           string
-	leaderElection     bool
-	configFile         string
-	configText         string
-	kubeconfig         string
-	verbosity          int
-	maxRequestBytes    int64
-	maxRequestLifetime time.Duration
+	poolName        string
+	poolNamespace   string
+	poolGroup       string
+	grpcPort        int
+	grpcHealthPort  int
+	metricsPort     int
+	secureServing   bool
+	certPath        string
+	leaderElection  bool
+	configFile      string
+	configText      string
+	kubeconfig      string
+	verbosity       int
+	maxRequestBytes int64
+	// maxBufferedRequestBytes is the flag's value; the budget in force is
+	// bufferBudget's.
+	maxBufferedRequestBytes int64
+	maxRequestLifetime      time.Duration
 }
 
 const inferencePoolGroup = "inference.networking.k8s.io"
@@ -84,6 +87,8 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, else in-cluster)")
 	fs.IntVar(&o.verbosity, "v", 0, "log verbosity (0 is info, higher is more)")
 	fs.Int64Var(&o.maxRequestBytes, "max-request-bytes", 0, "largest request body accepted, in bytes; larger bodies get 413 (default: the config's maxRequestBytes, 32 MiB)")
+	fs.Int64Var(&o.maxBufferedRequestBytes, "max-buffered-request-bytes", 0, "request body bytes buffered over all streams at once; a request that would pass it gets 503 "+
+		"(default: the config's maxBufferedRequestBytes, else half of GOMEMLIMIT, else 1 GiB; never less than the largest request body)")
 	fs.DurationVar(&o.maxRequestLifetime, "max-request-lifetime", 30*time.Minute, "a reservation older than this is released by the sweeper (a backstop for lost streams)")
 	ignoredValues := make(map[string]*string, len(upstreamOnlyFlags))
 	for _, name := range upstreamOnlyFlags {
@@ -140,6 +145,9 @@ func (o options) validate() error {
 	}
 	if o.maxRequestBytes < 0 {
 		errs = append(errs, fmt.Errorf("flag --max-request-bytes: %d is invalid: must be 0 (use the config) or more", o.maxRequestBytes))
+	}
+	if o.maxBufferedRequestBytes < 0 {
+		errs = append(errs, fmt.Errorf("flag --max-buffered-request-bytes: %d is invalid: must be 0 (use the config) or more", o.maxBufferedRequestBytes))
 	}
 	if o.maxRequestLifetime < time.Second {
 		errs = append(errs, fmt.Errorf("flag --max-request-lifetime: %s is invalid: must be at least 1s", o.maxRequestLifetime))

@@ -3,9 +3,12 @@ package main
 import (
 	"bytes"
 	"context"
+	"math"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
 )
 
 func env(vars map[string]string) func(string) string {
@@ -71,6 +74,7 @@ func TestInvalidFlagValuesNameTheFlag(t *testing.T) {
 		{[]string{"--config-file", "a", "--config-text", "b"}, "exclusive"},
 		{[]string{"--max-request-lifetime", "1ms"}, "--max-request-lifetime"},
 		{[]string{"--max-request-bytes", "-1"}, "--max-request-bytes"},
+		{[]string{"--max-buffered-request-bytes", "-1"}, "--max-buffered-request-bytes"},
 		{[]string{"--grpc-port", "abc"}, "grpc-port"},
 		{[]string{"extra"}, "unexpected argument"},
 	} {
@@ -108,5 +112,65 @@ func TestBadConfigStopsStartupNamingTheField(t *testing.T) {
 	code := run(context.Background(), []string{"--pool-name", "p", "--config-file", "/does/not/exist"}, env(nil), &stderr)
 	if code != exitFailure || !strings.Contains(stderr.String(), "--config-file") {
 		t.Errorf("missing config file: exit %d, stderr %q", code, stderr.String())
+	}
+}
+
+func TestBufferBudgetFlagIsCheckedAgainstTheConfig(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		// Below the largest body accepted: that body could never be buffered.
+		{[]string{"--max-buffered-request-bytes", "1048576"}, "--max-buffered-request-bytes"},
+		{[]string{"--max-request-bytes", "67108864", "--max-buffered-request-bytes", "33554432"}, "maxBufferedRequestBytes"},
+		{[]string{"--max-buffered-request-bytes", "2199023255552"}, "--max-buffered-request-bytes"},
+	} {
+		var stderr bytes.Buffer
+		code := run(context.Background(), append([]string{"--pool-name", "p"}, tc.args...), env(nil), &stderr)
+		if code != exitFailure || !strings.Contains(stderr.String(), tc.want) {
+			t.Errorf("%v: exit %d, stderr %q, want it to mention %q", tc.args, code, stderr.String(), tc.want)
+		}
+	}
+}
+
+func TestBufferBudget(t *testing.T) {
+	const (
+		mib = int64(1) << 20
+		gib = int64(1) << 30
+	)
+	for _, tc := range []struct {
+		name        string
+		args        []string
+		config      string
+		memoryLimit int64
+		want        int64
+		wantFrom    string
+	}{
+		{name: "no GOMEMLIMIT", memoryLimit: math.MaxInt64, want: gib, wantFrom: "default"},
+		{name: "half of GOMEMLIMIT", memoryLimit: 3 * gib, want: 3 * gib / 2, wantFrom: "GOMEMLIMIT"},
+		{name: "GOMEMLIMIT too small for one request", memoryLimit: 48 * mib, want: 32 * mib, wantFrom: "raised to maxRequestBytes"},
+		{name: "GOMEMLIMIT small, bodies smaller", args: []string{"--max-request-bytes", "1048576"}, memoryLimit: 48 * mib, want: 24 * mib, wantFrom: "GOMEMLIMIT"},
+		{name: "config", config: "maxBufferedRequestBytes: 268435456", memoryLimit: 3 * gib, want: 256 * mib, wantFrom: "maxBufferedRequestBytes"},
+		{name: "flag over config", args: []string{"--max-buffered-request-bytes", "134217728"}, config: "maxBufferedRequestBytes: 268435456",
+			memoryLimit: 3 * gib, want: 128 * mib, wantFrom: "maxBufferedRequestBytes"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := append([]string{"--pool-name", "p"}, tc.args...)
+			if tc.config != "" {
+				args = append(args, "--config-text", "apiVersion: "+v1alpha1.GroupVersion+"\nkind: PickerConfig\n"+tc.config+"\n")
+			}
+			o, _, err := parseFlags(args, env(nil), &bytes.Buffer{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg, err := loadConfig(o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, from := bufferBudget(cfg, tc.memoryLimit)
+			if got != tc.want || !strings.Contains(from, tc.wantFrom) {
+				t.Errorf("budget %d from %q, want %d from something mentioning %q", got, from, tc.want, tc.wantFrom)
+			}
+		})
 	}
 }

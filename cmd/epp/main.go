@@ -20,10 +20,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"strconv"
 	"syscall"
 	"time"
@@ -104,13 +106,46 @@ func loadConfig(opts options) (v1alpha1.PickerConfig, error) {
 			return v1alpha1.PickerConfig{}, err
 		}
 	}
-	if opts.maxRequestBytes > 0 {
-		cfg.MaxRequestBytes = opts.maxRequestBytes
-		if err := cfg.Validate(); err != nil {
-			return v1alpha1.PickerConfig{}, fmt.Errorf("flag --max-request-bytes: %w", err)
+	for _, f := range []struct {
+		name  string
+		value int64
+		field *int64
+	}{
+		{"max-request-bytes", opts.maxRequestBytes, &cfg.MaxRequestBytes},
+		{"max-buffered-request-bytes", opts.maxBufferedRequestBytes, &cfg.MaxBufferedRequestBytes},
+	} {
+		if f.value > 0 {
+			*f.field = f.value
+			if err := cfg.Validate(); err != nil {
+				return v1alpha1.PickerConfig{}, fmt.Errorf("flag --%s: %w", f.name, err)
+			}
 		}
 	}
 	return cfg, nil
+}
+
+// Without a memory limit to derive the buffer budget from, it is this.
+const defaultBufferBudgetBytes int64 = 1 << 30
+
+// bufferBudget returns the request bytes the ext_proc server may buffer over
+// all streams, and where that number comes from. memoryLimit is the Go
+// runtime's (debug.SetMemoryLimit(-1): GOMEMLIMIT, math.MaxInt64 when
+// unset). Half of it, because the bytes counted are only the bodies as
+// received: append slack, parsed prompts and everything else the picker
+// holds come on top. Never below maxRequestBytes, or the largest request
+// accepted could never be buffered.
+func bufferBudget(cfg v1alpha1.PickerConfig, memoryLimit int64) (int64, string) {
+	if cfg.MaxBufferedRequestBytes > 0 {
+		return cfg.MaxBufferedRequestBytes, "maxBufferedRequestBytes"
+	}
+	budget, source := defaultBufferBudgetBytes, "default (no GOMEMLIMIT)"
+	if memoryLimit > 0 && memoryLimit != math.MaxInt64 {
+		budget, source = memoryLimit/2, "half of GOMEMLIMIT"
+	}
+	if budget < cfg.MaxRequestBytes {
+		return cfg.MaxRequestBytes, source + ", raised to maxRequestBytes"
+	}
+	return budget, source
 }
 
 // serve runs every part of the picker until ctx ends or one part fails.
@@ -149,6 +184,9 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 		return fmt.Errorf("setting up the controllers: %w", err)
 	}
 
+	budget, budgetSource := bufferBudget(cfg, debug.SetMemoryLimit(-1))
+	log.Info("request buffering", "maxBufferedRequestBytes", budget, "from", budgetSource, "maxRequestBytes", cfg.MaxRequestBytes)
+
 	grpcOpts := extproc.GRPCServerOptions(cfg.MaxRequestBytes)
 	if opts.secureServing {
 		tlsConfig, err := extproc.ServerTLS(opts.certPath)
@@ -159,9 +197,10 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 	}
 	extprocServer := grpc.NewServer(grpcOpts...)
 	extproc.NewServer(pick, extproc.Options{
-		MaxRequestBytes: cfg.MaxRequestBytes,
-		Log:             log.WithName("extproc"),
-		Registerer:      reg,
+		MaxRequestBytes:         cfg.MaxRequestBytes,
+		MaxBufferedRequestBytes: budget,
+		Log:                     log.WithName("extproc"),
+		Registerer:              reg,
 	}).Register(extprocServer)
 	health := extproc.NewHealth()
 	healthServer := grpc.NewServer()
