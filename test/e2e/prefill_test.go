@@ -21,15 +21,17 @@ import (
 var prefillFirstPodIP = netip.MustParseAddr("127.0.44.2")
 
 // The workload: closed-loop clients, half streaming and half not, each
-// sending prompts of a few thousand tokens that share no prefix (so the
-// picker's uncached estimate is the engine's), with short outputs. Measured
-// in virtual time beforehand, 12 such clients keep each of 3 engines about
-// half busy with prefill, with a prompt's worth queued at times: the queues
-// are real but drain, and a non-streaming request spends most of its life
-// decoding, where its prefill is done.
+// sending prompts that share no prefix (so the picker's uncached estimate is
+// the engine's), with short outputs. Run in virtual time beforehand (package
+// engine), 12 such clients keep each of 3 engines about three quarters busy
+// with prefill, most of a prompt queued on average: the queues are real but
+// drain, and a non-streaming request spends most of its life decoding, after
+// its prefill is done. At 8,000 tokens a prompt takes about 170 ms to
+// prefill, so the milliseconds the gateway adds to each request (more on a
+// busy machine) stay small beside it.
 const (
 	prefillClients      = 12
-	prefillPromptTokens = 4000
+	prefillPromptTokens = 8000
 	prefillOutputTokens = 32
 	// prefillWarmUp is left out of the averages: the picker starts from a
 	// guessed prefill rate (prefillTokensPerSecond) until streamed first
@@ -40,7 +42,10 @@ const (
 	// prefillTolerance is how far the ledger's average may be from the
 	// engine's. The engine's figure is exact; the picker models it from the
 	// outside, and sees each request a few milliseconds before the engine
-	// does (the gateway forwards it) and each first byte a few after.
+	// does (the gateway forwards it) and each first byte a few after. A
+	// ledger that holds a non-streamed request's prefill until its response
+	// (its first bytes come when generation ends) measured about 3 times
+	// the engine's.
 	prefillTolerance = 0.25
 	// prefillMinQueued is the least average queue per engine for the
 	// comparison to mean something: an eighth of a prompt.
