@@ -301,27 +301,44 @@ func metricsMux(reg *prometheus.Registry, pick *picker.Picker) *http.ServeMux {
 	gatherers := prometheus.Gatherers{reg, ctrlmetrics.Registry}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(gatherers, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /debug/ledger", func(w http.ResponseWriter, _ *http.Request) {
-		inFlight, prefill := pick.Totals()
-		type row struct {
-			Pod           string `json:"pod"`
-			Endpoint      string `json:"endpoint"`
-			InFlight      int    `json:"inFlight"`
-			PrefillTokens int    `json:"prefillTokens"`
-			Decoding      int    `json:"decoding"`
-		}
-		out := struct {
-			InFlight      int   `json:"inFlight"`
-			PrefillTokens int   `json:"prefillTokens"`
-			Endpoints     []row `json:"endpoints"`
-		}{InFlight: inFlight, PrefillTokens: prefill, Endpoints: []row{}}
-		for _, s := range pick.Stats() {
-			out.Endpoints = append(out.Endpoints, row{
-				Pod: s.Endpoint.Pod, Endpoint: s.Endpoint.Address.String(),
-				InFlight: s.InFlight, PrefillTokens: s.PrefillTokens, Decoding: s.Decoding,
-			})
-		}
 		w.Header().Set("Content-Type", "application/json")
-		_ = json.NewEncoder(w).Encode(out)
+		_ = json.NewEncoder(w).Encode(ledgerJSON(pick.Snapshot()))
 	})
 	return mux
+}
+
+// ledgerRow is one endpoint in /debug/ledger.
+type ledgerRow struct {
+	Pod                    string  `json:"pod"`
+	UID                    string  `json:"uid,omitempty"`
+	Endpoint               string  `json:"endpoint"`
+	InFlight               int     `json:"inFlight"`
+	PrefillTokens          int     `json:"prefillTokens"`
+	Decoding               int     `json:"decoding"`
+	PrefillTokensPerSecond float64 `json:"prefillTokensPerSecond"`
+}
+
+// ledger is /debug/ledger: one snapshot of the picker's ledger, its totals
+// and rows read under one hold of its lock.
+type ledger struct {
+	InFlight      int         `json:"inFlight"`
+	PrefillTokens int         `json:"prefillTokens"`
+	Endpoints     []ledgerRow `json:"endpoints"`
+	// Retained are endpoints that left the set and keep their row.
+	Retained []ledgerRow `json:"retained"`
+}
+
+func ledgerJSON(l picker.Ledger) ledger {
+	rows := func(stats []picker.EndpointStats) []ledgerRow {
+		out := make([]ledgerRow, 0, len(stats))
+		for _, s := range stats {
+			out = append(out, ledgerRow{
+				Pod: s.Endpoint.Pod, UID: s.Endpoint.UID, Endpoint: s.Endpoint.Address.String(),
+				InFlight: s.InFlight, PrefillTokens: s.PrefillTokens, Decoding: s.Decoding,
+				PrefillTokensPerSecond: s.PrefillTokensPerSecond,
+			})
+		}
+		return out
+	}
+	return ledger{InFlight: l.InFlight, PrefillTokens: l.PrefillTokens, Endpoints: rows(l.Endpoints), Retained: rows(l.Retained)}
 }
