@@ -57,7 +57,8 @@ type Options struct {
 type Request struct {
 	Model string
 	// Prompt is the prefix text of the prompt; nil or empty for requests
-	// routed by load alone.
+	// routed by load alone. Pick reads it only while it runs: it keeps the
+	// block hashes, never the text.
 	Prompt []byte
 	// PromptChars, when Prompt is empty, estimates the prompt's size in
 	// characters for a request routed before its body is known (for

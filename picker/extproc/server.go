@@ -29,8 +29,8 @@ import (
 )
 
 // Picker chooses an endpoint for a request and reserves its cost;
-// *picker.Picker implements it. The stream keeps req.Prompt untouched until
-// it ends, so Pick and the returned reservation may read it until then.
+// *picker.Picker implements it. Pick must not keep req.Prompt after it
+// returns: the stream recycles the buffer as soon as the request is routed.
 type Picker interface {
 	Pick(picker.Request) (*picker.Reservation, error)
 }

@@ -42,7 +42,7 @@ type stream struct {
 	body *[]byte
 	// charged is what body holds against the server's buffer budget.
 	charged int64
-	// prompt is the parsed prompt, kept until the stream ends (see Picker).
+	// prompt is the parsed prompt, until the request is routed (see Picker).
 	prompt *[]byte
 	// decided: the request phase is over (routed, or left to the gateway).
 	decided bool
@@ -438,14 +438,14 @@ func (st *stream) dropBody() {
 	st.charged = 0
 	st.s.putBuffer(st.body)
 	st.body = nil
+	st.s.putBuffer(st.prompt)
+	st.prompt = nil
 }
 
 // close runs when the stream ends, however it ends.
 func (st *stream) close() {
 	st.release()
 	st.dropBody()
-	st.s.putBuffer(st.prompt)
-	st.prompt = nil
 }
 
 func (st *stream) send(resp *extprocv3.ProcessingResponse) error {
