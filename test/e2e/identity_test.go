@@ -121,7 +121,7 @@ func sum(a, b map[string]int) map[string]int {
 	return out
 }
 
-// rowsAt returns the ledger's rows for one endpoint address.
+// rowsAt returns the ledger's current rows for one endpoint address.
 func rowsAt(l stack.Ledger, addr netip.AddrPort) []stack.LedgerEndpoint {
 	var rows []stack.LedgerEndpoint
 	for _, e := range l.Endpoints {
@@ -173,13 +173,18 @@ var _ = Describe("An endpoint's identity in the ledger", Ordered, ContinueOnFail
 		flapped := time.Now()
 		Expect(ids.SetReady(ctx, pod0, false)).To(Succeed())
 		Expect(ids.WaitForEndpoints(ctx, pods[1], pods[2])).To(Succeed())
+		ledger, err := ids.Ledger(ctx)
+		Expect(err).NotTo(HaveOccurred())
+		row, current, ok := ledger.Row(string(pod0.UID()))
+		Expect(ok && !current).To(BeTrue(), "pod 0's row is kept while it is NotReady: %+v", ledger)
+		Expect(row.InFlight).To(Equal(10), "pod 0's row while it is NotReady: %+v", row)
 		time.Sleep(time.Until(flapped.Add(1500 * time.Millisecond))) // the flap's length, not an assertion
 		Expect(ids.SetReady(ctx, pod0, true)).To(Succeed())
 		Expect(ids.WaitForEndpoints(ctx, pods...)).To(Succeed())
 
 		second := h.send(ctx, longRequests(30, "flap"), "flap")
 		totals := sum(first, second)
-		ledger, err := ids.Ledger(ctx)
+		ledger, err = ids.Ledger(ctx)
 		Expect(err).NotTo(HaveOccurred())
 		AddReportEntry("flap placement", fmt.Sprintf("first burst %v, second burst %v, in flight per pod %v, ledger %+v", first, second, totals, ledger.Endpoints))
 		// A picker that forgot pod 0's 10 requests would see it idle and
@@ -214,15 +219,21 @@ var _ = Describe("An endpoint's identity in the ledger", Ordered, ContinueOnFail
 
 		ledger, err := ids.Ledger(ctx)
 		Expect(err).NotTo(HaveOccurred())
-		rows := rowsAt(ledger, pod0.Addr)
-		Expect(rows).To(HaveLen(1), "one row for %s: %+v", pod0.Addr, ledger.Endpoints)
-		Expect(rows[0].InFlight).To(BeZero(), "the new pod's row: %+v", rows[0])
-		Expect(rows[0].PrefillTokens).To(BeZero(), "the new pod's row: %+v", rows[0])
+		Expect(rowsAt(ledger, pod0.Addr)).To(HaveLen(1), "one current row for %s: %+v", pod0.Addr, ledger)
+		row, current, ok := ledger.Row(string(pod0.UID()))
+		Expect(ok && current).To(BeTrue(), "the new pod has a current row: %+v", ledger)
+		Expect(row.InFlight).To(BeZero(), "the new pod's row: %+v", row)
+		Expect(row.PrefillTokens).To(BeZero(), "the new pod's row: %+v", row)
+		// The old pod's requests are still in flight: its row is kept
+		// aside, never given to the new pod.
+		old, current, ok := ledger.Row(string(oldUID))
+		Expect(ok && !current).To(BeTrue(), "the old pod's row is retained: %+v", ledger)
+		Expect(old.InFlight).To(Equal(10), "the old pod's row: %+v", old)
 
 		// Pods 1 and 2 hold 10 requests each; the new pod is idle, so 10
 		// more all go to it.
 		next := h.send(ctx, longRequests(10, "replaced"), "replaced")
-		AddReportEntry("replaced placement", fmt.Sprintf("before %v, after the replacement %v, ledger then %+v", first, next, ledger.Endpoints))
+		AddReportEntry("replaced placement", fmt.Sprintf("before %v, after the replacement %v, ledger then %+v", first, next, ledger))
 		Expect(next).To(HaveKeyWithValue(pods[0], 10), "placement after the replacement: %v", next)
 	}, SpecTimeout(2*time.Minute))
 })

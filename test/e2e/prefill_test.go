@@ -152,6 +152,11 @@ var _ = Describe("The ledger's prefill under a non-streaming workload", Ordered,
 		stop()
 		wg.Wait()
 		expectLedgerDrains(ctx, ps)
+		if l, err := ps.Ledger(ctx); err == nil {
+			for _, e := range l.Endpoints {
+				fmt.Fprintf(GinkgoWriter, "%s: learned prefill rate %.0f tokens/s\n", e.Pod, e.PrefillTokensPerSecond)
+			}
+		}
 
 		AddReportEntry("prefill averages", avg.String())
 		fmt.Fprintf(GinkgoWriter, "%d requests (%d streamed) in %v: %s\n", len(results), streams, prefillWarmUp+prefillMeasured, avg)

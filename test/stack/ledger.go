@@ -10,18 +10,27 @@ import (
 
 // Ledger is the picker's in-flight ledger as /debug/ledger reports it.
 type Ledger struct {
+	// InFlight and PrefillTokens sum every row, retained ones included.
 	InFlight      int              `json:"inFlight"`
 	PrefillTokens int              `json:"prefillTokens"`
 	Endpoints     []LedgerEndpoint `json:"endpoints"`
+	// Retained are rows of endpoints that left the set (a pod turned
+	// NotReady or deleted) and that the picker keeps for a while.
+	Retained []LedgerEndpoint `json:"retained"`
 }
 
 // LedgerEndpoint is one endpoint's row of the ledger.
 type LedgerEndpoint struct {
-	Pod           string `json:"pod"`
-	Endpoint      string `json:"endpoint"`
-	InFlight      int    `json:"inFlight"`
-	PrefillTokens int    `json:"prefillTokens"`
-	Decoding      int    `json:"decoding"`
+	Pod      string `json:"pod"`
+	UID      string `json:"uid"`
+	Endpoint string `json:"endpoint"`
+	InFlight int    `json:"inFlight"`
+	// PrefillTokens is what the picker's model says is still queued.
+	PrefillTokens int `json:"prefillTokens"`
+	Decoding      int `json:"decoding"`
+	// PrefillTokensPerSecond is the endpoint's prefill rate as the picker
+	// has learned it.
+	PrefillTokensPerSecond float64 `json:"prefillTokensPerSecond"`
 }
 
 // Idle reports whether nothing is reserved anywhere in the ledger.
@@ -29,12 +38,27 @@ func (l Ledger) Idle() bool {
 	if l.InFlight != 0 || l.PrefillTokens != 0 {
 		return false
 	}
-	for _, e := range l.Endpoints {
+	for _, e := range slices.Concat(l.Endpoints, l.Retained) {
 		if e.InFlight != 0 || e.PrefillTokens != 0 || e.Decoding != 0 {
 			return false
 		}
 	}
 	return true
+}
+
+// Row returns the row of the pod object with this UID, current or retained.
+func (l Ledger) Row(uid string) (row LedgerEndpoint, current, ok bool) {
+	for _, e := range l.Endpoints {
+		if e.UID == uid {
+			return e, true, true
+		}
+	}
+	for _, e := range l.Retained {
+		if e.UID == uid {
+			return e, false, true
+		}
+	}
+	return LedgerEndpoint{}, false, false
 }
 
 // Pods lists the pods of the ledger's endpoints, sorted.
