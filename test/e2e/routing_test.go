@@ -248,7 +248,9 @@ var _ = Describe("Tally end to end", Ordered, ContinueOnFailure, func() {
 		expectAllOK(results)
 		By(fmt.Sprintf("placement %v", placed))
 		for _, name := range []string{"sim-0", "sim-1", "sim-2", "sim-3"} {
-			Expect(placed[name]).To(BeNumerically("~", 16, 1), "placement %v", placed)
+			// The ledger shows the learned prefill rates: a pod the picker
+			// believes slower drains its held prefill slower.
+			Expect(placed[name]).To(BeNumerically("~", 16, 1), "placement %v; ledger %+v", placed, ledger.Endpoints)
 		}
 		// The ledger agrees with the pods while all 64 are in flight.
 		Expect(ledger.InFlight).To(Equal(64))
