@@ -270,6 +270,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	r.row = c
 	r.prefill = c.uncached
 	r.heldBefore = matched[first]
+	r.cachedBlocks = matched[first]
 	r.cachedTokens = matched[first] * p.cfg.BlockSizeChars / p.cfg.CharsPerToken
 	c.hold(r, r.pickedNs)
 	p.linkLocked(r)

@@ -1,6 +1,10 @@
 package picker
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // metrics are the picker's counters and histogram. They are updated outside
 // the picker's lock; the per-endpoint gauges are not stored at all but read
@@ -18,10 +22,27 @@ type metrics struct {
 	// Gauges read from the ledger at scrape time.
 	endpointInFlight, endpointPrefill, endpointDecoding, endpointPrefillRate *prometheus.Desc
 	endpoints, retained, inFlight                                            *prometheus.Desc
+
+	// The same picks and ledger under the upstream picker's names, labels
+	// and buckets (gateway-api-inference-extension v1.5.0), so dashboards
+	// built for it work; docs/metrics.md says what each means in Tally.
+	schedulerE2E                                 *prometheus.HistogramVec
+	prefixHitRatio                               *prometheus.HistogramVec
+	schedulerE2EAll, prefixHitRatioAll           prometheus.Observer
+	poolReadyPods, poolAvgQueue, poolPerPodQueue *prometheus.Desc
+	poolName                                     string
 }
 
-func newMetrics() *metrics {
+// Buckets of the upstream picker's histograms, kept identical so that
+// histogram_quantile over both pickers' series agrees.
+var (
+	upstreamSchedulerBuckets = []float64{0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1}
+	upstreamRatioBuckets     = []float64{0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0}
+)
+
+func newMetrics(poolName string) *metrics {
 	m := &metrics{
+		poolName: poolName,
 		picks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tally_picks_total",
 			Help: "Picks by result: ok, no_endpoint (answered 503) or saturated (answered 429).",
@@ -60,6 +81,27 @@ func newMetrics() *metrics {
 		nil, nil)
 	m.inFlight = prometheus.NewDesc("tally_inflight_requests",
 		"Requests reserved and not yet released, on current and retained endpoints.", nil, nil)
+	// Upstream declares these as vectors with no labels; so do they here,
+	// so that their exposition is the same.
+	m.schedulerE2E = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "inference_extension_scheduler_e2e_duration_seconds",
+		Help:    "Time to pick an endpoint (the same observations as tally_pick_duration_seconds, in the upstream picker's buckets).",
+		Buckets: upstreamSchedulerBuckets,
+	}, nil)
+	m.prefixHitRatio = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "inference_extension_prefix_indexer_hit_ratio",
+		Help:    "Per placed request: the share of its hashed prompt blocks that the chosen endpoint held in the prefix index at pick time.",
+		Buckets: upstreamRatioBuckets,
+	}, nil)
+	m.schedulerE2EAll = m.schedulerE2E.WithLabelValues()
+	m.prefixHitRatioAll = m.prefixHitRatio.WithLabelValues()
+	m.poolReadyPods = prometheus.NewDesc("inference_pool_ready_pods",
+		"Endpoints in the pool's endpoint set (a target port on a Ready pod), as tally_endpoints.", []string{"name"}, nil)
+	m.poolAvgQueue = prometheus.NewDesc("inference_pool_average_queue_size",
+		"Mean over the pool's endpoints of inference_pool_per_pod_queue_size.", []string{"name"}, nil)
+	m.poolPerPodQueue = prometheus.NewDesc("inference_pool_per_pod_queue_size",
+		"Requests the picker placed on the endpoint that are still waiting for or in their prefill: in flight and not yet decoding in the ledger.",
+		[]string{"name", "model_server_pod"}, nil)
 	m.picksOK = m.picks.WithLabelValues("ok")
 	m.picksNoEndpoint = m.picks.WithLabelValues("no_endpoint")
 	m.picksSaturated = m.picks.WithLabelValues("saturated")
@@ -67,13 +109,14 @@ func newMetrics() *metrics {
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.picks, m.swept, m.promptTokens, m.cachedTokens, m.pickDuration}
+	return []prometheus.Collector{m.picks, m.swept, m.promptTokens, m.cachedTokens, m.pickDuration, m.schedulerE2E, m.prefixHitRatio}
 }
 
 // Describe implements prometheus.Collector.
 func (p *Picker) Describe(ch chan<- *prometheus.Desc) {
 	m := p.metrics
-	for _, d := range []*prometheus.Desc{m.endpointInFlight, m.endpointPrefill, m.endpointDecoding, m.endpointPrefillRate, m.endpoints, m.retained, m.inFlight} {
+	for _, d := range []*prometheus.Desc{m.endpointInFlight, m.endpointPrefill, m.endpointDecoding, m.endpointPrefillRate, m.endpoints, m.retained, m.inFlight,
+		m.poolReadyPods, m.poolAvgQueue, m.poolPerPodQueue} {
 		ch <- d
 	}
 	for _, c := range m.collectors() {
@@ -96,7 +139,35 @@ func (p *Picker) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(m.endpoints, prometheus.GaugeValue, float64(len(l.Endpoints)))
 	ch <- prometheus.MustNewConstMetric(m.retained, prometheus.GaugeValue, float64(len(l.Retained)))
 	ch <- prometheus.MustNewConstMetric(m.inFlight, prometheus.GaugeValue, float64(l.InFlight))
+	m.collectPool(ch, l.Endpoints)
 	for _, c := range m.collectors() {
 		c.Collect(ch)
 	}
+}
+
+// collectPool sends the upstream picker's pool gauges, computed from the
+// ledger: Tally scrapes no engine metrics, so the queue is what its own
+// ledger holds (see docs/metrics.md), and the KV-cache and running-request
+// averages the upstream picker reads from engines are not sent at all.
+func (m *metrics) collectPool(ch chan<- prometheus.Metric, eps []EndpointStats) {
+	ch <- prometheus.MustNewConstMetric(m.poolReadyPods, prometheus.GaugeValue, float64(len(eps)), m.poolName)
+	if len(eps) == 0 {
+		return // no mean of nothing; upstream leaves the averages unset too
+	}
+	queued, rank := 0, 0
+	for i, s := range eps {
+		q := max(s.InFlight-s.Decoding, 0)
+		queued += q
+		// The upstream picker names an endpoint "<pod>-rank-<i>", i the
+		// target port's position. The set is sorted by address, so a pod's
+		// endpoints (one IP) are adjacent, in port order.
+		if i > 0 && eps[i-1].Endpoint.Pod == s.Endpoint.Pod {
+			rank++
+		} else {
+			rank = 0
+		}
+		ch <- prometheus.MustNewConstMetric(m.poolPerPodQueue, prometheus.GaugeValue, float64(q),
+			m.poolName, s.Endpoint.Pod+"-rank-"+strconv.Itoa(rank))
+	}
+	ch <- prometheus.MustNewConstMetric(m.poolAvgQueue, prometheus.GaugeValue, float64(queued)/float64(len(eps)), m.poolName)
 }

@@ -123,8 +123,10 @@ tally_prefix_cached_tokens_total %d
 func TestPickerWithoutRegistererStillCollects(t *testing.T) {
 	p := newPicker(t, 2, testConfig(), Options{})
 	mustPick(t, p, Request{Model: model})
-	// 4 gauges per endpoint, 3 pool gauges, 3 pick results, 3 counters, 1 histogram.
-	if got := testutil.CollectAndCount(p); got != 4*2+3+3+3+1 {
-		t.Errorf("collected %d metrics, want %d", got, 4*2+3+3+3+1)
+	// 4 gauges per endpoint, 3 pool gauges, 3 pick results, 3 counters, 1
+	// histogram; under upstream names, 2 histograms, 2 pool gauges and 1
+	// gauge per endpoint.
+	if got, want := testutil.CollectAndCount(p), 4*2+3+3+3+1+2+2+2; got != want {
+		t.Errorf("collected %d metrics, want %d", got, want)
 	}
 }

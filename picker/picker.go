@@ -51,6 +51,9 @@ type Options struct {
 	MaxRequestLifetime time.Duration
 	// Log receives endpoint-set changes and sweeper releases.
 	Log logr.Logger
+	// PoolName is the InferencePool's name: the "name" label of the pool
+	// metrics under the upstream picker's names (inference_pool_*).
+	PoolName string
 }
 
 // Request is what the picker needs from one parsed request.
@@ -157,7 +160,7 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 	p := &Picker{
 		cfg:       cfg,
 		opts:      opts,
-		metrics:   newMetrics(),
+		metrics:   newMetrics(opts.PoolName),
 		epoch:     opts.Now(),
 		retention: time.Duration(cfg.EndpointRetentionSeconds) * time.Second,
 		byAddr:    make(map[netip.AddrPort]*row),
@@ -321,12 +324,17 @@ func (p *Picker) Pick(req Request) (*Reservation, error) {
 	}
 
 	m := p.metrics
-	m.pickDuration.Observe(time.Since(start).Seconds())
+	elapsed := time.Since(start).Seconds()
+	m.pickDuration.Observe(elapsed)
+	m.schedulerE2EAll.Observe(elapsed)
 	switch {
 	case err == nil:
 		m.picksOK.Inc()
 		m.promptTokens.Add(float64(r.promptTokens))
 		m.cachedTokens.Add(float64(r.cachedTokens))
+		if len(hashes) > 0 {
+			m.prefixHitRatioAll.Observe(float64(r.cachedBlocks) / float64(len(hashes)))
+		}
 		return r, nil
 	case errors.Is(err, ErrSaturated):
 		m.picksSaturated.Inc()

@@ -18,6 +18,7 @@ type Reservation struct {
 	promptChars  int
 	promptTokens int
 	cachedTokens int
+	cachedBlocks int // of the hashed blocks, those the chosen endpoint held
 	stream       bool
 	endpoints    [maxFallbackEndpoints]netip.AddrPort
 	nEndpoints   int

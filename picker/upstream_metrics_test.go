@@ -1,0 +1,124 @@
+package picker
+
+import (
+	"math"
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
+)
+
+// The pool gauges under the upstream picker's names come from the same
+// ledger as tally_*: queue size is what is in flight and not yet decoding.
+func TestUpstreamPoolMetricsFollowTheLedger(t *testing.T) {
+	reg := prometheus.NewPedanticRegistry()
+	p := New(testConfig(), Options{Registerer: reg, Now: newFakeClock().Now, PoolName: "pool-a"})
+	// Two pods, the first with two target ports: upstream names endpoints
+	// "<pod>-rank-<port index>".
+	p.Replace([]Endpoint{
+		{Pod: "vllm-0", Address: netip.MustParseAddrPort("127.0.0.2:8000")},
+		{Pod: "vllm-0", Address: netip.MustParseAddrPort("127.0.0.2:8001")},
+		{Pod: "vllm-1", Address: netip.MustParseAddrPort("127.0.0.3:8000")},
+	})
+	on := func(a string) Request {
+		// A prompt, so there is prefill to wait for (the clock stands still).
+		return Request{Model: model, Prompt: text("queued", 4000), Subset: []netip.AddrPort{netip.MustParseAddrPort(a)}, HasSubset: true}
+	}
+	mustPick(t, p, on("127.0.0.2:8000"))
+	mustPick(t, p, on("127.0.0.2:8000")).FirstByte() // decoding: no longer queued
+	mustPick(t, p, on("127.0.0.3:8000"))
+	mustPick(t, p, on("127.0.0.3:8000"))
+	mustPick(t, p, on("127.0.0.3:8000"))
+
+	want := `# HELP inference_pool_ready_pods Endpoints in the pool's endpoint set (a target port on a Ready pod), as tally_endpoints.
+# TYPE inference_pool_ready_pods gauge
+inference_pool_ready_pods{name="pool-a"} 3
+# HELP inference_pool_average_queue_size Mean over the pool's endpoints of inference_pool_per_pod_queue_size.
+# TYPE inference_pool_average_queue_size gauge
+inference_pool_average_queue_size{name="pool-a"} 1.3333333333333333
+# HELP inference_pool_per_pod_queue_size Requests the picker placed on the endpoint that are still waiting for or in their prefill: in flight and not yet decoding in the ledger.
+# TYPE inference_pool_per_pod_queue_size gauge
+inference_pool_per_pod_queue_size{model_server_pod="vllm-0-rank-0",name="pool-a"} 1
+inference_pool_per_pod_queue_size{model_server_pod="vllm-0-rank-1",name="pool-a"} 0
+inference_pool_per_pod_queue_size{model_server_pod="vllm-1-rank-0",name="pool-a"} 3
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
+		"inference_pool_ready_pods", "inference_pool_average_queue_size", "inference_pool_per_pod_queue_size"); err != nil {
+		t.Error(err)
+	}
+
+	// An empty pool has no mean: only ready_pods is sent.
+	p.Replace(nil)
+	want = `# HELP inference_pool_ready_pods Endpoints in the pool's endpoint set (a target port on a Ready pod), as tally_endpoints.
+# TYPE inference_pool_ready_pods gauge
+inference_pool_ready_pods{name="pool-a"} 0
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
+		"inference_pool_ready_pods", "inference_pool_average_queue_size", "inference_pool_per_pod_queue_size"); err != nil {
+		t.Error(err)
+	}
+}
+
+// The hit ratio is observed once per placed request: matched blocks over
+// hashed blocks on the chosen endpoint, in the upstream buckets; the
+// scheduler duration once per pick, whatever its result.
+func TestUpstreamPickHistograms(t *testing.T) {
+	reg := prometheus.NewPedanticRegistry()
+	p := newPicker(t, 2, testConfig(), Options{Registerer: reg})
+	prompt := text("ratio", 64*10)                                        // ten blocks of the test config
+	mustPick(t, p, on(addr(0), prompt))                                   // cold: 0
+	mustPick(t, p, on(addr(0), prompt))                                   // warm: 1
+	mustPick(t, p, on(addr(0), join(prompt[:64*5], text("other", 64*5)))) // half: 0.5
+	mustPick(t, p, on(addr(1), nil))                                      // no prompt: not observed
+	if _, err := p.Pick(Request{Model: model, HasSubset: true}); err != ErrNoEndpoint {
+		t.Fatalf("empty subset: %v, want ErrNoEndpoint", err)
+	}
+
+	ratio := histogram(t, reg, "inference_extension_prefix_indexer_hit_ratio")
+	if ratio.GetSampleCount() != 3 || math.Abs(ratio.GetSampleSum()-1.5) > 1e-9 {
+		t.Errorf("hit ratio: %d samples summing to %g, want 3 summing to 1.5", ratio.GetSampleCount(), ratio.GetSampleSum())
+	}
+	assertBuckets(t, ratio, upstreamRatioBuckets)
+	e2e := histogram(t, reg, "inference_extension_scheduler_e2e_duration_seconds")
+	if e2e.GetSampleCount() != 5 {
+		t.Errorf("scheduler e2e duration: %d samples, want one per pick (5)", e2e.GetSampleCount())
+	}
+	assertBuckets(t, e2e, []float64{0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1})
+}
+
+func histogram(t *testing.T, g prometheus.Gatherer, name string) *dto.Histogram {
+	t.Helper()
+	families, err := g.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() == name {
+			if len(f.GetMetric()) != 1 || len(f.GetMetric()[0].GetLabel()) != 0 {
+				t.Fatalf("%s: want one series without labels, got %v", name, f.GetMetric())
+			}
+			return f.GetMetric()[0].GetHistogram()
+		}
+	}
+	t.Fatalf("%s was not gathered", name)
+	return nil
+}
+
+func assertBuckets(t *testing.T, h *dto.Histogram, want []float64) {
+	t.Helper()
+	var got []float64
+	for _, b := range h.GetBucket() {
+		got = append(got, b.GetUpperBound())
+	}
+	if len(got) != len(want) {
+		t.Fatalf("buckets %v, want %v", got, want)
+	}
+	for i := range got {
+		if got[i] != want[i] {
+			t.Fatalf("buckets %v, want %v", got, want)
+		}
+	}
+}
