@@ -173,18 +173,15 @@ var _ = Describe("An endpoint's identity in the ledger", Ordered, ContinueOnFail
 		flapped := time.Now()
 		Expect(ids.SetReady(ctx, pod0, false)).To(Succeed())
 		Expect(ids.WaitForEndpoints(ctx, pods[1], pods[2])).To(Succeed())
-		ledger, err := ids.Ledger(ctx)
+		whileOut, err := ids.Ledger(ctx)
 		Expect(err).NotTo(HaveOccurred())
-		row, current, ok := ledger.Row(string(pod0.UID()))
-		Expect(ok && !current).To(BeTrue(), "pod 0's row is kept while it is NotReady: %+v", ledger)
-		Expect(row.InFlight).To(Equal(10), "pod 0's row while it is NotReady: %+v", row)
 		time.Sleep(time.Until(flapped.Add(1500 * time.Millisecond))) // the flap's length, not an assertion
 		Expect(ids.SetReady(ctx, pod0, true)).To(Succeed())
 		Expect(ids.WaitForEndpoints(ctx, pods...)).To(Succeed())
 
 		second := h.send(ctx, longRequests(30, "flap"), "flap")
 		totals := sum(first, second)
-		ledger, err = ids.Ledger(ctx)
+		ledger, err := ids.Ledger(ctx)
 		Expect(err).NotTo(HaveOccurred())
 		AddReportEntry("flap placement", fmt.Sprintf("first burst %v, second burst %v, in flight per pod %v, ledger %+v", first, second, totals, ledger.Endpoints))
 		// A picker that forgot pod 0's 10 requests would see it idle and
@@ -195,6 +192,9 @@ var _ = Describe("An endpoint's identity in the ledger", Ordered, ContinueOnFail
 		for _, e := range ledger.Endpoints {
 			Expect(e.InFlight).To(Equal(totals[e.Pod]), "the ledger counts every request in flight on %s: %+v", e.Pod, ledger.Endpoints)
 		}
+		row, current, ok := whileOut.Row(string(pod0.UID()))
+		Expect(ok && !current).To(BeTrue(), "pod 0's row was kept aside while it was NotReady: %+v", whileOut)
+		Expect(row.InFlight).To(Equal(10), "pod 0's row while it was NotReady: %+v", row)
 	}, SpecTimeout(2*time.Minute))
 
 	It("a same-address pod with a new UID starts from zero", func(ctx SpecContext) {
@@ -219,6 +219,13 @@ var _ = Describe("An endpoint's identity in the ledger", Ordered, ContinueOnFail
 
 		ledger, err := ids.Ledger(ctx)
 		Expect(err).NotTo(HaveOccurred())
+
+		// Pods 1 and 2 hold 10 requests each; the new pod is idle, so 10
+		// more all go to it.
+		next := h.send(ctx, longRequests(10, "replaced"), "replaced")
+		AddReportEntry("replaced placement", fmt.Sprintf("before %v, after the replacement %v, ledger then %+v", first, next, ledger))
+		Expect(next).To(HaveKeyWithValue(pods[0], 10), "placement after the replacement: %v", next)
+
 		Expect(rowsAt(ledger, pod0.Addr)).To(HaveLen(1), "one current row for %s: %+v", pod0.Addr, ledger)
 		row, current, ok := ledger.Row(string(pod0.UID()))
 		Expect(ok && current).To(BeTrue(), "the new pod has a current row: %+v", ledger)
@@ -229,11 +236,5 @@ var _ = Describe("An endpoint's identity in the ledger", Ordered, ContinueOnFail
 		old, current, ok := ledger.Row(string(oldUID))
 		Expect(ok && !current).To(BeTrue(), "the old pod's row is retained: %+v", ledger)
 		Expect(old.InFlight).To(Equal(10), "the old pod's row: %+v", old)
-
-		// Pods 1 and 2 hold 10 requests each; the new pod is idle, so 10
-		// more all go to it.
-		next := h.send(ctx, longRequests(10, "replaced"), "replaced")
-		AddReportEntry("replaced placement", fmt.Sprintf("before %v, after the replacement %v, ledger then %+v", first, next, ledger))
-		Expect(next).To(HaveKeyWithValue(pods[0], 10), "placement after the replacement: %v", next)
 	}, SpecTimeout(2*time.Minute))
 })
