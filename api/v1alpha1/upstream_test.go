@@ -1,0 +1,193 @@
+package v1alpha1
+
+import (
+	"strings"
+	"testing"
+)
+
+// The configuration the upstream inferencepool chart (v1.5.0) mounts by default.
+const upstreamChartDefault = `
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: metrics-data-source
+  parameters:
+    scheme: "http"
+    path: "/metrics"
+    insecureSkipVerify: true
+- type: core-metrics-extractor
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+`
+
+func notesByField(notes []Note) map[string]Note {
+	out := map[string]Note{}
+	for _, n := range notes {
+		out[n.Field] = n
+	}
+	return out
+}
+
+func TestTheUpstreamChartsDefaultConfigIsTallysDefault(t *testing.T) {
+	c, notes, err := LoadAny([]byte(upstreamChartDefault))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c != Default() {
+		t.Errorf("got %+v, want the defaults", c)
+	}
+	byField := notesByField(notes)
+	for _, f := range []string{"plugins[0](queue-scorer)", "plugins[3](metrics-data-source)", "schedulingProfiles"} {
+		if n, ok := byField[f]; !ok || n.Mapped != "" || n.Reason == "" {
+			t.Errorf("note for %s = %+v, want ignored with a reason (notes: %v)", f, n, notes)
+		}
+	}
+	for _, n := range notes {
+		if n.Mapped != "" {
+			t.Errorf("nothing should be mapped from the defaults, got %v", n)
+		}
+	}
+}
+
+func TestUpstreamSettingsWithATallyMeaningAreMapped(t *testing.T) {
+	c, notes, err := LoadAny([]byte(`
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- type: prefix-cache-scorer
+  parameters:
+    blockSizeTokens: 64
+    lruCapacityPerServer: 31250
+    maxPrefixBlocksToMatch: 256
+    autoTune: false
+    somethingNew: 1
+- name: picker
+  type: max-score-picker
+  parameters:
+    maxNumOfEndpoints: 2
+- name: limit
+  type: concurrency-detector
+  parameters:
+    maxConcurrency: 40
+    headroom: 0.5
+saturationDetector:
+  pluginRef: limit
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix-cache-scorer
+  - pluginRef: picker
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Default()
+	want.BlockSizeChars = 256      // 64 tokens x 4
+	want.LRUCapacityBlocks = 31250 // same block size: same count
+	want.MaxPromptBlocks = 256
+	want.FallbackEndpoints = 2
+	want.Saturation.MaxInFlightRequests = 60
+	if c != want {
+		t.Errorf("got %+v\nwant %+v", c, want)
+	}
+	byField := notesByField(notes)
+	for field, to := range map[string]string{
+		"plugins[0](prefix-cache-scorer).parameters.blockSizeTokens":        "blockSizeChars",
+		"plugins[0](prefix-cache-scorer).parameters.lruCapacityPerServer":   "lruCapacityBlocks",
+		"plugins[0](prefix-cache-scorer).parameters.maxPrefixBlocksToMatch": "maxPromptBlocks",
+		"plugins[1](picker).parameters.maxNumOfEndpoints":                   "fallbackEndpoints",
+		"plugins[2](limit).parameters.maxConcurrency":                       "saturation.maxInFlightRequests",
+		"plugins[0](prefix-cache-scorer).parameters.autoTune":               "",
+		"plugins[0](prefix-cache-scorer).parameters.somethingNew":           "",
+		"featureGates": "",
+	} {
+		n, ok := byField[field]
+		if !ok || n.Mapped != to {
+			t.Errorf("note for %s = %+v (found %v), want mapped to %q (notes: %v)", field, n, ok, to, notes)
+		}
+	}
+}
+
+func TestUpstreamPrefixCapacityKeepsItsTokens(t *testing.T) {
+	// Upstream blocks of 16 tokens (the default) are a quarter of Tally's
+	// 256-character blocks: the capacity in tokens is kept.
+	c, _, err := LoadAny([]byte(`
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefix-cache-scorer
+  parameters: {lruCapacityPerServer: 31250, maxPrefixTokensToMatch: 32000}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.BlockSizeChars != DefaultBlockSizeChars || c.LRUCapacityBlocks != 7813 || c.MaxPromptBlocks != 500 {
+		t.Errorf("got block %d, capacity %d, prompt blocks %d; want 256, 7813 (500,000 tokens), 500 (32,000 tokens)",
+			c.BlockSizeChars, c.LRUCapacityBlocks, c.MaxPromptBlocks)
+	}
+}
+
+func TestAConcurrencyDetectorNotInUseIsIgnored(t *testing.T) {
+	c, notes, err := LoadAny([]byte(`
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: concurrency-detector
+  parameters: {maxConcurrency: 4}
+- type: utilization-detector
+  parameters: {queueDepthThreshold: 5, kvCacheUtilThreshold: 0.8}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Saturation != (Saturation{}) {
+		t.Errorf("saturation = %+v, want off: the utilization detector is the default in use", c.Saturation)
+	}
+	if n := notesByField(notes)["plugins[1](utilization-detector)"]; !strings.Contains(n.Reason, "queue depth") {
+		t.Errorf("utilization-detector note = %+v, want a reason naming queue depth", n)
+	}
+}
+
+func TestUpstreamConfigErrorsNameTheUpstreamField(t *testing.T) {
+	head := "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+	for _, tc := range []struct{ doc, want string }{
+		{"kind: EndpointPickerConfig\napiVersion: v1\n", `apiVersion: "v1" is invalid`},
+		{"kind: Something\n", `kind: "Something" is invalid`},
+		{head + "plugins:\n- type: prefix-cache-scorer\n  parameters: {blockSizeTokens: many}\n", "plugins[0](prefix-cache-scorer).parameters.blockSizeTokens"},
+		{head + "plugins:\n- type: prefix-cache-scorer\n  parameters: {blockSizeTokens: 5000}\n", "blockSizeTokens must be from 1 to 1024"},
+		{head + "plugins:\n- type: prefix-cache-scorer\n  parameters: {lruCapacityPerServer: 0}\n", "lruCapacityPerServer: 0 is invalid"},
+		{head + "plugins:\n- name: p\n  type: random-picker\n  parameters: {maxNumOfEndpoints: 0}\n", "plugins[0](p).parameters.maxNumOfEndpoints: 0 is invalid"},
+		{head + "plugins:\n- name: c\n  type: concurrency-detector\n  parameters: {concurrencyMode: bytes}\nsaturationDetector: {pluginRef: c}\n", "concurrencyMode"},
+		{head + "plugins:\n- parameters: {}\n", "plugins[0]().type is required"},
+		{head + "plugins: 3\n", "plugins"},
+	} {
+		_, _, err := LoadAny([]byte(tc.doc))
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: error %v, want it to contain %q", tc.doc, err, tc.want)
+		}
+	}
+}
+
+func TestLoadAnyReadsTallysOwnKind(t *testing.T) {
+	c, notes, err := LoadAny([]byte("apiVersion: tally.tallyepp.io/v1alpha1\nkind: PickerConfig\nfallbackEndpoints: 2\n"))
+	if err != nil || notes != nil || c.FallbackEndpoints != 2 {
+		t.Fatalf("got %+v, %v, %v", c, notes, err)
+	}
+	if _, _, err := LoadAny([]byte("apiVersion: tally.tallyepp.io/v1alpha1\nkind: PickerConfig\nplugins: []\n")); err == nil || !strings.Contains(err.Error(), `unknown field "plugins"`) {
+		t.Errorf("a PickerConfig stays strict: error %v", err)
+	}
+	if c, _, err := LoadAny(nil); err != nil || c != Default() {
+		t.Errorf("empty document: %+v, %v", c, err)
+	}
+}
