@@ -39,8 +39,9 @@
 // prefill and the prefill queued ahead of it took the time since it joined
 // the queue. The rate is the ratio of decayed sums of those tokens and
 // seconds, so long prompts weigh more than short ones, whose first byte is
-// mostly fixed overhead. Endpoints that see only non-streamed traffic keep
-// the configured rate.
+// mostly fixed overhead; a first byte after less than 1,024 tokens of work
+// teaches nothing. Endpoints that see only non-streamed (or only short)
+// traffic keep the configured rate.
 //
 // Everything the model does under the lock is O(1) per candidate (amortised:
 // each reservation leaves its queue once) and allocates nothing.

@@ -80,6 +80,11 @@ const (
 	maxPrefillRate   = 1e8
 	rateDecay        = 0.9
 	ratePriorSeconds = 0.1
+	// minLearnTokens: a first byte teaches the rate only if at least this
+	// much prefill came before it. Below it, the time to first byte is
+	// mostly fixed cost (the gateway, the network, the engine's scheduling
+	// step), which would drag the rate far below the engine's.
+	minLearnTokens = 1024
 )
 
 // advance moves the drain model to now: the queue has drained at rate since
@@ -187,7 +192,7 @@ func (w *row) leaveQueue(r *Reservation, now int64) {
 // first byte is mostly fixed overhead) from dragging the rate down.
 func (w *row) learn(r *Reservation, now int64) {
 	seconds := float64(now-r.enqueuedAt) / 1e9
-	if seconds <= 0 || r.work <= 0 {
+	if seconds <= 0 || r.work < minLearnTokens {
 		return
 	}
 	w.learnTokens = w.learnTokens*rateDecay + float64(r.work)

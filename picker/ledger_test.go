@@ -215,3 +215,18 @@ func TestServedByKeepsBlocksAnotherRequestRecorded(t *testing.T) {
 	first.Release()
 	assertLedgerEmpty(t, p)
 }
+
+func TestShortPromptsDoNotTeachTheRate(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+	for i := range 20 {
+		// 100 tokens whose first byte takes 20 ms: overhead, not prefill.
+		r := mustPick(t, p, Request{Model: model, Prompt: text("short"+string(rune('a'+i)), 400), Stream: true})
+		clock.Advance(20 * time.Millisecond)
+		r.FirstByte()
+		r.Release()
+	}
+	if rate := statsOf(p, addr(0)).PrefillTokensPerSecond; rate != float64(testConfig().PrefillTokensPerSecond) {
+		t.Errorf("short prompts taught a rate of %.0f tokens/s, want the starting %d kept", rate, testConfig().PrefillTokensPerSecond)
+	}
+}

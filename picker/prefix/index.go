@@ -108,12 +108,13 @@ type node struct {
 type lru struct {
 	head, tail int32
 	n          int
+	capacity   int  // blocks remembered at most (after Tidy)
 	live       bool // false once removed (dying, or free)
 	over       bool // listed in Index.over
 }
 
 // NewIndex returns an empty index that remembers at most capacityBlocks
-// blocks per endpoint (at least 1).
+// blocks per endpoint (at least 1) unless SetCapacity says otherwise.
 func NewIndex(capacityBlocks int) *Index {
 	return &Index{
 		capacity: max(capacityBlocks, 1),
@@ -131,11 +132,11 @@ func (x *Index) Add() int {
 	if n := len(x.freeIDs); n > 0 {
 		id := x.freeIDs[n-1]
 		x.freeIDs = x.freeIDs[:n-1]
-		x.eps[id] = lru{head: none, tail: none, live: true}
+		x.eps[id] = lru{head: none, tail: none, capacity: x.capacity, live: true}
 		return id
 	}
 	id := len(x.eps)
-	x.eps = append(x.eps, lru{head: none, tail: none, live: true})
+	x.eps = append(x.eps, lru{head: none, tail: none, capacity: x.capacity, live: true})
 	x.matchOf = append(x.matchOf, 0)
 	if id >= x.words*64 {
 		x.growWords(x.words * 2)
@@ -177,10 +178,10 @@ func (x *Index) Tidy(budget int) (more bool) {
 	for budget > 0 && len(x.over) > 0 {
 		id := x.over[len(x.over)-1]
 		e := &x.eps[id]
-		for ; budget > 0 && e.live && e.n > x.capacity; budget-- {
+		for ; budget > 0 && e.live && e.n > e.capacity; budget-- {
 			x.evictTail(id)
 		}
-		if !e.live || e.n <= x.capacity {
+		if !e.live || e.n <= e.capacity {
 			e.over = false
 			x.over = x.over[:len(x.over)-1]
 		}
@@ -237,7 +238,7 @@ func (x *Index) Record(id int, hashes []uint64, owner uint32) {
 		x.node(cur).owner = owner
 		anchor, cur = cur, x.node(cur).next
 	}
-	if k >= x.capacity {
+	if k >= e.capacity {
 		return // the list is all prompt head: later blocks would be evicted at once
 	}
 	for i := len(hashes) - 1; i >= k; i-- {
@@ -261,7 +262,21 @@ func (x *Index) Record(id int, hashes []uint64, owner uint32) {
 		x.addHolder(s, n)
 		x.insertAfter(id, anchor, n)
 	}
-	if e.n > x.capacity && !e.over {
+	x.checkCapacity(id)
+}
+
+// SetCapacity sets how many blocks endpoint id remembers (at least 1); a
+// smaller capacity than it holds is enforced by the next Tidy.
+func (x *Index) SetCapacity(id, blocks int) {
+	x.eps[id].capacity = max(blocks, 1)
+	x.checkCapacity(id)
+}
+
+// Capacity reports how many blocks endpoint id remembers.
+func (x *Index) Capacity(id int) int { return x.eps[id].capacity }
+
+func (x *Index) checkCapacity(id int) {
+	if e := &x.eps[id]; e.n > e.capacity && !e.over {
 		e.over = true
 		x.over = append(x.over, id)
 	}

@@ -384,3 +384,21 @@ func TestRecordDefersEvictionToTidy(t *testing.T) {
 		t.Errorf("pa matches %d blocks, want its head 2 (its tail was least recently used)", got[0])
 	}
 }
+
+func TestSetCapacityShrinksOneEndpoint(t *testing.T) {
+	x := NewIndex(100)
+	a, b := x.Add(), x.Add()
+	p := blocks("p", 50)
+	record(x, a, p, 0)
+	record(x, b, p, 0)
+	x.SetCapacity(a, 10)
+	for x.Tidy(4) {
+	}
+	if x.Len(a) != 10 || x.Len(b) != 50 || x.Capacity(a) != 10 || x.Capacity(b) != 100 {
+		t.Errorf("after SetCapacity(a, 10): a holds %d (cap %d), b %d (cap %d); want 10 (10) and 50 (100)",
+			x.Len(a), x.Capacity(a), x.Len(b), x.Capacity(b))
+	}
+	if got := match(x, p, a, b); !slices.Equal(got, []int{10, 50}) {
+		t.Errorf("match = %v, want [10 50]: a keeps the prompt's head", got)
+	}
+}
