@@ -47,6 +47,10 @@ type Options struct {
 	Log                     logr.Logger
 	// Registerer receives the server's metrics; nil means no metrics.
 	Registerer prometheus.Registerer
+	// MaxModelNameLabels bounds the distinct model_name label values of the
+	// inference_objective_* metrics; later models share "other". Zero or
+	// less means DefaultMaxModelNameLabels.
+	MaxModelNameLabels int
 }
 
 // Server is the ext_proc service. It keeps no per-request state of its own:
@@ -66,6 +70,8 @@ type Server struct {
 	// loadOnlyWarned makes the body-mode warning a once-per-process line
 	// rather than one per request.
 	loadOnlyWarned atomic.Bool
+	// upstream are the request metrics under the upstream picker's names.
+	upstream *objectiveMetrics
 }
 
 // NewServer returns a server that routes through p. It panics if
@@ -74,9 +80,11 @@ type Server struct {
 func NewServer(p Picker, opts Options) *Server {
 	s := &Server{picker: p, opts: opts}
 	s.metrics = newMetrics(&s.buffered)
+	s.upstream = newObjectiveMetrics(opts.MaxModelNameLabels)
 	s.buffers.New = func() any { return new([]byte) }
 	if opts.Registerer != nil {
 		s.metrics.register(opts.Registerer)
+		s.upstream.register(opts.Registerer)
 	}
 	return s
 }

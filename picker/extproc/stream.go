@@ -50,10 +50,12 @@ type stream struct {
 	loadOnly  bool
 	res       *picker.Reservation // nil until routed
 	firstByte bool
+	// up follows the request for the upstream picker's metrics.
+	up requestMetrics
 }
 
 func (s *Server) newStream(srv extprocv3.ExternalProcessor_ProcessServer) *stream {
-	return &stream{s: s, srv: srv, requestMode: fullDuplex, responseMode: fullDuplex}
+	return &stream{s: s, srv: srv, requestMode: fullDuplex, responseMode: fullDuplex, up: requestMetrics{m: s.upstream}}
 }
 
 func (st *stream) handle(req *extprocv3.ProcessingRequest) error {
@@ -106,6 +108,7 @@ func (st *stream) outOfOrder(req *extprocv3.ProcessingRequest) string {
 
 func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) error {
 	st.headersSeen = true
+	st.up.requestHeaders()
 	headers := h.GetHeaders()
 	st.path, st.method = headerValue(headers, ":path"), headerValue(headers, ":method")
 	if n, err := strconv.ParseInt(headerValue(headers, "content-length"), 10, 64); err == nil && n > 0 {
@@ -248,6 +251,7 @@ func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders)
 	if code, err := strconv.Atoi(headerValue(h.GetHeaders(), ":status")); err == nil && code >= 500 {
 		st.s.metrics.upstreamErrors.Inc()
 	}
+	st.up.responseHeaders(h.GetHeaders(), h.GetEndOfStream())
 	if h.GetEndOfStream() {
 		st.release()
 	}
@@ -263,6 +267,7 @@ func (st *stream) responseBody(b *extprocv3.HttpBody) error {
 			st.res.FirstByte()
 		}
 	}
+	st.up.responseBody(b.GetBody(), b.GetEndOfStream())
 	if b.GetEndOfStream() {
 		st.release()
 	}
@@ -276,6 +281,7 @@ func (st *stream) responseBody(b *extprocv3.HttpBody) error {
 }
 
 func (st *stream) responseTrailers() error {
+	st.up.responseEnd()
 	st.release()
 	return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{
 		ResponseTrailers: &extprocv3.TrailersResponse{},
@@ -312,12 +318,14 @@ func (st *stream) routeBody(bodyEnds bool) error {
 // was complete) or, in BUFFERED mode, the request body.
 func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 	req.Subset, req.HasSubset = st.subset, st.hasSubset
+	st.up.model = req.Model
 	res, err := st.s.picker.Pick(req)
 	if err != nil {
 		return st.reject(err)
 	}
 	st.res, st.decided = res, true
 	st.s.metrics.requests.WithLabelValues("200").Inc()
+	st.up.routed(st.bodyLen())
 
 	common, metadata := routeTo(res.Endpoints())
 	if st.requestMode == fullDuplex && st.body != nil {
@@ -391,6 +399,7 @@ func (st *stream) reject(err error) error {
 	httpStatus, body := answerFor(err)
 	st.decided = true
 	st.s.metrics.requests.WithLabelValues(strconv.Itoa(httpStatus)).Inc()
+	st.up.rejected(httpStatus)
 	if httpStatus >= 500 && httpStatus != 503 {
 		st.s.opts.Log.Error(err, "request failed", "path", st.path, "status", httpStatus)
 	} else {
@@ -409,6 +418,7 @@ func (st *stream) recovered(r any) error {
 	st.s.opts.Log.Error(fmt.Errorf("panic: %v", r), "ext_proc stream failed", "path", st.path, "stack", string(debug.Stack()))
 	if !st.decided {
 		st.s.metrics.requests.WithLabelValues("500").Inc()
+		st.up.rejected(500)
 	}
 	httpStatus, body := answerFor(errPanic)
 	_ = st.srv.Send(immediateResponse(httpStatus, body)) // best effort: the stream may be gone
@@ -446,6 +456,7 @@ func (st *stream) dropBody() {
 func (st *stream) close() {
 	st.release()
 	st.dropBody()
+	st.up.closed()
 }
 
 func (st *stream) send(resp *extprocv3.ProcessingResponse) error {

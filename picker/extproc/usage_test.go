@@ -1,0 +1,86 @@
+package extproc
+
+import (
+	"strings"
+	"testing"
+)
+
+func tailOf(chunks ...string) []byte {
+	t := usageTail{buf: new([usageTailBytes]byte)}
+	for _, c := range chunks {
+		t.write([]byte(c))
+	}
+	return t.bytes()
+}
+
+func TestUsageTailKeepsTheLastBytes(t *testing.T) {
+	long := strings.Repeat("0123456789", 1000) // 10,000 bytes
+	for _, pieces := range [][]string{
+		{long},
+		{long[:3], long[3:5000], long[5000:]},
+		{long[:4096], long[4096:8000], long[8000:8001], long[8001:]},
+	} {
+		if got := string(tailOf(pieces...)); got != long[len(long)-usageTailBytes:] {
+			t.Errorf("tail of %d pieces: %d bytes ending %q, want the last %d bytes", len(pieces), len(got), got[max(len(got)-20, 0):], usageTailBytes)
+		}
+	}
+	if got := string(tailOf("ab", "cd")); got != "abcd" {
+		t.Errorf("short tail %q, want abcd", got)
+	}
+}
+
+func TestParseUsage(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		tail string
+		want usage
+		ok   bool
+	}{
+		{"chat completion", `{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15}}`,
+			usage{promptTokens: 12, completionTokens: 3}, true},
+		{"cached tokens, spaces", `{"usage" : { "prompt_tokens": 12, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 8} }, "kv_transfer_params": null}`,
+			usage{promptTokens: 12, completionTokens: 3, cachedTokens: 8, hasCached: true}, true},
+		{"zero cached tokens are reported", `{"usage":{"prompt_tokens":5,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}}`,
+			usage{promptTokens: 5, completionTokens: 1, hasCached: true}, true},
+		{"last SSE event", "data: {\"usage\":null}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":2}}\n\ndata: [DONE]\n\n",
+			usage{promptTokens: 7, completionTokens: 2}, true},
+		{"running totals: the last wins", "data: {\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1}}\n\ndata: {\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":2}}\n\n",
+			usage{promptTokens: 7, completionTokens: 2}, true},
+		{"responses API", `event: response.completed` + "\n" + `data: {"type":"response.completed","response":{"usage":{"input_tokens":40,"input_tokens_details":{"cached_tokens":32},"output_tokens":9,"total_tokens":49},"user":null}}`,
+			usage{promptTokens: 40, completionTokens: 9, cachedTokens: 32, hasCached: true}, true},
+		{"embeddings", `{"data":[],"usage":{"prompt_tokens":4,"total_tokens":4}}`, usage{promptTokens: 4}, true},
+		{"stream without usage", "data: {\"choices\":[{\"text\":\"hi\"}]}\n\ndata: [DONE]\n\n", usage{}, false},
+		{"last usage null", "data: {\"usage\":{\"prompt_tokens\":7}}\n\ndata: {\"usage\":null}\n\n", usage{}, false},
+		{"cut off", `{"usage":{"prompt_tokens":12,"comp`, usage{}, false},
+		{"escaped in content", `{"choices":[{"text":"say \"usage\": {\"prompt_tokens\":1}"}]}`, usage{}, false},
+		{"a string value usage", `{"choices":[{"text":"usage"}],"usage":{"prompt_tokens":2,"completion_tokens":1}}`,
+			usage{promptTokens: 2, completionTokens: 1}, true},
+		{"the word as the last value", `{"usage":{"prompt_tokens":2,"completion_tokens":1},"note":"usage"}`,
+			usage{promptTokens: 2, completionTokens: 1}, true},
+		{"not a number", `{"usage":{"prompt_tokens":"many"}}`, usage{}, false},
+	} {
+		got, ok := parseUsage([]byte(c.tail))
+		if got != c.want || ok != c.ok {
+			t.Errorf("%s: got %+v %v, want %+v %v", c.name, got, ok, c.want, c.ok)
+		}
+	}
+}
+
+// BenchmarkUsage is one streamed response's usage work: 500 token events
+// written to the tail, then the usage read from it.
+func BenchmarkUsage(b *testing.B) {
+	event := []byte(`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" token"}}],"usage":null}` + "\n\n")
+	final := []byte(`data: {"id":"chatcmpl-1","choices":[],"usage":{"prompt_tokens":7000,"completion_tokens":500,"total_tokens":7500,"prompt_tokens_details":{"cached_tokens":4096}}}` + "\n\ndata: [DONE]\n\n")
+	buf := new([usageTailBytes]byte)
+	b.ReportAllocs()
+	for b.Loop() {
+		t := usageTail{buf: buf}
+		for range 500 {
+			t.write(event)
+		}
+		t.write(final)
+		if u, ok := parseUsage(t.bytes()); !ok || u.completionTokens != 500 {
+			b.Fatalf("usage %+v %v", u, ok)
+		}
+	}
+}
