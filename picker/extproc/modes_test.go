@@ -337,7 +337,9 @@ func TestMalformedStreamsAreAnsweredNotRouted(t *testing.T) {
 		{name: "bodiless POST to chat, content-length 0", msgs: msgs(bodiless(":path", "/v1/chat/completions?x=1", ":method", "POST", "content-length", "0")),
 			wantStatus: 400, wantInMsg: "empty"},
 		{name: "bodiless GET to completions", msgs: msgs(bodiless(":path", "/v1/completions", ":method", "GET")), wantRouted: true, picks: 1},
-		{name: "bodiless POST to another path", msgs: msgs(bodiless(":path", "/v1/embeddings", ":method", "POST")), wantRouted: true, picks: 1},
+		{name: "bodiless POST to another path", msgs: msgs(bodiless(":path", "/v1/models", ":method", "POST")), wantRouted: true, picks: 1},
+		{name: "bodiless POST to embeddings under a prefix", msgs: msgs(bodiless(":path", "/openai/v1/embeddings/", ":method", "POST")),
+			wantStatus: 400, wantInMsg: "embeddings request needs a JSON body"},
 		{name: "no :path", msgs: msgs(bodiless(":method", "GET")), wantStatus: 400, wantInMsg: ":path"},
 		{name: "no :method", msgs: msgs(bodiless(":path", "/v1/models")), wantStatus: 400, wantInMsg: ":method"},
 		{name: "no :method, body follows", msgs: msgs(

@@ -6,11 +6,15 @@ import (
 	"errors"
 	"io"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"unicode/utf8"
 )
+
+// fuzzPaths are the paths FuzzParse sends bodies to, by its kind argument.
+var fuzzPaths = [...]string{completionsPath, chatPath, responsesPath, embeddingsPath}
 
 // FuzzParse checks Parse against a reference built on encoding/json: the
 // reference decodes the body into a tree (keeping duplicate keys and each
@@ -20,29 +24,29 @@ import (
 // be rejected, and Parse must never panic.
 func FuzzParse(f *testing.F) {
 	for _, seed := range []struct {
-		chat bool
+		kind byte // an index into fuzzPaths
 		body string
 	}{
-		{false, `{"model":"m","prompt":"Hello\n\u00e9\ud83d\ude00","stream":true,"max_tokens":16}`},
-		{false, `{"model":"m","prompt":["a","b"],"max_completion_tokens":3,"max_tokens":9}`},
-		{false, `{"model":"m","prompt":[[1,2],[3]]}`},
-		{true, `{"messages":[{"content":[{"text":"hi","type":"text"},{"type":"image_url","image_url":{"url":"u"}}],"role":"user"}],"model":"m","tools":[{"type":"function"}]}`},
-		{true, `{"model":"m","messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]},{"role":"tool","tool_call_id":"1","name":"f","content":"\u0000"}]}`},
-		{true, `{"model":"m","messages":[{"role":"user","content":"x"}],"model":"n"}`},
+		{0, `{"model":"m","prompt":"Hello\n\u00e9\ud83d\ude00","stream":true,"max_tokens":16}`},
+		{0, `{"model":"m","prompt":["a","b"],"max_completion_tokens":3,"max_tokens":9}`},
+		{0, `{"model":"m","prompt":[[1,2],[3]]}`},
+		{1, `{"messages":[{"content":[{"text":"hi","type":"text"},{"type":"image_url","image_url":{"url":"u"}}],"role":"user"}],"model":"m","tools":[{"type":"function"}]}`},
+		{1, `{"model":"m","messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]},{"role":"tool","tool_call_id":"1","name":"f","content":"\u0000"}]}`},
+		{1, `{"model":"m","messages":[{"role":"user","content":"x"}],"model":"n"}`},
+		{2, `{"model":"m","instructions":"S","input":[{"role":"user","content":[{"type":"input_text","text":"Q"}]},{"type":"function_call","call_id":"c"}],"tools":[],"cache_salt":"s"}`},
+		{3, `{"model":"m","input":[[1,2.0],[3e0]],"cache_salt":null}`},
 	} {
-		f.Add(seed.chat, []byte(seed.body))
+		f.Add(seed.kind, []byte(seed.body))
 	}
-	f.Fuzz(func(t *testing.T, chat bool, body []byte) {
-		path := completionsPath
-		if chat {
-			path = chatPath
-		}
+	f.Fuzz(func(t *testing.T, kind byte, body []byte) {
+		path := fuzzPaths[int(kind)%len(fuzzPaths)]
+		k := kindOf(path)
 		orig := bytes.Clone(body)
 		got, err := Parse(path, body, nil)
 		if !bytes.Equal(body, orig) {
 			t.Fatalf("Parse modified the body")
 		}
-		want, wantErr := reference(chat, body)
+		want, wantErr := reference(k, body)
 
 		if err != nil {
 			var perr *Error
@@ -50,7 +54,7 @@ func FuzzParse(f *testing.F) {
 				t.Fatalf("Parse error %T %q is not a *Error with a message", err, err)
 			}
 			if wantErr == nil {
-				t.Fatalf("Parse(%q) failed: %v\nbut the reference accepts it: %+v", body, err, want)
+				t.Fatalf("Parse(%s, %q) failed: %v\nbut the reference accepts it: %+v", path, body, err, want)
 			}
 			return
 		}
@@ -58,34 +62,37 @@ func FuzzParse(f *testing.F) {
 			t.Fatalf("Parse accepted %q, which encoding/json rejects", body)
 		}
 		if wantErr != nil {
-			t.Fatalf("Parse(%q) = %+v\nbut the reference rejects it: %v", body, got, wantErr)
+			t.Fatalf("Parse(%s, %q) = %+v\nbut the reference rejects it: %v", path, body, got, wantErr)
 		}
 		valid := utf8.Valid(body)
-		if model := got.Model; !valid {
-			// encoding/json decodes each invalid byte as U+FFFD; Parse keeps it.
-			if model = replaceInvalid(model); model != want.Model {
-				t.Fatalf("model %q (as decoded: %q), want %q", got.Model, model, want.Model)
+		for _, str := range []struct{ name, got, want string }{{"model", got.Model, want.Model}, {"cache_salt", got.CacheSalt, want.CacheSalt}} {
+			if decoded := str.got; !valid {
+				// encoding/json decodes each invalid byte as U+FFFD; Parse keeps it.
+				if decoded = replaceInvalid(decoded); decoded != str.want {
+					t.Fatalf("%s %q (as decoded: %q), want %q", str.name, str.got, decoded, str.want)
+				}
+			} else if decoded != str.want {
+				t.Fatalf("%s %q, want %q", str.name, decoded, str.want)
 			}
-		} else if model != want.Model {
-			t.Fatalf("model %q, want %q", model, want.Model)
 		}
-		if got.Stream != want.Stream || got.MaxTokens != want.MaxTokens {
-			t.Fatalf("stream %v max %d, want %v %d", got.Stream, got.MaxTokens, want.Stream, want.MaxTokens)
+		if got.Kind != k || got.Stream != want.Stream || got.MaxTokens != want.MaxTokens {
+			t.Fatalf("kind %v stream %v max %d, want %v %v %d", got.Kind, got.Stream, got.MaxTokens, k, want.Stream, want.MaxTokens)
 		}
 		switch {
 		case valid:
 			if !bytes.Equal(got.Prompt, want.Prompt) {
 				t.Fatalf("prompt\n %q\nwant\n %q", got.Prompt, want.Prompt)
 			}
-		case !chat:
-			// Completions strings are joined by "\n", so decoding invalid
+		case k == KindCompletions || k == KindEmbeddings:
+			// Prompt strings are joined by "\n", so decoding invalid
 			// bytes one by one gives the same text either way.
 			if g, w := replaceInvalid(string(got.Prompt)), replaceInvalid(string(want.Prompt)); g != w {
 				t.Fatalf("prompt (as decoded)\n %q\nwant\n %q", g, w)
 			}
-			// With invalid UTF-8, chat Prompts are not compared: raw bytes of
-			// adjacent parts may join into valid characters that encoding/json,
-			// decoding each part alone, replaced.
+			// With invalid UTF-8, chat and Responses Prompts are not
+			// compared: raw bytes of adjacent parts may join into valid
+			// characters that encoding/json, decoding each part alone,
+			// replaced.
 		}
 	})
 }
@@ -195,205 +202,364 @@ func decodeTree(dec *json.Decoder, body []byte) (node, error) {
 	return n, nil
 }
 
-// integer returns the value of a number written as a plain non-negative
-// integer no larger than limit.
+// integer returns the value of a number whose value is an integer from 0 to
+// limit, however it is written, as Python reads it: as a float.
 func integer(n node, limit uint64) (uint64, bool) {
-	digits := string(n.num)
-	if n.kind != '0' || strings.Trim(digits, "0123456789") != "" || len(digits) > 1 && digits[0] == '0' {
+	if n.kind != '0' {
 		return 0, false
 	}
-	v, err := strconv.ParseUint(string(n.num), 10, 64)
-	return v, err == nil && v <= limit
+	f, err := strconv.ParseFloat(string(n.num), 64)
+	if err != nil || f < 0 || f > float64(limit) || f != math.Trunc(f) {
+		return 0, false
+	}
+	return uint64(f), true
 }
 
 func withNULEscaped(s string) string { return strings.ReplaceAll(s, "\x00", "\x00\xff") }
 
-// reference is Parse written the slow, obvious way.
-func reference(chat bool, body []byte) (Parsed, error) {
+// refReject is the reference's error.
+type refReject string
+
+func (r refReject) Error() string { return string(r) }
+
+// reference is Parse written the slow, obvious way: every occurrence of a
+// field it reads is checked, and the last one counts.
+func reference(kind Kind, body []byte) (Parsed, error) {
 	var p Parsed
-	reject := func(why string) (Parsed, error) { return Parsed{}, errors.New(why) }
 	if !json.Valid(body) {
-		return reject("invalid JSON")
+		return p, refReject("invalid JSON")
 	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.UseNumber()
 	top, err := decodeTree(dec, body)
 	if err != nil {
-		return reject(err.Error())
+		return p, err
 	}
 	if _, err := dec.Token(); err != io.EOF {
-		return reject("trailing data")
+		return p, refReject("trailing data")
 	}
 	if top.depth() > maxDepth {
-		return reject("too deep")
+		return p, refReject("too deep")
 	}
 	if top.kind != '{' {
-		return reject("not an object")
+		return p, refReject("not an object")
 	}
-	used := []string{"model", "stream", "max_tokens", "max_completion_tokens"}
-	if chat {
-		used = append(used, "messages", "tools")
-	} else {
-		used = append(used, "prompt")
-	}
-	for _, k := range used {
-		if _, count := top.get(k); count > 1 {
-			return reject("duplicate " + k)
-		}
-	}
-	model, count := top.get("model")
-	if count == 0 || model.kind != '"' || model.str == "" {
-		return reject("bad model")
-	}
-	p.Model = model.str
-	if stream, count := top.get("stream"); count > 0 {
-		switch stream.kind {
-		case 'b':
-			p.Stream = stream.b
-		case 'n':
-		default:
-			return reject("bad stream")
-		}
-	}
-	for _, k := range []string{"max_tokens", "max_completion_tokens"} {
-		v, count := top.get(k)
-		if count == 0 || v.kind == 'n' {
+	read := map[Kind][]string{
+		KindCompletions: {"model", "cache_salt", "stream", "max_tokens", "max_completion_tokens", "prompt"},
+		KindChat:        {"model", "cache_salt", "stream", "max_tokens", "max_completion_tokens", "messages", "tools"},
+		KindResponses:   {"model", "cache_salt", "stream", "max_output_tokens", "previous_response_id", "tools", "instructions", "input"},
+		KindEmbeddings:  {"model", "cache_salt", "input"},
+	}[kind]
+	// The Prompt's parts, in the order the package documentation gives.
+	order := map[Kind][]string{
+		KindCompletions: {"prompt"},
+		KindChat:        {"tools", "messages"},
+		KindResponses:   {"previous_response_id", "tools", "instructions", "input"},
+		KindEmbeddings:  {"input"},
+	}[kind]
+	parts := map[string][]byte{}
+	maxTokens, maxCompletionTokens := 0, -1
+	for _, m := range top.fields {
+		if !slices.Contains(read, m.key) {
 			continue
 		}
-		n, ok := integer(v, math.MaxInt32)
-		if !ok {
-			return reject("bad " + k)
-		}
-		p.MaxTokens = int(n) // max_completion_tokens, second, wins
-	}
-
-	if !chat {
-		prompt, count := top.get("prompt")
-		if count == 0 {
-			return reject("no prompt")
-		}
-		token := func(n node) bool {
-			id, ok := integer(n, math.MaxUint32)
-			p.Prompt = append(p.Prompt, byte(id), byte(id>>8), byte(id>>16), byte(id>>24))
-			return ok
-		}
-		switch {
-		case prompt.kind == '"':
-			p.Prompt = []byte(prompt.str)
-		case prompt.kind != '[':
-			return reject("bad prompt")
-		case len(prompt.elems) == 0:
-		case prompt.elems[0].kind == '"':
-			var texts []string
-			for _, e := range prompt.elems {
-				if e.kind != '"' {
-					return reject("mixed prompt")
-				}
-				texts = append(texts, e.str)
+		v := m.value
+		switch m.key {
+		case "model":
+			if v.kind != '"' || v.str == "" {
+				return p, refReject("bad model")
 			}
-			p.Prompt = []byte(strings.Join(texts, "\n"))
-		case prompt.elems[0].kind == '0':
-			for _, e := range prompt.elems {
-				if !token(e) {
-					return reject("bad token")
-				}
-			}
-		case prompt.elems[0].kind == '[':
-			for _, e := range prompt.elems {
-				if e.kind != '[' {
-					return reject("mixed prompt")
-				}
-				for _, id := range e.elems {
-					if !token(id) {
-						return reject("bad token")
-					}
-				}
-			}
-		default:
-			return reject("bad prompt")
-		}
-		return p, nil
-	}
-
-	if tools, count := top.get("tools"); count > 0 {
-		switch tools.kind {
-		case '[':
-			p.Prompt = append(append(p.Prompt, "\x00T"...), tools.raw...)
-		case 'n':
-		default:
-			return reject("bad tools")
-		}
-	}
-	messages, count := top.get("messages")
-	if count == 0 || messages.kind != '[' {
-		return reject("bad messages")
-	}
-	for _, m := range messages.elems {
-		if m.kind != '{' {
-			return reject("message not an object")
-		}
-		for _, k := range []string{"role", "content", "tool_calls", "tool_call_id", "name"} {
-			if _, count := m.get(k); count > 1 {
-				return reject("duplicate " + k)
-			}
-		}
-		role, count := m.get("role")
-		if count == 0 || role.kind != '"' {
-			return reject("bad role")
-		}
-		p.Prompt = append(append(p.Prompt, "\x00R"...), withNULEscaped(role.str)...)
-		if content, count := m.get("content"); count > 0 {
-			switch content.kind {
-			case 'n':
+			p.Model = v.str
+		case "cache_salt":
+			switch v.kind {
 			case '"':
-				p.Prompt = append(append(p.Prompt, "\x00C"...), withNULEscaped(content.str)...)
-			case '[':
-				p.Prompt = append(p.Prompt, "\x00C"...)
-				for _, part := range content.elems {
-					if part.kind != '{' {
-						return reject("part not an object")
-					}
-					typ, typeCount := part.get("type")
-					text, textCount := part.get("text")
-					if typeCount > 1 || textCount > 1 {
-						return reject("duplicate in part")
-					}
-					if typ.kind == '"' && typ.str == "text" {
-						if text.kind != '"' {
-							return reject("text part without text")
-						}
-						p.Prompt = append(p.Prompt, withNULEscaped(text.str)...)
-					} else {
-						p.Prompt = append(append(p.Prompt, "\x00P"...), part.raw...)
-					}
-				}
-			default:
-				return reject("bad content")
-			}
-		}
-		if calls, count := m.get("tool_calls"); count > 0 {
-			switch calls.kind {
-			case '[':
-				p.Prompt = append(append(p.Prompt, "\x00F"...), calls.raw...)
+				p.CacheSalt = v.str
 			case 'n':
+				p.CacheSalt = ""
 			default:
-				return reject("bad tool_calls")
+				return p, refReject("bad cache_salt")
 			}
-		}
-		for _, f := range []struct{ key, mark string }{{"tool_call_id", "\x00I"}, {"name", "\x00N"}} {
-			if v, count := m.get(f.key); count > 0 {
-				switch v.kind {
-				case '"':
-					p.Prompt = append(append(p.Prompt, f.mark...), withNULEscaped(v.str)...)
-				case 'n':
-				default:
-					return reject("bad " + f.key)
+		case "stream":
+			switch v.kind {
+			case 'b':
+				p.Stream = v.b
+			case 'n':
+				p.Stream = false
+			default:
+				return p, refReject("bad stream")
+			}
+		case "max_tokens", "max_output_tokens", "max_completion_tokens":
+			n := -1
+			if m.key != "max_completion_tokens" {
+				n = 0
+			}
+			if v.kind != 'n' {
+				id, ok := integer(v, math.MaxInt32)
+				if !ok {
+					return p, refReject("bad " + m.key)
 				}
+				n = int(id)
 			}
+			if m.key == "max_completion_tokens" {
+				maxCompletionTokens = n
+			} else {
+				maxTokens = n
+			}
+		default:
+			part, err := refPromptPart(kind, m.key, v)
+			if err != nil {
+				return p, err
+			}
+			parts[m.key] = part
 		}
-		p.Prompt = append(p.Prompt, "\x00E"...)
+	}
+	if _, n := top.get("model"); n == 0 {
+		return p, refReject("no model")
+	}
+	required := map[Kind]string{KindCompletions: "prompt", KindChat: "messages", KindEmbeddings: "input"}[kind]
+	if _, n := top.get(required); required != "" && n == 0 {
+		return p, refReject("no " + required)
+	}
+	p.MaxTokens = maxTokens
+	if maxCompletionTokens >= 0 {
+		p.MaxTokens = maxCompletionTokens
+	}
+	for _, k := range order {
+		p.Prompt = append(p.Prompt, parts[k]...)
 	}
 	return p, nil
+}
+
+// refPromptPart is what one top-level field adds to the Prompt.
+func refPromptPart(kind Kind, key string, v node) ([]byte, error) {
+	switch {
+	case key == "prompt" || key == "input" && kind == KindEmbeddings:
+		return refTextOrTokens(v)
+	case key == "tools":
+		switch v.kind {
+		case '[':
+			return append([]byte("\x00T"), v.raw...), nil
+		case 'n':
+			return nil, nil
+		}
+		return nil, refReject("bad tools")
+	case key == "messages":
+		if v.kind != '[' {
+			return nil, refReject("bad messages")
+		}
+		var out []byte
+		for _, m := range v.elems {
+			msg, err := refChatMessage(m)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, msg...)
+		}
+		return out, nil
+	case key == "previous_response_id" || key == "instructions":
+		switch v.kind {
+		case 'n':
+			return nil, nil
+		case '"':
+			if key == "instructions" {
+				return []byte("\x00Rsystem\x00C" + withNULEscaped(v.str) + "\x00E"), nil
+			}
+			return []byte("\x00Q" + withNULEscaped(v.str)), nil
+		}
+		return nil, refReject("bad " + key)
+	case key == "input": // Responses
+		switch v.kind {
+		case 'n':
+			return nil, nil
+		case '"':
+			return []byte("\x00Ruser\x00C" + withNULEscaped(v.str) + "\x00E"), nil
+		case '[':
+		default:
+			return nil, refReject("bad input")
+		}
+		var out []byte
+		for _, it := range v.elems {
+			item, err := refResponsesItem(it)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, item...)
+		}
+		return out, nil
+	}
+	return nil, refReject("unexpected field " + key)
+}
+
+// refTextOrTokens reads a completions "prompt" or an embeddings "input".
+func refTextOrTokens(prompt node) ([]byte, error) {
+	var out []byte
+	token := func(n node) bool {
+		id, ok := integer(n, math.MaxUint32)
+		out = append(out, byte(id), byte(id>>8), byte(id>>16), byte(id>>24))
+		return ok
+	}
+	switch {
+	case prompt.kind == '"':
+		return []byte(prompt.str), nil
+	case prompt.kind != '[':
+		return nil, refReject("bad prompt")
+	case len(prompt.elems) == 0:
+	case prompt.elems[0].kind == '"':
+		var texts []string
+		for _, e := range prompt.elems {
+			if e.kind != '"' {
+				return nil, refReject("mixed prompt")
+			}
+			texts = append(texts, e.str)
+		}
+		return []byte(strings.Join(texts, "\n")), nil
+	case prompt.elems[0].kind == '0':
+		for _, e := range prompt.elems {
+			if !token(e) {
+				return nil, refReject("bad token")
+			}
+		}
+	case prompt.elems[0].kind == '[':
+		for _, e := range prompt.elems {
+			if e.kind != '[' {
+				return nil, refReject("mixed prompt")
+			}
+			for _, id := range e.elems {
+				if !token(id) {
+					return nil, refReject("bad token")
+				}
+			}
+		}
+	default:
+		return nil, refReject("bad prompt")
+	}
+	return out, nil
+}
+
+// refChatMessage is one element of a chat "messages" array.
+func refChatMessage(m node) ([]byte, error) {
+	if m.kind != '{' {
+		return nil, refReject("message not an object")
+	}
+	fields := map[string][]byte{}
+	hasRole := false
+	for _, f := range m.fields {
+		v := f.value
+		switch f.key {
+		case "role":
+			if v.kind != '"' {
+				return nil, refReject("bad role")
+			}
+			hasRole = true
+			fields[f.key] = []byte("\x00R" + withNULEscaped(v.str))
+		case "content":
+			c, err := refContent(v, false)
+			if err != nil {
+				return nil, err
+			}
+			fields[f.key] = c
+		case "tool_calls":
+			switch v.kind {
+			case '[':
+				fields[f.key] = append([]byte("\x00F"), v.raw...)
+			case 'n':
+				fields[f.key] = nil
+			default:
+				return nil, refReject("bad tool_calls")
+			}
+		case "tool_call_id", "name":
+			mark := map[string]string{"tool_call_id": "\x00I", "name": "\x00N"}[f.key]
+			switch v.kind {
+			case '"':
+				fields[f.key] = []byte(mark + withNULEscaped(v.str))
+			case 'n':
+				fields[f.key] = nil
+			default:
+				return nil, refReject("bad " + f.key)
+			}
+		}
+	}
+	if !hasRole {
+		return nil, refReject("no role")
+	}
+	var out []byte
+	for _, k := range []string{"role", "content", "tool_calls", "tool_call_id", "name"} {
+		out = append(out, fields[k]...)
+	}
+	return append(out, "\x00E"...), nil
+}
+
+// refContent is a message's content: nothing for null, else "\x00C" and the
+// text or parts.
+func refContent(content node, responses bool) ([]byte, error) {
+	switch content.kind {
+	case 'n':
+		return nil, nil
+	case '"':
+		return []byte("\x00C" + withNULEscaped(content.str)), nil
+	case '[':
+	default:
+		return nil, refReject("bad content")
+	}
+	out := []byte("\x00C")
+	for _, part := range content.elems {
+		if part.kind != '{' {
+			return nil, refReject("part not an object")
+		}
+		typ, _ := part.get("type")
+		text, _ := part.get("text")
+		isText := typ.kind == '"' && typ.str == "text"
+		if responses {
+			isText = typ.kind == '"' && (typ.str == "input_text" || typ.str == "output_text")
+		}
+		if isText {
+			if text.kind != '"' {
+				return nil, refReject("text part without text")
+			}
+			out = append(out, withNULEscaped(text.str)...)
+		} else {
+			out = append(append(out, "\x00P"...), part.raw...)
+		}
+	}
+	return out, nil
+}
+
+// refResponsesItem is one element of a Responses "input" array.
+func refResponsesItem(it node) ([]byte, error) {
+	if it.kind != '{' {
+		return nil, refReject("item not an object")
+	}
+	message, hasRole := true, false
+	var role, content []byte
+	for _, f := range it.fields {
+		v := f.value
+		switch f.key {
+		case "type":
+			if v.kind != '"' {
+				return nil, refReject("bad type")
+			}
+			message = v.str == "message"
+		case "role":
+			if v.kind != '"' {
+				return nil, refReject("bad role")
+			}
+			hasRole = true
+			role = []byte("\x00R" + withNULEscaped(v.str))
+		case "content":
+			c, err := refContent(v, true)
+			if err != nil {
+				return nil, err
+			}
+			content = c
+		}
+	}
+	if !message {
+		return append([]byte("\x00X"), it.raw...), nil
+	}
+	if !hasRole {
+		return nil, refReject("no role")
+	}
+	return append(append(role, content...), "\x00E"...), nil
 }
 
 // TestReferenceRawText checks the one delicate part of the reference: that

@@ -5,7 +5,7 @@ import (
 	"math"
 )
 
-// Chat markers: NUL and a tag byte (see the package documentation).
+// Markers: NUL and a tag byte (see the package documentation).
 const (
 	markTools      = "\x00T"
 	markRole       = "\x00R"
@@ -15,6 +15,13 @@ const (
 	markToolCallID = "\x00I"
 	markName       = "\x00N"
 	markEnd        = "\x00E"
+	markPrevious   = "\x00Q"
+	markItem       = "\x00X"
+	// instructions and a string input read as the messages a server renders
+	// them as, so that they share prefix bytes with the same conversation
+	// sent to /v1/chat/completions.
+	markSystem = markRole + "system" + markContent
+	markUser   = markRole + "user" + markContent
 )
 
 // Ranks of the fields of a message: the order they take in Prompt.
@@ -35,16 +42,17 @@ const (
 	depthInPart  = 5 // a member of a content part
 )
 
-const promptShapes = `"prompt" must be a string, an array of strings, an array of token ids or an array of token-id arrays`
+const promptShapes = "%q must be a string, an array of strings, an array of token ids or an array of token-id arrays"
 
-// prompt reads the "prompt" of a completions request.
-func (s *scanner) prompt() error {
+// prompt reads the "prompt" of a completions request, or the "input" of an
+// embeddings request (f names which).
+func (s *scanner) prompt(f field) error {
 	switch s.peek() {
 	case '"':
 		return s.appendString(false)
 	case '[':
 	default:
-		return s.typeError(depthTop, promptShapes)
+		return s.typeError(depthTop, promptShapes, f)
 	}
 	if s.open(']') {
 		return nil
@@ -60,11 +68,11 @@ func (s *scanner) prompt() error {
 			}
 			err = s.appendString(false)
 		case first == '[' && c == '[':
-			err = s.tokenIDs(depthMessage)
+			err = s.tokenIDs(depthMessage, f)
 		case (first == '-' || first >= '0' && first <= '9') && (c == '-' || c >= '0' && c <= '9'):
-			err = s.tokenID()
+			err = s.tokenID(f)
 		default:
-			err = s.typeError(depthMessage, promptShapes)
+			err = s.typeError(depthMessage, promptShapes, f)
 		}
 		if err != nil {
 			return err
@@ -77,16 +85,16 @@ func (s *scanner) prompt() error {
 }
 
 // tokenIDs reads an array of token ids at the given depth.
-func (s *scanner) tokenIDs(depth int) error {
+func (s *scanner) tokenIDs(depth int, f field) error {
 	if s.open(']') {
 		return nil
 	}
 	for more := true; more; {
 		c := s.peek()
 		if c != '-' && (c < '0' || c > '9') {
-			return s.typeError(depth+1, promptShapes)
+			return s.typeError(depth+1, promptShapes, f)
 		}
-		err := s.tokenID()
+		err := s.tokenID(f)
 		if err != nil {
 			return err
 		}
@@ -98,13 +106,13 @@ func (s *scanner) tokenIDs(depth int) error {
 }
 
 // tokenID appends one token id (a number at pos) as 4 bytes, little-endian.
-func (s *scanner) tokenID() error {
-	v, ok, err := s.unsigned(math.MaxUint32)
+func (s *scanner) tokenID(f field) error {
+	v, ok, err := s.integer(math.MaxUint32)
 	if err != nil {
 		return err
 	}
 	if !ok {
-		return &Error{Message: fmt.Sprintf(`"prompt" token ids must be integers from 0 to %d`, uint32(math.MaxUint32))}
+		return &Error{Message: fmt.Sprintf(`%q token ids must be integers from 0 to %d`, f, uint32(math.MaxUint32))}
 	}
 	s.dst = append(s.dst, byte(v), byte(v>>8), byte(v>>16), byte(v>>24))
 	return nil
@@ -157,11 +165,22 @@ func (s *scanner) message(i int) error {
 			if err != nil {
 				return err
 			}
+			seen.add(f)
+			rank := -1
 			switch f {
-			case fieldRole, fieldContent, fieldToolCalls, fieldToolCallID, fieldName:
-				if seen.add(f) {
-					return &Error{Message: fmt.Sprintf("\"messages[%d]\" has more than one %q field", i, f)}
-				}
+			case fieldRole:
+				rank = rankRole
+			case fieldContent:
+				rank = rankContent
+			case fieldToolCalls:
+				rank = rankToolCalls
+			case fieldToolCallID:
+				rank = rankToolCallID
+			case fieldName:
+				rank = rankName
+			}
+			if rank >= 0 {
+				s.dst = order.remove(s.dst, rank) // the last one wins
 			}
 			start := len(s.dst)
 			switch f {
@@ -174,7 +193,7 @@ func (s *scanner) message(i int) error {
 					s.dst = order.place(s.dst, rankRole, start)
 				}
 			case fieldContent:
-				if err = s.content(i); err == nil && len(s.dst) > start {
+				if err = s.content(i, false); err == nil && len(s.dst) > start {
 					s.dst = order.place(s.dst, rankContent, start)
 				}
 			case fieldToolCalls:
@@ -228,9 +247,18 @@ func (s *scanner) optionalString(i int, f field, mark string, order *segments, r
 	return s.typeError(depthField, "\"messages[%d].%s\" must be a string or null", i, f)
 }
 
-// content reads messages[i].content: a string, an array of parts, or null
-// (which contributes nothing).
-func (s *scanner) content(i int) error {
+// listName names the array a message belongs to, for error messages.
+func listName(responses bool) string {
+	if responses {
+		return "input"
+	}
+	return "messages"
+}
+
+// content reads the content of message i (of "messages", or of a Responses
+// "input"): a string, an array of parts, or null (which contributes
+// nothing).
+func (s *scanner) content(i int, responses bool) error {
 	switch s.peek() {
 	case 'n':
 		return s.literal("null")
@@ -239,14 +267,14 @@ func (s *scanner) content(i int) error {
 		return s.appendString(true)
 	case '[':
 	default:
-		return s.typeError(depthField, "\"messages[%d].content\" must be a string, an array of parts or null", i)
+		return s.typeError(depthField, "\"%s[%d].content\" must be a string, an array of parts or null", listName(responses), i)
 	}
 	s.dst = append(s.dst, markContent...)
 	if s.open(']') {
 		return nil
 	}
 	for j, more := 0, true; more; j++ {
-		if err := s.part(i, j); err != nil {
+		if err := s.part(i, j, responses); err != nil {
 			return err
 		}
 		var err error
@@ -257,20 +285,27 @@ func (s *scanner) content(i int) error {
 	return nil
 }
 
-// part reads messages[i].content[j]. A part of type "text" contributes its
-// text; any other part contributes its raw JSON, which holds its URL or data.
-// Because "type" may follow "text" in the body, the text is decoded on sight
-// and dropped again if the part turns out not to be text.
-func (s *scanner) part(i, j int) error {
+// isTextPart reports whether a content part's type says it holds text:
+// "text" in chat, "input_text" or "output_text" in the Responses API.
+func isTextPart(typ []byte, responses bool) bool {
+	if responses {
+		return string(typ) == "input_text" || string(typ) == "output_text"
+	}
+	return string(typ) == "text"
+}
+
+// part reads content[j] of message i. A text part contributes its text; any
+// other part contributes its raw JSON, which holds its URL or data. Because
+// "type" may follow "text" in the body, the text is decoded on sight and
+// dropped again if the part turns out not to be text.
+func (s *scanner) part(i, j int, responses bool) error {
 	if s.peek() != '{' {
-		return s.typeError(depthPart, "\"messages[%d].content[%d]\" must be an object", i, j)
+		return s.typeError(depthPart, "\"%s[%d].content[%d]\" must be an object", listName(responses), i, j)
 	}
 	start, mark := s.pos, len(s.dst)
 	var (
-		seen      fieldSet
-		isText    bool
-		textOK    bool // "text" was a string (and is in dst[mark:])
-		typeKnown bool
+		isText bool
+		textOK bool // the last "text" was a string (and is in dst[mark:])
 	)
 	if !s.open('}') {
 		for more := true; more; {
@@ -278,22 +313,22 @@ func (s *scanner) part(i, j int) error {
 			if err != nil {
 				return err
 			}
-			switch f {
-			case fieldType, fieldText:
-				if seen.add(f) {
-					return &Error{Message: fmt.Sprintf("\"messages[%d].content[%d]\" has more than one %q field", i, j, f)}
-				}
-			}
 			switch {
 			case f == fieldType && s.peek() == '"':
 				at := len(s.dst)
 				err = s.appendString(false)
-				isText = string(s.dst[at:]) == "text"
-				typeKnown = true
+				isText = isTextPart(s.dst[at:], responses)
 				s.dst = s.dst[:at]
-			case f == fieldText && s.peek() == '"' && (!typeKnown || isText):
+			case f == fieldType:
+				isText = false
+				err = s.skipValue(depthInPart)
+			case f == fieldText && s.peek() == '"':
+				s.dst = s.dst[:mark] // the last one wins
 				err = s.appendString(true)
 				textOK = err == nil
+			case f == fieldText:
+				s.dst, textOK = s.dst[:mark], false
+				err = s.skipValue(depthInPart)
 			default:
 				err = s.skipValue(depthInPart)
 			}
@@ -307,11 +342,144 @@ func (s *scanner) part(i, j int) error {
 	}
 	if isText {
 		if !textOK {
-			return &Error{Message: fmt.Sprintf("\"messages[%d].content[%d]\" has type \"text\" but no \"text\" string", i, j)}
+			return &Error{Message: fmt.Sprintf("\"%s[%d].content[%d]\" has a text type but no \"text\" string", listName(responses), i, j)}
 		}
 		return nil
 	}
 	s.dst = append(s.dst[:mark], markPart...)
 	s.dst = append(s.dst, s.buf[start:s.pos]...)
+	return nil
+}
+
+// previousResponse reads the "previous_response_id" of a Responses request:
+// a string or null.
+func (s *scanner) previousResponse() error {
+	switch s.peek() {
+	case 'n':
+		return s.literal("null")
+	case '"':
+		s.dst = append(s.dst, markPrevious...)
+		return s.appendString(true)
+	}
+	return s.typeError(depthTop, `"previous_response_id" must be a string or null`)
+}
+
+// instructions reads the "instructions" of a Responses request: a string
+// (read as a system message) or null.
+func (s *scanner) instructions() error {
+	switch s.peek() {
+	case 'n':
+		return s.literal("null")
+	case '"':
+		s.dst = append(s.dst, markSystem...)
+		if err := s.appendString(true); err != nil {
+			return err
+		}
+		s.dst = append(s.dst, markEnd...)
+		return nil
+	}
+	return s.typeError(depthTop, `"instructions" must be a string or null`)
+}
+
+// responsesInput reads the "input" of a Responses request: a string (read as
+// a user message), an array of items, or null.
+func (s *scanner) responsesInput() error {
+	switch s.peek() {
+	case 'n':
+		return s.literal("null")
+	case '"':
+		s.dst = append(s.dst, markUser...)
+		if err := s.appendString(true); err != nil {
+			return err
+		}
+		s.dst = append(s.dst, markEnd...)
+		return nil
+	case '[':
+	default:
+		return s.typeError(depthTop, `"input" must be a string, an array of items or null`)
+	}
+	if s.open(']') {
+		return nil
+	}
+	for i, more := 0, true; more; i++ {
+		if err := s.item(i); err != nil {
+			return err
+		}
+		var err error
+		if more, err = s.next(']'); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// item reads input[i] of a Responses request. An item whose "type" is absent
+// or "message" is a message, written as chat messages are (role, then
+// content); any other item (a function call, its output, a reasoning item,
+// ...) contributes its raw JSON. As in part, the type may come last, so the
+// message is written on sight and replaced by the raw JSON at the end if
+// the item is not one.
+func (s *scanner) item(i int) error {
+	if s.peek() != '{' {
+		return s.typeError(depthMessage, "\"input[%d]\" must be an object", i)
+	}
+	start, mark := s.pos, len(s.dst)
+	var (
+		seen    fieldSet
+		order   segments
+		message = true
+	)
+	if !s.open('}') {
+		for more := true; more; {
+			f, err := s.key()
+			if err != nil {
+				return err
+			}
+			seen.add(f)
+			switch f {
+			case fieldType:
+				if s.peek() != '"' {
+					return s.typeError(depthField, "\"input[%d].type\" must be a string", i)
+				}
+				at := len(s.dst)
+				err = s.appendString(false)
+				message = string(s.dst[at:]) == "message"
+				s.dst = s.dst[:at]
+			case fieldRole:
+				if s.peek() != '"' {
+					return s.typeError(depthField, "\"input[%d].role\" must be a string", i)
+				}
+				s.dst = order.remove(s.dst, rankRole)
+				at := len(s.dst)
+				s.dst = append(s.dst, markRole...)
+				if err = s.appendString(true); err == nil {
+					s.dst = order.place(s.dst, rankRole, at)
+				}
+			case fieldContent:
+				s.dst = order.remove(s.dst, rankContent)
+				at := len(s.dst)
+				if err = s.content(i, true); err == nil && len(s.dst) > at {
+					s.dst = order.place(s.dst, rankContent, at)
+				}
+			default:
+				err = s.skipValue(depthField)
+			}
+			if err != nil {
+				return err
+			}
+			if more, err = s.next('}'); err != nil {
+				return err
+			}
+		}
+	}
+	if !message {
+		s.dst = append(s.dst[:mark], markItem...)
+		s.dst = append(s.dst, s.buf[start:s.pos]...)
+		return nil
+	}
+	if !seen.has(fieldRole) {
+		return &Error{Message: fmt.Sprintf("\"input[%d]\" has no \"role\" field", i)}
+	}
+	s.dst = append(s.dst, markEnd...)
 	return nil
 }

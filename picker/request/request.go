@@ -1,6 +1,7 @@
 // Package request reads the parts of an OpenAI-compatible request body that
-// the picker routes on: the model, whether the response streams, the token
-// budget, and the prompt text that the prefix index hashes.
+// the picker routes on: the model, the cache salt, whether the response
+// streams, the token budget, and the prompt text that the prefix index
+// hashes.
 //
 // The invariant not to break: Prompt is a deterministic function of the
 // request, and two requests that begin with the same tools and messages (or
@@ -14,13 +15,22 @@
 // decoded straight into the caller's Prompt buffer, everything else is
 // stepped over. Where the body's key order differs from the Prompt's (below),
 // the bytes already in the buffer are moved with one memmove. It accepts
-// what encoding/json accepts except for fields read twice (see Parse) and
-// nesting deeper than 1,000 levels; invalid UTF-8 inside strings is kept as
-// bytes rather than replaced.
+// what encoding/json accepts except nesting deeper than 1,000 levels; a key
+// given twice is read each time and the last one wins, as encoding/json and
+// Python's json module do; invalid UTF-8 inside strings is kept as bytes
+// rather than replaced.
+//
+// # Paths
+//
+// A path is matched by its suffix, its query string and one trailing slash
+// cut: "/v1/completions", "/v1/chat/completions", "/v1/responses" and
+// "/v1/embeddings", under any prefix ("/openai/v1/completions"). Any other
+// path is KindOther and its body is not read.
 //
 // # Prompt format
 //
-// Completions (/v1/completions), by the shape of "prompt":
+// Completions (/v1/completions, "prompt") and embeddings (/v1/embeddings,
+// "input"), by the shape of the value:
 //   - a string: its text;
 //   - an array of strings: their texts joined with "\n";
 //   - an array of token ids: each id as 4 bytes, little-endian (so that
@@ -43,6 +53,23 @@
 // first and the fields of a message come in the order above whatever their
 // order in the body, because that is how chat templates lay them out: the
 // OpenAI Python client, for one, writes "tools" after "messages".
+//
+// Responses (/v1/responses), with the chat markers, laid out the way a
+// server renders the request into its chat template:
+//
+//	Prompt    = [ "\x00Q" previous_response_id ] [ "\x00T" tools ]
+//	            [ "\x00Rsystem\x00C" instructions "\x00E" ] input
+//	input     = "\x00Ruser\x00C" text "\x00E" | { item }
+//	item      = "\x00R" role [ "\x00C" content ] "\x00E" | "\x00X" other-item
+//
+// A string input is a user message and the instructions a system message,
+// so a Responses request and the same conversation sent to chat completions
+// share their Prompt bytes. An item whose "type" is absent or "message" is a
+// message; its text parts are those of type "input_text" or "output_text".
+// Any other item (function_call, function_call_output, reasoning, ...) is
+// its raw JSON text. previous_response_id comes first because a request that
+// continues a stored response begins, on the server, with that response's
+// whole conversation: only continuations of the same response share it.
 package request
 
 import (
@@ -55,13 +82,17 @@ import (
 type Kind int
 
 const (
-	// KindOther is any path other than the two below; its body is not read and
-	// the request is routed by load alone.
+	// KindOther is any path other than the ones below; its body is not read
+	// and the request is routed by load alone.
 	KindOther Kind = iota
 	// KindCompletions is POST /v1/completions.
 	KindCompletions
 	// KindChat is POST /v1/chat/completions.
 	KindChat
+	// KindResponses is POST /v1/responses (the OpenAI Responses API).
+	KindResponses
+	// KindEmbeddings is POST /v1/embeddings.
+	KindEmbeddings
 )
 
 func (k Kind) String() string {
@@ -72,6 +103,10 @@ func (k Kind) String() string {
 		return "completions"
 	case KindChat:
 		return "chat"
+	case KindResponses:
+		return "responses"
+	case KindEmbeddings:
+		return "embeddings"
 	}
 	return fmt.Sprintf("Kind(%d)", int(k))
 }
@@ -81,8 +116,14 @@ type Parsed struct {
 	Kind   Kind
 	Model  string
 	Stream bool
-	// MaxTokens is max_completion_tokens if present, else max_tokens, else 0.
+	// MaxTokens is max_completion_tokens if present, else max_tokens, else 0
+	// (for the Responses API: max_output_tokens).
 	MaxTokens int
+	// CacheSalt is the request's "cache_salt" ("" when absent, null or
+	// empty). vLLM never shares KV cache between requests whose salts differ,
+	// so the picker seeds the prompt's block hashes with it. A salt costs one
+	// allocation (the string); requests without one cost none.
+	CacheSalt string
 	// Prompt is the prefix text in the format of the package documentation,
 	// appended to the dst buffer given to Parse.
 	Prompt []byte
@@ -101,16 +142,19 @@ func (e *Error) Error() string { return e.Message }
 // context window, and small enough that token arithmetic cannot overflow.
 const maxTokenLimit = math.MaxInt32
 
-// Parse reads an OpenAI-compatible request body sent to path (its query
-// string is ignored). For "/v1/completions" and "/v1/chat/completions" the
-// body must be a JSON object with a non-empty string "model" and,
-// respectively, a "prompt" or a "messages" array; for any other path Parse
-// returns Kind KindOther and no error without looking at the body.
+// Parse reads an OpenAI-compatible request body sent to path (see KindOf
+// for the paths it reads; its query string is ignored). The body must be a
+// JSON object with a non-empty string "model" and, for completions, a
+// "prompt", for chat a "messages" array, for embeddings an "input"; for any
+// other path Parse returns Kind KindOther and no error without looking at
+// the body.
 //
 // Prompt is appended to dst[:0], so a caller can reuse one buffer across
-// requests; on error Prompt is still that (emptied) buffer. A field that Parse
-// reads may appear only once: a body naming "model" twice could be routed for
-// one model and served by another.
+// requests; on error Prompt is still that (emptied) buffer. A field that
+// appears more than once must be valid each time, and the last one wins, as
+// with encoding/json and with the Python servers behind the gateway
+// (json.loads keeps the last value): the request is routed for the model
+// the server will read.
 func Parse(path string, body []byte, dst []byte) (Parsed, error) {
 	kind := kindOf(path)
 	if kind == KindOther {
@@ -125,15 +169,23 @@ func Parse(path string, body []byte, dst []byte) (Parsed, error) {
 	return p, nil
 }
 
+// kindOf matches the path by its suffix, after the query string and one
+// trailing slash are cut: the same APIs are served under any prefix (an
+// Azure-style "/openai/v1/...", a gateway's route prefix).
 func kindOf(path string) Kind {
 	if i := strings.IndexByte(path, '?'); i >= 0 {
 		path = path[:i]
 	}
-	switch path {
-	case "/v1/completions":
-		return KindCompletions
-	case "/v1/chat/completions":
+	path = strings.TrimSuffix(path, "/")
+	switch {
+	case strings.HasSuffix(path, "/v1/chat/completions"):
 		return KindChat
+	case strings.HasSuffix(path, "/v1/completions"):
+		return KindCompletions
+	case strings.HasSuffix(path, "/v1/responses"):
+		return KindResponses
+	case strings.HasSuffix(path, "/v1/embeddings"):
+		return KindEmbeddings
 	}
 	return KindOther
 }
@@ -147,9 +199,14 @@ const (
 	fieldStream
 	fieldMaxTokens
 	fieldMaxCompletionTokens
+	fieldMaxOutputTokens
+	fieldCacheSalt
 	fieldPrompt
 	fieldMessages
 	fieldTools
+	fieldInput
+	fieldInstructions
+	fieldPreviousResponseID
 	fieldRole
 	fieldContent
 	fieldToolCalls
@@ -158,6 +215,30 @@ const (
 	fieldType
 	fieldText
 )
+
+// fieldNames are the JSON keys of the fields, indexed by field.
+var fieldNames = [...]string{
+	fieldUnknown:             "?",
+	fieldModel:               "model",
+	fieldStream:              "stream",
+	fieldMaxTokens:           "max_tokens",
+	fieldMaxCompletionTokens: "max_completion_tokens",
+	fieldMaxOutputTokens:     "max_output_tokens",
+	fieldCacheSalt:           "cache_salt",
+	fieldPrompt:              "prompt",
+	fieldMessages:            "messages",
+	fieldTools:               "tools",
+	fieldInput:               "input",
+	fieldInstructions:        "instructions",
+	fieldPreviousResponseID:  "previous_response_id",
+	fieldRole:                "role",
+	fieldContent:             "content",
+	fieldToolCalls:           "tool_calls",
+	fieldToolCallID:          "tool_call_id",
+	fieldName:                "name",
+	fieldType:                "type",
+	fieldText:                "text",
+}
 
 func fieldOf(key []byte) field {
 	switch string(key) {
@@ -169,12 +250,22 @@ func fieldOf(key []byte) field {
 		return fieldMaxTokens
 	case "max_completion_tokens":
 		return fieldMaxCompletionTokens
+	case "max_output_tokens":
+		return fieldMaxOutputTokens
+	case "cache_salt":
+		return fieldCacheSalt
 	case "prompt":
 		return fieldPrompt
 	case "messages":
 		return fieldMessages
 	case "tools":
 		return fieldTools
+	case "input":
+		return fieldInput
+	case "instructions":
+		return fieldInstructions
+	case "previous_response_id":
+		return fieldPreviousResponseID
 	case "role":
 		return fieldRole
 	case "content":
@@ -196,15 +287,57 @@ func fieldOf(key []byte) field {
 // fieldSet records which fields of one object have been seen.
 type fieldSet uint32
 
-// add marks f as seen and reports whether it already was.
-func (fs *fieldSet) add(f field) (dup bool) {
-	bit := fieldSet(1) << f
-	dup = *fs&bit != 0
-	*fs |= bit
-	return dup
+func fields(fs ...field) fieldSet {
+	var set fieldSet
+	for _, f := range fs {
+		set.add(f)
+	}
+	return set
 }
 
+func (fs *fieldSet) add(f field) { *fs |= fieldSet(1) << f }
+
 func (fs fieldSet) has(f field) bool { return fs&(fieldSet(1)<<f) != 0 }
+
+// topFields are the top-level fields Parse reads, by kind; any other key is
+// stepped over. A lookup table, never written.
+var topFields = [...]fieldSet{
+	KindCompletions: fields(fieldModel, fieldCacheSalt, fieldStream, fieldMaxTokens, fieldMaxCompletionTokens, fieldPrompt),
+	KindChat:        fields(fieldModel, fieldCacheSalt, fieldStream, fieldMaxTokens, fieldMaxCompletionTokens, fieldMessages, fieldTools),
+	KindResponses: fields(fieldModel, fieldCacheSalt, fieldStream, fieldMaxOutputTokens,
+		fieldPreviousResponseID, fieldTools, fieldInstructions, fieldInput),
+	KindEmbeddings: fields(fieldModel, fieldCacheSalt, fieldInput),
+}
+
+// promptRank returns the place a top-level field takes in Prompt (see the
+// package documentation), or false for a field that adds nothing to it.
+func promptRank(kind Kind, f field) (int, bool) {
+	switch kind {
+	case KindCompletions:
+		return 0, f == fieldPrompt
+	case KindEmbeddings:
+		return 0, f == fieldInput
+	case KindChat:
+		switch f {
+		case fieldTools:
+			return 0, true
+		case fieldMessages:
+			return 1, true
+		}
+	case KindResponses:
+		switch f {
+		case fieldPreviousResponseID:
+			return 0, true
+		case fieldTools:
+			return 1, true
+		case fieldInstructions:
+			return 2, true
+		case fieldInput:
+			return 3, true
+		}
+	}
+	return 0, false
+}
 
 // request reads the top-level object.
 func (s *scanner) request(kind Kind) (Parsed, error) {
@@ -224,47 +357,40 @@ func (s *scanner) request(kind Kind) (Parsed, error) {
 		seen                fieldSet
 		maxTokens           int
 		maxCompletionTokens = -1
-		order               segments // chat: tools, then messages
+		order               segments // the Prompt's parts, in rank order
 	)
+	read := topFields[kind]
 	if !s.open('}') {
 		for more := true; more; {
 			f, err := s.key()
 			if err != nil {
 				return p, err
 			}
-			switch {
-			case f == fieldModel, f == fieldStream, f == fieldMaxTokens, f == fieldMaxCompletionTokens,
-				f == fieldPrompt && kind == KindCompletions,
-				(f == fieldMessages || f == fieldTools) && kind == KindChat:
-				if seen.add(f) {
-					return p, &Error{Message: fmt.Sprintf("request body has more than one %q field", f)}
-				}
-			default:
+			if !read.has(f) {
 				f = fieldUnknown // not read on this path
 			}
+			seen.add(f)
 			switch f {
 			case fieldModel:
 				err = s.model(&p)
+			case fieldCacheSalt:
+				err = s.cacheSalt(&p)
 			case fieldStream:
 				p.Stream, err = s.boolean("stream")
-			case fieldMaxTokens:
-				maxTokens, err = s.tokenLimit("max_tokens", 0)
+			case fieldMaxTokens, fieldMaxOutputTokens:
+				maxTokens, err = s.tokenLimit(f, 0)
 			case fieldMaxCompletionTokens:
-				maxCompletionTokens, err = s.tokenLimit("max_completion_tokens", -1)
-			case fieldPrompt:
-				err = s.prompt()
-			case fieldMessages:
-				start := len(s.dst)
-				if err = s.messages(); err == nil {
-					s.dst = order.place(s.dst, 1, start)
-				}
-			case fieldTools:
-				start := len(s.dst)
-				if err = s.tools(); err == nil {
-					s.dst = order.place(s.dst, 0, start)
-				}
+				maxCompletionTokens, err = s.tokenLimit(f, -1)
+			case fieldUnknown:
+				err = s.skipValue(depthTop)
 			default:
-				err = s.skipValue(1)
+				rank, _ := promptRank(kind, f)
+				// A repeated field replaces what the earlier one wrote.
+				s.dst = order.remove(s.dst, rank)
+				start := len(s.dst)
+				if err = s.promptField(kind, f); err == nil {
+					s.dst = order.place(s.dst, rank, start)
+				}
 			}
 			if err != nil {
 				return p, err
@@ -286,6 +412,8 @@ func (s *scanner) request(kind Kind) (Parsed, error) {
 		return p, &Error{Message: `request body has no "prompt" field`}
 	case kind == KindChat && !seen.has(fieldMessages):
 		return p, &Error{Message: `request body has no "messages" field`}
+	case kind == KindEmbeddings && !seen.has(fieldInput):
+		return p, &Error{Message: `request body has no "input" field`}
 	}
 	p.MaxTokens = maxTokens
 	if maxCompletionTokens >= 0 {
@@ -294,37 +422,32 @@ func (s *scanner) request(kind Kind) (Parsed, error) {
 	return p, nil
 }
 
+// promptField reads a top-level field that adds to Prompt.
+func (s *scanner) promptField(kind Kind, f field) error {
+	switch f {
+	case fieldPrompt:
+		return s.prompt(f)
+	case fieldMessages:
+		return s.messages()
+	case fieldTools:
+		return s.tools()
+	case fieldInstructions:
+		return s.instructions()
+	case fieldPreviousResponseID:
+		return s.previousResponse()
+	case fieldInput:
+		if kind == KindEmbeddings {
+			return s.prompt(f)
+		}
+		return s.responsesInput()
+	}
+	return s.skipValue(depthTop)
+}
+
 // String returns the JSON key of a field, for error messages.
 func (f field) String() string {
-	switch f {
-	case fieldModel:
-		return "model"
-	case fieldStream:
-		return "stream"
-	case fieldMaxTokens:
-		return "max_tokens"
-	case fieldMaxCompletionTokens:
-		return "max_completion_tokens"
-	case fieldPrompt:
-		return "prompt"
-	case fieldMessages:
-		return "messages"
-	case fieldTools:
-		return "tools"
-	case fieldRole:
-		return "role"
-	case fieldContent:
-		return "content"
-	case fieldToolCalls:
-		return "tool_calls"
-	case fieldToolCallID:
-		return "tool_call_id"
-	case fieldName:
-		return "name"
-	case fieldType:
-		return "type"
-	case fieldText:
-		return "text"
+	if int(f) < len(fieldNames) {
+		return fieldNames[f]
 	}
 	return "?"
 }
@@ -361,14 +484,34 @@ func (s *scanner) boolean(key string) (bool, error) {
 	return false, s.typeError(1, "%q must be true, false or null", key)
 }
 
-// tokenLimit reads a token budget: an integer from 0 to maxTokenLimit, or
-// null (ifNull).
-func (s *scanner) tokenLimit(key string, ifNull int) (int, error) {
+// cacheSalt reads "cache_salt": a string or null.
+func (s *scanner) cacheSalt(p *Parsed) error {
+	switch s.peek() {
+	case 'n':
+		p.CacheSalt = ""
+		return s.literal("null")
+	case '"':
+		mark := len(s.dst)
+		err := s.appendString(false)
+		if len(s.dst) > mark { // an empty salt allocates nothing
+			p.CacheSalt = string(s.dst[mark:])
+		} else {
+			p.CacheSalt = ""
+		}
+		s.dst = s.dst[:mark]
+		return err
+	}
+	return s.typeError(depthTop, `"cache_salt" must be a string or null`)
+}
+
+// tokenLimit reads a token budget: a number whose value is an integer from 0
+// to maxTokenLimit (see integer), or null (ifNull).
+func (s *scanner) tokenLimit(f field, ifNull int) (int, error) {
 	switch c := s.peek(); {
 	case c == 'n':
 		return ifNull, s.literal("null")
 	case c == '-' || c >= '0' && c <= '9':
-		v, ok, err := s.unsigned(maxTokenLimit)
+		v, ok, err := s.integer(maxTokenLimit)
 		if err != nil {
 			return 0, err
 		}
@@ -376,11 +519,11 @@ func (s *scanner) tokenLimit(key string, ifNull int) (int, error) {
 			return int(v), nil
 		}
 	default:
-		if err := s.skipValue(1); err != nil {
+		if err := s.skipValue(depthTop); err != nil {
 			return 0, err
 		}
 	}
-	return 0, &Error{Message: fmt.Sprintf("%q must be an integer from 0 to %d, or null", key, maxTokenLimit)}
+	return 0, &Error{Message: fmt.Sprintf("%q must be an integer from 0 to %d, or null", f, maxTokenLimit)}
 }
 
 // segments keeps the fields of one object in a fixed order in dst although
@@ -412,6 +555,30 @@ func (g *segments) place(dst []byte, rank, start int) []byte {
 	}
 	g.start[rank] = at
 	g.seen |= 1 << rank
+	return dst
+}
+
+// remove takes the field of the given rank out of dst, if it is there, so
+// that a repeated key replaces it: the last one wins. Fields lie in dst in
+// rank order, so the field ends where the next one present begins.
+func (g *segments) remove(dst []byte, rank int) []byte {
+	if g.seen&(1<<rank) == 0 {
+		return dst
+	}
+	start, end := g.start[rank], len(dst)
+	for r := rank + 1; r < len(g.start); r++ {
+		if g.seen&(1<<r) != 0 {
+			end = min(end, g.start[r])
+		}
+	}
+	n := end - start
+	dst = append(dst[:start], dst[end:]...)
+	for r := rank + 1; r < len(g.start); r++ {
+		if g.seen&(1<<r) != 0 {
+			g.start[r] -= n
+		}
+	}
+	g.seen &^= 1 << rank
 	return dst
 }
 

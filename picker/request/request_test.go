@@ -10,6 +10,8 @@ import (
 const (
 	completionsPath = "/v1/completions"
 	chatPath        = "/v1/chat/completions"
+	responsesPath   = "/v1/responses"
+	embeddingsPath  = "/v1/embeddings"
 )
 
 // le encodes token ids the way Prompt holds them.
@@ -28,11 +30,28 @@ func TestParseKinds(t *testing.T) {
 	}{
 		{"/v1/completions", KindCompletions},
 		{"/v1/completions?api-version=1", KindCompletions},
+		{"/v1/completions/", KindCompletions},
+		{"/v1/completions/?stream=1", KindCompletions},
+		{"/openai/v1/completions", KindCompletions},
+		{"/team-a/llama/v1/completions", KindCompletions},
 		{"/v1/chat/completions", KindChat},
 		{"/v1/chat/completions?x=1&y=2", KindChat},
-		{"/v1/chat/completions/", KindOther},
+		{"/v1/chat/completions/", KindChat},
+		{"/openai/v1/chat/completions?api-version=2024-10-21", KindChat},
+		{"/v1/responses", KindResponses},
+		{"/openai/v1/responses/", KindResponses},
+		{"/v1/embeddings", KindEmbeddings},
+		{"/openai/v1/embeddings?x=y", KindEmbeddings},
+		{"/v1/completions//", KindOther},
+		{"/v1/responses/resp_123", KindOther},
+		{"/v1/responses/resp_123/cancel", KindOther},
+		{"/v2/completions", KindOther},
+		{"/foov1/completions", KindOther},
+		{"v1/completions", KindOther},
+		{"/v1/completionsx", KindOther},
+		{"/V1/completions", KindOther},
 		{"/v1/models", KindOther},
-		{"/v1/embeddings", KindOther},
+		{"/primary-gateway-test", KindOther},
 		{"/", KindOther},
 		{"", KindOther},
 	} {
@@ -44,11 +63,15 @@ func TestParseKinds(t *testing.T) {
 		if gotErr := err != nil; gotErr != (tc.want != KindOther) {
 			t.Errorf("Parse(%q, invalid body): err = %v", tc.path, err)
 		}
+		if got := KindOf(tc.path); got != tc.want {
+			t.Errorf("KindOf(%q) = %v, want %v", tc.path, got, tc.want)
+		}
 	}
 }
 
 func TestKindString(t *testing.T) {
-	for k, want := range map[Kind]string{KindOther: "other", KindCompletions: "completions", KindChat: "chat", Kind(7): "Kind(7)"} {
+	for k, want := range map[Kind]string{KindOther: "other", KindCompletions: "completions", KindChat: "chat",
+		KindResponses: "responses", KindEmbeddings: "embeddings", Kind(7): "Kind(7)"} {
 		if got := k.String(); got != want {
 			t.Errorf("Kind(%d).String() = %q, want %q", int(k), got, want)
 		}
@@ -307,17 +330,10 @@ func TestParseErrors(t *testing.T) {
 		{"model null", chatPath, `{"model":null,"messages":[]}`, `"model" must be a string`},
 		{"model empty", completionsPath, `{"model":"","prompt":"x"}`, `"model" must not be empty`},
 		{"type error reports bad JSON first", completionsPath, `{"model":[1,}`, `unexpected '}' at byte 12`},
-		{"duplicate model", completionsPath, `{"model":"a","prompt":"x","model":"b"}`, `request body has more than one "model" field`},
-		{"duplicate escaped model", completionsPath, `{"model":"a","prompt":"x","m\u006fdel":"b"}`, `more than one "model" field`},
-		{"duplicate prompt", completionsPath, `{"model":"a","prompt":"x","prompt":"y"}`, `more than one "prompt" field`},
-		{"duplicate messages", chatPath, `{"model":"a","messages":[],"messages":[]}`, `more than one "messages" field`},
-		{"duplicate tools", chatPath, `{"model":"a","messages":[],"tools":null,"tools":[]}`, `more than one "tools" field`},
-		{"duplicate stream", chatPath, `{"model":"a","messages":[],"stream":true,"stream":false}`, `more than one "stream" field`},
 		{"stream string", completionsPath, `{"model":"m","prompt":"x","stream":"true"}`, `"stream" must be true, false or null`},
 		{"stream number", completionsPath, `{"model":"m","prompt":"x","stream":1}`, `"stream" must be true, false or null`},
 		{"max_tokens negative", completionsPath, `{"model":"m","prompt":"x","max_tokens":-1}`, `"max_tokens" must be an integer from 0 to 2147483647, or null`},
 		{"max_tokens fraction", completionsPath, `{"model":"m","prompt":"x","max_tokens":1.5}`, `"max_tokens" must be an integer`},
-		{"max_tokens exponent", completionsPath, `{"model":"m","prompt":"x","max_tokens":1e3}`, `"max_tokens" must be an integer`},
 		{"max_tokens too large", completionsPath, `{"model":"m","prompt":"x","max_tokens":2147483648}`, `"max_tokens" must be an integer`},
 		{"max_tokens huge", completionsPath, `{"model":"m","prompt":"x","max_tokens":99999999999999999999999}`, `"max_tokens" must be an integer`},
 		{"max_tokens string", completionsPath, `{"model":"m","prompt":"x","max_tokens":"5"}`, `"max_tokens" must be an integer`},
@@ -342,18 +358,50 @@ func TestParseErrors(t *testing.T) {
 		{"message string", chatPath, `{"model":"m","messages":[{"role":"u"},"hi"]}`, `"messages[1]" must be an object`},
 		{"no role", chatPath, `{"model":"m","messages":[{"content":"hi"}]}`, `"messages[0]" has no "role" field`},
 		{"role number", chatPath, `{"model":"m","messages":[{"role":1}]}`, `"messages[0].role" must be a string`},
-		{"duplicate role", chatPath, `{"model":"m","messages":[{"role":"a","role":"b"}]}`, `"messages[0]" has more than one "role" field`},
-		{"duplicate content", chatPath, `{"model":"m","messages":[{"role":"a","content":null,"content":"x"}]}`, `"messages[0]" has more than one "content" field`},
 		{"content number", chatPath, `{"model":"m","messages":[{"role":"a","content":1}]}`, `"messages[0].content" must be a string, an array of parts or null`},
 		{"part string", chatPath, `{"model":"m","messages":[{"role":"a","content":["x"]}]}`, `"messages[0].content[0]" must be an object`},
-		{"text part without text", chatPath, `{"model":"m","messages":[{"role":"a","content":[{"type":"text"}]}]}`, `"messages[0].content[0]" has type "text" but no "text" string`},
-		{"text part with number text", chatPath, `{"model":"m","messages":[{"role":"a","content":[{"text":1,"type":"text"}]}]}`, `has type "text" but no "text" string`},
-		{"duplicate part type", chatPath, `{"model":"m","messages":[{"role":"a","content":[{"type":"text","text":"x","type":"image_url"}]}]}`, `"messages[0].content[0]" has more than one "type" field`},
+		{"text part without text", chatPath, `{"model":"m","messages":[{"role":"a","content":[{"type":"text"}]}]}`, `"messages[0].content[0]" has a text type but no "text" string`},
+		{"text part with number text", chatPath, `{"model":"m","messages":[{"role":"a","content":[{"text":1,"type":"text"}]}]}`, `has a text type but no "text" string`},
 		{"tool_calls object", chatPath, `{"model":"m","messages":[{"role":"a","tool_calls":{}}]}`, `"messages[0].tool_calls" must be an array or null`},
 		{"name number", chatPath, `{"model":"m","messages":[{"role":"a","name":1}]}`, `"messages[0].name" must be a string or null`},
 		{"tool_call_id bool", chatPath, `{"model":"m","messages":[{"role":"a","tool_call_id":true}]}`, `"messages[0].tool_call_id" must be a string or null`},
 		{"tools object", chatPath, `{"model":"m","messages":[],"tools":{}}`, `"tools" must be an array or null`},
 		{"bad JSON inside tools", chatPath, `{"model":"m","messages":[],"tools":[{"a" 1}]}`, `expected ':'`},
+
+		{"max_tokens fraction after a float", completionsPath, `{"model":"m","prompt":"x","max_tokens":100.5}`, `"max_tokens" must be an integer from 0`},
+		{"max_tokens negative float", completionsPath, `{"model":"m","prompt":"x","max_tokens":-1.0}`, `"max_tokens" must be an integer`},
+		{"max_tokens float too large", completionsPath, `{"model":"m","prompt":"x","max_tokens":2147483648.0}`, `"max_tokens" must be an integer`},
+		{"max_tokens float overflow", completionsPath, `{"model":"m","prompt":"x","max_tokens":1e400}`, `"max_tokens" must be an integer`},
+		{"max_tokens bad float", completionsPath, `{"model":"m","prompt":"x","max_tokens":1.e3}`, `expected a digit after '.'`},
+		{"token id fraction", completionsPath, `{"model":"m","prompt":[1,2.5]}`, `"prompt" token ids must be integers`},
+		{"every duplicate is validated", completionsPath, `{"model":"m","prompt":"x","max_tokens":"5","max_tokens":5}`, `"max_tokens" must be an integer`},
+		{"an invalid earlier model", chatPath, `{"model":1,"model":"m","messages":[]}`, `"model" must be a string`},
+		{"an invalid earlier message", chatPath, `{"model":"m","messages":[{}],"messages":[]}`, `"messages[0]" has no "role" field`},
+		{"cache_salt number", completionsPath, `{"model":"m","prompt":"x","cache_salt":1}`, `"cache_salt" must be a string or null`},
+		{"cache_salt object", chatPath, `{"model":"m","messages":[],"cache_salt":{}}`, `"cache_salt" must be a string or null`},
+
+		{"embeddings without input", embeddingsPath, `{"model":"m"}`, `request body has no "input" field`},
+		{"embeddings without model", embeddingsPath, `{"input":"x"}`, `request body has no "model" field`},
+		{"embeddings object input", embeddingsPath, `{"model":"m","input":{}}`, `"input" must be a string, an array of strings, an array of token ids or an array of token-id arrays`},
+		{"embeddings mixed input", embeddingsPath, `{"model":"m","input":["a",1]}`, `"input" must be a string`},
+		{"embeddings negative token id", embeddingsPath, `{"model":"m","input":[[-1]]}`, `"input" token ids must be integers from 0 to 4294967295`},
+		{"embeddings null input", embeddingsPath, `{"model":"m","input":null}`, `"input" must be a string`},
+
+		{"responses without model", responsesPath, `{"input":"x"}`, `request body has no "model" field`},
+		{"responses number input", responsesPath, `{"model":"m","input":1}`, `"input" must be a string, an array of items or null`},
+		{"responses item string", responsesPath, `{"model":"m","input":["hi"]}`, `"input[0]" must be an object`},
+		{"responses message without role", responsesPath, `{"model":"m","input":[{"content":"hi"}]}`, `"input[0]" has no "role" field`},
+		{"responses typed message without role", responsesPath, `{"model":"m","input":[{"type":"message","content":"hi"}]}`, `"input[0]" has no "role" field`},
+		{"responses role number", responsesPath, `{"model":"m","input":[{"role":1}]}`, `"input[0].role" must be a string`},
+		{"responses type number", responsesPath, `{"model":"m","input":[{"type":1,"role":"user"}]}`, `"input[0].type" must be a string`},
+		{"responses content number", responsesPath, `{"model":"m","input":[{"role":"user","content":1}]}`, `"input[0].content" must be a string, an array of parts or null`},
+		{"responses part string", responsesPath, `{"model":"m","input":[{"role":"user","content":["x"]}]}`, `"input[0].content[0]" must be an object`},
+		{"responses text part without text", responsesPath, `{"model":"m","input":[{"role":"user","content":[{"type":"input_text"}]}]}`, `"input[0].content[0]" has a text type but no "text" string`},
+		{"responses instructions array", responsesPath, `{"model":"m","instructions":["a"]}`, `"instructions" must be a string or null`},
+		{"responses tools object", responsesPath, `{"model":"m","tools":{}}`, `"tools" must be an array or null`},
+		{"responses previous_response_id number", responsesPath, `{"model":"m","previous_response_id":7}`, `"previous_response_id" must be a string or null`},
+		{"responses max_output_tokens fraction", responsesPath, `{"model":"m","max_output_tokens":0.5}`, `"max_output_tokens" must be an integer`},
+		{"responses stream string", responsesPath, `{"model":"m","stream":"yes"}`, `"stream" must be true, false or null`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p, err := Parse(tc.path, []byte(tc.body), nil)

@@ -3,7 +3,9 @@ package request
 import (
 	"encoding/binary"
 	"fmt"
+	"math"
 	"math/bits"
+	"strconv"
 	"unicode/utf16"
 	"unicode/utf8"
 )
@@ -548,4 +550,22 @@ func (s *scanner) unsigned(limit uint64) (v uint64, ok bool, err error) {
 		return 0, false, err
 	}
 	return 0, false, nil
+}
+
+// integer reads a JSON number at pos whose value is an integer from 0 to
+// limit, however it is written: 100, but also 100.0, 1e2 or -0, which vLLM's
+// request models (pydantic, in its default lax mode) accept for integer
+// fields; 100.5 is not an integer. ok is false, with no error, for a valid
+// number that is not such an integer. Numbers not written as plain integers
+// take the slower path through strconv.ParseFloat, as Python reads them.
+func (s *scanner) integer(limit uint64) (v uint64, ok bool, err error) {
+	start := s.pos
+	if v, ok, err = s.unsigned(limit); ok || err != nil {
+		return v, ok, err
+	}
+	f, perr := strconv.ParseFloat(string(s.buf[start:s.pos]), 64)
+	if perr != nil || f < 0 || f > float64(limit) || f != math.Trunc(f) {
+		return 0, false, nil
+	}
+	return uint64(f), true, nil
 }
