@@ -6,7 +6,12 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strconv"
 	"time"
+
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+
+	"github.com/tallyepp/tally/picker/extproc"
 )
 
 // options are the picker's command-line settings. Names, defaults and
@@ -31,41 +36,44 @@ type options struct {
 	// bufferBudget's.
 	maxBufferedRequestBytes int64
 	maxRequestLifetime      time.Duration
+	// maxModelNameLabels caps the model_name values of the
+	// inference_objective_* metrics.
+	maxModelNameLabels int
+
+	// zap holds the --zap-* flags (controller-runtime's); zapLevelSet says
+	// --zap-log-level was given and wins over -v.
+	zap         zap.Options
+	zapLevelSet bool
+	// healthChecking also serves gRPC health on the ext_proc port.
+	healthChecking bool
+
+	// Metrics and debug endpoints.
+	metricsBindAddress   string
+	metricsEndpointAuth  bool
+	metricsSecureServing bool
+	metricsCertPath      string
+	enablePprof          bool
+	// enableCertReload watches --cert-path and serves a rotated certificate
+	// without a restart.
+	enableCertReload bool
+
+	// Drain on SIGTERM: readiness off at once, new streams still taken for
+	// shutdownDelay, then open streams get up to shutdownGrace to finish.
+	shutdownDelay time.Duration
+	shutdownGrace time.Duration
+
+	// The upstream picker's standalone mode (no InferencePool); refused.
+	endpointSelector    string
+	endpointTargetPorts string
 }
 
 const inferencePoolGroup = "inference.networking.k8s.io"
 
-// upstreamOnlyFlags are flags of the upstream picker that gateway charts pass
-// but that have no meaning for Tally (it has no metrics scraper and its own
-// configuration format). They are accepted and ignored with a log line, so a
-// chart written for the upstream picker keeps working.
-var upstreamOnlyFlags = []string{
-	"refresh-metrics-interval",
-	"refresh-prometheus-metrics-interval",
-	"metrics-staleness-threshold",
-	"total-queued-requests-metric",
-	"total-running-requests-metric",
-	"kv-cache-usage-percentage-metric",
-	"lora-info-metric",
-	"cache-info-metric",
-	"zap-encoder",
-	"zap-log-level",
-	"zap-stacktrace-level",
-	"zap-time-encoding",
-}
-
-var upstreamOnlyBoolFlags = []string{
-	"metrics-endpoint-auth",
-	"health-checking",
-	"enable-cert-reload",
-	"zap-devel",
-	"enable-pprof",
-}
-
 // parseFlags parses args (without the program name). getenv supplies the
 // environment so tests need not touch the process's. The returned ignored
-// list names upstream-only flags that were set.
-func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (options, []string, error) {
+// list names the upstream picker's flags that were set but that Tally does
+// not apply.
+func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (options, []ignoredSetting, error) {
 	o := options{}
 	fs := flag.NewFlagSet("epp", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -90,31 +98,41 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	fs.Int64Var(&o.maxBufferedRequestBytes, "max-buffered-request-bytes", 0, "request body bytes buffered over all streams at once; a request that would pass it gets 503 "+
 		"(default: the config's maxBufferedRequestBytes, else half of GOMEMLIMIT, else 1 GiB; never less than the largest request body)")
 	fs.DurationVar(&o.maxRequestLifetime, "max-request-lifetime", 30*time.Minute, "a reservation older than this is released by the sweeper (a backstop for lost streams)")
-	ignoredValues := make(map[string]*string, len(upstreamOnlyFlags))
-	for _, name := range upstreamOnlyFlags {
-		ignoredValues[name] = fs.String(name, "", "accepted for compatibility with the upstream picker; ignored")
-	}
-	for _, name := range upstreamOnlyBoolFlags {
-		fs.Bool(name, false, "accepted for compatibility with the upstream picker; ignored")
-	}
+	fs.IntVar(&o.maxModelNameLabels, "max-model-name-labels", extproc.DefaultMaxModelNameLabels, "distinct model_name label values of the inference_objective_* metrics; later models share the value \"other\"")
+	fs.BoolVar(&o.healthChecking, "health-checking", false, "also serve gRPC health (the same services) on the ext_proc port")
+	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "", "address of the metrics and debug endpoints, e.g. 127.0.0.1:9090; \"0\" turns them off (default: \":<--metrics-port>\")")
+	fs.BoolVar(&o.metricsEndpointAuth, "metrics-endpoint-auth", true, "require a bearer token allowed, by a TokenReview and a SubjectAccessReview, to get the path (/metrics, /debug/ledger, /debug/pprof/...)")
+	fs.BoolVar(&o.metricsSecureServing, "metrics-secure-serving", false, "serve the metrics and debug endpoints over HTTPS (self-signed unless --metrics-cert-path)")
+	fs.StringVar(&o.metricsCertPath, "metrics-cert-path", "", "directory holding tls.crt and tls.key for --metrics-secure-serving; reloaded when they change")
+	fs.BoolVar(&o.enablePprof, "enable-pprof", true, "serve pprof at /debug/pprof/ on the metrics port (behind --metrics-endpoint-auth)")
+	fs.BoolVar(&o.enableCertReload, "enable-cert-reload", false, "reload the ext_proc certificate in --cert-path when it changes")
+	fs.DurationVar(&o.shutdownDelay, "shutdown-delay", 5*time.Second, "on SIGTERM, report not ready at once but keep taking new streams this long, while gateways stop sending")
+	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 10*time.Minute, "then let open streams finish for up to this long before cutting them")
+	fs.StringVar(&o.endpointSelector, "endpoint-selector", "", "the upstream picker's standalone mode; not supported: Tally serves an InferencePool (--pool-name)")
+	fs.StringVar(&o.endpointTargetPorts, "endpoint-target-ports", "", "the upstream picker's standalone mode; not supported: Tally serves an InferencePool (--pool-name)")
+	o.zap.BindFlags(fs)
+	ignoredSet := addIgnoredUpstreamFlags(fs)
 
-	if err := fs.Parse(args); err != nil {
+	if err := fs.Parse(joinBoolValues(fs, args)); err != nil {
 		return options{}, nil, err
 	}
 	if fs.NArg() > 0 {
 		return options{}, nil, fmt.Errorf("unexpected argument %q: epp takes flags only", fs.Arg(0))
 	}
-	var ignored []string
 	fs.Visit(func(f *flag.Flag) {
-		if _, ok := ignoredValues[f.Name]; ok {
-			ignored = append(ignored, f.Name)
-		}
-		for _, name := range upstreamOnlyBoolFlags {
-			if f.Name == name {
-				ignored = append(ignored, f.Name)
-			}
+		if f.Name == "zap-log-level" {
+			o.zapLevelSet = true
 		}
 	})
+	if o.metricsBindAddress == "" {
+		o.metricsBindAddress = ":" + strconv.Itoa(o.metricsPort)
+	}
+	ignored := ignoredSet()
+	if o.enableCertReload && (o.certPath == "" || !o.secureServing) {
+		// As upstream: without a certificate from --cert-path there is
+		// nothing to reload.
+		ignored = append(ignored, ignoredSetting{flag: "--enable-cert-reload", value: "true", reason: "no --cert-path certificate is served to reload"})
+	}
 	if o.kubeconfig == "" {
 		o.kubeconfig = getenv("KUBECONFIG")
 	}
@@ -137,6 +155,18 @@ func (o options) validate() error {
 			errs = append(errs, fmt.Errorf("flag --%s: %d is not a port: must be from 1 to 65535", p.name, p.port))
 		}
 	}
+	if o.endpointSelector != "" || o.endpointTargetPorts != "" {
+		errs = append(errs, errors.New("flags --endpoint-selector and --endpoint-target-ports (the upstream picker's standalone mode) are not supported: Tally serves an InferencePool, give --pool-name"))
+	}
+	if o.shutdownDelay < 0 {
+		errs = append(errs, fmt.Errorf("flag --shutdown-delay: %s is invalid: must be 0 or more", o.shutdownDelay))
+	}
+	if o.shutdownGrace < 0 {
+		errs = append(errs, fmt.Errorf("flag --shutdown-grace: %s is invalid: must be 0 or more", o.shutdownGrace))
+	}
+	if o.metricsCertPath != "" && !o.metricsSecureServing {
+		errs = append(errs, errors.New("flag --metrics-cert-path needs --metrics-secure-serving"))
+	}
 	if o.grpcPort == o.grpcHealthPort || o.grpcPort == o.metricsPort || o.grpcHealthPort == o.metricsPort {
 		errs = append(errs, fmt.Errorf("flags --grpc-port (%d), --grpc-health-port (%d) and --metrics-port (%d) must differ", o.grpcPort, o.grpcHealthPort, o.metricsPort))
 	}
@@ -151,6 +181,9 @@ func (o options) validate() error {
 	}
 	if o.maxRequestLifetime < time.Second {
 		errs = append(errs, fmt.Errorf("flag --max-request-lifetime: %s is invalid: must be at least 1s", o.maxRequestLifetime))
+	}
+	if o.maxModelNameLabels < 1 {
+		errs = append(errs, fmt.Errorf("flag --max-model-name-labels: %d is invalid: must be 1 or more", o.maxModelNameLabels))
 	}
 	if o.verbosity < 0 {
 		errs = append(errs, fmt.Errorf("flag -v: %d is invalid: must be 0 or more", o.verbosity))

@@ -77,6 +77,9 @@ func TestInvalidFlagValuesNameTheFlag(t *testing.T) {
 		{[]string{"--max-buffered-request-bytes", "-1"}, "--max-buffered-request-bytes"},
 		{[]string{"--grpc-port", "abc"}, "grpc-port"},
 		{[]string{"extra"}, "unexpected argument"},
+		{[]string{"--endpoint-selector", "app=vllm"}, "--endpoint-selector"},
+		{[]string{"--shutdown-grace", "-1s"}, "--shutdown-grace"},
+		{[]string{"--metrics-cert-path", "/x"}, "--metrics-secure-serving"},
 	} {
 		var stderr bytes.Buffer
 		code := run(context.Background(), append([]string{"--pool-name", "p"}, tc.args...), env(nil), &stderr)
@@ -87,12 +90,50 @@ func TestInvalidFlagValuesNameTheFlag(t *testing.T) {
 }
 
 func TestUpstreamOnlyFlagsAreAcceptedAndReported(t *testing.T) {
-	_, ignored, err := parseFlags([]string{"--pool-name", "p", "--zap-encoder=json", "--metrics-endpoint-auth=false"}, env(nil), &bytes.Buffer{})
+	_, ignored, err := parseFlags([]string{"--pool-name", "p", "--zap-encoder=json", "--tracing=false",
+		"--total-queued-requests-metric", `"sglang:num_queue_reqs"`, "--lora-info-metric", "", "--metrics-endpoint-auth=false"}, env(nil), &bytes.Buffer{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if strings.Join(ignored, ",") != "metrics-endpoint-auth,zap-encoder" {
+	var names []string
+	for _, s := range ignored {
+		if s.reason == "" {
+			t.Errorf("%s is ignored without a reason", s.flag)
+		}
+		names = append(names, s.flag)
+	}
+	// --zap-encoder and --metrics-endpoint-auth are honoured, not ignored.
+	if strings.Join(names, ",") != "--lora-info-metric,--total-queued-requests-metric,--tracing" {
 		t.Fatalf("ignored = %v", ignored)
+	}
+}
+
+// The upstream chart passes its flags map as two arguments per flag, and
+// pflag-style `--flag value` for booleans means the value.
+func TestBooleanFlagsTakeTheirValueAsTheNextArgument(t *testing.T) {
+	o, _, err := parseFlags([]string{"--pool-name", "p", "--enable-pprof", "false", "--metrics-endpoint-auth", "False", "--secure-serving", "-v", "2"}, env(nil), &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.enablePprof || o.metricsEndpointAuth || !o.secureServing || o.verbosity != 2 {
+		t.Fatalf("got pprof %v auth %v secure %v -v %d", o.enablePprof, o.metricsEndpointAuth, o.secureServing, o.verbosity)
+	}
+}
+
+func TestSecurityFlagsDefaultAsUpstream(t *testing.T) {
+	o, _, err := parseFlags([]string{"--pool-name", "p", "--metrics-port", "9191"}, env(nil), &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !o.metricsEndpointAuth || !o.enablePprof || o.enableCertReload || o.metricsSecureServing || o.metricsBindAddress != ":9191" {
+		t.Fatalf("got %+v", o)
+	}
+	if o.shutdownDelay != 5*time.Second || o.shutdownGrace != 10*time.Minute {
+		t.Fatalf("drain defaults: delay %s grace %s", o.shutdownDelay, o.shutdownGrace)
+	}
+	_, ignored, err := parseFlags([]string{"--pool-name", "p", "--enable-cert-reload"}, env(nil), &bytes.Buffer{})
+	if err != nil || len(ignored) != 1 || ignored[0].flag != "--enable-cert-reload" {
+		t.Fatalf("--enable-cert-reload without --cert-path: ignored %v, err %v; want it reported as ignored", ignored, err)
 	}
 }
 
@@ -100,7 +141,9 @@ func TestBadConfigStopsStartupNamingTheField(t *testing.T) {
 	for _, tc := range []struct{ text, want string }{
 		{"apiVersion: tally.tallyepp.io/v1alpha1\nkind: PickerConfig\nblockSize: 64\n", `unknown field "blockSize"`},
 		{"apiVersion: tally.tallyepp.io/v1alpha1\nkind: PickerConfig\nblockSizeChars: 2\n", "blockSizeChars"},
-		{"kind: EndpointPickerConfig\n", "kind"},
+		{"kind: EndpointPickerConfig\n", "apiVersion"},
+		{"kind: Other\n", "kind"},
+		{"apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 0}\n", "maxNumOfEndpoints"},
 	} {
 		var stderr bytes.Buffer
 		code := run(context.Background(), []string{"--pool-name", "p", "--config-text", tc.text}, env(nil), &stderr)
@@ -163,7 +206,7 @@ func TestBufferBudget(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			cfg, err := loadConfig(o)
+			cfg, _, err := loadConfig(o)
 			if err != nil {
 				t.Fatal(err)
 			}

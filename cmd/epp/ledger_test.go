@@ -6,8 +6,6 @@ import (
 	"net/netip"
 	"testing"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/picker"
 )
@@ -25,7 +23,7 @@ func TestDebugLedgerIsOneSnapshotWithRetainedRows(t *testing.T) {
 	p.Replace([]picker.Endpoint{b}) // a turns NotReady with its request in flight
 
 	rec := httptest.NewRecorder()
-	metricsMux(prometheus.NewRegistry(), p).ServeHTTP(rec, httptest.NewRequest("GET", "/debug/ledger", nil))
+	ledgerHandler(p).ServeHTTP(rec, httptest.NewRequest("GET", "/debug/ledger", nil))
 	var got ledger
 	if err := json.Unmarshal(rec.Body.Bytes(), &got); err != nil {
 		t.Fatalf("decoding %s: %v", rec.Body, err)

@@ -48,6 +48,7 @@ func TestHealth(t *testing.T) {
 	const serving, notServing = healthpb.HealthCheckResponse_SERVING, healthpb.HealthCheckResponse_NOT_SERVING
 	check("before ready", map[string]healthpb.HealthCheckResponse_ServingStatus{
 		"liveness": serving, "readiness": notServing, "": notServing, "envoy.service.ext_proc.v3.ExternalProcessor": notServing,
+		"inference-extension": notServing,
 	})
 	h.SetReady(true)
 	check("ready", map[string]healthpb.HealthCheckResponse_ServingStatus{
@@ -56,6 +57,16 @@ func TestHealth(t *testing.T) {
 	h.SetReady(false)
 	check("no longer ready", map[string]healthpb.HealthCheckResponse_ServingStatus{
 		"liveness": serving, "readiness": notServing, "": notServing, "envoy.service.ext_proc.v3.ExternalProcessor": notServing,
+	})
+
+	// What the upstream inferencepool chart's probes ask for is readiness.
+	h.SetReady(true)
+	check("ready again", map[string]healthpb.HealthCheckResponse_ServingStatus{"inference-extension": serving})
+	h.Drain()
+	h.SetReady(true) // e.g. a late sync: draining wins
+	check("draining", map[string]healthpb.HealthCheckResponse_ServingStatus{
+		"liveness": serving, "readiness": notServing, "": notServing, "inference-extension": notServing,
+		"envoy.service.ext_proc.v3.ExternalProcessor": notServing,
 	})
 }
 

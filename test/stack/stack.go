@@ -339,6 +339,11 @@ func (s *Stack) StartPicker(ctx context.Context) error {
 		"--grpc-port=" + strconv.Itoa(s.pickerGRPCPort),
 		"--grpc-health-port=" + strconv.Itoa(s.pickerHealthPort),
 		"--metrics-port=" + strconv.Itoa(s.pickerMetricsPort),
+		// Tests and the demo read /metrics and /debug/ledger over plain
+		// HTTP on loopback, without a token.
+		"--metrics-endpoint-auth=false",
+		// Stopping the stack need not wait for gateways to notice.
+		"--shutdown-delay=0s",
 	}, s.opts.PickerArgs...)
 	p, err := startProcess("epp", filepath.Join(s.opts.BinDir, "epp"), args, s.opts.Output, nil)
 	if err != nil {

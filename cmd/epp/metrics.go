@@ -1,0 +1,161 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/pprof"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"google.golang.org/protobuf/proto"
+	"k8s.io/client-go/rest"
+	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
+	"sigs.k8s.io/controller-runtime/pkg/metrics/filters"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	"github.com/tallyepp/tally/picker"
+)
+
+// newMetricsServer returns controller-runtime's metrics server for
+// --metrics-bind-address: /metrics, /debug/ledger and, with --enable-pprof,
+// /debug/pprof/. With --metrics-endpoint-auth every path needs a bearer
+// token that the API server authenticates (TokenReview) and allows to get
+// that path (SubjectAccessReview, nonResourceURLs), as the upstream picker
+// does. The server is nil when the address is "0". detach takes the
+// picker's registry back off /metrics.
+func newMetricsServer(opts options, kube *rest.Config, reg *prometheus.Registry, pick *picker.Picker) (metricsserver.Server, func(), error) {
+	if opts.metricsBindAddress == "0" {
+		return nil, func() {}, nil
+	}
+	extra := map[string]http.Handler{"/debug/ledger": ledgerHandler(pick)}
+	if opts.enablePprof {
+		extra["/debug/pprof/"] = http.HandlerFunc(pprof.Index)
+		extra["/debug/pprof/cmdline"] = http.HandlerFunc(pprof.Cmdline)
+		extra["/debug/pprof/profile"] = http.HandlerFunc(pprof.Profile)
+		extra["/debug/pprof/symbol"] = http.HandlerFunc(pprof.Symbol)
+		extra["/debug/pprof/trace"] = http.HandlerFunc(pprof.Trace)
+	}
+	so := metricsserver.Options{
+		BindAddress:   opts.metricsBindAddress,
+		SecureServing: opts.metricsSecureServing,
+		CertDir:       opts.metricsCertPath,
+		ExtraHandlers: extra,
+	}
+	if opts.metricsEndpointAuth {
+		so.FilterProvider = filters.WithAuthenticationAndAuthorization
+	}
+	httpClient, err := rest.HTTPClientFor(kube)
+	if err != nil {
+		return nil, nil, fmt.Errorf("creating the HTTP client for metrics authorization: %w", err)
+	}
+	srv, err := metricsserver.NewServer(so, kube, httpClient)
+	if err != nil {
+		return nil, nil, fmt.Errorf("flag --metrics-bind-address %s: %w", opts.metricsBindAddress, err)
+	}
+	bridge := &registryCollector{gatherer: reg}
+	if err := ctrlmetrics.Registry.Register(bridge); err != nil {
+		return nil, nil, fmt.Errorf("adding the picker's metrics to /metrics: %w", err)
+	}
+	return srv, bridge.detach, nil
+}
+
+func ledgerHandler(pick *picker.Picker) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodGet {
+			http.Error(w, "GET only", http.StatusMethodNotAllowed)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(ledgerJSON(pick.Snapshot()))
+	})
+}
+
+// registryCollector re-emits what a registry gathers as a collector of
+// another: controller-runtime's metrics server serves only its global
+// registry at /metrics, and the picker's metrics live on a registry of
+// their own (so that tests and several pickers in one process never share
+// them). It is unchecked (it describes nothing), so it cannot be
+// unregistered; detach empties it instead.
+type registryCollector struct {
+	mu       sync.RWMutex
+	gatherer prometheus.Gatherer
+}
+
+func (c *registryCollector) detach() {
+	c.mu.Lock()
+	c.gatherer = nil
+	c.mu.Unlock()
+}
+
+func (*registryCollector) Describe(chan<- *prometheus.Desc) {}
+
+func (c *registryCollector) Collect(ch chan<- prometheus.Metric) {
+	c.mu.RLock()
+	g := c.gatherer
+	c.mu.RUnlock()
+	if g == nil {
+		return
+	}
+	families, err := g.Gather()
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(prometheus.NewDesc("tally_metrics_gather_error", "gathering the picker's metrics failed", nil, nil), err)
+		return
+	}
+	for _, f := range families {
+		desc := prometheus.NewDesc(f.GetName(), f.GetHelp(), nil, nil)
+		for _, m := range f.GetMetric() {
+			ch <- gatheredMetric{desc: desc, metric: m}
+		}
+	}
+}
+
+// gatheredMetric is one gathered sample, written back as it was.
+type gatheredMetric struct {
+	desc   *prometheus.Desc
+	metric *dto.Metric
+}
+
+func (m gatheredMetric) Desc() *prometheus.Desc { return m.desc }
+
+func (m gatheredMetric) Write(out *dto.Metric) error {
+	proto.Merge(out, m.metric)
+	return nil
+}
+
+// ledgerRow is one endpoint in /debug/ledger.
+type ledgerRow struct {
+	Pod                    string  `json:"pod"`
+	UID                    string  `json:"uid,omitempty"`
+	Endpoint               string  `json:"endpoint"`
+	InFlight               int     `json:"inFlight"`
+	PrefillTokens          int     `json:"prefillTokens"`
+	Decoding               int     `json:"decoding"`
+	PrefillTokensPerSecond float64 `json:"prefillTokensPerSecond"`
+}
+
+// ledger is /debug/ledger: one snapshot of the picker's ledger, its totals
+// and rows read under one hold of its lock.
+type ledger struct {
+	InFlight      int         `json:"inFlight"`
+	PrefillTokens int         `json:"prefillTokens"`
+	Endpoints     []ledgerRow `json:"endpoints"`
+	// Retained are endpoints that left the set and keep their row.
+	Retained []ledgerRow `json:"retained"`
+}
+
+func ledgerJSON(l picker.Ledger) ledger {
+	rows := func(stats []picker.EndpointStats) []ledgerRow {
+		out := make([]ledgerRow, 0, len(stats))
+		for _, s := range stats {
+			out = append(out, ledgerRow{
+				Pod: s.Endpoint.Pod, UID: s.Endpoint.UID, Endpoint: s.Endpoint.Address.String(),
+				InFlight: s.InFlight, PrefillTokens: s.PrefillTokens, Decoding: s.Decoding,
+				PrefillTokensPerSecond: s.PrefillTokensPerSecond,
+			})
+		}
+		return out
+	}
+	return ledger{InFlight: l.InFlight, PrefillTokens: l.PrefillTokens, Endpoints: rows(l.Endpoints), Retained: rows(l.Retained)}
+}

@@ -1,0 +1,256 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"net"
+	"path/filepath"
+	"runtime/debug"
+	"strconv"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"k8s.io/apimachinery/pkg/types"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/certwatcher"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/controllers"
+	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/extproc"
+)
+
+const readinessPollInterval = 100 * time.Millisecond
+
+// Without a memory limit to derive the buffer budget from, it is this.
+const defaultBufferBudgetBytes int64 = 1 << 30
+
+// bufferBudget returns the request bytes the ext_proc server may buffer over
+// all streams, and where that number comes from. memoryLimit is the Go
+// runtime's (debug.SetMemoryLimit(-1): GOMEMLIMIT, math.MaxInt64 when
+// unset). Half of it, because the bytes counted are only the bodies as
+// received: append slack, parsed prompts and everything else the picker
+// holds come on top. Never below maxRequestBytes, or the largest request
+// accepted could never be buffered.
+func bufferBudget(cfg v1alpha1.PickerConfig, memoryLimit int64) (int64, string) {
+	if cfg.MaxBufferedRequestBytes > 0 {
+		return cfg.MaxBufferedRequestBytes, "maxBufferedRequestBytes"
+	}
+	budget, source := defaultBufferBudgetBytes, "default (no GOMEMLIMIT)"
+	if memoryLimit > 0 && memoryLimit != math.MaxInt64 {
+		budget, source = memoryLimit/2, "half of GOMEMLIMIT"
+	}
+	if budget < cfg.MaxRequestBytes {
+		return cfg.MaxRequestBytes, source + ", raised to maxRequestBytes"
+	}
+	return budget, source
+}
+
+// serve runs every part of the picker until ctx ends (SIGTERM), then drains,
+// or until one part fails, then stops at once.
+//
+// Two lifetimes: the controller manager (watches, leader election) stops as
+// soon as ctx ends, so that the lease is released and a standby can lead at
+// once; everything that serves streams (ext_proc, health, metrics, the
+// picker's ledger) lives until the drain is over.
+func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log logr.Logger) error {
+	kube, err := controllers.RESTConfig(opts.kubeconfig)
+	if err != nil {
+		return err
+	}
+	// The picker's own metrics. controller-runtime's metrics server serves
+	// its global registry (with the Go and process collectors); the
+	// picker's registry is added to it below, not registered globally.
+	reg := prometheus.NewRegistry()
+
+	pick := picker.New(cfg, picker.Options{
+		Registerer:         reg,
+		MaxRequestLifetime: opts.maxRequestLifetime,
+		Log:                log.WithName("picker"),
+		PoolName:           opts.poolName,
+	})
+
+	mgr, err := ctrl.NewManager(kube, ctrl.Options{
+		Scheme: controllers.Scheme(),
+		Cache:  controllers.CacheOptions(opts.poolNamespace),
+		// The metrics server runs below, outliving the manager while
+		// streams drain.
+		Metrics:                 metricsserver.Options{BindAddress: "0"},
+		HealthProbeBindAddress:  "0",
+		LeaderElection:          opts.leaderElection,
+		LeaderElectionID:        "tally-epp-" + opts.poolName,
+		LeaderElectionNamespace: opts.poolNamespace,
+		// Stop leading at once on shutdown so a standby takes over quickly.
+		LeaderElectionReleaseOnCancel: true,
+	})
+	if err != nil {
+		return fmt.Errorf("creating the controller manager: %w", err)
+	}
+	pool := types.NamespacedName{Namespace: opts.poolNamespace, Name: opts.poolName}
+	if err := controllers.Setup(mgr, pool, pick); err != nil {
+		return fmt.Errorf("setting up the controllers: %w", err)
+	}
+
+	budget, budgetSource := bufferBudget(cfg, debug.SetMemoryLimit(-1))
+	log.Info("request buffering", "maxBufferedRequestBytes", budget, "from", budgetSource, "maxRequestBytes", cfg.MaxRequestBytes)
+
+	grpcOpts := extproc.GRPCServerOptions(cfg.MaxRequestBytes)
+	var certs *certwatcher.CertWatcher
+	if opts.secureServing {
+		tlsConfig, err := extproc.ServerTLS(opts.certPath)
+		if err != nil {
+			return fmt.Errorf("flag --cert-path %q: %w", opts.certPath, err)
+		}
+		if opts.enableCertReload && opts.certPath != "" {
+			certs, err = certwatcher.New(filepath.Join(opts.certPath, "tls.crt"), filepath.Join(opts.certPath, "tls.key"))
+			if err != nil {
+				return fmt.Errorf("flag --enable-cert-reload: watching --cert-path %q: %w", opts.certPath, err)
+			}
+			tlsConfig.Certificates = nil
+			tlsConfig.GetCertificate = certs.GetCertificate
+		}
+		grpcOpts = append(grpcOpts, grpc.Creds(credentials.NewTLS(tlsConfig)))
+	}
+	extprocServer := grpc.NewServer(grpcOpts...)
+	extproc.NewServer(pick, extproc.Options{
+		MaxRequestBytes:         cfg.MaxRequestBytes,
+		MaxBufferedRequestBytes: budget,
+		Log:                     log.WithName("extproc"),
+		Registerer:              reg,
+		MaxModelNameLabels:      opts.maxModelNameLabels,
+	}).Register(extprocServer)
+	health := extproc.NewHealth()
+	healthServer := grpc.NewServer()
+	health.Register(healthServer)
+	if opts.healthChecking {
+		health.Register(extprocServer)
+	}
+
+	metrics, detach, err := newMetricsServer(opts, kube, reg, pick)
+	if err != nil {
+		return err
+	}
+	defer detach()
+
+	extprocLis, err := listen("grpc-port", opts.grpcPort)
+	if err != nil {
+		return err
+	}
+	healthLis, err := listen("grpc-health-port", opts.grpcHealthPort)
+	if err != nil {
+		return err
+	}
+
+	g, failed := errgroup.WithContext(context.Background())
+	serving, stopServing := context.WithCancel(failed)
+	defer stopServing()
+	managing, stopManaging := context.WithCancel(serving)
+	defer stopManaging()
+	context.AfterFunc(ctx, stopManaging)
+
+	g.Go(func() error {
+		if err := mgr.Start(managing); err != nil {
+			return fmt.Errorf("running the controllers: %w", err)
+		}
+		return nil
+	})
+	g.Go(func() error { pick.Run(serving); return nil })
+	g.Go(func() error { return extprocServer.Serve(extprocLis) })
+	g.Go(func() error { return healthServer.Serve(healthLis) })
+	if metrics != nil {
+		g.Go(func() error {
+			if err := metrics.Start(serving); err != nil {
+				return fmt.Errorf("serving metrics on --metrics-bind-address %s: %w", opts.metricsBindAddress, err)
+			}
+			return nil
+		})
+	}
+	if certs != nil {
+		g.Go(func() error { return certs.Start(serving) })
+	}
+	g.Go(func() error {
+		awaitReady(managing, pick, mgr.Elected(), opts.leaderElection)
+		if managing.Err() == nil {
+			health.SetReady(true)
+			log.Info("ready", "pool", pool.String(), "grpcPort", opts.grpcPort)
+		}
+		return nil
+	})
+	g.Go(func() error {
+		select {
+		case <-ctx.Done():
+		case <-failed.Done():
+			// A part failed: stop everything now; g.Wait reports why.
+			extprocServer.Stop()
+			healthServer.Stop()
+			return nil
+		}
+		health.Drain()
+		log.Info("shutting down: not ready; still taking new streams for --shutdown-delay, then letting open ones finish for --shutdown-grace",
+			"shutdownDelay", opts.shutdownDelay, "shutdownGrace", opts.shutdownGrace)
+		select {
+		case <-time.After(opts.shutdownDelay):
+		case <-failed.Done():
+		}
+		if !stopGRPC(extprocServer, opts.shutdownGrace, failed) {
+			log.Info("open streams were cut at the end of --shutdown-grace", "shutdownGrace", opts.shutdownGrace)
+		}
+		log.Info("drained")
+		stopServing()
+		healthServer.Stop()
+		return nil
+	})
+	return g.Wait()
+}
+
+func listen(flagName string, port int) (net.Listener, error) {
+	lis, err := net.Listen("tcp", ":"+strconv.Itoa(port))
+	if err != nil {
+		return nil, fmt.Errorf("flag --%s: %w", flagName, err)
+	}
+	return lis, nil
+}
+
+// awaitReady returns once the endpoint set is synced and, with leader
+// election, this replica leads (or ctx ends).
+func awaitReady(ctx context.Context, pick *picker.Picker, elected <-chan struct{}, leaderElection bool) {
+	if leaderElection {
+		select {
+		case <-elected:
+		case <-ctx.Done():
+			return
+		}
+	}
+	t := time.NewTicker(readinessPollInterval)
+	defer t.Stop()
+	for !pick.Synced() {
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+// stopGRPC refuses new streams and lets open ones finish for up to grace
+// (or until failed ends), then cuts them; each stream's reservation is
+// released when its context ends. It reports whether every stream finished.
+func stopGRPC(s *grpc.Server, grace time.Duration, failed context.Context) bool {
+	done := make(chan struct{})
+	go func() { s.GracefulStop(); close(done) }()
+	select {
+	case <-done:
+		return true
+	case <-time.After(grace):
+	case <-failed.Done():
+	}
+	s.Stop()
+	<-done
+	return false
+}
