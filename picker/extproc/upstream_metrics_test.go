@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr/testr"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -197,6 +199,53 @@ inference_pool_ready_pods{name="pool-a"} 3
 	}
 	if !slices.Equal(names, []string{"build_ref", "commit"}) {
 		t.Errorf("inference_extension_info labels %v, want build_ref and commit", names)
+	}
+}
+
+// In BUFFERED mode the response body comes as one message; a compressed body
+// is not read for usage (the picker never decompresses).
+func TestUpstreamUsageInOtherResponseShapes(t *testing.T) {
+	f := newUpstreamFixture(t, 0)
+	usage := `{"choices":[{"text":"hi"}],"usage":{"prompt_tokens":40,"completion_tokens":4}}`
+
+	buffered := completion("buffered", letters(1, 1000))
+	buffered.mode = filterv3.ProcessingMode_BUFFERED
+	play(t, f, buffered, httpResponse{status: 200, chunks: []string{usage}})
+
+	x, err := f.gw.open(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.cancel()
+	if r, err := x.sendRequest(completion("gzipped", letters(2, 1000))); err != nil || r.immediate != nil {
+		t.Fatalf("routing: %v %v", err, r.immediate)
+	}
+	for _, m := range []*extprocv3.ProcessingRequest{
+		{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
+			Headers: headerMap(":status", "200", "content-type", "application/json", "content-encoding", "gzip"),
+		}}},
+		// Not really gzip: if the picker read it, it would find usage.
+		{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte(usage), EndOfStream: true}}},
+	} {
+		if err := x.send(m); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := x.stream.Recv(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := x.finish(); err != nil {
+		t.Fatal(err)
+	}
+
+	for model, want := range map[string]uint64{"buffered": 1, "gzipped": 0} {
+		labels := map[string]string{"model_name": model, "target_model_name": model}
+		if n := histogramOf(t, f.reg, "inference_objective_input_tokens", labels).GetSampleCount(); n != want {
+			t.Errorf("%s: %d prompt token samples, want %d", model, n, want)
+		}
+		if n := histogramOf(t, f.reg, "inference_objective_request_duration_seconds", labels).GetSampleCount(); n != 1 {
+			t.Errorf("%s: %d duration samples, want 1", model, n)
+		}
 	}
 }
 
