@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates the manifests derived from code and modules (the Makefile's
 # "manifests" target):
-#   - config/rbac/role.yaml from the +kubebuilder:rbac markers in controllers/,
+#   - config/rbac/role.yaml from the +kubebuilder:rbac markers in controllers/
+#     (the namespaced Role) and cmd/epp (the ClusterRole for metrics auth),
 #   - the InferencePool CRD in config/crd/bases and charts/tally/crds, copied
 #     unchanged from the gateway-api-inference-extension module go.mod pins.
 # Run from anywhere; it works from the repository root.
@@ -11,7 +12,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "${root}"
 
 go run sigs.k8s.io/controller-tools/cmd/controller-gen@v0.23.0 \
-  rbac:roleName=tally-picker paths=./controllers/... \
+  rbac:roleName=tally-picker paths="./controllers/...;./cmd/epp/..." \
   output:rbac:artifacts:config=config/rbac
 
 crd="inference.networking.k8s.io_inferencepools.yaml"

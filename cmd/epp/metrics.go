@@ -18,6 +18,11 @@ import (
 	"github.com/tallyepp/tally/picker"
 )
 
+// With --metrics-endpoint-auth the picker asks the API server who a scraper
+// is and whether it may get the path:
+// +kubebuilder:rbac:groups=authentication.k8s.io,resources=tokenreviews,verbs=create
+// +kubebuilder:rbac:groups=authorization.k8s.io,resources=subjectaccessreviews,verbs=create
+
 // newMetricsServer returns controller-runtime's metrics server for
 // --metrics-bind-address: /metrics, /debug/ledger and, with --enable-pprof,
 // /debug/pprof/. With --metrics-endpoint-auth every path needs a bearer

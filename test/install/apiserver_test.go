@@ -3,6 +3,7 @@ package install
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -26,6 +27,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -90,7 +92,10 @@ podDisruptionBudget: {create: true}
 		user := c.serviceAccountUser(t, ns, sa)
 		p := startPicker(t, bin, r, user)
 		p.waitReady(t)
-		p.waitForEndpoint(t, "127.0.0.2:8000")
+		// Metrics are served over HTTPS to the ServiceMonitor's identity only.
+		reader := metricsReader(t, r)
+		p.waitForEndpoint(t, "https", c.token(t, ns, reader), "127.0.0.2:8000")
+		c.checkMetricsAuth(t, p.metricsAddr, "https", ns, reader)
 
 		// The Role grants the picker its namespace's pods and pools and
 		// nothing more.
@@ -140,7 +145,8 @@ podDisruptionBudget: {create: true}
 		d, _ := pickerDeployment(t, k)
 		p := startPicker(t, bin, k, c.serviceAccountUser(t, kustomizeNamespace, d.Spec.Template.Spec.ServiceAccountName))
 		p.waitReady(t)
-		p.waitForEndpoint(t, "127.0.0.4:8000")
+		// A scraper bound to config/rbac's metrics reader role.
+		p.waitForEndpoint(t, "https", c.boundToken(t, kustomizeNamespace, "prometheus", "tally-metrics-reader"), "127.0.0.4:8000")
 	})
 }
 
@@ -435,13 +441,16 @@ func (p *picker) waitReady(t *testing.T) {
 
 // waitForEndpoint waits until the picker's ledger lists endpoint: proof that
 // it read the pool and its pods with the credentials it was given.
-func (p *picker) waitForEndpoint(t *testing.T, endpoint string) {
+func (p *picker) waitForEndpoint(t *testing.T, scheme, token, endpoint string) {
 	t.Helper()
-	url := "http://" + p.metricsAddr + "/debug/ledger"
+	url := scheme + "://" + p.metricsAddr + "/debug/ledger"
+	// The picker's metrics certificate is self-signed.
+	client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
 	gomega.NewWithT(t).Eventually(func(g gomega.Gomega) []string {
 		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, url, nil)
 		g.Expect(err).NotTo(gomega.HaveOccurred())
-		resp, err := http.DefaultClient.Do(req)
+		req.Header.Set("Authorization", "Bearer "+token)
+		resp, err := client.Do(req)
 		g.Expect(err).NotTo(gomega.HaveOccurred())
 		defer resp.Body.Close()
 		g.Expect(resp.StatusCode).To(gomega.Equal(http.StatusOK))
@@ -457,6 +466,24 @@ func (p *picker) waitForEndpoint(t *testing.T, endpoint string) {
 		}
 		return got
 	}).WithTimeout(pickerReadyTimeout).WithPolling(pollInterval).Should(gomega.ConsistOf(endpoint), "endpoints in %s", url)
+}
+
+// boundToken creates a ServiceAccount bound to clusterRole and returns a
+// token for it.
+func (c *cluster) boundToken(t *testing.T, ns, sa, clusterRole string) string {
+	t.Helper()
+	if _, err := c.kube.CoreV1().ServiceAccounts(ns).Create(t.Context(), &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	binding := &rbacv1.ClusterRoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: ns + "-" + sa},
+		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: clusterRole},
+		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Name: sa, Namespace: ns}},
+	}
+	if _, err := c.kube.RbacV1().ClusterRoleBindings().Create(t.Context(), binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return c.token(t, ns, sa)
 }
 
 // freePort returns a loopback port that was free a moment ago. The picker

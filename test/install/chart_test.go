@@ -15,8 +15,10 @@ import (
 	"helm.sh/helm/v3/pkg/lint/support"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
@@ -98,11 +100,17 @@ func flagValue(t *testing.T, args []string, name string) string {
 func TestChartDefaults(t *testing.T) {
 	r := mustRender(t, testNamespace, requiredValues)
 
-	wantKinds := []string{"ConfigMap", "Deployment", "InferencePool", "Role", "RoleBinding", "Service", "ServiceAccount"}
+	wantKinds := []string{"ClusterRole", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "InferencePool", "Role", "RoleBinding", "Service", "ServiceAccount"}
 	if diff := cmp.Diff(wantKinds, r.kinds()); diff != "" {
 		t.Fatalf("rendered kinds (-want +got):\n%s", diff)
 	}
 	for _, o := range r.objects {
+		if strings.HasPrefix(o.GetKind(), "Cluster") {
+			if !strings.HasPrefix(o.GetName(), testNamespace+"-llama-epp-") {
+				t.Errorf("%s %s: want a name with the release namespace and the picker's name, so releases never share it", o.GetKind(), o.GetName())
+			}
+			continue
+		}
 		if o.GetNamespace() != testNamespace {
 			t.Errorf("%s %s is in namespace %q, want the release namespace %q", o.GetKind(), o.GetName(), o.GetNamespace(), testNamespace)
 		}
@@ -126,10 +134,37 @@ func TestChartDefaults(t *testing.T) {
 		"--metrics-port=9090",
 		"--secure-serving=true",
 		"--config-file=/config/picker.yaml",
+		"--metrics-endpoint-auth=true",
+		"--metrics-secure-serving=true",
+		"--enable-pprof=true",
+		"--shutdown-delay=5s",
+		"--shutdown-grace=600s",
 		"-v=0",
 	}
 	if diff := cmp.Diff(wantArgs, c.Args); diff != "" {
 		t.Errorf("args (-want +got):\n%s", diff)
+	}
+	if g := d.Spec.Template.Spec.TerminationGracePeriodSeconds; g == nil || *g <= 5+600 {
+		t.Errorf("terminationGracePeriodSeconds = %v, want above the drain (5 s delay + 600 s grace)", g)
+	}
+	// The picker asks the API server about scrapers: the only cluster-wide
+	// rights it gets.
+	for _, o := range r.all("ClusterRoleBinding") {
+		var b rbacv1.ClusterRoleBinding
+		decodeStrict(t, o, &b)
+		var role rbacv1.ClusterRole
+		for _, cr := range r.all("ClusterRole") {
+			if cr.GetName() == b.RoleRef.Name {
+				decodeStrict(t, cr, &role)
+			}
+		}
+		wantRules := []rbacv1.PolicyRule{
+			{APIGroups: []string{"authentication.k8s.io"}, Resources: []string{"tokenreviews"}, Verbs: []string{"create"}},
+			{APIGroups: []string{"authorization.k8s.io"}, Resources: []string{"subjectaccessreviews"}, Verbs: []string{"create"}},
+		}
+		if diff := cmp.Diff(wantRules, role.Rules); diff != "" || b.Subjects[0].Name != d.Spec.Template.Spec.ServiceAccountName {
+			t.Errorf("ClusterRoleBinding %s binds %s to rules (-want +got):\n%s", b.Name, b.Subjects[0].Name, diff)
+		}
 	}
 	for _, p := range []*corev1.Probe{c.LivenessProbe, c.ReadinessProbe} {
 		if p == nil || p.GRPC == nil || p.GRPC.Port != 9003 {
@@ -247,8 +282,12 @@ func TestChartLeaderElectionWithReplicas(t *testing.T) {
 	if *d.Spec.Replicas != 3 {
 		t.Errorf("replicas = %d, want 3", *d.Spec.Replicas)
 	}
-	if d.Spec.Strategy.Type != appsv1.RecreateDeploymentStrategyType {
-		t.Errorf("strategy = %q, want Recreate: a new pod cannot become Ready while the old leader holds the lease", d.Spec.Strategy.Type)
+	// New pods start at once while the old ones drain; one of them leads
+	// once the old leader releases the lease on SIGTERM.
+	all := intstr.FromString("100%")
+	if st := d.Spec.Strategy; st.Type != appsv1.RollingUpdateDeploymentStrategyType || st.RollingUpdate == nil ||
+		*st.RollingUpdate.MaxSurge != all || *st.RollingUpdate.MaxUnavailable != all {
+		t.Errorf("strategy = %+v, want a rolling update with maxSurge and maxUnavailable 100%%: a new pod cannot become Ready while the old leader holds the lease", st)
 	}
 	if flagValue(t, c.Args, "--ha-enable-leader-election") != "" {
 		t.Errorf("--ha-enable-leader-election takes no value in %q", c.Args)
@@ -276,8 +315,10 @@ func TestChartOptionalResources(t *testing.T) {
 		name   string
 		values []string
 		// The kinds rendered besides ConfigMap, Deployment, Role,
-		// RoleBinding and Service.
+		// RoleBinding and Service (and, unless noAuth, the ClusterRoles
+		// and ClusterRoleBinding of metrics auth).
 		wantKinds []string
+		noAuth    bool
 		check     func(t *testing.T, r rendered)
 	}{{
 		name: "HTTPRoute to the pool",
@@ -316,7 +357,7 @@ httpRoute:
 	}, {
 		name:      "ServiceMonitor on the metrics port",
 		values:    []string{requiredValues, `serviceMonitor: {create: true, interval: 15s, labels: {release: prometheus}}`},
-		wantKinds: []string{"InferencePool", "ServiceAccount", "ServiceMonitor"},
+		wantKinds: []string{"ClusterRoleBinding", "InferencePool", "Secret", "ServiceAccount", "ServiceAccount", "ServiceMonitor"},
 		check: func(t *testing.T, r rendered) {
 			sm := r.all("ServiceMonitor")[0]
 			if sm.GetLabels()["release"] != "prometheus" {
@@ -330,6 +371,11 @@ httpRoute:
 				} `json:"selector"`
 				Endpoints []struct {
 					Port, Path, Scheme, Interval string
+					TLSConfig                    struct{ InsecureSkipVerify bool } `json:"tlsConfig"`
+					Authorization                struct {
+						Type        string
+						Credentials struct{ Name, Key string }
+					} `json:"authorization"`
 				} `json:"endpoints"`
 			}
 			b, err := json.Marshal(sm.Object["spec"])
@@ -347,6 +393,65 @@ httpRoute:
 			}
 			if !slices.ContainsFunc(svc.Spec.Ports, func(p corev1.ServicePort) bool { return p.Name == "metrics" }) {
 				t.Errorf("the Service has no port named metrics: %+v", svc.Spec.Ports)
+			}
+			// Over HTTPS (self-signed) with the metrics reader's token.
+			ep := spec.Endpoints[0]
+			var secret corev1.Secret
+			r.one(t, "Secret", &secret)
+			if ep.Scheme != "https" || !ep.TLSConfig.InsecureSkipVerify || ep.Authorization.Type != "Bearer" ||
+				ep.Authorization.Credentials.Name != secret.Name || ep.Authorization.Credentials.Key != "token" {
+				t.Errorf("endpoint %+v: want https, insecureSkipVerify and the bearer token of Secret %s", ep, secret.Name)
+			}
+			reader := secret.Annotations["kubernetes.io/service-account.name"]
+			if secret.Type != corev1.SecretTypeServiceAccountToken || metricsReader(t, r) != reader {
+				t.Errorf("Secret %s (%s) holds the token of %q; want a ServiceAccount token of the one the chart lets get /metrics", secret.Name, secret.Type, reader)
+			}
+		},
+	}, {
+		name:      "metrics without auth, over plain HTTP",
+		values:    []string{requiredValues, `{picker: {metrics: {auth: false, secureServing: false, pprof: false}}, serviceMonitor: {create: true}}`},
+		wantKinds: []string{"InferencePool", "ServiceAccount", "ServiceMonitor"},
+		noAuth:    true,
+		check: func(t *testing.T, r rendered) {
+			_, c := pickerDeployment(t, r)
+			for _, f := range []string{"--metrics-endpoint-auth", "--metrics-secure-serving", "--enable-pprof"} {
+				if got := flagValue(t, c.Args, f); got != "false" {
+					t.Errorf("%s = %q, want false", f, got)
+				}
+			}
+			sm := r.all("ServiceMonitor")[0]
+			eps, _, _ := unstructuredSlice(sm.Object, "spec", "endpoints")
+			if ep := eps[0].(map[string]any); ep["scheme"] != "http" || ep["authorization"] != nil {
+				t.Errorf("ServiceMonitor endpoint %v: want plain http without a token", ep)
+			}
+		},
+	}, {
+		name:      "NetworkPolicy",
+		values:    []string{requiredValues, `networkPolicy: {create: true, extProcFrom: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: gateways}}}]}`},
+		wantKinds: []string{"InferencePool", "NetworkPolicy", "ServiceAccount"},
+		check: func(t *testing.T, r rendered) {
+			var np networkingv1.NetworkPolicy
+			r.one(t, "NetworkPolicy", &np)
+			d, _ := pickerDeployment(t, r)
+			if !labels.SelectorFromSet(np.Spec.PodSelector.MatchLabels).Matches(labels.Set(d.Spec.Template.Labels)) {
+				t.Errorf("NetworkPolicy selects %v, not the picker pods", np.Spec.PodSelector.MatchLabels)
+			}
+			if len(np.Spec.Ingress) != 2 || len(np.Spec.Ingress[0].From) != 1 || len(np.Spec.Ingress[1].From) != 0 ||
+				len(np.Spec.Ingress[0].Ports) != 2 || np.Spec.Ingress[0].Ports[0].Port.IntValue() != 9002 || np.Spec.Ingress[1].Ports[0].Port.IntValue() != 9090 {
+				t.Errorf("ingress = %+v, want 9002/9003 from the gateways' namespace and 9090 from anywhere", np.Spec.Ingress)
+			}
+		},
+	}, {
+		name:      "drain longer than the default",
+		values:    []string{requiredValues, `picker: {shutdown: {delaySeconds: 10, graceSeconds: 3600}}`},
+		wantKinds: []string{"InferencePool", "ServiceAccount"},
+		check: func(t *testing.T, r rendered) {
+			d, c := pickerDeployment(t, r)
+			if flagValue(t, c.Args, "--shutdown-delay") != "10s" || flagValue(t, c.Args, "--shutdown-grace") != "3600s" {
+				t.Errorf("args %q, want --shutdown-delay=10s --shutdown-grace=3600s", c.Args)
+			}
+			if g := *d.Spec.Template.Spec.TerminationGracePeriodSeconds; g != 3625 {
+				t.Errorf("terminationGracePeriodSeconds = %d, want 10 + 3600 + 15", g)
 			}
 		},
 	}, {
@@ -460,6 +565,9 @@ picker:
 		t.Run(tc.name, func(t *testing.T) {
 			r := mustRender(t, testNamespace, tc.values...)
 			want := append([]string{"ConfigMap", "Deployment", "Role", "RoleBinding", "Service"}, tc.wantKinds...)
+			if !tc.noAuth {
+				want = append(want, "ClusterRole", "ClusterRole", "ClusterRoleBinding")
+			}
 			slices.Sort(want)
 			if diff := cmp.Diff(want, r.kinds()); diff != "" {
 				t.Fatalf("rendered kinds (-want +got):\n%s", diff)
@@ -495,6 +603,7 @@ func TestChartRejectsBadValues(t *testing.T) {
 		{"no target ports", []string{"inferencePool: {name: llama, modelServers: {matchLabels: {app: x}}}"}, []string{"inferencePool.targetPorts is required"}},
 		{"route without a gateway", []string{requiredValues, "httpRoute: {create: true}"}, []string{"httpRoute.gateway.name is required"}},
 		{"existing ServiceAccount without a name", []string{requiredValues, "serviceAccount: {create: false}"}, []string{"serviceAccount.name is required"}},
+		{"termination grace below the drain", []string{requiredValues, "picker: {terminationGracePeriodSeconds: 30}"}, []string{"picker.terminationGracePeriodSeconds (30) must be above", "(605)"}},
 		{"budget without a bound", []string{requiredValues, `podDisruptionBudget: {create: true, maxUnavailable: ""}`}, []string{"set minAvailable or maxUnavailable"}},
 	}
 	for _, tc := range cases {
@@ -657,3 +766,8 @@ func sortedKeys[V any](m map[string]V) []string {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// unstructuredSlice reads a list from a decoded object.
+func unstructuredSlice(obj map[string]any, fields ...string) ([]any, bool, error) {
+	return unstructured.NestedSlice(obj, fields...)
+}

@@ -71,12 +71,12 @@ func kustomizeBuild(t *testing.T, dir string) rendered {
 // picker container, Service and permissions, and a valid configuration.
 func TestKustomizeMatchesChart(t *testing.T) {
 	k := kustomizeBuild(t, "config/default")
-	wantKinds := []string{"ConfigMap", "CustomResourceDefinition", "Deployment", "Namespace", "Role", "RoleBinding", "Service", "ServiceAccount"}
+	wantKinds := []string{"ClusterRole", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "CustomResourceDefinition", "Deployment", "Namespace", "Role", "RoleBinding", "Service", "ServiceAccount"}
 	if diff := cmp.Diff(wantKinds, k.kinds()); diff != "" {
 		t.Fatalf("config/default kinds (-want +got):\n%s", diff)
 	}
 	for _, o := range k.objects {
-		if o.GetKind() != "Namespace" && o.GetKind() != "CustomResourceDefinition" && o.GetNamespace() != kustomizeNamespace {
+		if o.GetKind() != "Namespace" && o.GetKind() != "CustomResourceDefinition" && !strings.HasPrefix(o.GetKind(), "Cluster") && o.GetNamespace() != kustomizeNamespace {
 			t.Errorf("%s %s is in namespace %q, want %s", o.GetKind(), o.GetName(), o.GetNamespace(), kustomizeNamespace)
 		}
 	}
@@ -123,6 +123,22 @@ func TestKustomizeMatchesChart(t *testing.T) {
 	// chart must grant the same, leases and events only with leader election.
 	var generated rbacv1.Role
 	k.one(t, "Role", &generated)
+	// The ClusterRole generated from cmd/epp's markers equals the chart's
+	// for metrics auth.
+	var generatedCluster, chartCluster rbacv1.ClusterRole
+	for _, o := range k.all("ClusterRole") {
+		if o.GetName() == "tally-picker" {
+			decodeStrict(t, o, &generatedCluster)
+		}
+	}
+	for _, o := range chart.all("ClusterRole") {
+		if strings.HasSuffix(o.GetName(), "-auth") {
+			decodeStrict(t, o, &chartCluster)
+		}
+	}
+	if diff := cmp.Diff(normalRules(generatedCluster.Rules), normalRules(chartCluster.Rules)); diff != "" || len(generatedCluster.Rules) == 0 {
+		t.Errorf("chart ClusterRole for metrics auth differs from config/rbac/role.yaml's (-generated +chart):\n%s", diff)
+	}
 	var withLE, withoutLE rbacv1.Role
 	mustRender(t, kustomizeNamespace, requiredValues, "picker: {replicas: 2}").one(t, "Role", &withLE)
 	chart.one(t, "Role", &withoutLE)

@@ -220,7 +220,7 @@ inferenceExtension:
 			if tc.authMetrics {
 				// The chart binds the picker's own ServiceAccount to get
 				// /metrics, and the ServiceMonitor scrapes with its token.
-				c.checkMetricsAuth(t, p, "http", tc.ns, metricsReader(t, r))
+				c.checkMetricsAuth(t, p.metricsAddr, "http", tc.ns, metricsReader(t, r))
 				if !strings.Contains(p.output.String(), `"to":"lruCapacityBlocks"`) {
 					t.Errorf("the custom EndpointPickerConfig's lruCapacityPerServer was not reported as mapped:\n%s", p.output.String())
 				}
@@ -291,11 +291,11 @@ func (c *cluster) tokenKubeconfig(t *testing.T, ns, sa string) string {
 // checkMetricsAuth scrapes the picker's metrics endpoint: without a token it
 // is refused, with the token of a ServiceAccount the chart lets get /metrics
 // it is served.
-func (c *cluster) checkMetricsAuth(t *testing.T, p *launched, scheme, ns, reader string) {
+func (c *cluster) checkMetricsAuth(t *testing.T, metricsAddr, scheme, ns, reader string) {
 	t.Helper()
 	client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
 	get := func(path, token string) (int, string) {
-		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, scheme+"://"+p.metricsAddr+path, nil)
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, scheme+"://"+metricsAddr+path, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -321,7 +321,7 @@ func (c *cluster) checkMetricsAuth(t *testing.T, p *launched, scheme, ns, reader
 		}
 	}
 	// Another identity of the cluster, not granted /metrics.
-	stranger := "stranger"
+	stranger := "stranger-" + strconv.Itoa(len(reader))
 	if _, err := c.kube.CoreV1().ServiceAccounts(ns).Create(t.Context(), &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: stranger}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -329,7 +329,7 @@ func (c *cluster) checkMetricsAuth(t *testing.T, p *launched, scheme, ns, reader
 		t.Errorf("GET /metrics as a ServiceAccount without the chart's role: %d, want 403", code)
 	}
 	code, body := get("/metrics", c.token(t, ns, reader))
-	if code != http.StatusOK || !strings.Contains(body, "tally_requests_total") || !strings.Contains(body, "go_goroutines") {
+	if code != http.StatusOK || !strings.Contains(body, "tally_endpoints ") || !strings.Contains(body, "go_goroutines") {
 		t.Errorf("GET /metrics as %s: %d, want 200 with the picker's and the runtime's metrics:\n%.400s", reader, code, body)
 	}
 }

@@ -31,6 +31,33 @@ Name of the picker's Deployment, Service and (by default) ServiceAccount.
 {{- end -}}
 {{- end -}}
 
+{{/*
+The pod's termination grace: room for the drain (delay, then grace) and for
+the picker's own exit.
+*/}}
+{{- define "tally.terminationGracePeriodSeconds" -}}
+{{- $drain := add .Values.picker.shutdown.delaySeconds .Values.picker.shutdown.graceSeconds -}}
+{{- if kindIs "invalid" .Values.picker.terminationGracePeriodSeconds -}}
+{{- add $drain 15 -}}
+{{- else if le (int .Values.picker.terminationGracePeriodSeconds) (int $drain) -}}
+{{- fail (printf "picker.terminationGracePeriodSeconds (%d) must be above picker.shutdown.delaySeconds + picker.shutdown.graceSeconds (%d): the kubelet would kill the picker while streams drain" (int .Values.picker.terminationGracePeriodSeconds) (int $drain)) -}}
+{{- else -}}
+{{- .Values.picker.terminationGracePeriodSeconds -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Cluster-scoped names carry the namespace: two releases of one pool name in
+different namespaces must not share them.
+*/}}
+{{- define "tally.clusterName" -}}
+{{- printf "%s-%s" .Release.Namespace (include "tally.fullname" .) -}}
+{{- end -}}
+
+{{- define "tally.metricsReaderName" -}}
+{{- printf "%s-metrics-reader" (include "tally.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "tally.leaderElection" -}}
 {{- if gt (int .Values.picker.replicas) 1 -}}true{{- end -}}
 {{- end -}}
