@@ -82,6 +82,7 @@ func TestInstallOnAPIServer(t *testing.T) {
 httpRoute: {create: true, gateway: {name: inference-gateway}, requestTimeout: 300s}
 serviceMonitor: {create: true, labels: {release: prometheus}}
 podDisruptionBudget: {create: true}
+networkPolicy: {create: true, extProcFrom: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: gateways}}}]}
 `)
 		c.createNamespace(t, ns)
 		c.applyAll(t, r.objects)
