@@ -117,6 +117,16 @@ networkPolicy: {create: true, extProcFrom: [{namespaceSelector: {matchLabels: {k
 		}
 	})
 
+	t.Run("ext_proc certificate reloaded from --cert-path", func(t *testing.T) {
+		const ns = "tally-certs"
+		r := mustRender(t, ns, requiredValues)
+		c.createNamespace(t, ns)
+		c.applyAll(t, r.objects)
+		c.createReadyPod(t, ns, "vllm-llama-0", map[string]string{"app": "vllm-llama"}, "127.0.0.7")
+		d, _ := pickerDeployment(t, r)
+		checkCertReload(t, c, bin, r, ns, d.Spec.Template.Spec.ServiceAccountName)
+	})
+
 	t.Run("chart with leader election", func(t *testing.T) {
 		const ns = "tally-ha"
 		r := mustRender(t, ns, requiredValues, "picker: {replicas: 2}")

@@ -349,7 +349,9 @@ type launched struct {
 // identity in kubeconfig. Only what a pod gets differently is added at the
 // end (later flags win): free loopback ports instead of the fixed ones, so
 // tests can run side by side, and the kubeconfig instead of the mounted token.
-func launch(t *testing.T, bin string, r rendered, kubeconfig string) *launched {
+//
+// extra arguments, when given, come last: a test's own settings.
+func launch(t *testing.T, bin string, r rendered, kubeconfig string, extra ...string) *launched {
 	t.Helper()
 	d, ctr := pickerDeployment(t, r)
 	fsRoot := t.TempDir()
@@ -401,6 +403,7 @@ func launch(t *testing.T, bin string, r rendered, kubeconfig string) *launched {
 	args = append(args,
 		"--grpc-port="+strconv.Itoa(grpcPort), "--grpc-health-port="+strconv.Itoa(healthPort),
 		"--metrics-port="+strconv.Itoa(metricsPort), "--kubeconfig="+kubeconfig)
+	args = append(args, extra...)
 
 	p := &launched{
 		grpcAddr:    net.JoinHostPort("127.0.0.1", strconv.Itoa(grpcPort)),
