@@ -3,6 +3,7 @@ package picker
 import (
 	"math"
 	"net/netip"
+	"slices"
 )
 
 // row is one endpoint's line in the ledger. Reservations point at their row,
@@ -37,9 +38,8 @@ type row struct {
 	rate          float64 // tokens per second
 	posIn, posOut float64
 	at            int64
-	// learnTokens / learnSeconds: decayed sums of the work done before
-	// streamed first bytes, and of the time it took; their ratio is rate.
-	learnTokens, learnSeconds float64
+	// fit learns rate from streamed first bytes.
+	fit rateFit
 	// Reservations still in prefill, in the order they joined the queue.
 	qHead, qTail *Reservation
 
@@ -72,20 +72,62 @@ func key(a netip.AddrPort) netip.AddrPort {
 }
 
 // Bounds on a learned prefill rate, in tokens per second, and how fast
-// learning forgets: each streamed first byte weighs the earlier samples by
-// rateDecay, and the configured starting rate counts as one sample of
-// ratePriorSeconds.
+// learning forgets: each streamed first byte weighs the earlier ones by
+// rateDecay.
 const (
-	minPrefillRate   = 1.0
-	maxPrefillRate   = 1e8
-	rateDecay        = 0.9
-	ratePriorSeconds = 0.1
+	minPrefillRate = 1.0
+	maxPrefillRate = 1e8
+	rateDecay      = 0.9
+	// The configured starting rate enters the fit as one sample of
+	// ratePriorTokens tokens, which later samples outweigh; the origin is a
+	// fixed weak sample (no work, no time), so a workload whose prompts are
+	// all one size still gives a rate.
+	ratePriorTokens  = 4096
+	rateOriginWeight = 0.5
 	// minLearnTokens: a first byte teaches the rate only if at least this
-	// much prefill came before it. Below it, the time to first byte is
-	// mostly fixed cost (the gateway, the network, the engine's scheduling
-	// step), which would drag the rate far below the engine's.
-	minLearnTokens = 1024
+	// much prefill came before it; shorter ones say little but noise.
+	minLearnTokens = 256
 )
+
+// rateFit fits seconds = overhead + tokens/rate to streamed first bytes by
+// least squares over exponentially decayed sums: the time to a first byte
+// includes fixed costs (the gateway, the network, the engine's scheduling
+// step) that are not prefill, and the intercept takes them, so short
+// prompts do not drag the rate down.
+type rateFit struct{ n, t, s, tt, ts float64 }
+
+func newRateFit(rate float64) rateFit {
+	var f rateFit
+	f.add(ratePriorTokens, ratePriorTokens/rate, 1)
+	return f
+}
+
+func (f *rateFit) add(tokens, seconds, weight float64) {
+	f.n += weight
+	f.t += weight * tokens
+	f.s += weight * seconds
+	f.tt += weight * tokens * tokens
+	f.ts += weight * tokens * seconds
+}
+
+func (f *rateFit) decay(d float64) {
+	f.n, f.t, f.s, f.tt, f.ts = f.n*d, f.t*d, f.s*d, f.tt*d, f.ts*d
+}
+
+// rate is the fitted rate; ok is false when the samples cannot tell one.
+func (f *rateFit) rate() (rate float64, ok bool) {
+	// The origin sample, added here so that it never decays.
+	n, t, tt := f.n+rateOriginWeight, f.t, f.tt
+	den := n*tt - t*t
+	if den <= 1e-9*n*tt {
+		return 0, false
+	}
+	slope := (n*f.ts - t*f.s) / den
+	if slope <= 0 {
+		return maxPrefillRate, true // the time does not grow with the work
+	}
+	return min(max(1/slope, minPrefillRate), maxPrefillRate), true
+}
 
 // advance moves the drain model to now: the queue has drained at rate since
 // the last update, never past what was queued.
@@ -188,21 +230,25 @@ func (w *row) leaveQueue(r *Reservation, now int64) {
 
 // learn updates the rate from a streamed first byte: the request's own
 // prefill and the prefill the model had queued ahead of it took the time
-// since it joined the queue. Weighing by tokens keeps short prompts (whose
-// first byte is mostly fixed overhead) from dragging the rate down.
+// since it joined the queue, plus fixed costs that the fit separates.
 func (w *row) learn(r *Reservation, now int64) {
 	seconds := float64(now-r.enqueuedAt) / 1e9
 	if seconds <= 0 || r.work < minLearnTokens {
 		return
 	}
-	w.learnTokens = w.learnTokens*rateDecay + float64(r.work)
-	w.learnSeconds = w.learnSeconds*rateDecay + seconds
-	w.rate = min(max(w.learnTokens/w.learnSeconds, minPrefillRate), maxPrefillRate)
+	w.fit.decay(rateDecay)
+	w.fit.add(float64(r.work), seconds, 1)
+	if rate, ok := w.fit.rate(); ok {
+		w.rate = rate
+	}
 }
 
 // candidatesLocked returns the rows the request may go to: every current
-// endpoint, or those the subset hint names (each once). It does not allocate:
-// p.cand has room for every row.
+// endpoint, or those the subset hint names (each once). An entry names the
+// endpoint at its address; one without a port (port 0), or whose port no
+// endpoint at that IP has, names every endpoint at its IP, as the upstream
+// picker matches hints by IP (it ignores the port altogether). It does not
+// allocate: p.cand has room for every row.
 func (p *Picker) candidatesLocked(req Request) []*row {
 	if !req.HasSubset {
 		return p.rows
@@ -210,14 +256,37 @@ func (p *Picker) candidatesLocked(req Request) []*row {
 	p.mark++
 	c := p.cand[:0]
 	for _, a := range req.Subset {
-		r, ok := p.byAddr[key(a)]
-		if !ok || r.mark == p.mark {
+		a = key(a)
+		if r, ok := p.byAddr[a]; ok && a.Port() != 0 {
+			c = p.addCandidateLocked(c, r)
 			continue
 		}
-		r.mark = p.mark
-		c = append(c, r)
+		ip := a.Addr()
+		c = p.addIPLocked(c, ip)
+		if ip.Is4() { // a row may hold the IPv4-mapped form
+			c = p.addIPLocked(c, netip.AddrFrom16(ip.As16()))
+		}
 	}
 	return c
+}
+
+// addIPLocked appends the rows at ip. Rows are sorted by address, IP first,
+// so they are contiguous: a binary search finds them.
+func (p *Picker) addIPLocked(c []*row, ip netip.Addr) []*row {
+	i, _ := slices.BinarySearchFunc(p.rows, ip, func(w *row, ip netip.Addr) int { return w.ep.Address.Addr().Compare(ip) })
+	for ; i < len(p.rows) && p.rows[i].ep.Address.Addr() == ip; i++ {
+		c = p.addCandidateLocked(c, p.rows[i])
+	}
+	return c
+}
+
+// addCandidateLocked appends r unless this pick has it already.
+func (p *Picker) addCandidateLocked(c []*row, r *row) []*row {
+	if r.mark == p.mark {
+		return c
+	}
+	r.mark = p.mark
+	return append(c, r)
 }
 
 // placeLocked is the critical section of a pick: score, choose, reserve and

@@ -59,6 +59,10 @@ type Options struct {
 // Request is what the picker needs from one parsed request.
 type Request struct {
 	Model string
+	// CacheSalt is the request's cache salt ("" for none): the model server
+	// never shares KV cache between requests whose salts differ, so it seeds
+	// the prompt's block hashes with the model (see prefix.HashSalted).
+	CacheSalt string
 	// Prompt is the prefix text of the prompt; nil or empty for requests
 	// routed by load alone. Pick reads it only while it runs: it keeps the
 	// block hashes, never the text.
@@ -73,7 +77,10 @@ type Request struct {
 	// endpoint's prefill rate from them). A non-streamed response's first
 	// bytes come when generation ends.
 	Stream bool
-	// Subset holds the candidates named by the gateway's subset hint.
+	// Subset holds the candidates named by the gateway's subset hint. An
+	// entry names the endpoint at its address; one with port 0 (a bare IP),
+	// or whose port no endpoint at its IP has, names every endpoint at its
+	// IP, as the upstream picker matches hints by IP.
 	Subset []netip.AddrPort
 	// HasSubset says the gateway sent a subset hint; an empty or
 	// non-matching one gives ErrNoEndpoint.
@@ -206,7 +213,7 @@ func (p *Picker) Replace(eps []Endpoint) {
 		switch {
 		case !ok:
 			w = &row{key: k, id: p.index.Add(), rate: float64(p.cfg.PrefillTokensPerSecond), at: now}
-			w.learnTokens, w.learnSeconds = w.rate*ratePriorSeconds, ratePriorSeconds
+			w.fit = newRateFit(w.rate)
 			p.byKey[k] = w
 			added++
 		case !w.current:
@@ -294,7 +301,7 @@ func (p *Picker) Pick(req Request) (*Reservation, error) {
 	// a huge prompt holds the lock no longer than a long one.
 	hashed := req.Prompt[:min(len(req.Prompt), p.cfg.MaxPromptBlocks*p.cfg.BlockSizeChars)]
 	buf := p.hashBufs.Get().(*[]uint64)
-	hashes := prefix.Hash((*buf)[:0], req.Model, hashed, p.cfg.BlockSizeChars)
+	hashes := prefix.HashSalted((*buf)[:0], req.Model, req.CacheSalt, hashed, p.cfg.BlockSizeChars)
 	*buf = hashes
 	now := p.opts.Now()
 	r := &Reservation{

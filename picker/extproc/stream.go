@@ -117,7 +117,7 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	var bad []string
 	st.subset, st.hasSubset, bad = subsetHint(md)
 	if len(bad) > 0 {
-		st.s.opts.Log.V(1).Info("ignoring subset hint entries that are not ip:port", "entries", bad, "path", st.path)
+		st.s.opts.Log.V(1).Info("ignoring subset hint entries that are not ip:port or ip", "entries", bad, "path", st.path)
 	}
 	switch {
 	case st.path == "":
@@ -362,7 +362,7 @@ func (st *stream) parse() (picker.Request, error) {
 	if err != nil {
 		return picker.Request{}, fmt.Errorf("parsing the request body: %w", err)
 	}
-	return picker.Request{Model: parsed.Model, Prompt: parsed.Prompt, Stream: parsed.Stream}, nil
+	return picker.Request{Model: parsed.Model, CacheSalt: parsed.CacheSalt, Prompt: parsed.Prompt, Stream: parsed.Stream}, nil
 }
 
 // echoRequestBody sends the buffered body back unchanged, in chunks the

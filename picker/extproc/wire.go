@@ -171,34 +171,47 @@ func headerValue(h *corev3.HeaderMap, key string) string {
 
 // subsetHint reads the gateway's subset hint: a list of "ip:port" strings or
 // one comma-separated string. ok reports whether a hint was sent at all (an
-// empty hint allows no endpoint). Entries that are not addresses can match
-// no endpoint and are returned in bad for logging.
+// empty hint allows no endpoint). An entry may be a bare IP, which names
+// every endpoint at that IP (see picker.Request.Subset). Entries that are not
+// addresses can match no endpoint and are returned in bad for logging.
 func subsetHint(md *corev3.Metadata) (subset []netip.AddrPort, ok bool, bad []string) {
 	v, ok := md.GetFilterMetadata()[subsetNamespace].GetFields()[subsetKey]
 	if !ok {
 		return nil, false, nil
 	}
-	add := func(s string) {
-		for part := range strings.SplitSeq(s, ",") {
-			part = strings.TrimSpace(part)
-			if part == "" {
-				continue
-			}
-			if ap, err := netip.ParseAddrPort(part); err == nil {
-				subset = append(subset, ap)
-			} else {
-				bad = append(bad, part)
-			}
-		}
-	}
 	if list := v.GetListValue(); list != nil {
 		for _, item := range list.GetValues() {
-			add(item.GetStringValue())
+			subset, bad = appendEndpoints(subset, bad, item.GetStringValue())
 		}
 	} else {
-		add(v.GetStringValue())
+		subset, bad = appendEndpoints(subset, bad, v.GetStringValue())
 	}
 	return subset, true, bad
+}
+
+// appendEndpoints parses a comma-separated list of endpoints, each "ip:port",
+// "[ipv6]:port" or a bare IP ("10.0.0.7", "fd00::1", "[fd00::1]"), which
+// takes port 0: every endpoint at that IP. Entries that are neither are
+// appended to bad.
+func appendEndpoints(subset []netip.AddrPort, bad []string, list string) ([]netip.AddrPort, []string) {
+	for part := range strings.SplitSeq(list, ",") {
+		part = strings.TrimSpace(part)
+		if part == "" {
+			continue
+		}
+		bare := part
+		if len(bare) > 2 && bare[0] == '[' && bare[len(bare)-1] == ']' {
+			bare = bare[1 : len(bare)-1]
+		}
+		if ap, err := netip.ParseAddrPort(part); err == nil {
+			subset = append(subset, ap)
+		} else if ip, err := netip.ParseAddr(bare); err == nil {
+			subset = append(subset, netip.AddrPortFrom(ip, 0))
+		} else {
+			bad = append(bad, part)
+		}
+	}
+	return subset, bad
 }
 
 // servedBy reads which endpoint the gateway actually sent the request to.

@@ -28,10 +28,24 @@ import (
 // Hash does not allocate when dst has capacity for len(prompt)/blockSize more
 // hashes. A blockSize below 1 hashes nothing.
 func Hash(dst []uint64, model string, prompt []byte, blockSize int) []uint64 {
+	return HashSalted(dst, model, "", prompt, blockSize)
+}
+
+// HashSalted is Hash for a request that carries a cache salt (vLLM's
+// "cache_salt"): a server never shares KV cache between requests whose
+// salts differ, so the salt seeds the chain with the model:
+//
+//	seed(model, salt) = xxhash(model ‖ 0x00 ‖ salt)
+//
+// An empty salt is no salt: the chain is exactly Hash's. The NUL keeps
+// ("ab", "c") and ("a", "bc") apart; no served model name contains one. The
+// seed only steers placement: a crafted name that collided with it would
+// share routing, never a server's cache.
+func HashSalted(dst []uint64, model, salt string, prompt []byte, blockSize int) []uint64 {
 	if blockSize < 1 {
 		return dst
 	}
-	h := xxhash.Sum64String(model)
+	h := seed(model, salt)
 	if blockSize > maxStackBlock {
 		return hashStreaming(dst, h, prompt, blockSize)
 	}
@@ -45,6 +59,18 @@ func Hash(dst []uint64, model string, prompt []byte, blockSize int) []uint64 {
 		dst = append(dst, h)
 	}
 	return dst
+}
+
+func seed(model, salt string) uint64 {
+	if salt == "" {
+		return xxhash.Sum64String(model)
+	}
+	var d xxhash.Digest
+	d.Reset()
+	_, _ = d.WriteString(model) // Digest writes never fail.
+	_, _ = d.Write([]byte{0})
+	_, _ = d.WriteString(salt)
+	return d.Sum64()
 }
 
 // maxStackBlock is the largest block Hash copies onto its stack; it is the
