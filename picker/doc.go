@@ -37,11 +37,12 @@
 // The rate starts at the configured prefillTokensPerSecond and is learned
 // from streamed requests: a streamed first byte says the request's own
 // prefill and the prefill queued ahead of it took the time since it joined
-// the queue. The rate is the ratio of decayed sums of those tokens and
-// seconds, so long prompts weigh more than short ones, whose first byte is
-// mostly fixed overhead; a first byte after less than 1,024 tokens of work
-// teaches nothing. Endpoints that see only non-streamed (or only short)
-// traffic keep the configured rate.
+// the queue. The time includes fixed costs that are not prefill (the
+// gateway, the network, the engine's scheduling step), so the picker fits
+// seconds = overhead + tokens / rate by least squares over exponentially
+// decayed samples and drains at the fitted rate; first bytes after less than
+// 256 tokens of work are not used. Endpoints that see only non-streamed (or
+// only short) traffic keep the configured rate.
 //
 // Everything the model does under the lock is O(1) per candidate (amortised:
 // each reservation leaves its queue once) and allocates nothing.

@@ -230,3 +230,20 @@ func TestShortPromptsDoNotTeachTheRate(t *testing.T) {
 		t.Errorf("short prompts taught a rate of %.0f tokens/s, want the starting %d kept", rate, testConfig().PrefillTokensPerSecond)
 	}
 }
+
+func TestTheRateFitSeparatesFixedOverhead(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+	// The engine prefills 50,000 tokens/s; every first byte also pays 50 ms
+	// of gateway and network, whatever the prompt.
+	for i := range 40 {
+		tokens := 1000 + (i%5)*2000
+		r := mustPick(t, p, Request{Model: model, Prompt: text("o"+string(rune('a'+i)), tokens*4), Stream: true})
+		clock.Advance(50*time.Millisecond + time.Duration(tokens)*time.Second/50_000)
+		r.FirstByte()
+		r.Release()
+	}
+	if rate := statsOf(p, addr(0)).PrefillTokensPerSecond; math.Abs(rate-50_000) > 5_000 {
+		t.Errorf("learned %.0f tokens/s, want about 50000: the fixed 50 ms is not prefill", rate)
+	}
+}
