@@ -166,10 +166,15 @@ func (m *objectiveMetrics) register(r prometheus.Registerer) {
 }
 
 // series returns model's series: its own among the first maxModels names
-// seen, the shared "other" ones after that.
+// seen, the shared "other" ones after that. Past the cap, a new name finds
+// "other" under the read lock: a flood of distinct names does not
+// serialise requests on the write lock.
 func (m *objectiveMetrics) series(model string) *modelSeries {
 	m.mu.RLock()
 	s, ok := m.models[model]
+	if !ok && len(m.models) >= m.maxModels {
+		s, ok = m.models[otherModelLabel]
+	}
 	m.mu.RUnlock()
 	if ok {
 		return s
