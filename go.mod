@@ -25,6 +25,7 @@ require (
 	sigs.k8s.io/controller-runtime v0.25.2
 	sigs.k8s.io/gateway-api v1.6.3
 	sigs.k8s.io/gateway-api-inference-extension v1.6.0
+	sigs.k8s.io/gateway-api-inference-extension/conformance v1.6.0
 	sigs.k8s.io/yaml v1.6.0
 )
 

@@ -12,6 +12,10 @@ type Endpoint struct {
 	// address (a new UID) starts from zero. Empty means "identify by Pod and
 	// Address" (tests, callers without a UID).
 	UID string
+	// Engine is the model server's type, from the pod label
+	// inference.networking.k8s.io/engine-type ("vllm" when absent): it says
+	// which metric names its /metrics use.
+	Engine string
 	// Address is the pod IP and target port. Its String form is the value the
 	// picker writes into the destination header ("ip:port", "[v6]:port").
 	Address netip.AddrPort

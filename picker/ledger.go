@@ -43,6 +43,9 @@ type row struct {
 	// Reservations still in prefill, in the order they joined the queue.
 	qHead, qTail *Reservation
 
+	// What the engine's metrics say (see engine.go).
+	engine engineView
+
 	// Scratch of the pick in progress (under the lock).
 	mark      uint64
 	uncached  int // this request's uncached prompt tokens here
@@ -251,7 +254,7 @@ func (w *row) learn(r *Reservation, now int64) {
 // allocate: p.cand has room for every row.
 func (p *Picker) candidatesLocked(req Request) []*row {
 	if !req.HasSubset {
-		return p.rows
+		return p.candidates
 	}
 	p.mark++
 	c := p.cand[:0]
@@ -282,7 +285,7 @@ func (p *Picker) addIPLocked(c []*row, ip netip.Addr) []*row {
 
 // addCandidateLocked appends r unless this pick has it already.
 func (p *Picker) addCandidateLocked(c []*row, r *row) []*row {
-	if r.mark == p.mark {
+	if r.mark == p.mark || r.engine.excluded {
 		return c
 	}
 	r.mark = p.mark
@@ -294,8 +297,9 @@ func (p *Picker) addCandidateLocked(c []*row, r *row) []*row {
 //
 // The cost of an endpoint estimates the request's time to first token there,
 // in prefill tokens: the prefill the model says is still queued on it, plus
-// this request's prompt tokens it does not hold, plus a weight per request
-// decoding on it. Because the cost includes the request's own uncached
+// the load its engine reports beyond the ledger (foreign load, engine.go),
+// plus this request's prompt tokens it does not hold, plus a weight per
+// request decoding on it. Because the cost includes the request's own uncached
 // tokens, a shared prefix pulls only as much as the tokens it saves: once the
 // queue on its holder is longer than the saving, the next request goes
 // elsewhere (and records the prefix there too).
@@ -316,7 +320,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 		c.drain(r.pickedNs)
 		queued := c.queued()
 		c.uncached = p.uncachedTokens(r.promptChars, matched[i])
-		c.cost = queued + c.uncached + p.cfg.DecodeWeightTokens*c.decoding
+		c.cost = queued + c.engine.foreignCost(r.pickedNs) + c.uncached + p.cfg.DecodeWeightTokens*c.decoding
 		c.saturated = sat.MaxInFlightRequests > 0 && c.inFlight >= sat.MaxInFlightRequests ||
 			sat.MaxPrefillTokens > 0 && queued >= sat.MaxPrefillTokens
 		c.taken = c.saturated
@@ -347,6 +351,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	r.cachedBlocks = matched[first]
 	r.cachedTokens = matched[first] * p.cfg.BlockSizeChars / p.cfg.CharsPerToken
 	c.hold(r, r.pickedNs)
+	p.meanPromptTokens += (float64(r.promptTokens) - p.meanPromptTokens) * meanPromptWeight
 	p.linkLocked(r)
 	p.index.Record(c.id, r.hashes, r.owner)
 	return nil

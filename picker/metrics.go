@@ -23,6 +23,12 @@ type metrics struct {
 	endpointInFlight, endpointPrefill, endpointDecoding, endpointPrefillRate *prometheus.Desc
 	endpoints, retained, inFlight                                            *prometheus.Desc
 
+	// The engines' view (engine.go), beside the ledger's, so drift shows.
+	engineRunning, engineWaiting, foreignRequests, foreignTokens, endpointHealthy *prometheus.Desc
+	prefixCapacity, deliveredCached, predictedCached, deliveryRatio               *prometheus.Desc
+	shortfallBlocks                                                               prometheus.Counter
+	healthChanges                                                                 *prometheus.CounterVec
+
 	// The same picks and ledger under the upstream picker's names, labels
 	// and buckets (gateway-api-inference-extension v1.5.0), so dashboards
 	// built for it work; docs/metrics.md says what each means in Tally.
@@ -81,6 +87,33 @@ func newMetrics(poolName string) *metrics {
 		nil, nil)
 	m.inFlight = prometheus.NewDesc("tally_inflight_requests",
 		"Requests reserved and not yet released, on current and retained endpoints.", nil, nil)
+	ep := []string{"endpoint"}
+	m.engineRunning = prometheus.NewDesc("tally_engine_running_requests",
+		"Requests the endpoint's engine reported running at its last scrape (compare tally_endpoint_inflight_requests).", ep, nil)
+	m.engineWaiting = prometheus.NewDesc("tally_engine_waiting_requests",
+		"Requests the endpoint's engine reported waiting at its last scrape.", ep, nil)
+	m.foreignRequests = prometheus.NewDesc("tally_endpoint_foreign_requests",
+		"Requests the engine reported beyond the picker's ledger at the last scrape: traffic that did not come through this picker.", ep, nil)
+	m.foreignTokens = prometheus.NewDesc("tally_endpoint_foreign_tokens",
+		"What the foreign requests add to the endpoint's cost now, in prefill tokens (fading when scrapes stop).", ep, nil)
+	m.endpointHealthy = prometheus.NewDesc("tally_endpoint_healthy",
+		"1 while the endpoint's metrics scrapes succeed, 0 once enough in a row have failed (it is then not a candidate).", ep, nil)
+	m.prefixCapacity = prometheus.NewDesc("tally_endpoint_prefix_capacity_blocks",
+		"Blocks the endpoint's prefix index remembers: from its engine's KV cache size, else lruCapacityBlocks.", ep, nil)
+	m.deliveredCached = prometheus.NewDesc("tally_endpoint_delivered_cached_tokens_total",
+		"Cached prompt tokens the endpoint's engine reported in usage (prompt_tokens_details.cached_tokens).", ep, nil)
+	m.predictedCached = prometheus.NewDesc("tally_endpoint_predicted_cached_tokens_total",
+		"Cached prompt tokens the picker predicted for the same responses.", ep, nil)
+	m.deliveryRatio = prometheus.NewDesc("tally_endpoint_cache_delivery_ratio",
+		"Delivered over predicted cached prompt tokens: below 1 the prefix index believes the engine holds more than it does.", ep, nil)
+	m.shortfallBlocks = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "tally_cache_shortfall_forgotten_blocks_total",
+		Help: "Prefix blocks forgotten because an engine delivered fewer cached tokens than predicted.",
+	})
+	m.healthChanges = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tally_endpoint_health_changes_total",
+		Help: "Endpoints leaving the candidates after failed metrics scrapes (change=unhealthy), and coming back (change=recovered).",
+	}, []string{"change"})
 	// Upstream declares these as vectors with no labels; so do they here,
 	// so that their exposition is the same.
 	m.schedulerE2E = prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -109,14 +142,17 @@ func newMetrics(poolName string) *metrics {
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.picks, m.swept, m.promptTokens, m.cachedTokens, m.pickDuration, m.schedulerE2E, m.prefixHitRatio}
+	return []prometheus.Collector{m.picks, m.swept, m.promptTokens, m.cachedTokens, m.pickDuration, m.schedulerE2E, m.prefixHitRatio,
+		m.shortfallBlocks, m.healthChanges}
 }
 
 // Describe implements prometheus.Collector.
 func (p *Picker) Describe(ch chan<- *prometheus.Desc) {
 	m := p.metrics
 	for _, d := range []*prometheus.Desc{m.endpointInFlight, m.endpointPrefill, m.endpointDecoding, m.endpointPrefillRate, m.endpoints, m.retained, m.inFlight,
-		m.poolReadyPods, m.poolAvgQueue, m.poolPerPodQueue} {
+		m.poolReadyPods, m.poolAvgQueue, m.poolPerPodQueue,
+		m.engineRunning, m.engineWaiting, m.foreignRequests, m.foreignTokens, m.endpointHealthy,
+		m.prefixCapacity, m.deliveredCached, m.predictedCached, m.deliveryRatio} {
 		ch <- d
 	}
 	for _, c := range m.collectors() {
@@ -135,6 +171,7 @@ func (p *Picker) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(m.endpointPrefill, prometheus.GaugeValue, float64(s.PrefillTokens), ep)
 		ch <- prometheus.MustNewConstMetric(m.endpointDecoding, prometheus.GaugeValue, float64(s.Decoding), ep)
 		ch <- prometheus.MustNewConstMetric(m.endpointPrefillRate, prometheus.GaugeValue, s.PrefillTokensPerSecond, ep)
+		m.collectEngine(ch, s, ep)
 	}
 	ch <- prometheus.MustNewConstMetric(m.endpoints, prometheus.GaugeValue, float64(len(l.Endpoints)))
 	ch <- prometheus.MustNewConstMetric(m.retained, prometheus.GaugeValue, float64(len(l.Retained)))
@@ -170,4 +207,29 @@ func (m *metrics) collectPool(ch chan<- prometheus.Metric, eps []EndpointStats) 
 			m.poolName, s.Endpoint.Pod+"-rank-"+strconv.Itoa(rank))
 	}
 	ch <- prometheus.MustNewConstMetric(m.poolAvgQueue, prometheus.GaugeValue, float64(queued)/float64(len(eps)), m.poolName)
+}
+
+// collectEngine sends an endpoint's engine-side gauges; those that come from
+// scrapes only once it has been scraped.
+func (m *metrics) collectEngine(ch chan<- prometheus.Metric, s EndpointStats, ep string) {
+	gauge := func(d *prometheus.Desc, v float64) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, ep)
+	}
+	gauge(m.prefixCapacity, float64(s.PrefixCapacityBlocks))
+	healthy := 1.0
+	if s.Unhealthy {
+		healthy = 0
+	}
+	gauge(m.endpointHealthy, healthy)
+	if s.Scraped {
+		gauge(m.engineRunning, float64(s.EngineRunning))
+		gauge(m.engineWaiting, float64(s.EngineWaiting))
+		gauge(m.foreignRequests, float64(s.ForeignRequests))
+		gauge(m.foreignTokens, float64(s.ForeignTokens))
+	}
+	ch <- prometheus.MustNewConstMetric(m.deliveredCached, prometheus.CounterValue, float64(s.DeliveredCachedTokens), ep)
+	ch <- prometheus.MustNewConstMetric(m.predictedCached, prometheus.CounterValue, float64(s.PredictedCachedTokens), ep)
+	if s.PredictedCachedTokens > 0 {
+		gauge(m.deliveryRatio, float64(s.DeliveredCachedTokens)/float64(s.PredictedCachedTokens))
+	}
 }

@@ -51,6 +51,9 @@ type Options struct {
 	MaxRequestLifetime time.Duration
 	// Log receives endpoint-set changes and sweeper releases.
 	Log logr.Logger
+	// ScrapeFailureThreshold is how many failed scrapes in a row take an
+	// endpoint out of the candidates; default DefaultScrapeFailureThreshold.
+	ScrapeFailureThreshold int
 	// PoolName is the InferencePool's name: the "name" label of the pool
 	// metrics under the upstream picker's names (inference_pool_*).
 	PoolName string
@@ -97,6 +100,19 @@ type EndpointStats struct {
 	// PrefillTokensPerSecond is the endpoint's prefill rate: learned from
 	// streamed first bytes, the configured starting value until then.
 	PrefillTokensPerSecond float64
+	// What its engine's metrics said at the last scrape (Scraped false:
+	// never scraped): running and waiting requests, the requests beyond the
+	// ledger (foreign) and their cost now, and whether it is failing scrapes.
+	Scraped                        bool
+	EngineRunning, EngineWaiting   int
+	ForeignRequests, ForeignTokens int
+	Unhealthy                      bool
+	// PrefixCapacityBlocks is the size of its prefix index, from its engine
+	// or the configuration.
+	PrefixCapacityBlocks int
+	// Cached prompt tokens its engine delivered, and the picker predicted,
+	// over the responses that reported usage.
+	DeliveredCachedTokens, PredictedCachedTokens int64
 }
 
 // Ledger is one consistent view of the whole ledger.
@@ -120,6 +136,8 @@ type Picker struct {
 	synced    atomic.Bool
 	epoch     time.Time // origin of the drain model's clock
 	retention time.Duration
+	// scrapeFailureThreshold: see Options.ScrapeFailureThreshold.
+	scrapeFailureThreshold int
 
 	// afterPick, when set (tests only), runs right after Pick unlocks.
 	afterPick func()
@@ -129,11 +147,17 @@ type Picker struct {
 	mu     sync.Mutex
 	rows   []*row                  // current endpoints, sorted by address
 	byAddr map[netip.AddrPort]*row // current endpoints
-	byKey  map[rowKey]*row         // current and retained endpoints
-	index  *prefix.Index
-	rand   *rand.Rand
-	mark   uint64 // epoch for de-duplicating rows without allocating
-	owners uint32 // the last owner tag given to a pick's prefix records
+	// candidates are the current endpoints a pick may choose without a
+	// subset hint: rows minus those excluded for failing scrapes.
+	candidates []*row
+	byKey      map[rowKey]*row // current and retained endpoints
+	index      *prefix.Index
+	rand       *rand.Rand
+	mark       uint64 // epoch for de-duplicating rows without allocating
+	owners     uint32 // the last owner tag given to a pick's prefix records
+	// meanPromptTokens is a moving mean of the prompts placed: the size of
+	// a foreign request when its engine does not say (engine.go).
+	meanPromptTokens float64
 
 	// Reservations not yet released, oldest pick first (for the sweeper).
 	oldest, newest *Reservation
@@ -163,17 +187,23 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 	if opts.MaxRequestLifetime <= 0 {
 		opts.MaxRequestLifetime = defaultMaxRequestLifetime
 	}
+	if opts.ScrapeFailureThreshold <= 0 {
+		opts.ScrapeFailureThreshold = DefaultScrapeFailureThreshold
+	}
 
 	p := &Picker{
-		cfg:       cfg,
-		opts:      opts,
-		metrics:   newMetrics(opts.PoolName),
-		epoch:     opts.Now(),
-		retention: time.Duration(cfg.EndpointRetentionSeconds) * time.Second,
-		byAddr:    make(map[netip.AddrPort]*row),
-		byKey:     make(map[rowKey]*row),
-		index:     prefix.NewIndex(cfg.LRUCapacityBlocks),
-		rand:      opts.Rand,
+		cfg:                    cfg,
+		opts:                   opts,
+		metrics:                newMetrics(opts.PoolName),
+		epoch:                  opts.Now(),
+		retention:              time.Duration(cfg.EndpointRetentionSeconds) * time.Second,
+		scrapeFailureThreshold: opts.ScrapeFailureThreshold,
+		byAddr:                 make(map[netip.AddrPort]*row),
+		byKey:                  make(map[rowKey]*row),
+		index:                  prefix.NewIndex(cfg.LRUCapacityBlocks),
+		rand:                   opts.Rand,
+		// Until picks teach it: a guess at one request's prompt.
+		meanPromptTokens: defaultForeignRequestTokens,
 	}
 	p.hashBufs.New = func() any {
 		b := make([]uint64, 0, 1024)
@@ -238,6 +268,7 @@ func (p *Picker) Replace(eps []Endpoint) {
 	}
 	clear(p.rows[len(p.rows):cap(p.rows)]) // let dropped rows be collected
 	slices.SortFunc(p.rows, func(a, b *row) int { return a.ep.Address.Compare(b.ep.Address) })
+	p.refreshCandidatesLocked()
 	if n := len(p.rows); cap(p.cand) < n {
 		p.cand = make([]*row, 0, n)
 		p.candIDs = make([]int, 0, n)
@@ -362,8 +393,13 @@ func (p *Picker) Snapshot() Ledger {
 	l := Ledger{Endpoints: make([]EndpointStats, 0, len(p.rows))}
 	for _, w := range p.byKey {
 		w.drain(now)
+		e := &w.engine
 		s := EndpointStats{Endpoint: w.ep, InFlight: w.inFlight, PrefillTokens: w.queued(),
-			Decoding: w.decoding, PrefillTokensPerSecond: w.rate}
+			Decoding: w.decoding, PrefillTokensPerSecond: w.rate,
+			Scraped: e.scraped, EngineRunning: e.running, EngineWaiting: e.waiting,
+			ForeignRequests: e.foreign, ForeignTokens: e.foreignCost(now), Unhealthy: e.unhealthy,
+			PrefixCapacityBlocks:  p.index.Capacity(w.id),
+			DeliveredCachedTokens: e.delivered, PredictedCachedTokens: e.predic}
 		l.InFlight += s.InFlight
 		l.PrefillTokens += s.PrefillTokens
 		if w.current {

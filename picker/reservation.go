@@ -29,6 +29,7 @@ type Reservation struct {
 	decoding     bool // past the first byte, or past the modelled prefill
 	sawFirstByte bool
 	released     bool
+	delivered    bool
 	heldBefore   int      // leading blocks the holder had before this request recorded there
 	owner        uint32   // tag of this request's records in the prefix index
 	hashes       []uint64 // the prompt's blocks, kept for ServedBy

@@ -65,6 +65,9 @@ type options struct {
 	// The upstream picker's standalone mode (no InferencePool); refused.
 	endpointSelector    string
 	endpointTargetPorts string
+
+	// conformanceTestHooks turns on extproc.Options.ConformanceTestHooks.
+	conformanceTestHooks bool
 }
 
 const inferencePoolGroup = "inference.networking.k8s.io"
@@ -110,6 +113,8 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 10*time.Minute, "then let open streams finish for up to this long before cutting them")
 	fs.StringVar(&o.endpointSelector, "endpoint-selector", "", "the upstream picker's standalone mode; not supported: Tally serves an InferencePool (--pool-name)")
 	fs.StringVar(&o.endpointTargetPorts, "endpoint-target-ports", "", "the upstream picker's standalone mode; not supported: Tally serves an InferencePool (--pool-name)")
+	fs.BoolVar(&o.conformanceTestHooks, "conformance-test-hooks", false, "for running the Gateway API Inference Extension conformance suite only: "+
+		"honour the test-epp-endpoint-selection request header (it lets a client choose its endpoint) and answer x-conformance-test-served-endpoint")
 	o.zap.BindFlags(fs)
 	ignoredSet := addIgnoredUpstreamFlags(fs)
 

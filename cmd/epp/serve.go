@@ -124,6 +124,7 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 		Log:                     log.WithName("extproc"),
 		Registerer:              reg,
 		MaxModelNameLabels:      opts.maxModelNameLabels,
+		ConformanceTestHooks:    opts.conformanceTestHooks,
 	}).Register(extprocServer)
 	health := extproc.NewHealth()
 	healthServer := grpc.NewServer()

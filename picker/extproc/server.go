@@ -51,6 +51,13 @@ type Options struct {
 	// inference_objective_* metrics; later models share "other". Zero or
 	// less means DefaultMaxModelNameLabels.
 	MaxModelNameLabels int
+	// ConformanceTestHooks turns on what the Gateway API Inference
+	// Extension conformance suite asks of a picker: the endpoints named by
+	// a request's test-epp-endpoint-selection header are its only
+	// candidates, and the endpoint that served it is copied into the
+	// x-conformance-test-served-endpoint response header. Off in
+	// production: the header lets a client choose its endpoint.
+	ConformanceTestHooks bool
 }
 
 // Server is the ext_proc service. It keeps no per-request state of its own:
@@ -85,6 +92,10 @@ func NewServer(p Picker, opts Options) *Server {
 	if opts.Registerer != nil {
 		s.metrics.register(opts.Registerer)
 		s.upstream.register(opts.Registerer)
+	}
+	if opts.ConformanceTestHooks {
+		opts.Log.Info("WARNING: conformance test hooks are on: a request's " + testSelectionHeader +
+			" header chooses its endpoint; turn them off outside the conformance suite")
 	}
 	return s
 }

@@ -119,6 +119,9 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	if len(bad) > 0 {
 		st.s.opts.Log.V(1).Info("ignoring subset hint entries that are not ip:port or ip", "entries", bad, "path", st.path)
 	}
+	if st.s.opts.ConformanceTestHooks {
+		st.testSelection(headers)
+	}
 	switch {
 	case st.path == "":
 		return st.reject(fmt.Errorf("%w: no :path", errBadHeaders))
@@ -255,8 +258,14 @@ func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders)
 	if h.GetEndOfStream() {
 		st.release()
 	}
+	common := &extprocv3.CommonResponse{}
+	if st.s.opts.ConformanceTestHooks {
+		common.HeaderMutation = &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+			headerOption(testServedHeader, servedForTest(md)),
+		}}
+	}
 	return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
-		ResponseHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{}},
+		ResponseHeaders: &extprocv3.HeadersResponse{Response: common},
 	}})
 }
 

@@ -220,3 +220,46 @@ func servedBy(md *corev3.Metadata) (netip.AddrPort, bool) {
 	ap, err := netip.ParseAddrPort(strings.TrimSpace(v))
 	return ap, err == nil
 }
+
+// Names of the conformance test hooks (Options.ConformanceTestHooks), as the
+// Gateway API Inference Extension conformance suite spells them
+// (sigs.k8s.io/gateway-api-inference-extension/conformance/utils/headers).
+const (
+	// testSelectionHeader names the endpoints a request must go to: a
+	// comma-separated list of "ip:port" or bare IPs (every endpoint at
+	// that IP).
+	testSelectionHeader = "test-epp-endpoint-selection"
+	// testServedHeader, on the response, names the endpoint that served it.
+	testServedHeader = "x-conformance-test-served-endpoint"
+)
+
+// testSelection applies the test-epp-endpoint-selection header, when the
+// request has one: its endpoints replace the gateway's subset hint as the
+// only candidates, as in the upstream lightweight picker the suite ships
+// with (sigs.k8s.io/gateway-api-inference-extension v1.6.0, pkg/lwepp).
+func (st *stream) testSelection(headers *corev3.HeaderMap) {
+	value := headerValue(headers, testSelectionHeader)
+	if strings.TrimSpace(value) == "" {
+		return
+	}
+	var bad []string
+	st.subset, bad = appendEndpoints(nil, nil, value)
+	st.hasSubset = true
+	if len(bad) > 0 {
+		st.s.opts.Log.V(1).Info("ignoring "+testSelectionHeader+" entries that are not ip:port or ip", "entries", bad, "path", st.path)
+	}
+}
+
+// servedForTest is the value of testServedHeader: the served-by endpoint as
+// the gateway wrote it, or, as upstream answers, why there is none.
+func servedForTest(md *corev3.Metadata) string {
+	lb, ok := md.GetFilterMetadata()[lbNamespace]
+	if !ok {
+		return "fail: missing envoy lb metadata"
+	}
+	v, ok := lb.GetFields()[servedKey]
+	if !ok {
+		return "fail: missing destination endpoint served metadata"
+	}
+	return v.GetStringValue()
+}

@@ -1,0 +1,213 @@
+package picker
+
+import (
+	"math"
+	"net/netip"
+	"time"
+)
+
+// The engine's own view of an endpoint, as its /metrics report it, corrects
+// the ledger for what the ledger cannot see; it never gates a pick. A
+// scraper (package picker/scrape) reads each endpoint's metrics on an
+// interval and hands the picker a few integers per scrape, under the lock.
+//
+//   - Foreign load: requests the engine runs or queues beyond the ledger's
+//     in-flight count for it came from elsewhere (another gateway, another
+//     picker replica, a batch job calling the Service, or everything before
+//     this picker started). Each counts in the endpoint's cost as one
+//     prompt's prefill: the engine's queued prompt tokens per waiting
+//     request where it publishes them, else the mean prompt placed here.
+//     The correction fades once scrapes stop coming.
+//   - Prefix capacity: the engine's KV cache size, in tokens, sizes the
+//     endpoint's prefix index (the configured lruCapacityBlocks is the
+//     fallback when the engine does not say).
+//   - Health: an endpoint whose scrapes fail ScrapeFailureThreshold times in
+//     a row stops being a candidate until one succeeds, unless every
+//     endpoint is failing (then none is excluded: a broken metrics port must
+//     not take the pool down).
+
+// EngineStats is what one scrape of an endpoint's model server said.
+type EngineStats struct {
+	// Running and Waiting are the engine's running and queued requests.
+	Running, Waiting int
+	// QueuedPromptTokens is the prompt tokens the engine says wait to be
+	// prefilled, when HasQueuedPromptTokens.
+	QueuedPromptTokens    int
+	HasQueuedPromptTokens bool
+	// CacheTokens is the KV cache's size in tokens; 0 when not published.
+	CacheTokens int
+}
+
+// ScrapeTarget is one endpoint to scrape.
+type ScrapeTarget struct {
+	Address netip.AddrPort
+	Engine  string
+}
+
+const (
+	// DefaultScrapeFailureThreshold is how many scrapes in a row must fail
+	// before an endpoint stops being a candidate.
+	DefaultScrapeFailureThreshold = 5
+	// defaultForeignRequestTokens sizes a foreign request before any prompt
+	// has been placed.
+	defaultForeignRequestTokens = 1024
+	// meanPromptWeight is the weight of each new prompt in the mean.
+	meanPromptWeight = 0.01
+	// A scrape's foreign load counts in full for foreignFresh, then fades
+	// with time constant foreignFade: scrapes that stop must not leave a
+	// pod looking busy forever.
+	foreignFresh = time.Second
+	foreignFade  = 2 * time.Second
+)
+
+// engineView is an endpoint's row's copy of its engine's last scrape.
+type engineView struct {
+	scraped           bool
+	running, waiting  int
+	foreign           int // requests beyond the ledger at the last scrape
+	foreignTokens     int // the prefill cost of one of them
+	at                int64
+	failures          int
+	unhealthy         bool
+	excluded          bool // unhealthy while another endpoint is healthy
+	cacheTokens       int
+	delivered, predic int64 // cached prompt tokens delivered by the engine, and predicted
+}
+
+// foreignCost is the foreign load's share of the endpoint's cost at now.
+func (e *engineView) foreignCost(now int64) int {
+	if e.foreign == 0 {
+		return 0
+	}
+	full := float64(e.foreign * e.foreignTokens)
+	age := time.Duration(now - e.at)
+	if age <= foreignFresh {
+		return int(full)
+	}
+	return int(full * math.Exp(-float64(age-foreignFresh)/float64(foreignFade)))
+}
+
+// ScrapeTargets returns the current endpoints and their engine types.
+func (p *Picker) ScrapeTargets(dst []ScrapeTarget) []ScrapeTarget {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, w := range p.rows {
+		dst = append(dst, ScrapeTarget{Address: w.ep.Address, Engine: w.ep.Engine})
+	}
+	return dst
+}
+
+// ObserveEngine records a successful scrape of the endpoint at addr. It
+// reports whether the endpoint became healthy again (for the caller to log).
+func (p *Picker) ObserveEngine(addr netip.AddrPort, s EngineStats) (recovered bool) {
+	now := p.clock()
+	p.mu.Lock()
+	recovered = p.observeEngineLocked(addr, s, now)
+	p.mu.Unlock()
+	if recovered {
+		p.metrics.healthChanges.WithLabelValues("recovered").Inc()
+	}
+	return recovered
+}
+
+func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int64) (recovered bool) {
+	w, ok := p.byAddr[key(addr)]
+	if !ok {
+		return false
+	}
+	e := &w.engine
+	e.scraped, e.at, e.failures = true, now, 0
+	e.running, e.waiting = s.Running, s.Waiting
+	e.foreign = max(s.Running+s.Waiting-w.inFlight, 0)
+	e.foreignTokens = int(p.meanPromptTokens)
+	if s.HasQueuedPromptTokens && s.Waiting > 0 {
+		e.foreignTokens = s.QueuedPromptTokens / s.Waiting
+	}
+	if s.CacheTokens > 0 && s.CacheTokens != e.cacheTokens {
+		e.cacheTokens = s.CacheTokens
+		p.index.SetCapacity(w.id, max(int(int64(s.CacheTokens)*int64(p.cfg.CharsPerToken)/int64(p.cfg.BlockSizeChars)), 1))
+	}
+	if e.unhealthy {
+		e.unhealthy = false
+		recovered = true
+		p.refreshCandidatesLocked()
+	}
+	return recovered
+}
+
+// ObserveScrapeFailure records a failed scrape of the endpoint at addr. It
+// reports whether the endpoint just turned unhealthy.
+func (p *Picker) ObserveScrapeFailure(addr netip.AddrPort) (failed bool) {
+	p.mu.Lock()
+	if w, ok := p.byAddr[key(addr)]; ok {
+		e := &w.engine
+		e.failures++
+		if !e.unhealthy && e.failures >= p.scrapeFailureThreshold {
+			e.unhealthy, failed = true, true
+			p.refreshCandidatesLocked()
+		}
+	}
+	p.mu.Unlock()
+	if failed {
+		p.metrics.healthChanges.WithLabelValues("unhealthy").Inc()
+	}
+	return failed
+}
+
+// refreshCandidatesLocked rebuilds the candidates after the set or an
+// endpoint's health changed.
+func (p *Picker) refreshCandidatesLocked() {
+	healthy := 0
+	for _, w := range p.rows {
+		if !w.engine.unhealthy {
+			healthy++
+		}
+	}
+	p.candidates = p.candidates[:0]
+	for _, w := range p.rows {
+		w.engine.excluded = w.engine.unhealthy && healthy > 0
+		if !w.engine.excluded {
+			p.candidates = append(p.candidates, w)
+		}
+	}
+	clear(p.candidates[len(p.candidates):cap(p.candidates)])
+}
+
+// Delivered reports the engine's usage for the request: of promptTokens
+// prompt tokens (the engine's count), cachedTokens came from its prefix
+// cache. It compares them with the picker's prediction and, when the engine
+// held fewer of the request's leading blocks than the index said, forgets
+// the request's blocks past the delivered ones on its endpoint: the index
+// then converges to what the engine really keeps. It reports the blocks
+// forgotten. Call it before Release; later calls do nothing.
+func (r *Reservation) Delivered(promptTokens, cachedTokens int) (forgotten int) {
+	p := r.p
+	p.mu.Lock()
+	forgotten = r.deliveredLocked(promptTokens, cachedTokens)
+	p.mu.Unlock()
+	if forgotten > 0 {
+		p.metrics.shortfallBlocks.Add(float64(forgotten))
+	}
+	return forgotten
+}
+
+func (r *Reservation) deliveredLocked(promptTokens, cachedTokens int) (forgotten int) {
+	p := r.p
+	if r.released || r.delivered || promptTokens <= 0 {
+		return 0
+	}
+	r.delivered = true
+	w := r.row
+	cachedTokens = min(max(cachedTokens, 0), promptTokens)
+	w.engine.delivered += int64(cachedTokens)
+	w.engine.predic += int64(r.cachedTokens)
+	// Compare as shares of the prompt: the engine counts real tokens, the
+	// index estimated ones.
+	blocks := int(float64(cachedTokens) / float64(promptTokens) * float64(r.promptChars) / float64(p.cfg.BlockSizeChars))
+	if blocks+1 >= r.heldBefore || blocks >= len(r.hashes) {
+		return 0 // within a block of the prediction
+	}
+	before := p.index.Len(w.id)
+	p.index.Forget(w.id, r.hashes[blocks:])
+	return before - p.index.Len(w.id)
+}

@@ -1,0 +1,117 @@
+package picker
+
+import (
+	"testing"
+	"time"
+)
+
+func TestForeignLoadSteersPicksAway(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 2, testConfig(), Options{Now: clock.Now})
+	a, b := addr(0), addr(1)
+	mustPick(t, p, on(a, text("ours", 4000))) // one request of ours on a
+	// a's engine runs 5 requests: 4 are not ours. b's runs none.
+	p.ObserveEngine(a, EngineStats{Running: 3, Waiting: 2})
+	p.ObserveEngine(b, EngineStats{})
+	if s := statsOf(p, a); s.ForeignRequests != 4 || s.ForeignTokens == 0 {
+		t.Fatalf("a after the scrape: %+v, want 4 foreign requests with a cost", s)
+	}
+	for i := range 5 {
+		r := mustPick(t, p, Request{Model: model, Prompt: text("new"+string(rune('a'+i)), 400)})
+		if r.Endpoint() != b {
+			t.Fatalf("pick %d went to %s, want b: a's engine is busy with foreign work", i, r.Endpoint())
+		}
+	}
+	// Scrapes stop: the foreign load fades.
+	clock.Advance(30 * time.Second)
+	if s := statsOf(p, a); s.ForeignTokens != 0 {
+		t.Errorf("30 s after the last scrape the foreign load still costs %d tokens", s.ForeignTokens)
+	}
+}
+
+func TestQueuedTokensSizeForeignRequests(t *testing.T) {
+	p := newPicker(t, 1, testConfig(), Options{})
+	p.ObserveEngine(addr(0), EngineStats{Running: 0, Waiting: 4, QueuedPromptTokens: 40_000, HasQueuedPromptTokens: true})
+	if s := statsOf(p, addr(0)); s.ForeignTokens != 40_000 {
+		t.Errorf("4 foreign requests with 40,000 queued tokens cost %d, want 40000", s.ForeignTokens)
+	}
+}
+
+func TestPrefixCapacityComesFromTheEngine(t *testing.T) {
+	p := newPicker(t, 1, testConfig(), Options{})
+	a := addr(0)
+	prompt := text("long", 64*200) // 200 blocks
+	mustPick(t, p, on(a, prompt)).Release()
+	// 1,600 tokens of KV cache = 6,400 characters = 100 blocks of 64.
+	p.ObserveEngine(a, EngineStats{CacheTokens: 1600})
+	p.tidy()
+	if s := statsOf(p, a); s.PrefixCapacityBlocks != 100 {
+		t.Errorf("capacity %d blocks, want 100 from the engine's 1,600 tokens", s.PrefixCapacityBlocks)
+	}
+	if n := heldBlocks(p, prompt, a); n != 100 {
+		t.Errorf("a holds %d blocks of the prompt, want the 100 its engine can", n)
+	}
+}
+
+func TestFailingScrapesExcludeAnEndpointUntilOneSucceeds(t *testing.T) {
+	p := newPicker(t, 2, testConfig(), Options{ScrapeFailureThreshold: 3})
+	a, b := addr(0), addr(1)
+	for i := range 3 {
+		if turned := p.ObserveScrapeFailure(a); turned != (i == 2) {
+			t.Fatalf("failure %d: turned unhealthy = %v", i+1, turned)
+		}
+	}
+	for range 4 {
+		if r := mustPick(t, p, Request{Model: model}); r.Endpoint() != a {
+			continue
+		}
+		t.Fatal("an endpoint failing its scrapes was picked")
+	}
+	if _, err := p.Pick(on(a, nil)); err == nil {
+		t.Error("a subset naming only the failing endpoint was routed; want ErrNoEndpoint")
+	}
+	// Every endpoint failing: none is excluded.
+	for range 3 {
+		p.ObserveScrapeFailure(b)
+	}
+	if _, err := p.Pick(on(a, nil)); err != nil {
+		t.Errorf("with every endpoint failing its scrapes, a was excluded: %v", err)
+	}
+	if !p.ObserveEngine(a, EngineStats{}) {
+		t.Error("a successful scrape did not report the recovery")
+	}
+	if s := statsOf(p, a); s.Unhealthy {
+		t.Errorf("a after a successful scrape: %+v", s)
+	}
+}
+
+func TestADeliveredShortfallForgetsTheBlocks(t *testing.T) {
+	p := newPicker(t, 1, testConfig(), Options{})
+	a := addr(0)
+	prompt := text("cached?", 64*100) // 100 blocks, 1,600 tokens
+	mustPick(t, p, on(a, prompt)).Release()
+	r := mustPick(t, p, on(a, prompt))
+	if r.CachedTokens() != 1600 {
+		t.Fatalf("predicted %d cached tokens, want 1600", r.CachedTokens())
+	}
+	// The engine delivered only the first quarter from its cache.
+	if n := r.Delivered(1600, 400); n != 75 {
+		t.Errorf("forgot %d blocks, want the 75 past the delivered 25", n)
+	}
+	if n := heldBlocks(p, prompt, a); n != 25 {
+		t.Errorf("a holds %d blocks after the shortfall, want 25", n)
+	}
+	if r.Delivered(1600, 0) != 0 {
+		t.Error("a second Delivered had an effect")
+	}
+	r.Release()
+	s := statsOf(p, a)
+	if s.DeliveredCachedTokens != 400 || s.PredictedCachedTokens != 1600 {
+		t.Errorf("delivered/predicted = %d/%d, want 400/1600", s.DeliveredCachedTokens, s.PredictedCachedTokens)
+	}
+	// Delivering what was predicted forgets nothing.
+	r2 := mustPick(t, p, on(a, prompt))
+	if n := r2.Delivered(1600, r2.CachedTokens()); n != 0 {
+		t.Errorf("a full delivery forgot %d blocks", n)
+	}
+}
