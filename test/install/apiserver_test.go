@@ -147,6 +147,45 @@ networkPolicy: {create: true, extProcFrom: [{namespaceSelector: {matchLabels: {k
 		}
 	})
 
+	t.Run("a rolling update with leader election: the new pod leads once the old one gets SIGTERM", func(t *testing.T) {
+		const ns = "tally-roll"
+		r := mustRender(t, ns, requiredValues, "picker: {replicas: 2}")
+		c.createNamespace(t, ns)
+		c.applyAll(t, r.objects)
+		c.createReadyPod(t, ns, "vllm-llama-0", map[string]string{"app": "vllm-llama"}, "127.0.0.8")
+		d, ctr := pickerDeployment(t, r)
+		kubeconfig := c.tokenKubeconfig(t, ns, d.Spec.Template.Spec.ServiceAccountName)
+		old := launch(t, bin, r, kubeconfig)
+		old.waitReadyThroughProbes(t, ctr)
+		// The rolling update starts the new pod while the old one leads:
+		// it stays a standby, not Ready.
+		next := launch(t, bin, r, kubeconfig)
+		nextHealth := next.healthClient(t)
+		g := gomega.NewWithT(t)
+		readiness := func(g gomega.Gomega) healthpb.HealthCheckResponse_ServingStatus {
+			resp, err := nextHealth.Check(t.Context(), &healthpb.HealthCheckRequest{Service: "readiness"})
+			g.Expect(err).NotTo(gomega.HaveOccurred())
+			return resp.GetStatus()
+		}
+		g.Eventually(func(g gomega.Gomega) healthpb.HealthCheckResponse_ServingStatus {
+			resp, err := nextHealth.Check(t.Context(), &healthpb.HealthCheckRequest{Service: "liveness"})
+			g.Expect(err).NotTo(gomega.HaveOccurred())
+			return resp.GetStatus()
+		}).WithTimeout(pickerReadyTimeout).WithPolling(pollInterval).Should(gomega.Equal(healthpb.HealthCheckResponse_SERVING), "liveness of the new pod")
+		g.Consistently(readiness).WithTimeout(3*time.Second).WithPolling(200*time.Millisecond).Should(gomega.Equal(healthpb.HealthCheckResponse_NOT_SERVING), "the standby while the old pod leads")
+		// SIGTERM to the old pod: it releases the lease at once, while it
+		// still drains (5 s of --shutdown-delay), and the new pod leads.
+		if err := old.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+			t.Fatal(err)
+		}
+		g.Eventually(readiness).WithTimeout(pickerReadyTimeout).WithPolling(pollInterval).Should(gomega.Equal(healthpb.HealthCheckResponse_SERVING), "the new pod after the old one's SIGTERM")
+		select {
+		case <-old.exited:
+			t.Errorf("the old pod exited (%v) before the new one led: the lease waited for its drain", old.exitErr)
+		default:
+		}
+	})
+
 	t.Run("kustomize config/default and config/samples", func(t *testing.T) {
 		k := kustomizeBuild(t, "config/default")
 		samples := kustomizeBuild(t, "config/samples")
