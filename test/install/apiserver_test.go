@@ -96,7 +96,7 @@ networkPolicy: {create: true, extProcFrom: [{namespaceSelector: {matchLabels: {k
 		// Metrics are served over HTTPS to the ServiceMonitor's identity only.
 		reader := metricsReader(t, r)
 		p.waitForEndpoint(t, "https", c.token(t, ns, reader), "127.0.0.2:8000")
-		c.checkMetricsAuth(t, p.metricsAddr, "https", ns, reader)
+		c.checkMetricsAuth(t, p.metricsAddr, "https", ns, reader, true, true)
 
 		// The Role grants the picker its namespace's pods and pools and
 		// nothing more.

@@ -163,6 +163,7 @@ inferenceExtension:
   flags:
     v: 3
     enable-pprof: false
+    health-checking: true
   tracing: {enabled: true}
   monitoring:
     interval: 15s
@@ -220,7 +221,8 @@ inferenceExtension:
 			if tc.authMetrics {
 				// The chart binds the picker's own ServiceAccount to get
 				// /metrics, and the ServiceMonitor scrapes with its token.
-				c.checkMetricsAuth(t, p.metricsAddr, "http", tc.ns, metricsReader(t, r))
+				c.checkMetricsAuth(t, p.metricsAddr, "http", tc.ns, metricsReader(t, r), false, false)
+				p.checkHealthOnExtProcPort(t)
 				if !strings.Contains(p.output.String(), `"to":"lruCapacityBlocks"`) {
 					t.Errorf("the custom EndpointPickerConfig's lruCapacityPerServer was not reported as mapped:\n%s", p.output.String())
 				}
@@ -291,7 +293,11 @@ func (c *cluster) tokenKubeconfig(t *testing.T, ns, sa string) string {
 // checkMetricsAuth scrapes the picker's metrics endpoint: without a token it
 // is refused, with the token of a ServiceAccount the chart lets get /metrics
 // it is served.
-func (c *cluster) checkMetricsAuth(t *testing.T, metricsAddr, scheme, ns, reader string) {
+//
+// pprof says whether --enable-pprof is on: then /debug/pprof/ is behind the
+// same check (and the reader may get it when its role lists it); else it is
+// not served at all.
+func (c *cluster) checkMetricsAuth(t *testing.T, metricsAddr, scheme, ns, reader string, pprof, readerGetsPprof bool) {
 	t.Helper()
 	client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
 	get := func(path, token string) (int, string) {
@@ -328,9 +334,37 @@ func (c *cluster) checkMetricsAuth(t *testing.T, metricsAddr, scheme, ns, reader
 	if code, _ := get("/metrics", c.token(t, ns, stranger)); code != http.StatusForbidden {
 		t.Errorf("GET /metrics as a ServiceAccount without the chart's role: %d, want 403", code)
 	}
-	code, body := get("/metrics", c.token(t, ns, reader))
+	readerToken := c.token(t, ns, reader)
+	switch code, _ := get("/debug/pprof/", ""); {
+	case pprof && code != http.StatusUnauthorized:
+		t.Errorf("GET /debug/pprof/ without a token: %d, want 401", code)
+	case !pprof && code != http.StatusNotFound:
+		t.Errorf("GET /debug/pprof/ with --enable-pprof=false: %d, want 404", code)
+	}
+	if pprof {
+		want := map[bool]int{true: http.StatusOK, false: http.StatusForbidden}[readerGetsPprof]
+		if code, _ := get("/debug/pprof/", readerToken); code != want {
+			t.Errorf("GET /debug/pprof/ as %s: %d, want %d", reader, code, want)
+		}
+	}
+	code, body := get("/metrics", readerToken)
 	if code != http.StatusOK || !strings.Contains(body, "tally_endpoints ") || !strings.Contains(body, "go_goroutines") {
 		t.Errorf("GET /metrics as %s: %d, want 200 with the picker's and the runtime's metrics:\n%.400s", reader, code, body)
+	}
+}
+
+// checkHealthOnExtProcPort checks --health-checking: the health service is
+// served on the ext_proc port too.
+func (p *launched) checkHealthOnExtProcPort(t *testing.T) {
+	t.Helper()
+	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{InsecureSkipVerify: true})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	resp, err := healthpb.NewHealthClient(conn).Check(t.Context(), &healthpb.HealthCheckRequest{Service: extprocv3.ExternalProcessor_ServiceDesc.ServiceName})
+	if err != nil || resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Errorf("gRPC health on the ext_proc port with --health-checking: %v, %v; want SERVING", resp.GetStatus(), err)
 	}
 }
 
