@@ -5,12 +5,21 @@
 // in-flight ledger and prefix index (picker), and serves:
 //   - ext_proc on --grpc-port (TLS unless --secure-serving=false),
 //   - gRPC health on --grpc-health-port ("liveness", "readiness", the ext_proc
-//     service name and ""), SERVING once the endpoint set is synced and, with
-//     --ha-enable-leader-election, this replica leads,
-//   - Prometheus metrics at /metrics and the ledger as JSON at /debug/ledger
-//     on --metrics-port.
+//     service name, "inference-extension" and ""), SERVING once the endpoint
+//     set is synced and, with --ha-enable-leader-election, this replica leads,
+//   - through controller-runtime's metrics server on --metrics-port:
+//     Prometheus metrics at /metrics, the ledger as JSON at /debug/ledger and
+//     pprof at /debug/pprof/, each behind a TokenReview and a
+//     SubjectAccessReview unless --metrics-endpoint-auth=false.
 //
-// Flags follow the upstream endpoint picker; run with -h for the list.
+// On SIGTERM it drains: not ready at once, new streams still taken for
+// --shutdown-delay, open ones given --shutdown-grace to finish.
+//
+// Flags follow the upstream endpoint picker (gateway-api-inference-extension
+// v1.5.0), whose chart runs this binary unchanged: the ones Tally cannot
+// apply are accepted and logged once as ignored (upstream.go), and its
+// EndpointPickerConfig is read besides Tally's PickerConfig. Run with -h for
+// the list.
 package main
 
 import (
