@@ -36,6 +36,7 @@ type metrics struct {
 	prefixHitRatio                               *prometheus.HistogramVec
 	schedulerE2EAll, prefixHitRatioAll           prometheus.Observer
 	poolReadyPods, poolAvgQueue, poolPerPodQueue *prometheus.Desc
+	poolAvgRunning                               *prometheus.Desc
 	poolName                                     string
 }
 
@@ -133,8 +134,12 @@ func newMetrics(poolName string) *metrics {
 	m.poolAvgQueue = prometheus.NewDesc("inference_pool_average_queue_size",
 		"Mean over the pool's endpoints of inference_pool_per_pod_queue_size.", []string{"name"}, nil)
 	m.poolPerPodQueue = prometheus.NewDesc("inference_pool_per_pod_queue_size",
-		"Requests the picker placed on the endpoint that are still waiting for or in their prefill: in flight and not yet decoding in the ledger.",
+		"Requests waiting in the endpoint's engine queue at its last scrape; for an endpoint not scraped or failing its scrapes, "+
+			"the requests the picker placed there still waiting for or in their prefill (in flight and not yet decoding in the ledger).",
 		[]string{"name", "model_server_pod"}, nil)
+	m.poolAvgRunning = prometheus.NewDesc("inference_pool_average_running_requests",
+		"Mean over the endpoints whose last scrape succeeded of the requests their engines reported running; not sent before a scrape.",
+		[]string{"name"}, nil)
 	m.picksOK = m.picks.WithLabelValues("ok")
 	m.picksNoEndpoint = m.picks.WithLabelValues("no_endpoint")
 	m.picksSaturated = m.picks.WithLabelValues("saturated")
@@ -150,7 +155,7 @@ func (m *metrics) collectors() []prometheus.Collector {
 func (p *Picker) Describe(ch chan<- *prometheus.Desc) {
 	m := p.metrics
 	for _, d := range []*prometheus.Desc{m.endpointInFlight, m.endpointPrefill, m.endpointDecoding, m.endpointPrefillRate, m.endpoints, m.retained, m.inFlight,
-		m.poolReadyPods, m.poolAvgQueue, m.poolPerPodQueue,
+		m.poolReadyPods, m.poolAvgQueue, m.poolPerPodQueue, m.poolAvgRunning,
 		m.engineRunning, m.engineWaiting, m.foreignRequests, m.foreignTokens, m.endpointHealthy,
 		m.prefixCapacity, m.deliveredCached, m.predictedCached, m.deliveryRatio} {
 		ch <- d
@@ -182,18 +187,26 @@ func (p *Picker) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
-// collectPool sends the upstream picker's pool gauges, computed from the
-// ledger: Tally scrapes no engine metrics, so the queue is what its own
-// ledger holds (see docs/metrics.md), and the KV-cache and running-request
-// averages the upstream picker reads from engines are not sent at all.
+// collectPool sends the upstream picker's pool gauges. The queue is the
+// engine's own waiting count, as upstream, for an endpoint whose last scrape
+// succeeded; otherwise (never scraped, or failing its scrapes) what the
+// ledger holds: in flight and not yet decoding. Running requests come from
+// scrapes only. The engines' KV-cache use is not scraped, so its average is
+// not sent at all (docs/metrics.md).
 func (m *metrics) collectPool(ch chan<- prometheus.Metric, eps []EndpointStats) {
 	ch <- prometheus.MustNewConstMetric(m.poolReadyPods, prometheus.GaugeValue, float64(len(eps)), m.poolName)
 	if len(eps) == 0 {
 		return // no mean of nothing; upstream leaves the averages unset too
 	}
 	queued, rank := 0, 0
+	running, scraped := 0, 0
 	for i, s := range eps {
 		q := max(s.InFlight-s.Decoding, 0)
+		if s.Scraped && !s.Unhealthy {
+			q = s.EngineWaiting
+			running += s.EngineRunning
+			scraped++
+		}
 		queued += q
 		// The upstream picker names an endpoint "<pod>-rank-<i>", i the
 		// target port's position. The set is sorted by address, so a pod's
@@ -207,6 +220,9 @@ func (m *metrics) collectPool(ch chan<- prometheus.Metric, eps []EndpointStats) 
 			m.poolName, s.Endpoint.Pod+"-rank-"+strconv.Itoa(rank))
 	}
 	ch <- prometheus.MustNewConstMetric(m.poolAvgQueue, prometheus.GaugeValue, float64(queued)/float64(len(eps)), m.poolName)
+	if scraped > 0 {
+		ch <- prometheus.MustNewConstMetric(m.poolAvgRunning, prometheus.GaugeValue, float64(running)/float64(scraped), m.poolName)
+	}
 }
 
 // collectEngine sends an endpoint's engine-side gauges; those that come from

@@ -11,8 +11,9 @@ import (
 	dto "github.com/prometheus/client_model/go"
 )
 
-// The pool gauges under the upstream picker's names come from the same
-// ledger as tally_*: queue size is what is in flight and not yet decoding.
+// The pool gauges under the upstream picker's names: the engines' queue and
+// running counts where scraped, else the ledger's queue (in flight and not
+// yet decoding).
 func TestUpstreamPoolMetricsFollowTheLedger(t *testing.T) {
 	reg := prometheus.NewPedanticRegistry()
 	p := New(testConfig(), Options{Registerer: reg, Now: newFakeClock().Now, PoolName: "pool-a"})
@@ -33,33 +34,61 @@ func TestUpstreamPoolMetricsFollowTheLedger(t *testing.T) {
 	mustPick(t, p, on("127.0.0.3:8000"))
 	mustPick(t, p, on("127.0.0.3:8000"))
 
-	want := `# HELP inference_pool_ready_pods Endpoints in the pool's endpoint set (a target port on a Ready pod), as tally_endpoints.
-# TYPE inference_pool_ready_pods gauge
-inference_pool_ready_pods{name="pool-a"} 3
-# HELP inference_pool_average_queue_size Mean over the pool's endpoints of inference_pool_per_pod_queue_size.
-# TYPE inference_pool_average_queue_size gauge
-inference_pool_average_queue_size{name="pool-a"} 1.3333333333333333
-# HELP inference_pool_per_pod_queue_size Requests the picker placed on the endpoint that are still waiting for or in their prefill: in flight and not yet decoding in the ledger.
-# TYPE inference_pool_per_pod_queue_size gauge
-inference_pool_per_pod_queue_size{model_server_pod="vllm-0-rank-0",name="pool-a"} 1
+	const (
+		readyHelp = "# HELP inference_pool_ready_pods Endpoints in the pool's endpoint set (a target port on a Ready pod), as tally_endpoints.\n" +
+			"# TYPE inference_pool_ready_pods gauge\n"
+		avgHelp = "# HELP inference_pool_average_queue_size Mean over the pool's endpoints of inference_pool_per_pod_queue_size.\n" +
+			"# TYPE inference_pool_average_queue_size gauge\n"
+		perPodHelp = "# HELP inference_pool_per_pod_queue_size Requests waiting in the endpoint's engine queue at its last scrape; " +
+			"for an endpoint not scraped or failing its scrapes, the requests the picker placed there still waiting for or in their prefill " +
+			"(in flight and not yet decoding in the ledger).\n# TYPE inference_pool_per_pod_queue_size gauge\n"
+		runningHelp = "# HELP inference_pool_average_running_requests Mean over the endpoints whose last scrape succeeded of the requests " +
+			"their engines reported running; not sent before a scrape.\n# TYPE inference_pool_average_running_requests gauge\n"
+	)
+	families := []string{"inference_pool_ready_pods", "inference_pool_average_queue_size", "inference_pool_per_pod_queue_size",
+		"inference_pool_average_running_requests"}
+	compare := func(what, want string) {
+		t.Helper()
+		if err := testutil.GatherAndCompare(reg, strings.NewReader(want), families...); err != nil {
+			t.Errorf("%s: %v", what, err)
+		}
+	}
+
+	// Before any scrape: the ledger's queue, no running average.
+	compare("unscraped", readyHelp+`inference_pool_ready_pods{name="pool-a"} 3
+`+avgHelp+`inference_pool_average_queue_size{name="pool-a"} 1.3333333333333333
+`+perPodHelp+`inference_pool_per_pod_queue_size{model_server_pod="vllm-0-rank-0",name="pool-a"} 1
 inference_pool_per_pod_queue_size{model_server_pod="vllm-0-rank-1",name="pool-a"} 0
 inference_pool_per_pod_queue_size{model_server_pod="vllm-1-rank-0",name="pool-a"} 3
-`
-	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
-		"inference_pool_ready_pods", "inference_pool_average_queue_size", "inference_pool_per_pod_queue_size"); err != nil {
-		t.Error(err)
+`)
+
+	// A scraped endpoint reports its engine's own queue, as upstream; the
+	// running average is over the scraped endpoints.
+	vllm1 := netip.MustParseAddrPort("127.0.0.3:8000")
+	p.ObserveEngine(vllm1, EngineStats{Running: 5, Waiting: 7})
+	compare("one scraped", readyHelp+`inference_pool_ready_pods{name="pool-a"} 3
+`+avgHelp+`inference_pool_average_queue_size{name="pool-a"} 2.6666666666666665
+`+perPodHelp+`inference_pool_per_pod_queue_size{model_server_pod="vllm-0-rank-0",name="pool-a"} 1
+inference_pool_per_pod_queue_size{model_server_pod="vllm-0-rank-1",name="pool-a"} 0
+inference_pool_per_pod_queue_size{model_server_pod="vllm-1-rank-0",name="pool-a"} 7
+`+runningHelp+`inference_pool_average_running_requests{name="pool-a"} 5
+`)
+
+	// Failing its scrapes, its last scrape goes stale: back to the ledger.
+	for range DefaultScrapeFailureThreshold {
+		p.ObserveScrapeFailure(vllm1)
 	}
+	compare("scrapes failing", readyHelp+`inference_pool_ready_pods{name="pool-a"} 3
+`+avgHelp+`inference_pool_average_queue_size{name="pool-a"} 1.3333333333333333
+`+perPodHelp+`inference_pool_per_pod_queue_size{model_server_pod="vllm-0-rank-0",name="pool-a"} 1
+inference_pool_per_pod_queue_size{model_server_pod="vllm-0-rank-1",name="pool-a"} 0
+inference_pool_per_pod_queue_size{model_server_pod="vllm-1-rank-0",name="pool-a"} 3
+`)
 
 	// An empty pool has no mean: only ready_pods is sent.
 	p.Replace(nil)
-	want = `# HELP inference_pool_ready_pods Endpoints in the pool's endpoint set (a target port on a Ready pod), as tally_endpoints.
-# TYPE inference_pool_ready_pods gauge
-inference_pool_ready_pods{name="pool-a"} 0
-`
-	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
-		"inference_pool_ready_pods", "inference_pool_average_queue_size", "inference_pool_per_pod_queue_size"); err != nil {
-		t.Error(err)
-	}
+	compare("empty", readyHelp+`inference_pool_ready_pods{name="pool-a"} 0
+`)
 }
 
 // The hit ratio is observed once per placed request: matched blocks over
