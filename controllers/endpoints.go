@@ -49,6 +49,7 @@ func EndpointsFor(pool *infv1.InferencePool, pods []corev1.Pod) []picker.Endpoin
 			eps = append(eps, picker.Endpoint{
 				Pod:     pod.Name,
 				UID:     string(pod.UID),
+				Engine:  engineType(pod),
 				Address: netip.AddrPortFrom(ip, uint16(port.Number)),
 			})
 		}
@@ -62,6 +63,18 @@ func EndpointsFor(pool *infv1.InferencePool, pods []corev1.Pod) []picker.Endpoin
 	return slices.CompactFunc(eps, func(a, b picker.Endpoint) bool {
 		return a.Address == b.Address
 	})
+}
+
+// EngineTypeLabel names a pod's model-server type, by the upstream
+// convention; its metric names depend on it.
+const EngineTypeLabel = "inference.networking.k8s.io/engine-type"
+
+// engineType is the pod's engine type label, "vllm" when absent.
+func engineType(pod *corev1.Pod) string {
+	if t := pod.Labels[EngineTypeLabel]; t != "" {
+		return t
+	}
+	return "vllm"
 }
 
 func inPool(pool *infv1.InferencePool, pod *corev1.Pod) bool {

@@ -185,5 +185,12 @@ func TestEndpointsCarryThePodUID(t *testing.T) {
 		if e.UID != "uid-a" {
 			t.Errorf("%s: UID %q, want the pod's uid-a: the picker keys its ledger rows by it", e.Address, e.UID)
 		}
+		if e.Engine != "vllm" {
+			t.Errorf("%s: engine %q without the label, want vllm", e.Address, e.Engine)
+		}
+	}
+	sg := testPod("s", "10.0.0.2", withLabels(map[string]string{"app": "llm", controllers.EngineTypeLabel: "sglang"}))
+	if eps := controllers.EndpointsFor(pool, []corev1.Pod{sg}); len(eps) == 0 || eps[0].Engine != "sglang" {
+		t.Errorf("a pod labelled sglang gives %+v, want engine sglang", eps)
 	}
 }

@@ -1,0 +1,155 @@
+package scrape
+
+import (
+	"bytes"
+	"strconv"
+
+	"github.com/tallyepp/tally/picker"
+)
+
+// Engine types, as the pod label inference.networking.k8s.io/engine-type
+// names them.
+const (
+	EngineVLLM   = "vllm"
+	EngineSGLang = "sglang"
+	EngineTRTLLM = "trtllm-serve"
+)
+
+// names are the metric families read for one engine type; an empty name is
+// not published by that engine.
+type names struct {
+	running, waiting string
+	// cacheInfo is an info gauge whose labels give the KV cache's size:
+	// blockSize x numBlocks tokens, or tokens directly.
+	cacheInfo, blockSizeLabel, numBlocksLabel string
+	// cacheTokens is a gauge of the KV cache's size in tokens.
+	cacheTokens string
+}
+
+var engines = map[string]names{
+	EngineVLLM: {
+		running: "vllm:num_requests_running", waiting: "vllm:num_requests_waiting",
+		cacheInfo: "vllm:cache_config_info", blockSizeLabel: "block_size", numBlocksLabel: "num_gpu_blocks",
+	},
+	EngineSGLang: {
+		running: "sglang:num_running_reqs", waiting: "sglang:num_queue_reqs",
+		// SGLang's token capacity is a gauge of its own; cache_config_info
+		// carries only page_size.
+		cacheTokens: "sglang:max_total_num_tokens",
+	},
+	EngineTRTLLM: {
+		running: "trtllm_num_requests_running", waiting: "trtllm_num_requests_waiting",
+	},
+}
+
+// Known reports whether engine is a type the scraper reads.
+func Known(engine string) bool {
+	_, ok := engines[engine]
+	return ok
+}
+
+// parse reads the Prometheus text exposition in body for the families of
+// one engine and returns what the picker needs. Series of a family are
+// summed (an engine serving several models, or data-parallel ranks). It
+// looks at each line's name only up to the families it knows, so an engine
+// publishing hundreds of families costs a scan of its bytes, not a parse.
+func parse(body []byte, n names) (picker.EngineStats, bool) {
+	var st picker.EngineStats
+	var running, waiting float64
+	seen := false
+	for len(body) > 0 {
+		line := body
+		if i := bytes.IndexByte(body, '\n'); i >= 0 {
+			line, body = body[:i], body[i+1:]
+		} else {
+			body = nil
+		}
+		if len(line) == 0 || line[0] == '#' {
+			continue
+		}
+		end := bytes.IndexAny(line, "{ \t")
+		if end <= 0 {
+			continue
+		}
+		// Only the few families of this engine are parsed further. Each
+		// string(...) == s is a comparison, never a conversion: no allocation
+		// (a switch on string(...) would copy names over 32 bytes).
+		var which *float64
+		name := line[:end]
+		switch {
+		case string(name) == n.running:
+			which = &running
+		case string(name) == n.waiting:
+			which = &waiting
+		case string(name) == n.cacheTokens, string(name) == n.cacheInfo:
+		default:
+			continue
+		}
+		_, labels, value, ok := splitSample(line)
+		if !ok {
+			continue
+		}
+		switch {
+		case which != nil:
+			*which += value
+			seen = true
+		case string(name) == n.cacheTokens:
+			st.CacheTokens += int(value)
+		default: // cacheInfo
+			bs, okB := labelInt(labels, n.blockSizeLabel)
+			nb, okN := labelInt(labels, n.numBlocksLabel)
+			if okB && okN {
+				st.CacheTokens += bs * nb
+			}
+		}
+	}
+	st.Running, st.Waiting = int(running), int(waiting)
+	return st, seen
+}
+
+// splitSample splits `name{labels} value [timestamp]`.
+func splitSample(line []byte) (name, labels []byte, value float64, ok bool) {
+	end := bytes.IndexAny(line, "{ \t")
+	if end <= 0 {
+		return nil, nil, 0, false
+	}
+	name, rest := line[:end], line[end:]
+	if rest[0] == '{' {
+		close := bytes.LastIndexByte(rest, '}')
+		if close < 0 {
+			return nil, nil, 0, false
+		}
+		labels, rest = rest[1:close], rest[close+1:]
+	}
+	rest = bytes.TrimLeft(rest, " \t")
+	if i := bytes.IndexAny(rest, " \t"); i >= 0 {
+		rest = rest[:i] // a timestamp follows
+	}
+	v, err := strconv.ParseFloat(string(rest), 64)
+	if err != nil {
+		return nil, nil, 0, false
+	}
+	return name, labels, v, true
+}
+
+// labelInt finds key="123" among labels.
+func labelInt(labels []byte, key string) (int, bool) {
+	for len(labels) > 0 {
+		eq := bytes.IndexByte(labels, '=')
+		if eq < 0 || eq+1 >= len(labels) || labels[eq+1] != '"' {
+			return 0, false
+		}
+		k := bytes.TrimSpace(labels[:eq])
+		v := labels[eq+2:]
+		closeQuote := bytes.IndexByte(v, '"') // engines' numeric labels carry no escapes
+		if closeQuote < 0 {
+			return 0, false
+		}
+		if string(k) == key {
+			n, err := strconv.Atoi(string(v[:closeQuote]))
+			return n, err == nil
+		}
+		labels = bytes.TrimLeft(v[closeQuote+1:], ", ")
+	}
+	return 0, false
+}

@@ -1,0 +1,44 @@
+package scrape
+
+import (
+	"testing"
+)
+
+func TestParseEachEngine(t *testing.T) {
+	cases := []struct {
+		engine, body string
+		running      int
+		waiting      int
+		cacheTokens  int
+	}{
+		{EngineVLLM, `# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3
+vllm:num_requests_running{engine="1",model_name="m"} 2
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="28800",engine="0"} 1
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+`, 5, 4, 16 * 28800},
+		{EngineSGLang, "sglang:num_running_reqs{model_name=\"m\"} 7\nsglang:num_queue_reqs{model_name=\"m\"} 1 1712345678000\nsglang:max_total_num_tokens 500000\nsglang:cache_config_info{page_size=\"1\"} 1\n", 7, 1, 500000},
+		{EngineTRTLLM, "trtllm_num_requests_running 2\ntrtllm_num_requests_waiting 9\n", 2, 9, 0},
+	}
+	for _, c := range cases {
+		st, seen := parse([]byte(c.body), engines[c.engine])
+		if !seen || st.Running != c.running || st.Waiting != c.waiting || st.CacheTokens != c.cacheTokens {
+			t.Errorf("%s: %+v (seen %v), want running %d, waiting %d, cache %d tokens", c.engine, st, seen, c.running, c.waiting, c.cacheTokens)
+		}
+	}
+	if _, seen := parse([]byte("other_metric 1\n"), engines[EngineVLLM]); seen {
+		t.Error("an exposition without the engine's families counts as a scrape")
+	}
+}
+
+func FuzzParse(f *testing.F) {
+	f.Add([]byte("vllm:num_requests_running{a=\"1\"} 3\nvllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"2\"} 1\n"))
+	f.Add([]byte("x{ 1\n{}\n =\"\n"))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		for _, n := range engines {
+			parse(body, n) // must not panic
+		}
+	})
+}

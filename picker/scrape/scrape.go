@@ -1,0 +1,212 @@
+// Package scrape reads each endpoint's model-server metrics on an interval
+// and hands the results to the picker, which uses them to correct its
+// ledger (foreign load, prefix capacity, health; see picker/engine.go).
+//
+// The invariant not to break: a pick never waits for a scrape. Scrapes run
+// on their own goroutines with a timeout and a bound on how many run at
+// once; each result enters the picker as a few integers under its lock.
+package scrape
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"net/netip"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/tallyepp/tally/picker"
+)
+
+// Defaults.
+const (
+	DefaultInterval    = 250 * time.Millisecond
+	DefaultTimeout     = time.Second
+	DefaultConcurrency = 16
+	DefaultPath        = "/metrics"
+	// maxBodyBytes bounds a scrape's body: an engine's exposition is tens of
+	// kilobytes.
+	maxBodyBytes = 8 << 20
+)
+
+// Picker is what the scraper feeds; *picker.Picker implements it.
+type Picker interface {
+	ScrapeTargets(dst []picker.ScrapeTarget) []picker.ScrapeTarget
+	ObserveEngine(addr netip.AddrPort, s picker.EngineStats) (recovered bool)
+	ObserveScrapeFailure(addr netip.AddrPort) (failed bool)
+}
+
+// Options configure a Scraper; zero values take the defaults.
+type Options struct {
+	Interval, Timeout time.Duration
+	Concurrency       int
+	// Path and Port say where an endpoint's metrics are: Port 0 means the
+	// endpoint's own port. Scheme is "http" (default) or "https".
+	Path   string
+	Port   uint16
+	Scheme string
+	Client *http.Client
+	Log    logr.Logger
+	// Registerer receives the scraper's metrics; nil registers none.
+	Registerer prometheus.Registerer
+}
+
+// Scraper scrapes every endpoint the picker knows, every Interval.
+type Scraper struct {
+	p    Picker
+	opts Options
+	bufs sync.Pool // *bytes.Buffer
+
+	duration prometheus.Histogram
+	failures *prometheus.CounterVec
+}
+
+// New returns a scraper feeding p.
+func New(p Picker, opts Options) *Scraper {
+	if opts.Interval <= 0 {
+		opts.Interval = DefaultInterval
+	}
+	if opts.Timeout <= 0 {
+		opts.Timeout = DefaultTimeout
+	}
+	if opts.Concurrency <= 0 {
+		opts.Concurrency = DefaultConcurrency
+	}
+	if opts.Path == "" {
+		opts.Path = DefaultPath
+	}
+	if opts.Scheme == "" {
+		opts.Scheme = "http"
+	}
+	if opts.Client == nil {
+		opts.Client = &http.Client{Transport: &http.Transport{
+			MaxIdleConnsPerHost: 2,
+			IdleConnTimeout:     time.Minute,
+		}}
+	}
+	s := &Scraper{
+		p:    p,
+		opts: opts,
+		duration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "tally_engine_scrape_duration_seconds",
+			Help:    "Time to scrape and parse one endpoint's model-server metrics.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 8),
+		}),
+		failures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tally_engine_scrape_failures_total",
+			Help: "Failed scrapes of model-server metrics, by reason (connect, status, timeout, parse).",
+		}, []string{"reason"}),
+	}
+	s.bufs.New = func() any { return new(bytes.Buffer) }
+	if opts.Registerer != nil {
+		opts.Registerer.MustRegister(s.duration, s.failures)
+	}
+	return s
+}
+
+// Run scrapes until ctx ends. Each round scrapes every endpoint, at most
+// Concurrency at once, and waits for them (each bounded by Timeout) before
+// the next round, so a slow engine never piles scrapes up.
+func (s *Scraper) Run(ctx context.Context) {
+	t := time.NewTicker(s.opts.Interval)
+	defer t.Stop()
+	var targets []picker.ScrapeTarget
+	for {
+		targets = s.p.ScrapeTargets(targets[:0])
+		s.Round(ctx, targets)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// Round scrapes targets once.
+func (s *Scraper) Round(ctx context.Context, targets []picker.ScrapeTarget) {
+	work := make(chan picker.ScrapeTarget)
+	var wg sync.WaitGroup
+	for range min(s.opts.Concurrency, len(targets)) {
+		wg.Go(func() {
+			for t := range work {
+				s.scrapeOne(ctx, t)
+			}
+		})
+	}
+	for _, t := range targets {
+		work <- t
+	}
+	close(work)
+	wg.Wait()
+}
+
+func (s *Scraper) scrapeOne(ctx context.Context, t picker.ScrapeTarget) {
+	start := time.Now()
+	stats, reason, err := s.fetch(ctx, t)
+	s.duration.Observe(time.Since(start).Seconds())
+	if err != nil {
+		if ctx.Err() != nil {
+			return // shutting down: not the engine's fault
+		}
+		s.failures.WithLabelValues(reason).Inc()
+		if s.p.ObserveScrapeFailure(t.Address) {
+			s.opts.Log.Info("endpoint left the candidates: its metrics scrapes keep failing", "endpoint", t.Address.String(), "error", err.Error())
+		}
+		return
+	}
+	if s.p.ObserveEngine(t.Address, stats) {
+		s.opts.Log.Info("endpoint is a candidate again: its metrics scrape succeeded", "endpoint", t.Address.String())
+	}
+}
+
+func (s *Scraper) fetch(ctx context.Context, t picker.ScrapeTarget) (picker.EngineStats, string, error) {
+	engine := t.Engine
+	if engine == "" {
+		engine = EngineVLLM
+	}
+	n, ok := engines[engine]
+	if !ok {
+		return picker.EngineStats{}, "parse", fmt.Errorf("engine type %q is not one of vllm, sglang, trtllm-serve", engine)
+	}
+	addr := t.Address
+	if s.opts.Port != 0 {
+		addr = netip.AddrPortFrom(addr.Addr(), s.opts.Port)
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.opts.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.opts.Scheme+"://"+addr.String()+s.opts.Path, nil)
+	if err != nil {
+		return picker.EngineStats{}, "connect", err
+	}
+	resp, err := s.opts.Client.Do(req)
+	if err != nil {
+		if ctx.Err() != nil {
+			return picker.EngineStats{}, "timeout", err
+		}
+		return picker.EngineStats{}, "connect", err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxBodyBytes))
+		return picker.EngineStats{}, "status", fmt.Errorf("GET %s: HTTP %d", req.URL, resp.StatusCode)
+	}
+	buf := s.bufs.Get().(*bytes.Buffer)
+	defer s.bufs.Put(buf)
+	buf.Reset()
+	if _, err := buf.ReadFrom(io.LimitReader(resp.Body, maxBodyBytes)); err != nil {
+		if ctx.Err() != nil {
+			return picker.EngineStats{}, "timeout", err
+		}
+		return picker.EngineStats{}, "connect", err
+	}
+	stats, seen := parse(buf.Bytes(), n)
+	if !seen {
+		return picker.EngineStats{}, "parse", fmt.Errorf("GET %s: no %s or %s in the %s metrics", req.URL, n.running, n.waiting, engine)
+	}
+	return stats, "", nil
+}

@@ -1,0 +1,156 @@
+package scrape
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/test/modelsim/server"
+)
+
+// simulators starts n model-server simulators on loopback pod IPs
+// (127.0.45.x) and returns their endpoints.
+func simulators(t testing.TB, n int, kvBlocks int) ([]picker.Endpoint, []*server.Server) {
+	t.Helper()
+	var eps []picker.Endpoint
+	var sims []*server.Server
+	for i := range n {
+		cfg := server.DefaultConfig()
+		cfg.Engine.KVBlocks = kvBlocks
+		sim, err := server.New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ep, stop := serve(t, netip.AddrFrom4([4]byte{127, 0, 45, byte(2 + i)}), sim)
+		t.Cleanup(func() { stop(); sim.Close() })
+		eps = append(eps, picker.Endpoint{Pod: fmt.Sprintf("sim-%d", i), UID: fmt.Sprintf("uid-%d", i), Address: ep})
+		sims = append(sims, sim)
+	}
+	return eps, sims
+}
+
+func serve(t testing.TB, ip netip.Addr, h http.Handler) (netip.AddrPort, func()) {
+	t.Helper()
+	lis, err := net.Listen("tcp", netip.AddrPortFrom(ip, 0).String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: h}
+	go func() { _ = srv.Serve(lis) }()
+	return netip.MustParseAddrPort(lis.Addr().String()), func() { _ = srv.Close() }
+}
+
+func TestScrapesSizeThePrefixIndexFromTheEngine(t *testing.T) {
+	eps, _ := simulators(t, 2, 1000) // 1,000 blocks of 16 tokens
+	p := picker.New(v1alpha1.Default(), picker.Options{})
+	p.Replace(eps)
+	s := New(p, Options{})
+	s.Round(t.Context(), p.ScrapeTargets(nil))
+	cfg := v1alpha1.Default()
+	want := 1000 * 16 * cfg.CharsPerToken / cfg.BlockSizeChars
+	for _, st := range p.Stats() {
+		if !st.Scraped || st.PrefixCapacityBlocks != want || st.EngineRunning != 0 {
+			t.Errorf("%s after a scrape: %+v, want scraped, capacity %d blocks", st.Endpoint.Address, st, want)
+		}
+	}
+}
+
+// flaky answers /metrics with 500 while failing is set, else as next does.
+type flaky struct {
+	failing atomic.Bool
+	next    http.Handler
+}
+
+func (f *flaky) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if f.failing.Load() {
+		http.Error(w, "down", http.StatusInternalServerError)
+		return
+	}
+	f.next.ServeHTTP(w, r)
+}
+
+func TestAnEndpointWhoseScrapesFailLeavesTheCandidatesAndComesBack(t *testing.T) {
+	eps, sims := simulators(t, 1, 1000)
+	f := &flaky{next: sims[0]}
+	f.failing.Store(true)
+	bad, stop := serve(t, netip.MustParseAddr("127.0.45.20"), f)
+	defer stop()
+	eps = append(eps, picker.Endpoint{Pod: "flaky", UID: "uid-flaky", Address: bad})
+	p := picker.New(v1alpha1.Default(), picker.Options{ScrapeFailureThreshold: 3})
+	p.Replace(eps)
+	s := New(p, Options{})
+	for range 3 {
+		s.Round(t.Context(), p.ScrapeTargets(nil))
+	}
+	for range 10 {
+		r, err := p.Pick(picker.Request{Model: "m"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Endpoint() == bad {
+			t.Fatal("picked the endpoint whose scrapes fail")
+		}
+		r.Release()
+	}
+	f.failing.Store(false)
+	s.Round(t.Context(), p.ScrapeTargets(nil))
+	if _, err := p.Pick(picker.Request{Model: "m", Subset: []netip.AddrPort{bad}, HasSubset: true}); err != nil {
+		t.Errorf("after a successful scrape the endpoint is still excluded: %v", err)
+	}
+}
+
+func TestForeignRequestsOnTheEngineSteerPicks(t *testing.T) {
+	eps, _ := simulators(t, 2, 25_000)
+	p := picker.New(v1alpha1.Default(), picker.Options{})
+	p.Replace(eps)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	for i := range 4 {
+		// Long generations: they stay running on sim-0 until cancelled.
+		body := fmt.Sprintf(`{"model":%q,"prompt":"foreign %d %0500d","max_tokens":100000}`, server.DefaultModel, i, 0)
+		go func() {
+			req, _ := http.NewRequestWithContext(ctx, "POST", "http://"+eps[0].Address.String()+"/v1/completions", stringsReader(body))
+			req.Header.Set("content-type", "application/json")
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				resp.Body.Close()
+			}
+		}()
+	}
+	s := New(p, Options{})
+	waitFor(t, func() bool {
+		s.Round(ctx, p.ScrapeTargets(nil))
+		return p.Stats()[0].ForeignRequests == 4
+	})
+	for i := range 6 {
+		r, err := p.Pick(picker.Request{Model: server.DefaultModel, Prompt: fmt.Appendf(nil, "ours %d %0400d", i, 0)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Endpoint() != eps[1].Address {
+			t.Fatalf("pick %d went to sim-0, which runs 4 requests that did not come through the picker", i)
+		}
+	}
+}
+
+func stringsReader(s string) io.Reader { return strings.NewReader(s) }
+
+// waitFor polls cond for up to 10 seconds.
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not met within 10s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
