@@ -445,9 +445,14 @@ func (st *stream) violation(what string) error {
 }
 
 func (st *stream) release() {
-	if st.res != nil {
-		st.res.Release()
+	if st.res == nil {
+		return
 	}
+	if u := st.up.usage; st.up.hasUsage && u.hasCached {
+		// What the engine really had cached corrects the prefix index.
+		st.res.Delivered(u.promptTokens, u.cachedTokens)
+	}
+	st.res.Release()
 }
 
 // dropBody gives the body buffer back to the pool and its bytes back to the

@@ -250,6 +250,9 @@ type requestMetrics struct {
 	tail       usageTail
 	noUsage    bool // the body is encoded (compressed): usage cannot be read
 	ended      bool // the response was seen to its end
+	// usage is what the response's end reported, when hasUsage.
+	usage    usage
+	hasUsage bool
 }
 
 // requestHeaders starts the clock of the request's duration.
@@ -326,6 +329,7 @@ func (r *requestMetrics) responseEnd() {
 	if !ok {
 		return
 	}
+	r.usage, r.hasUsage = u, true
 	// As upstream: token counts of zero are not observed, a reported cached
 	// count is, even zero.
 	if u.promptTokens > 0 {
