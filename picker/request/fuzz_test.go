@@ -248,14 +248,14 @@ func reference(kind Kind, body []byte) (Parsed, error) {
 		KindCompletions: {"model", "cache_salt", "stream", "max_tokens", "max_completion_tokens", "prompt"},
 		KindChat:        {"model", "cache_salt", "stream", "max_tokens", "max_completion_tokens", "messages", "tools"},
 		KindResponses:   {"model", "cache_salt", "stream", "max_output_tokens", "previous_response_id", "tools", "instructions", "input"},
-		KindEmbeddings:  {"model", "cache_salt", "input"},
+		KindEmbeddings:  {"model", "cache_salt", "input", "messages"},
 	}[kind]
 	// The Prompt's parts, in the order the package documentation gives.
 	order := map[Kind][]string{
 		KindCompletions: {"prompt"},
 		KindChat:        {"tools", "messages"},
 		KindResponses:   {"previous_response_id", "tools", "instructions", "input"},
-		KindEmbeddings:  {"input"},
+		KindEmbeddings:  {"input", "messages"},
 	}[kind]
 	parts := map[string][]byte{}
 	maxTokens, maxCompletionTokens := 0, -1
@@ -316,9 +316,19 @@ func reference(kind Kind, body []byte) (Parsed, error) {
 	if _, n := top.get("model"); n == 0 {
 		return p, refReject("no model")
 	}
-	required := map[Kind]string{KindCompletions: "prompt", KindChat: "messages", KindEmbeddings: "input"}[kind]
+	required := map[Kind]string{KindCompletions: "prompt", KindChat: "messages"}[kind]
 	if _, n := top.get(required); required != "" && n == 0 {
 		return p, refReject("no " + required)
+	}
+	if kind == KindEmbeddings {
+		_, inputs := top.get("input")
+		_, messages := top.get("messages")
+		switch {
+		case inputs == 0 && messages == 0:
+			return p, refReject("no input or messages")
+		case inputs > 0:
+			delete(parts, "messages") // input wins
+		}
 	}
 	p.MaxTokens = maxTokens
 	if maxCompletionTokens >= 0 {

@@ -122,6 +122,10 @@ func TestParseEmbeddings(t *testing.T) {
 		{"token-id arrays", `{"input":[[1],[2,3]],"model":"m","dimensions":256}`, le(1, 2, 3)},
 		{"empty array", `{"model":"m","input":[]}`, ""},
 		{"completion fields ignored", `{"model":"m","input":"x","prompt":5,"stream":"no","max_tokens":-1}`, "x"},
+		{"chat-style messages", `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"u"}}]}]}`,
+			"\x00Ruser\x00Ca\x00P{\"type\":\"image_url\",\"image_url\":{\"url\":\"u\"}}\x00E"},
+		{"input wins over messages", `{"model":"m","messages":[{"role":"user","content":"no"}],"input":"yes"}`, "yes"},
+		{"input wins over later messages", `{"model":"m","input":"yes","messages":[{"role":"user","content":"no"}],"tools":{}}`, "yes"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := parseOK(t, embeddingsPath, tc.body)

@@ -30,7 +30,8 @@
 // # Prompt format
 //
 // Completions (/v1/completions, "prompt") and embeddings (/v1/embeddings,
-// "input"), by the shape of the value:
+// "input"; vLLM also takes chat-style "messages" there, read as chat below,
+// and "input" wins over them), by the shape of the value:
 //   - a string: its text;
 //   - an array of strings: their texts joined with "\n";
 //   - an array of token ids: each id as 4 bytes, little-endian (so that
@@ -145,7 +146,8 @@ const maxTokenLimit = math.MaxInt32
 // Parse reads an OpenAI-compatible request body sent to path (see KindOf
 // for the paths it reads; its query string is ignored). The body must be a
 // JSON object with a non-empty string "model" and, for completions, a
-// "prompt", for chat a "messages" array, for embeddings an "input"; for any
+// "prompt", for chat a "messages" array, for embeddings an "input" (or
+// "messages"); for any
 // other path Parse returns Kind KindOther and no error without looking at
 // the body.
 //
@@ -306,7 +308,7 @@ var topFields = [...]fieldSet{
 	KindChat:        fields(fieldModel, fieldCacheSalt, fieldStream, fieldMaxTokens, fieldMaxCompletionTokens, fieldMessages, fieldTools),
 	KindResponses: fields(fieldModel, fieldCacheSalt, fieldStream, fieldMaxOutputTokens,
 		fieldPreviousResponseID, fieldTools, fieldInstructions, fieldInput),
-	KindEmbeddings: fields(fieldModel, fieldCacheSalt, fieldInput),
+	KindEmbeddings: fields(fieldModel, fieldCacheSalt, fieldInput, fieldMessages),
 }
 
 // promptRank returns the place a top-level field takes in Prompt (see the
@@ -316,7 +318,12 @@ func promptRank(kind Kind, f field) (int, bool) {
 	case KindCompletions:
 		return 0, f == fieldPrompt
 	case KindEmbeddings:
-		return 0, f == fieldInput
+		switch f {
+		case fieldInput:
+			return 0, true
+		case fieldMessages:
+			return 1, true
+		}
 	case KindChat:
 		switch f {
 		case fieldTools:
@@ -412,8 +419,11 @@ func (s *scanner) request(kind Kind) (Parsed, error) {
 		return p, &Error{Message: `request body has no "prompt" field`}
 	case kind == KindChat && !seen.has(fieldMessages):
 		return p, &Error{Message: `request body has no "messages" field`}
-	case kind == KindEmbeddings && !seen.has(fieldInput):
-		return p, &Error{Message: `request body has no "input" field`}
+	case kind == KindEmbeddings && !seen.has(fieldInput) && !seen.has(fieldMessages):
+		return p, &Error{Message: `request body has no "input" (or "messages") field`}
+	case kind == KindEmbeddings && seen.has(fieldInput):
+		// vLLM reads a body with both as a completion-style request.
+		s.dst = order.remove(s.dst, 1)
 	}
 	p.MaxTokens = maxTokens
 	if maxCompletionTokens >= 0 {

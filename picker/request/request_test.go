@@ -380,7 +380,9 @@ func TestParseErrors(t *testing.T) {
 		{"cache_salt number", completionsPath, `{"model":"m","prompt":"x","cache_salt":1}`, `"cache_salt" must be a string or null`},
 		{"cache_salt object", chatPath, `{"model":"m","messages":[],"cache_salt":{}}`, `"cache_salt" must be a string or null`},
 
-		{"embeddings without input", embeddingsPath, `{"model":"m"}`, `request body has no "input" field`},
+		{"embeddings without input", embeddingsPath, `{"model":"m"}`, `request body has no "input" (or "messages") field`},
+		{"embeddings bad messages", embeddingsPath, `{"model":"m","messages":[{"content":"x"}]}`, `"messages[0]" has no "role" field`},
+		{"embeddings bad messages beside input", embeddingsPath, `{"model":"m","input":"x","messages":{}}`, `"messages" must be an array`},
 		{"embeddings without model", embeddingsPath, `{"input":"x"}`, `request body has no "model" field`},
 		{"embeddings object input", embeddingsPath, `{"model":"m","input":{}}`, `"input" must be a string, an array of strings, an array of token ids or an array of token-id arrays`},
 		{"embeddings mixed input", embeddingsPath, `{"model":"m","input":["a",1]}`, `"input" must be a string`},
