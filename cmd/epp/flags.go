@@ -11,7 +11,9 @@ import (
 
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
+	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/picker/scrape"
 )
 
 // options are the picker's command-line settings. Names, defaults and
@@ -68,6 +70,16 @@ type options struct {
 
 	// conformanceTestHooks turns on extproc.Options.ConformanceTestHooks.
 	conformanceTestHooks bool
+
+	// Engine metrics scrapes (picker/scrape), named as the upstream
+	// picker's flags are.
+	scrapeInterval         time.Duration
+	scrapeTimeout          time.Duration
+	scrapeFailureThreshold int
+	scrapeScheme           string
+	scrapePath             string
+	scrapePort             int
+	scrapeInsecure         bool
 }
 
 const inferencePoolGroup = "inference.networking.k8s.io"
@@ -101,6 +113,13 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	fs.Int64Var(&o.maxBufferedRequestBytes, "max-buffered-request-bytes", 0, "request body bytes buffered over all streams at once; a request that would pass it gets 503 "+
 		"(default: the config's maxBufferedRequestBytes, else half of GOMEMLIMIT, else 1 GiB; never less than the largest request body)")
 	fs.DurationVar(&o.maxRequestLifetime, "max-request-lifetime", 30*time.Minute, "a reservation older than this is released by the sweeper (a backstop for lost streams)")
+	fs.DurationVar(&o.scrapeInterval, "refresh-metrics-interval", scrape.DefaultInterval, "how often each endpoint's model-server metrics are scraped (0 turns scraping off)")
+	fs.DurationVar(&o.scrapeTimeout, "model-server-metrics-timeout", scrape.DefaultTimeout, "timeout of one model-server metrics scrape")
+	fs.IntVar(&o.scrapeFailureThreshold, "model-server-metrics-failure-threshold", picker.DefaultScrapeFailureThreshold, "failed scrapes in a row after which an endpoint is not picked until one succeeds")
+	fs.StringVar(&o.scrapeScheme, "model-server-metrics-scheme", "http", "scheme of the model servers' metrics: http or https")
+	fs.StringVar(&o.scrapePath, "model-server-metrics-path", scrape.DefaultPath, "path of the model servers' metrics")
+	fs.IntVar(&o.scrapePort, "model-server-metrics-port", 0, "port of the model servers' metrics (0: the endpoint's target port)")
+	fs.BoolVar(&o.scrapeInsecure, "model-server-metrics-https-insecure-skip-verify", true, "skip verifying the model servers' certificates over https")
 	fs.IntVar(&o.maxModelNameLabels, "max-model-name-labels", extproc.DefaultMaxModelNameLabels, "distinct model_name label values of the inference_objective_* metrics; later models share the value \"other\"")
 	fs.BoolVar(&o.healthChecking, "health-checking", false, "also serve gRPC health (the same services) on the ext_proc port")
 	fs.StringVar(&o.metricsBindAddress, "metrics-bind-address", "", "address of the metrics and debug endpoints, e.g. 127.0.0.1:9090; \"0\" turns them off (default: \":<--metrics-port>\")")
@@ -186,6 +205,21 @@ func (o options) validate() error {
 	}
 	if o.maxRequestLifetime < time.Second {
 		errs = append(errs, fmt.Errorf("flag --max-request-lifetime: %s is invalid: must be at least 1s", o.maxRequestLifetime))
+	}
+	if o.scrapeInterval < 0 {
+		errs = append(errs, fmt.Errorf("flag --refresh-metrics-interval: %v is invalid: must be 0 (off) or more", o.scrapeInterval))
+	}
+	if o.scrapeTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("flag --model-server-metrics-timeout: %v is invalid: must be more than 0", o.scrapeTimeout))
+	}
+	if o.scrapeFailureThreshold < 1 {
+		errs = append(errs, fmt.Errorf("flag --model-server-metrics-failure-threshold: %d is invalid: must be 1 or more", o.scrapeFailureThreshold))
+	}
+	if o.scrapeScheme != "http" && o.scrapeScheme != "https" {
+		errs = append(errs, fmt.Errorf("flag --model-server-metrics-scheme: %q is invalid: must be http or https", o.scrapeScheme))
+	}
+	if o.scrapePort < 0 || o.scrapePort > 65535 {
+		errs = append(errs, fmt.Errorf("flag --model-server-metrics-port: %d is invalid: must be from 0 to 65535", o.scrapePort))
 	}
 	if o.maxModelNameLabels < 1 {
 		errs = append(errs, fmt.Errorf("flag --max-model-name-labels: %d is invalid: must be 1 or more", o.maxModelNameLabels))

@@ -2,9 +2,11 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"math"
 	"net"
+	"net/http"
 	"path/filepath"
 	"runtime/debug"
 	"strconv"
@@ -24,6 +26,7 @@ import (
 	"github.com/tallyepp/tally/controllers"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/picker/scrape"
 )
 
 const readinessPollInterval = 100 * time.Millisecond
@@ -70,10 +73,11 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 	reg := prometheus.NewRegistry()
 
 	pick := picker.New(cfg, picker.Options{
-		Registerer:         reg,
-		MaxRequestLifetime: opts.maxRequestLifetime,
-		Log:                log.WithName("picker"),
-		PoolName:           opts.poolName,
+		Registerer:             reg,
+		MaxRequestLifetime:     opts.maxRequestLifetime,
+		Log:                    log.WithName("picker"),
+		PoolName:               opts.poolName,
+		ScrapeFailureThreshold: opts.scrapeFailureThreshold,
 	})
 
 	mgr, err := ctrl.NewManager(kube, ctrl.Options{
@@ -162,6 +166,12 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 		return nil
 	})
 	g.Go(func() error { pick.Run(serving); return nil })
+	if opts.scrapeInterval > 0 {
+		// Every replica scrapes, the standbys too: a new leader starts
+		// with the engines' load and cache sizes already known.
+		scraper := scrape.New(pick, scrapeOptions(opts, reg, log.WithName("scrape")))
+		g.Go(func() error { scraper.Run(serving); return nil })
+	}
 	g.Go(func() error { return extprocServer.Serve(extprocLis) })
 	g.Go(func() error { return healthServer.Serve(healthLis) })
 	if metrics != nil {
@@ -254,4 +264,24 @@ func stopGRPC(s *grpc.Server, grace time.Duration, failed context.Context) bool 
 	s.Stop()
 	<-done
 	return false
+}
+
+// scrapeOptions are the engine scraper's settings from the flags.
+func scrapeOptions(opts options, reg prometheus.Registerer, log logr.Logger) scrape.Options {
+	transport := http.DefaultTransport.(*http.Transport).Clone()
+	transport.MaxIdleConnsPerHost = 2
+	if opts.scrapeScheme == "https" {
+		transport.TLSClientConfig = &tls.Config{InsecureSkipVerify: opts.scrapeInsecure} //nolint:gosec // as the upstream flag asks
+	}
+	return scrape.Options{
+		Interval: opts.scrapeInterval,
+		Timeout:  opts.scrapeTimeout,
+		Path:     opts.scrapePath,
+		Port:     uint16(opts.scrapePort),
+		Scheme:   opts.scrapeScheme,
+		Client:   &http.Client{Transport: transport},
+		Log:      log,
+		// The scraper's metrics are served with the picker's.
+		Registerer: reg,
+	}
 }

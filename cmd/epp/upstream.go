@@ -16,15 +16,10 @@ type ignoredFlag struct {
 }
 
 const (
-	reasonNoScraping = "Tally does not scrape model servers: it keeps a ledger of the requests it placed"
+	reasonNoScraping = "Tally reads only the engine metrics it knows by engine type (the pod label inference.networking.k8s.io/engine-type)"
 )
 
 var ignoredUpstreamFlags = []ignoredFlag{
-	{name: "model-server-metrics-scheme", reason: reasonNoScraping},
-	{name: "model-server-metrics-path", reason: reasonNoScraping},
-	{name: "model-server-metrics-port", reason: reasonNoScraping},
-	{name: "model-server-metrics-https-insecure-skip-verify", isBool: true, reason: reasonNoScraping},
-	{name: "refresh-metrics-interval", reason: reasonNoScraping},
 	{name: "refresh-prometheus-metrics-interval", reason: "Tally's gauges are computed when scraped"},
 	{name: "metrics-staleness-threshold", reason: reasonNoScraping},
 	{name: "total-queued-requests-metric", reason: reasonNoScraping},
