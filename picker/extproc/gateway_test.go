@@ -59,6 +59,8 @@ type fixtureOptions struct {
 	wrap                    func(extproc.Picker) extproc.Picker
 	quiet                   bool         // log nothing (load tests)
 	log                     *logr.Logger // nil: the test's log (or none if quiet)
+	// conformanceTestHooks turns on extproc.Options.ConformanceTestHooks.
+	conformanceTestHooks bool
 }
 
 type fixture struct {
@@ -104,6 +106,7 @@ func newFixture(t testing.TB, o fixtureOptions) *fixture {
 		MaxBufferedRequestBytes: o.maxBufferedRequestBytes,
 		Log:                     log,
 		Registerer:              reg,
+		ConformanceTestHooks:    o.conformanceTestHooks,
 	})
 	// WaitForHandlers: Stop returns only once every stream has ended, so no
 	// stream logs after its test is over.

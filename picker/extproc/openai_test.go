@@ -6,6 +6,8 @@ import (
 	"sync"
 	"testing"
 
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/tallyepp/tally/picker"
@@ -116,5 +118,76 @@ func TestSubsetHintByIP(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestConformanceSelectionReplacesTheHint: with the hooks on, the
+// test-epp-endpoint-selection header names the candidates in place of the
+// gateway's subset hint, as in the suite's own picker, and the response
+// headers answer names the served endpoint.
+func TestConformanceSelectionReplacesTheHint(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		hooks     bool
+		selection string
+		want      string // the only acceptable destination
+		served    string // the x-conformance-test-served-endpoint answer
+	}{
+		{"hooks on", true, "127.0.0.13", epC.String(), epC.String()},
+		{"hooks on, no header", true, "", epA.String(), epA.String()},
+		{"hooks off", false, "127.0.0.13", epA.String(), ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, fixtureOptions{conformanceTestHooks: tc.hooks})
+			x, err := f.gw.open(t.Context())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer x.cancel()
+			req := completion("m", letters(9, 800))
+			req.hint = hintList(epA.String())
+			if tc.selection != "" {
+				req.headers = map[string]string{"test-epp-endpoint-selection": tc.selection}
+			}
+			r, err := x.sendRequest(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r.destination != tc.want {
+				t.Fatalf("destination %q (immediate %v), want %q", r.destination, r.immediate, tc.want)
+			}
+			if err := x.send(responseHeaders(tc.want)); err != nil {
+				t.Fatal(err)
+			}
+			answer, err := x.stream.Recv()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var served string
+			for _, h := range answer.GetResponseHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
+				if h.GetHeader().GetKey() == "x-conformance-test-served-endpoint" {
+					served = string(h.GetHeader().GetRawValue())
+				}
+			}
+			if served != tc.served {
+				t.Errorf("x-conformance-test-served-endpoint %q, want %q", served, tc.served)
+			}
+			if err := x.finish(); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// responseHeaders is a bodiless 200 response served by served.
+func responseHeaders(served string) *extprocv3.ProcessingRequest {
+	return &extprocv3.ProcessingRequest{
+		Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
+			Headers:     &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte("200")}}},
+			EndOfStream: true,
+		}},
+		MetadataContext: &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
+			"envoy.lb": {Fields: map[string]*structpb.Value{"x-gateway-destination-endpoint-served": structpb.NewStringValue(served)}},
+		}},
 	}
 }
