@@ -266,7 +266,9 @@ func (p *Picker) candidatesLocked(req Request) []*row {
 		}
 		ip := a.Addr()
 		c = p.addIPLocked(c, ip)
-		if ip.Is4() { // a row may hold the IPv4-mapped form
+		// A row may hold the IPv4-mapped form; IPv6 addresses sort after
+		// IPv4 ones, so only a pool with some can.
+		if n := len(p.rows); ip.Is4() && n > 0 && p.rows[n-1].ep.Address.Addr().Is6() {
 			c = p.addIPLocked(c, netip.AddrFrom16(ip.As16()))
 		}
 	}
