@@ -109,6 +109,7 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 		TimeScale:     opts.timeScale,
 		GatewayListen: opts.gatewayListen,
 		Output:        procOut,
+		PickerArgs:    opts.pickerArgs,
 	})
 	if err != nil {
 		return err
@@ -193,9 +194,13 @@ func runPolicies(ctx context.Context, s *stack.Stack, workloads []workload, opts
 			}
 			label := pol.name + "/" + w.name
 			fmt.Fprintf(stdout, "%s: replaying %d requests\n", label, len(w.requests))
+			baseURL := pol.baseURL(s, pods)
+			if pol.name == "tally" && w.name != "burst" && opts.direct > 0 {
+				baseURL = bypassing(baseURL, pods, opts.direct)
+			}
 			replay := &stack.Replayer{
 				Client:   s.HTTPClient(),
-				BaseURL:  pol.baseURL(s, pods),
+				BaseURL:  baseURL,
 				IDPrefix: label,
 				Progress: func(done, total int) {
 					fmt.Fprintf(stdout, "  %s: %d/%d requests done\n", label, done, total)
@@ -218,6 +223,19 @@ func runPolicies(ctx context.Context, s *stack.Stack, workloads []workload, opts
 		}
 	}
 	return summaries, times, nil
+}
+
+// bypassing sends a deterministic fraction of the requests straight to the
+// pods in turn instead of through base: request i does when the fractional
+// part of i times sqrt(2)-1 is below fraction (independent of which requests
+// withNonStreaming picks).
+func bypassing(base func(int) string, pods []*stack.Pod, fraction float64) func(int) string {
+	return func(i int) string {
+		if _, frac := math.Modf(float64(i+1) * (math.Sqrt2 - 1)); frac < fraction {
+			return pods[i%len(pods)].URL()
+		}
+		return base(i)
+	}
 }
 
 // withNonStreaming makes a deterministic fraction of the trace's requests
@@ -341,6 +359,8 @@ type options struct {
 	tracePath      string
 	traceRequests  int
 	nonStreaming   float64
+	direct         float64
+	pickerArgs     []string
 	burst          int
 	systemTokens   int
 	userTokens     int
@@ -359,6 +379,11 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.binDir, "bin-dir", "", "directory holding the epp and devgateway binaries (default: beside this binary, else <repo>/bin)")
 	fs.StringVar(&o.tracePath, "trace", "", "Mooncake-format trace to replay (default: <repo>/test/data/mooncake_sample.jsonl)")
 	fs.IntVar(&o.traceRequests, "trace-requests", 0, "replay only the first N requests of the trace (0: all)")
+	fs.Float64Var(&o.direct, "direct", 0, "fraction (0 to 1) of the trace's requests the tally policy sends straight to the pods, round robin, bypassing the picker (as a second gateway or a batch job would)")
+	fs.Func("picker-arg", "an extra flag for the picker, e.g. --picker-arg=--refresh-metrics-interval=0 (repeatable)", func(v string) error {
+		o.pickerArgs = append(o.pickerArgs, v)
+		return nil
+	})
 	fs.Float64Var(&o.nonStreaming, "non-streaming", 0, "fraction (0 to 1) of the trace's requests sent with \"stream\": false")
 	fs.IntVar(&o.burst, "burst", 64, "requests in the burst")
 	fs.IntVar(&o.systemTokens, "system-tokens", 4096, "tokens of the burst's shared system prompt")
@@ -399,6 +424,9 @@ func (o options) validate() error {
 	positive("burst-max-tokens", o.burstMaxTokens, 1<<16)
 	if !(o.timeScale >= 1 && o.timeScale <= 100) {
 		errs = append(errs, fmt.Errorf("flag --time-scale: %g is invalid: must be from 1 to 100", o.timeScale))
+	}
+	if !(o.direct >= 0 && o.direct <= 1) {
+		errs = append(errs, fmt.Errorf("flag --direct: %g is invalid: must be from 0 to 1", o.direct))
 	}
 	if !(o.nonStreaming >= 0 && o.nonStreaming <= 1) {
 		errs = append(errs, fmt.Errorf("flag --non-streaming: %g is invalid: must be from 0 to 1", o.nonStreaming))

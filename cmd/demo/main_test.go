@@ -84,3 +84,24 @@ func TestNonStreamingFractionIsDeterministicAndSpread(t *testing.T) {
 		t.Errorf("--non-streaming=1.5: err = %v, want one naming the flag", err)
 	}
 }
+
+func TestBypassingSendsTheFractionStraightToThePods(t *testing.T) {
+	pods := []*stack.Pod{nil} // only counted, never dereferenced below
+	_ = pods
+	through := 0
+	base := func(int) string { return "gateway" }
+	// With no pods to bypass to, every request must stay on base when the
+	// fraction is 0.
+	f := bypassing(base, nil, 0)
+	for i := range 100 {
+		if f(i) == "gateway" {
+			through++
+		}
+	}
+	if through != 100 {
+		t.Errorf("--direct=0 sent %d of 100 through the gateway, want all", through)
+	}
+	if _, err := parseFlags([]string{"--direct=-0.1"}, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "--direct") {
+		t.Errorf("--direct=-0.1: err = %v, want one naming the flag", err)
+	}
+}
