@@ -86,8 +86,6 @@ func TestNonStreamingFractionIsDeterministicAndSpread(t *testing.T) {
 }
 
 func TestBypassingSendsTheFractionStraightToThePods(t *testing.T) {
-	pods := []*stack.Pod{nil} // only counted, never dereferenced below
-	_ = pods
 	through := 0
 	base := func(int) string { return "gateway" }
 	// With no pods to bypass to, every request must stay on base when the
