@@ -40,6 +40,8 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	kptr "k8s.io/utils/ptr"
+
+	modelsim "github.com/tallyepp/tally/test/modelsim/server"
 )
 
 // upstreamModule is the last gateway-api-inference-extension release with the
@@ -151,9 +153,9 @@ func TestUpstreamChartRunsTally(t *testing.T) {
 		authMetrics bool
 		drain       bool
 	}{
-		{name: "default values", ns: "upstream-defaults", podIP: "127.0.0.5",
+		{name: "default values", ns: "upstream-defaults", podIP: "127.0.10.5",
 			wantProbes: [2]string{"inference-extension", "inference-extension"}, drain: true},
-		{name: "documented options", ns: "upstream-options", podIP: "127.0.0.6", authMetrics: true,
+		{name: "documented options", ns: "upstream-options", podIP: "127.0.10.6", authMetrics: true,
 			wantProbes: [2]string{"liveness", "readiness"},
 			values: `
 inferencePool:
@@ -203,6 +205,9 @@ inferenceExtension:
 			}
 			c.createNamespace(t, tc.ns)
 			c.applyAll(t, r.objects)
+			// A simulated vLLM at the pod's address, on the chart's
+			// default target port: the picker scrapes its metrics.
+			serveModelServer(t, tc.podIP+":8000")
 			c.createReadyPod(t, tc.ns, "vllm-llama-0", map[string]string{"app": "vllm-llama"}, tc.podIP)
 
 			sa := d.Spec.Template.Spec.ServiceAccountName
@@ -232,6 +237,27 @@ inferenceExtension:
 			}
 		})
 	}
+}
+
+// serveModelServer serves a simulated vLLM (metrics, completions) on addr
+// until the test ends.
+func serveModelServer(t *testing.T, addr string) {
+	t.Helper()
+	sim, err := modelsim.New(modelsim.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		sim.Close()
+		t.Fatalf("serving the model server at %s: %v", addr, err)
+	}
+	srv := &http.Server{Handler: sim, ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(func() {
+		_ = srv.Close()
+		sim.Close()
+	})
 }
 
 // metricsReader returns the ServiceAccount that the rendered
