@@ -103,15 +103,15 @@ var ignoredPluginTypes = map[string]string{
 	"running-requests-size-scorer":         "Tally scores one cost in tokens, from its own ledger of requests in flight, instead of weighted scorers",
 	"token-load-scorer":                    "Tally scores one cost in tokens, from its own ledger of requests in flight, instead of weighted scorers",
 	"lora-affinity-scorer":                 "Tally does not route on LoRA adapters",
-	"metrics-data-source":                  "Tally does not scrape model servers",
-	"core-metrics-extractor":               "Tally does not scrape model servers",
+	"metrics-data-source":                  "Tally's scrapes of the model servers are set by flags (--refresh-metrics-interval, --model-server-metrics-*)",
+	"core-metrics-extractor":               "Tally reads the engine metrics it knows by engine type (the pod label inference.networking.k8s.io/engine-type)",
 	"k8s-notification-source":              "Tally watches the pool and its pods itself",
 	"endpoint-notification-source":         "Tally watches the pool and its pods itself",
 	"single-profile-handler":               "Tally has one scheduling profile",
 	"openai-parser":                        "Tally parses OpenAI requests itself",
 	"passthrough-parser":                   "Tally parses OpenAI requests itself; other bodies are routed on load alone",
 	"vllmgrpc-parser":                      "Tally parses OpenAI requests over HTTP; gRPC bodies are routed on load alone",
-	"utilization-detector":                 "Tally does not scrape queue depth or KV-cache use; its saturation limits are requests and prefill tokens in flight per endpoint (saturation in a PickerConfig)",
+	"utilization-detector":                 "Tally's saturation limits are requests and prefill tokens in flight per endpoint (saturation in a PickerConfig); scraped queues and KV-cache use feed its cost instead",
 	"inflight-load-producer":               "Tally's ledger of requests in flight is always on",
 	"predicted-latency-producer":           "Tally's cost is its estimate of time to first token; it runs no latency predictor",
 	"predicted-latency-scorer":             "Tally's cost is its estimate of time to first token; it runs no latency predictor",
@@ -169,7 +169,7 @@ func FromEndpointPickerConfig(data []byte) (PickerConfig, []Note, error) {
 		case "featureGates":
 			m.ignore(k, "Tally has no experimental feature gates")
 		case "dataLayer":
-			m.ignore(k, "Tally does not scrape model servers")
+			m.ignore(k, "Tally's scrapes of the model servers are set by flags (--refresh-metrics-interval, --model-server-metrics-*)")
 		case "flowControl":
 			m.ignore(k, "Tally has no flow control layer (queueing in the picker); see saturation in a PickerConfig for 429s")
 		case "parser":

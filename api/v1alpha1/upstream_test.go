@@ -154,8 +154,8 @@ plugins:
 	if c.Saturation != (Saturation{}) {
 		t.Errorf("saturation = %+v, want off: the utilization detector is the default in use", c.Saturation)
 	}
-	if n := notesByField(notes)["plugins[1](utilization-detector)"]; !strings.Contains(n.Reason, "queue depth") {
-		t.Errorf("utilization-detector note = %+v, want a reason naming queue depth", n)
+	if n := notesByField(notes)["plugins[1](utilization-detector)"]; !strings.Contains(n.Reason, "saturation") {
+		t.Errorf("utilization-detector note = %+v, want a reason naming Tally's saturation limits", n)
 	}
 }
 
