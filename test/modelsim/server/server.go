@@ -20,7 +20,9 @@
 // there is work and waiting for a request when there is none. Times the
 // engine reports (the time-to-first-token histogram) are virtual: what a real
 // engine would measure. Fault injection (AddedLatency, ErrorRate, HangRate)
-// happens in wall time, before the request reaches the engine.
+// happens in wall time, before the request reaches the engine; FailMetrics
+// breaks GET /metrics alone, as an engine whose metrics exporter broke while
+// it still serves completions.
 //
 // Invariant: the engine is touched only under Server.mu, and every request
 // added to it leaves exactly once: it finishes, or its handler cancels it
@@ -132,6 +134,7 @@ type Server struct {
 	ttft    prometheus.Histogram
 
 	nextID     atomic.Uint64
+	metricsOff atomic.Bool // FailMetrics
 	wake       chan struct{} // capacity 1: the driver should look again
 	done       chan struct{} // closed by Close
 	driverDone chan struct{}
@@ -181,7 +184,14 @@ func New(cfg Config) (*Server, error) {
 	s.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { s.handleGenerate(w, r, true) })
 	s.mux.HandleFunc("GET /v1/models", s.handleModels)
 	s.mux.HandleFunc("GET /health", s.handleHealth)
-	s.mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	metrics := promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
+	s.mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
+		if s.metricsOff.Load() {
+			http.Error(w, "injected fault: metrics are failing", http.StatusInternalServerError)
+			return
+		}
+		metrics.ServeHTTP(w, r)
+	})
 
 	go s.drive()
 	return s, nil
@@ -199,6 +209,10 @@ func (s *Server) Close() {
 		<-s.driverDone
 	})
 }
+
+// FailMetrics makes GET /metrics answer 500 while failing is true; the
+// completions APIs keep serving. False restores the metrics.
+func (s *Server) FailMetrics(failing bool) { s.metricsOff.Store(failing) }
 
 // Stats returns the engine's gauges and counters at the current time.
 func (s *Server) Stats() engine.Stats {

@@ -446,6 +446,32 @@ func TestInjectedFaults(t *testing.T) {
 	})
 }
 
+func TestFailMetricsBreaksOnlyTheMetrics(t *testing.T) {
+	srv, url := startServer(t, nil)
+	metricsStatus := func() int {
+		t.Helper()
+		resp, err := http.Get(url + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	srv.FailMetrics(true)
+	if got := metricsStatus(); got != http.StatusInternalServerError {
+		t.Fatalf("GET /metrics while failing: status %d, want 500", got)
+	}
+	resp := post(t, t.Context(), url+"/v1/completions", `{"prompt":"hello","max_tokens":1}`)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("completion while the metrics fail: status %d, want 200", resp.StatusCode)
+	}
+	srv.FailMetrics(false)
+	if got := metricsStatus(); got != http.StatusOK {
+		t.Fatalf("GET /metrics once restored: status %d, want 200", got)
+	}
+}
+
 func TestModelsHealthAndClose(t *testing.T) {
 	srv, url := startServer(t, func(c *Config) { c.Model = "m-1" })
 	resp, err := http.Get(url + "/v1/models")
