@@ -134,7 +134,7 @@ type Server struct {
 	ttft    prometheus.Histogram
 
 	nextID     atomic.Uint64
-	metricsOff atomic.Bool // FailMetrics
+	metricsOff atomic.Bool   // FailMetrics
 	wake       chan struct{} // capacity 1: the driver should look again
 	done       chan struct{} // closed by Close
 	driverDone chan struct{}
