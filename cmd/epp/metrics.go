@@ -138,6 +138,24 @@ type ledgerRow struct {
 	PrefillTokens          int     `json:"prefillTokens"`
 	Decoding               int     `json:"decoding"`
 	PrefillTokensPerSecond float64 `json:"prefillTokensPerSecond"`
+	// The engine's side (picker/engine.go): its last scrape (absent before
+	// the first), the load beyond the ledger, the prefix index's size and
+	// the cached tokens delivered against those predicted.
+	Engine *ledgerEngine `json:"engine,omitempty"`
+	// Unhealthy: enough scrapes in a row failed that it is not a candidate.
+	Unhealthy             bool  `json:"unhealthy"`
+	PrefixCapacityBlocks  int   `json:"prefixCapacityBlocks"`
+	DeliveredCachedTokens int64 `json:"deliveredCachedTokens"`
+	PredictedCachedTokens int64 `json:"predictedCachedTokens"`
+}
+
+// ledgerEngine is what an endpoint's last successful scrape said.
+type ledgerEngine struct {
+	Running         int `json:"running"`
+	Waiting         int `json:"waiting"`
+	ForeignRequests int `json:"foreignRequests"`
+	// ForeignTokens is what the foreign requests add to the cost now.
+	ForeignTokens int `json:"foreignTokens"`
 }
 
 // ledger is /debug/ledger: one snapshot of the picker's ledger, its totals
@@ -154,11 +172,20 @@ func ledgerJSON(l picker.Ledger) ledger {
 	rows := func(stats []picker.EndpointStats) []ledgerRow {
 		out := make([]ledgerRow, 0, len(stats))
 		for _, s := range stats {
-			out = append(out, ledgerRow{
+			row := ledgerRow{
 				Pod: s.Endpoint.Pod, UID: s.Endpoint.UID, Endpoint: s.Endpoint.Address.String(),
 				InFlight: s.InFlight, PrefillTokens: s.PrefillTokens, Decoding: s.Decoding,
 				PrefillTokensPerSecond: s.PrefillTokensPerSecond,
-			})
+				Unhealthy:              s.Unhealthy,
+				PrefixCapacityBlocks:   s.PrefixCapacityBlocks,
+				DeliveredCachedTokens:  s.DeliveredCachedTokens,
+				PredictedCachedTokens:  s.PredictedCachedTokens,
+			}
+			if s.Scraped {
+				row.Engine = &ledgerEngine{Running: s.EngineRunning, Waiting: s.EngineWaiting,
+					ForeignRequests: s.ForeignRequests, ForeignTokens: s.ForeignTokens}
+			}
+			out = append(out, row)
 		}
 		return out
 	}
