@@ -83,7 +83,7 @@ func FuzzParse(f *testing.F) {
 			if !bytes.Equal(got.Prompt, want.Prompt) {
 				t.Fatalf("prompt\n %q\nwant\n %q", got.Prompt, want.Prompt)
 			}
-		case k == KindCompletions || k == KindEmbeddings:
+		case k == KindCompletions || k == KindEmbeddings && hasInput(body):
 			// Prompt strings are joined by "\n", so decoding invalid
 			// bytes one by one gives the same text either way.
 			if g, w := replaceInvalid(string(got.Prompt)), replaceInvalid(string(want.Prompt)); g != w {
@@ -95,6 +95,15 @@ func FuzzParse(f *testing.F) {
 			// replaced.
 		}
 	})
+}
+
+// hasInput reports whether the top-level object of a valid body has an
+// "input": an embeddings Prompt is then text, else chat messages.
+func hasInput(body []byte) bool {
+	var top map[string]json.RawMessage
+	_ = json.Unmarshal(body, &top)
+	_, ok := top["input"]
+	return ok
 }
 
 // replaceInvalid replaces each byte that is not part of valid UTF-8 with
