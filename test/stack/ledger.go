@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/netip"
 	"slices"
 )
 
@@ -31,6 +32,28 @@ type LedgerEndpoint struct {
 	// PrefillTokensPerSecond is the endpoint's prefill rate as the picker
 	// has learned it.
 	PrefillTokensPerSecond float64 `json:"prefillTokensPerSecond"`
+	// Engine is what the endpoint's engine said at the picker's last
+	// successful scrape of its metrics; nil before the first.
+	Engine *LedgerEngine `json:"engine"`
+	// Unhealthy says enough scrapes in a row failed that the picker does
+	// not pick the endpoint.
+	Unhealthy bool `json:"unhealthy"`
+	// PrefixCapacityBlocks is the size of the endpoint's prefix index.
+	PrefixCapacityBlocks int `json:"prefixCapacityBlocks"`
+	// Cached prompt tokens the engine reported in usage, and those the
+	// picker predicted for the same responses.
+	DeliveredCachedTokens int64 `json:"deliveredCachedTokens"`
+	PredictedCachedTokens int64 `json:"predictedCachedTokens"`
+}
+
+// LedgerEngine is an endpoint's engine as the picker last scraped it.
+type LedgerEngine struct {
+	Running int `json:"running"`
+	Waiting int `json:"waiting"`
+	// ForeignRequests are the engine's requests beyond the ledger's;
+	// ForeignTokens is what they add to the endpoint's cost now.
+	ForeignRequests int `json:"foreignRequests"`
+	ForeignTokens   int `json:"foreignTokens"`
 }
 
 // Idle reports whether nothing is reserved anywhere in the ledger.
@@ -73,14 +96,30 @@ func (l Ledger) Pods() []string {
 
 // Ledger reads the picker's /debug/ledger.
 func (s *Stack) Ledger(ctx context.Context) (Ledger, error) {
+	return readLedger(ctx, s.http, s.PickerMetricsURL())
+}
+
+// RowAt returns the current row of the endpoint at addr, if there is one.
+func (l Ledger) RowAt(addr netip.AddrPort) (LedgerEndpoint, bool) {
+	for _, e := range l.Endpoints {
+		if e.Endpoint == addr.String() {
+			return e, true
+		}
+	}
+	return LedgerEndpoint{}, false
+}
+
+// readLedger reads /debug/ledger from the picker whose metrics server is at
+// metricsURL.
+func readLedger(ctx context.Context, c *http.Client, metricsURL string) (Ledger, error) {
 	ctx, cancel := context.WithTimeout(ctx, requestTimeout)
 	defer cancel()
-	url := s.PickerMetricsURL() + "/debug/ledger"
+	url := metricsURL + "/debug/ledger"
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return Ledger{}, err
 	}
-	resp, err := s.http.Do(req)
+	resp, err := c.Do(req)
 	if err != nil {
 		return Ledger{}, fmt.Errorf("reading the ledger: %w", err)
 	}
@@ -98,10 +137,14 @@ func (s *Stack) Ledger(ctx context.Context) (Ledger, error) {
 // WaitForEndpoints waits until the picker's endpoint set is exactly the
 // given pods (in any order).
 func (s *Stack) WaitForEndpoints(ctx context.Context, pods ...string) error {
+	return waitForEndpoints(ctx, s.http, s.picker, s.PickerMetricsURL(), pods)
+}
+
+func waitForEndpoints(ctx context.Context, c *http.Client, picker *Process, metricsURL string, pods []string) error {
 	want := slices.Sorted(slices.Values(pods))
 	var last []string
-	err := s.picker.waitFor(ctx, fmt.Sprintf("the picker's endpoints to be %v", want), pickerReadyTimeout, pollInterval, func(ctx context.Context) bool {
-		l, err := s.Ledger(ctx)
+	err := picker.waitFor(ctx, fmt.Sprintf("the picker's endpoints to be %v", want), pickerReadyTimeout, pollInterval, func(ctx context.Context) bool {
+		l, err := readLedger(ctx, c, metricsURL)
 		if err != nil {
 			return false
 		}

@@ -29,6 +29,44 @@ type Pod struct {
 	served int
 	sim    *server.Server
 	srv    *http.Server
+	// metricsFailing survives a simulator's replacement.
+	metricsFailing bool
+}
+
+// FailMetrics makes the pod's simulator answer GET /metrics with 500 while
+// failing is true, as a model server whose metrics exporter broke; its
+// completions keep serving. False restores them.
+func (p *Pod) FailMetrics(failing bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.metricsFailing = failing
+	if p.sim != nil {
+		p.sim.FailMetrics(failing)
+	}
+}
+
+// ResetEngine replaces the pod's simulated engine with a fresh one (an empty
+// KV cache, no requests), as a model server restarted in place would have.
+// The pod's listener and its connections stay: the gateway's pooled
+// connections keep working. Requests in flight on the old engine end (503,
+// or a cut stream).
+func (p *Pod) ResetEngine() error {
+	sim, err := server.New(p.stack.simulatorConfig())
+	if err != nil {
+		return fmt.Errorf("pod %s: creating its simulator: %w", p.Name, err)
+	}
+	p.mu.Lock()
+	old := p.sim
+	if old == nil {
+		p.mu.Unlock()
+		sim.Close()
+		return fmt.Errorf("pod %s: no simulator runs to reset", p.Name)
+	}
+	sim.FailMetrics(p.metricsFailing)
+	p.sim = sim
+	p.mu.Unlock()
+	old.Close()
+	return nil
 }
 
 // UID is the UID of the pod object that now stands for this pod: a new one
@@ -257,6 +295,7 @@ func (p *Pod) startSimulator() error {
 	}
 	srv := &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
 	p.mu.Lock()
+	sim.FailMetrics(p.metricsFailing)
 	p.sim, p.srv = sim, srv
 	p.mu.Unlock()
 	go srv.Serve(lis)

@@ -138,10 +138,11 @@ type Stack struct {
 	dir        string
 	kubeconfig string
 
-	pickerGRPCPort, pickerHealthPort, pickerMetricsPort int
-	picker                                              *Process
-	gateway                                             *Process
-	gatewayAddr                                         string
+	pickerPorts pickerPorts
+	picker      *Process
+	gateway     *Process
+	gatewayAddr string
+	replicas    []*Replica
 
 	http *http.Client
 
@@ -195,7 +196,7 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 			return nil, err
 		}
 	}
-	if err := s.pickPickerPorts(); err != nil {
+	if s.pickerPorts, err = freePickerPorts(); err != nil {
 		return nil, err
 	}
 	if err := s.StartPicker(ctx); err != nil {
@@ -204,7 +205,7 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	if err := s.WaitForEndpoints(ctx, s.PodNames()...); err != nil {
 		return nil, err
 	}
-	if err := s.startGateway(ctx); err != nil {
+	if s.gateway, s.gatewayAddr, err = s.startGateway(ctx, "devgateway", s.pickerPorts.grpc); err != nil {
 		return nil, err
 	}
 	return s, nil
@@ -232,6 +233,10 @@ func (s *Stack) writeKubeconfig() error {
 // its temporary files. It is safe to call more than once.
 func (s *Stack) Stop() error {
 	var errs []error
+	for _, r := range s.replicas {
+		errs = append(errs, r.stop())
+	}
+	s.replicas = nil
 	if s.gateway != nil {
 		errs = append(errs, s.gateway.Stop())
 	}
@@ -288,9 +293,7 @@ func (s *Stack) Options() Options {
 func (s *Stack) GatewayURL() string { return "http://" + s.gatewayAddr }
 
 // PickerMetricsURL is the picker's metrics server ("/metrics", "/debug/ledger").
-func (s *Stack) PickerMetricsURL() string {
-	return "http://127.0.0.1:" + strconv.Itoa(s.pickerMetricsPort)
-}
+func (s *Stack) PickerMetricsURL() string { return s.pickerPorts.metricsURL() }
 
 // HTTPClient is the client the stack uses for its own requests.
 func (s *Stack) HTTPClient() *http.Client { return s.http }
@@ -306,19 +309,28 @@ func freePort() (int, error) {
 	return lis.Addr().(*net.TCPAddr).Port, nil
 }
 
-func (s *Stack) pickPickerPorts() error {
+// pickerPorts are one picker process's ports.
+type pickerPorts struct{ grpc, health, metrics int }
+
+func (p pickerPorts) metricsURL() string { return "http://127.0.0.1:" + strconv.Itoa(p.metrics) }
+
+// freePickerPorts finds three distinct free ports, none of them in taken.
+func freePickerPorts(taken ...pickerPorts) (pickerPorts, error) {
+	var used []int
+	for _, t := range taken {
+		used = append(used, t.grpc, t.health, t.metrics)
+	}
 	ports := make([]int, 0, 3)
 	for len(ports) < 3 {
 		p, err := freePort()
 		if err != nil {
-			return err
+			return pickerPorts{}, err
 		}
-		if !slices.Contains(ports, p) {
+		if !slices.Contains(ports, p) && !slices.Contains(used, p) {
 			ports = append(ports, p)
 		}
 	}
-	s.pickerGRPCPort, s.pickerHealthPort, s.pickerMetricsPort = ports[0], ports[1], ports[2]
-	return nil
+	return pickerPorts{grpc: ports[0], health: ports[1], metrics: ports[2]}, nil
 }
 
 // StartPicker starts the picker process and waits until its gRPC health
@@ -332,36 +344,50 @@ func (s *Stack) StartPicker(ctx context.Context) error {
 			return errors.New("the picker is already running")
 		}
 	}
+	p, err := s.startPickerProcess("epp", s.pickerPorts)
+	if err != nil {
+		return err
+	}
+	s.picker = p
+	return p.waitFor(ctx, "the picker to report readiness SERVING", pickerReadyTimeout, pollInterval, func(ctx context.Context) bool {
+		ready, _ := pickerReady(ctx, s.pickerPorts.health)
+		return ready
+	})
+}
+
+// startPickerProcess starts a picker of the stack's pool on ports.
+func (s *Stack) startPickerProcess(name string, ports pickerPorts) (*Process, error) {
 	args := append([]string{
 		"--pool-name=" + s.opts.PoolName,
 		"--pool-namespace=" + s.opts.Namespace,
 		"--kubeconfig=" + s.kubeconfig,
-		"--grpc-port=" + strconv.Itoa(s.pickerGRPCPort),
-		"--grpc-health-port=" + strconv.Itoa(s.pickerHealthPort),
-		"--metrics-port=" + strconv.Itoa(s.pickerMetricsPort),
+		"--grpc-port=" + strconv.Itoa(ports.grpc),
+		"--grpc-health-port=" + strconv.Itoa(ports.health),
+		"--metrics-port=" + strconv.Itoa(ports.metrics),
 		// Tests and the demo read /metrics and /debug/ledger over plain
 		// HTTP on loopback, without a token.
 		"--metrics-endpoint-auth=false",
 		// Stopping the stack need not wait for gateways to notice.
 		"--shutdown-delay=0s",
 	}, s.opts.PickerArgs...)
-	p, err := startProcess("epp", filepath.Join(s.opts.BinDir, "epp"), args, s.opts.Output, nil)
+	return startProcess(name, filepath.Join(s.opts.BinDir, "epp"), args, s.opts.Output, nil)
+}
+
+// pickerReady asks the picker's gRPC health service on healthPort whether
+// "readiness" is SERVING.
+func pickerReady(ctx context.Context, healthPort int) (bool, error) {
+	conn, err := grpc.NewClient("127.0.0.1:"+strconv.Itoa(healthPort), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
-		return err
-	}
-	s.picker = p
-	conn, err := grpc.NewClient("127.0.0.1:"+strconv.Itoa(s.pickerHealthPort), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		return fmt.Errorf("connecting to the picker's health port: %w", err)
+		return false, fmt.Errorf("connecting to the picker's health port: %w", err)
 	}
 	defer conn.Close()
-	health := healthpb.NewHealthClient(conn)
-	return p.waitFor(ctx, "the picker to report readiness SERVING", pickerReadyTimeout, pollInterval, func(ctx context.Context) bool {
-		ctx, cancel := context.WithTimeout(ctx, requestTimeout)
-		defer cancel()
-		resp, err := health.Check(ctx, &healthpb.HealthCheckRequest{Service: "readiness"})
-		return err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING
-	})
+	ctx, cancel := context.WithTimeout(ctx, requestTimeout)
+	defer cancel()
+	resp, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: "readiness"})
+	if err != nil {
+		return false, fmt.Errorf("checking the picker's readiness: %w", err)
+	}
+	return resp.GetStatus() == healthpb.HealthCheckResponse_SERVING, nil
 }
 
 // KillPicker kills the picker (SIGKILL), as a crash would.
@@ -374,7 +400,9 @@ func (s *Stack) KillPicker() {
 // Picker is the running (or last) picker process.
 func (s *Stack) Picker() *Process { return s.picker }
 
-func (s *Stack) startGateway(ctx context.Context) error {
+// startGateway starts a dev gateway of the pool in front of the picker
+// whose ext_proc port is pickerGRPCPort and returns it with its address.
+func (s *Stack) startGateway(ctx context.Context, name string, pickerGRPCPort int) (*Process, string, error) {
 	listening := make(chan string, 1)
 	const prefix = "devgateway listening on "
 	onLine := func(line string) {
@@ -385,28 +413,31 @@ func (s *Stack) startGateway(ctx context.Context) error {
 			}
 		}
 	}
+	listen := s.opts.GatewayListen
+	if name != "devgateway" {
+		listen = "127.0.0.1:0" // a fixed GatewayListen is the first gateway's
+	}
 	args := []string{
-		"--listen=" + s.opts.GatewayListen,
-		"--picker-addr=127.0.0.1:" + strconv.Itoa(s.pickerGRPCPort),
+		"--listen=" + listen,
+		"--picker-addr=127.0.0.1:" + strconv.Itoa(pickerGRPCPort),
 		"--picker-tls=true",
 		"--kubeconfig=" + s.kubeconfig,
 		"--pool-name=" + s.opts.PoolName,
 		"--pool-namespace=" + s.opts.Namespace,
 	}
-	p, err := startProcess("devgateway", filepath.Join(s.opts.BinDir, "devgateway"), args, s.opts.Output, onLine)
+	p, err := startProcess(name, filepath.Join(s.opts.BinDir, "devgateway"), args, s.opts.Output, onLine)
 	if err != nil {
-		return err
+		return nil, "", err
 	}
-	s.gateway = p
 	ctx, cancel := context.WithTimeout(ctx, gatewayReadyTimeout)
 	defer cancel()
 	select {
-	case s.gatewayAddr = <-listening:
-		return nil
+	case addr := <-listening:
+		return p, addr, nil
 	case <-p.Done():
-		return fmt.Errorf("waiting for the gateway to listen: %w", p.exitError())
+		return p, "", fmt.Errorf("waiting for the gateway to listen: %w", p.exitError())
 	case <-ctx.Done():
-		return fmt.Errorf("waiting for the gateway to print %q: %w; its last output:\n%s", prefix, ctx.Err(), p.Output())
+		return p, "", fmt.Errorf("waiting for the gateway to print %q: %w; its last output:\n%s", prefix, ctx.Err(), p.Output())
 	}
 }
 

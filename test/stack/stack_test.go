@@ -3,6 +3,7 @@ package stack
 import (
 	"context"
 	"net"
+	"net/http"
 	"net/netip"
 	"strings"
 	"testing"
@@ -128,6 +129,54 @@ func TestResetSimulatorsEmptiesThePrefixCache(t *testing.T) {
 	}
 	if r := send("after-reset"); r.CachedTokens != 0 || r.PromptTokens != req.PromptTokens {
 		t.Fatalf("after a reset: %d cached of %d prompt tokens, want 0 of %d", r.CachedTokens, r.PromptTokens, req.PromptTokens)
+	}
+}
+
+func TestResetEngineEmptiesTheCacheAndKeepsTheConnection(t *testing.T) {
+	s, p := newTestPod(t)
+	req := Completion(DefaultModel, strings.Repeat("a shared prompt ", 200), 1, false)
+	send := func(id string) Result {
+		t.Helper()
+		r := Send(context.Background(), s.HTTPClient(), p.URL(), id, req)
+		if r.Err != nil || r.Status != http.StatusOK {
+			t.Fatalf("request %s: status %d, %v", id, r.Status, r.Err)
+		}
+		return r
+	}
+	send("first")
+	if r := send("repeat"); r.CachedTokens == 0 {
+		t.Fatalf("a repeated prompt reports no cached tokens: %+v", r)
+	}
+	if err := p.ResetEngine(); err != nil {
+		t.Fatal(err)
+	}
+	// The pooled connection to the pod is still good: no EOF.
+	if r := send("after-reset"); r.CachedTokens != 0 {
+		t.Fatalf("after a reset: %d cached tokens, want 0", r.CachedTokens)
+	}
+}
+
+func TestFailMetricsOutlivesAnEngineReset(t *testing.T) {
+	s, p := newTestPod(t)
+	status := func() int {
+		t.Helper()
+		resp, err := s.HTTPClient().Get(p.URL() + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	p.FailMetrics(true)
+	if err := p.ResetEngine(); err != nil {
+		t.Fatal(err)
+	}
+	if got := status(); got != http.StatusInternalServerError {
+		t.Fatalf("GET /metrics while failing, after a reset: %d, want 500", got)
+	}
+	p.FailMetrics(false)
+	if got := status(); got != http.StatusOK {
+		t.Fatalf("GET /metrics once restored: %d, want 200", got)
 	}
 }
 

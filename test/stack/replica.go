@@ -1,0 +1,102 @@
+package stack
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+)
+
+// Replica is one more picker process of the stack's pool, run with the same
+// flags as the first on ports of its own, and a dev gateway of its own in
+// front of it: where a cluster's gateway would route to whichever picker
+// replica is ready, a test sends through the replica's gateway once the
+// replica reports ready. With --ha-enable-leader-election in
+// Options.PickerArgs it stands by while the first picker leads.
+type Replica struct {
+	stack       *Stack
+	name        string
+	ports       pickerPorts
+	picker      *Process
+	gateway     *Process
+	gatewayAddr string
+}
+
+// StartReplica starts another picker and its gateway, and waits until the
+// picker's endpoint set holds every pod of the stack (a standby watches the
+// pool too). It does not wait for readiness: a standby is not ready.
+func (s *Stack) StartReplica(ctx context.Context) (_ *Replica, err error) {
+	taken := []pickerPorts{s.pickerPorts}
+	for _, r := range s.replicas {
+		taken = append(taken, r.ports)
+	}
+	ports, err := freePickerPorts(taken...)
+	if err != nil {
+		return nil, err
+	}
+	r := &Replica{stack: s, name: "epp-" + strconv.Itoa(len(s.replicas)+1), ports: ports}
+	s.replicas = append(s.replicas, r)
+	if r.picker, err = s.startPickerProcess(r.name, ports); err != nil {
+		return nil, err
+	}
+	if err := r.WaitForEndpoints(ctx, s.PodNames()...); err != nil {
+		return nil, err
+	}
+	if r.gateway, r.gatewayAddr, err = s.startGateway(ctx, "devgateway-"+r.name, ports.grpc); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// Name is the replica's process name in the stack's output.
+func (r *Replica) Name() string { return r.name }
+
+// GatewayURL is the base URL of the replica's own gateway.
+func (r *Replica) GatewayURL() string { return "http://" + r.gatewayAddr }
+
+// MetricsURL is the replica's metrics server ("/metrics", "/debug/ledger").
+func (r *Replica) MetricsURL() string { return r.ports.metricsURL() }
+
+// Ledger reads the replica's /debug/ledger.
+func (r *Replica) Ledger(ctx context.Context) (Ledger, error) {
+	return readLedger(ctx, r.stack.http, r.MetricsURL())
+}
+
+// Metrics reads the replica's /metrics.
+func (r *Replica) Metrics(ctx context.Context) (Metrics, error) {
+	return readMetrics(ctx, r.stack.http, r.MetricsURL())
+}
+
+// Ready reports whether the replica's gRPC health service says "readiness"
+// is SERVING (with leader election: it leads, and its endpoint set is synced).
+func (r *Replica) Ready(ctx context.Context) (bool, error) {
+	select {
+	case <-r.picker.Done():
+		return false, r.picker.exitError()
+	default:
+	}
+	return pickerReady(ctx, r.ports.health)
+}
+
+// WaitForEndpoints waits until the replica's endpoint set is exactly the
+// given pods (in any order).
+func (r *Replica) WaitForEndpoints(ctx context.Context, pods ...string) error {
+	return waitForEndpoints(ctx, r.stack.http, r.picker, r.MetricsURL(), pods)
+}
+
+// Kill kills the replica's picker (SIGKILL), as a crash would.
+func (r *Replica) Kill() { r.picker.Kill() }
+
+func (r *Replica) stop() error {
+	var errs []error
+	if r.gateway != nil {
+		errs = append(errs, r.gateway.Stop())
+	}
+	if r.picker != nil {
+		errs = append(errs, r.picker.Stop())
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("stopping picker replica %s: %w", r.name, err)
+	}
+	return nil
+}
