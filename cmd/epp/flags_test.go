@@ -217,3 +217,16 @@ func TestBufferBudget(t *testing.T) {
 		})
 	}
 }
+
+func TestJoinBoolValuesLeavesOtherArgumentsAlone(t *testing.T) {
+	o, _, err := parseFlags([]string{"--pool-name", "true", "--tracing", "true", "--health-checking=false", "-secure-serving", "false"}, env(nil), &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.poolName != "true" || o.healthChecking || o.secureServing {
+		t.Fatalf("pool %q, health-checking %v, secure-serving %v", o.poolName, o.healthChecking, o.secureServing)
+	}
+	if _, _, err := parseFlags([]string{"--pool-name", "p", "--", "--enable-pprof", "false"}, env(nil), &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "unexpected argument") {
+		t.Fatalf("arguments after -- are not flags: %v", err)
+	}
+}
