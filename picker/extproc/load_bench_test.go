@@ -8,6 +8,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
 )
 
 // BenchmarkRequestCycles measures whole request cycles through the real gRPC
@@ -80,5 +82,63 @@ func BenchmarkRequestCycles(b *testing.B) {
 	b.ReportMetric(pct(0.99), "p99-ms")
 	if in, pre := f.picker.Totals(); in != 0 || pre != 0 {
 		b.Fatalf("ledger holds %d requests and %d prefill tokens after the run", in, pre)
+	}
+}
+
+// BenchmarkSmallBesideHugePrompts measures the routing time of small
+// requests (1,000-token prompts, one client at a time) through the real
+// gRPC server, alone and while another client sends 8 MiB prompts one after
+// another: with the prompt block cap a huge prompt holds the picker's lock
+// no longer than a 32,000-token one, so the small requests' p99 should stay
+// within a few times its value alone (the huge bodies' parsing still takes
+// CPU on the shared cores).
+func BenchmarkSmallBesideHugePrompts(b *testing.B) {
+	for _, beside := range []bool{false, true} {
+		name := "alone"
+		if beside {
+			name = "beside-8MiB-prompts"
+		}
+		b.Run(name, func(b *testing.B) {
+			cfg := v1alpha1.Default()
+			cfg.MaxRequestBytes = 64 << 20
+			f := newFixture(b, fixtureOptions{quiet: true, cfg: &cfg})
+			ctx, cancel := context.WithCancel(context.Background())
+			var wg sync.WaitGroup
+			if beside {
+				huge := strings.Repeat("y", 8<<20)
+				wg.Go(func() {
+					for i := 0; ctx.Err() == nil; i++ {
+						x, err := f.gw.open(ctx)
+						if err != nil {
+							return
+						}
+						if _, err := x.sendRequest(completion("m", fmt.Sprint(i)+huge)); err == nil {
+							_ = x.respond(okResponse)
+						}
+						x.cancel()
+					}
+				})
+			}
+			var times []time.Duration
+			for i := 0; b.Loop(); i++ {
+				x, err := f.gw.open(context.Background())
+				if err != nil {
+					b.Fatal(err)
+				}
+				began := time.Now()
+				r, err := x.sendRequest(completion("m", fmt.Sprintf("small %d %s", i, strings.Repeat("z", 4000))))
+				times = append(times, time.Since(began))
+				if err != nil || r.immediate != nil {
+					b.Fatalf("small request: %v %v", err, r.immediate)
+				}
+				_ = x.respond(okResponse)
+				x.cancel()
+			}
+			cancel()
+			wg.Wait()
+			slices.Sort(times)
+			b.ReportMetric(float64(times[len(times)/2].Microseconds())/1000, "p50-ms")
+			b.ReportMetric(float64(times[len(times)*99/100].Microseconds())/1000, "p99-ms")
+		})
 	}
 }
