@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
@@ -160,6 +161,9 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	if o.kubeconfig == "" {
 		o.kubeconfig = getenv("KUBECONFIG")
 	}
+	// The upstream chart passes trtllm-serve's path with its quotes:
+	// --model-server-metrics-path="/prometheus/metrics".
+	o.scrapePath = strings.Trim(o.scrapePath, `"'`)
 	return o, ignored, o.validate()
 }
 
@@ -214,6 +218,9 @@ func (o options) validate() error {
 	}
 	if o.scrapeFailureThreshold < 1 {
 		errs = append(errs, fmt.Errorf("flag --model-server-metrics-failure-threshold: %d is invalid: must be 1 or more", o.scrapeFailureThreshold))
+	}
+	if !strings.HasPrefix(o.scrapePath, "/") {
+		errs = append(errs, fmt.Errorf("flag --model-server-metrics-path: %q is invalid: must start with /", o.scrapePath))
 	}
 	if o.scrapeScheme != "http" && o.scrapeScheme != "https" {
 		errs = append(errs, fmt.Errorf("flag --model-server-metrics-scheme: %q is invalid: must be http or https", o.scrapeScheme))

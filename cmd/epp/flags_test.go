@@ -80,6 +80,11 @@ func TestInvalidFlagValuesNameTheFlag(t *testing.T) {
 		{[]string{"--endpoint-selector", "app=vllm"}, "--endpoint-selector"},
 		{[]string{"--shutdown-grace", "-1s"}, "--shutdown-grace"},
 		{[]string{"--metrics-cert-path", "/x"}, "--metrics-secure-serving"},
+		{[]string{"--refresh-metrics-interval", "-1s"}, "--refresh-metrics-interval"},
+		{[]string{"--model-server-metrics-scheme", "ftp"}, "--model-server-metrics-scheme"},
+		{[]string{"--model-server-metrics-port", "70000"}, "--model-server-metrics-port"},
+		{[]string{"--model-server-metrics-path", "metrics"}, "--model-server-metrics-path"},
+		{[]string{"--model-server-metrics-failure-threshold", "0"}, "--model-server-metrics-failure-threshold"},
 	} {
 		var stderr bytes.Buffer
 		code := run(context.Background(), append([]string{"--pool-name", "p"}, tc.args...), env(nil), &stderr)
@@ -228,5 +233,12 @@ func TestJoinBoolValuesLeavesOtherArgumentsAlone(t *testing.T) {
 	}
 	if _, _, err := parseFlags([]string{"--pool-name", "p", "--", "--enable-pprof", "false"}, env(nil), &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "unexpected argument") {
 		t.Fatalf("arguments after -- are not flags: %v", err)
+	}
+}
+
+func TestQuotedMetricsPathAsTheUpstreamChartPassesIt(t *testing.T) {
+	o, _, err := parseFlags([]string{"--pool-name", "p", `--model-server-metrics-path="/prometheus/metrics"`}, env(nil), &bytes.Buffer{})
+	if err != nil || o.scrapePath != "/prometheus/metrics" {
+		t.Errorf("path %q, err %v; want /prometheus/metrics", o.scrapePath, err)
 	}
 }
