@@ -1,0 +1,339 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/netip"
+	"strings"
+	"sync"
+	"time"
+
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/test/modelsim/engine"
+	"github.com/tallyepp/tally/test/modelsim/server"
+	"github.com/tallyepp/tally/test/stack"
+)
+
+// engineFirstPodIP keeps this pool's pods off the other specs' addresses.
+var engineFirstPodIP = netip.MustParseAddr("127.0.45.2")
+
+// engineKVBlocks sizes each simulator's KV cache: 96,000 tokens, a size no
+// default of the picker's matches.
+const engineKVBlocks = 6000
+
+// steadyPromptTokens is every prompt's length in these specs: the picker's
+// starting size of a foreign request (what it weighs a request it did not
+// place by, before the moving mean of placed prompts has moved), so that the
+// mean stays exact and one foreign request weighs as much as one placed.
+const steadyPromptTokens = 1024
+
+// As in the identity specs, a starting prefill rate of 100 tokens/s keeps
+// the picker's drain model from releasing the prefill of requests it placed
+// during a spec's few seconds: a placed request weighs its prompt until it
+// ends, as a foreign one does.
+const enginePickerConfig = `apiVersion: tally.tallyepp.io/v1alpha1
+kind: PickerConfig
+prefillTokensPerSecond: 100
+`
+
+// steadyRequest is a completion of steadyPromptTokens tokens whose first
+// block is its own, so it shares no prefix with any other.
+func steadyRequest(what string, maxTokens int, stream bool) stack.Request {
+	head := fmt.Sprintf("%s %08d: ", what, requestSeq.Add(1))
+	return sameRequest(head, maxTokens, stream)
+}
+
+// sameRequest is the completion of steadyPromptTokens tokens that starts
+// with head: the same head gives the same prompt.
+func sameRequest(head string, maxTokens int, stream bool) stack.Request {
+	const unit = "what does the engine hold "
+	text := head + strings.Repeat(unit, steadyPromptTokens*server.DefaultCharsPerToken/len(unit)+1)
+	return stack.Completion(stack.DefaultModel, text[:steadyPromptTokens*server.DefaultCharsPerToken], maxTokens, stream)
+}
+
+func steadyRequests(n int, what string) []stack.Request {
+	reqs := make([]stack.Request, n)
+	for i := range reqs {
+		reqs[i] = steadyRequest(what, 4, false)
+	}
+	return reqs
+}
+
+// await is eventually(f) that returns its failure instead of failing the
+// spec, with how long it waited: the spec then reports what followed (a
+// placement measured either way) before it asserts.
+func await(ctx context.Context, timeout time.Duration, f func(g Gomega)) (time.Duration, error) {
+	start := time.Now()
+	err := InterceptGomegaFailure(func() {
+		eventually(ctx, f).WithTimeout(timeout).Should(Succeed())
+	})
+	return time.Since(start), err
+}
+
+// engineLoad is each pod's engine's running and waiting requests.
+func engineLoad(s *stack.Stack) map[string]int {
+	GinkgoHelper()
+	out := map[string]int{}
+	for _, p := range s.Pods() {
+		st, ok := p.Stats()
+		Expect(ok).To(BeTrue(), "pod %s has a simulator", p.Name)
+		out[p.Name] = st.RunningRequests + st.WaitingRequests
+	}
+	return out
+}
+
+// expectEnginesIdle waits until no engine of s runs or queues a request.
+func expectEnginesIdle(ctx context.Context, s *stack.Stack) {
+	GinkgoHelper()
+	eventually(ctx, func() int { return total(engineLoad(s)) }).WithTimeout(15*time.Second).Should(BeZero(), "requests on the engines")
+}
+
+// direct sends requests straight to pods, bypassing the gateway and the
+// picker, as a batch job calling the model servers' Service would. stop
+// cancels them all and waits until each has ended.
+type direct struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+func newDirect() *direct {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &direct{ctx: ctx, cancel: cancel}
+}
+
+func (d *direct) send(c *http.Client, baseURL string, reqs []stack.Request, what string) {
+	for _, r := range reqs {
+		d.wg.Go(func() { stack.Send(d.ctx, c, baseURL, nextID(what), r) })
+	}
+}
+
+func (d *direct) stop() {
+	d.cancel()
+	d.wg.Wait()
+}
+
+// foreignOf returns each pod's foreign requests as a ledger reports them
+// (-1 for a pod never scraped).
+func foreignOf(l stack.Ledger, pods []*stack.Pod) map[string]int {
+	out := map[string]int{}
+	for _, p := range pods {
+		out[p.Name] = -1
+		if row, ok := l.RowAt(p.Addr); ok && row.Engine != nil {
+			out[p.Name] = row.Engine.ForeignRequests
+		}
+	}
+	return out
+}
+
+var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailure, func() {
+	var es *stack.Stack
+	var pods []*stack.Pod
+	var names []string
+
+	BeforeAll(func(ctx SpecContext) {
+		// Real time, so that requests sent straight to an engine stay
+		// running for seconds.
+		es = startStack(ctx, stack.Options{
+			Namespace:  "e2e-engine",
+			PoolName:   "engine-pool",
+			Pods:       3,
+			FirstPodIP: engineFirstPodIP,
+			TimeScale:  1,
+			KVBlocks:   engineKVBlocks,
+			PickerArgs: []string{"--config-text=" + enginePickerConfig},
+		})
+		pods = es.Pods()
+		names = es.PodNames()
+	}, NodeTimeout(2*time.Minute))
+
+	It("sizes each endpoint's prefix index from its engine's KV cache", func(ctx SpecContext) {
+		// The engine's tokens in the picker's blocks of prompt characters.
+		want := engineKVBlocks * engine.DefaultBlockSizeTokens * v1alpha1.DefaultCharsPerToken / v1alpha1.DefaultBlockSizeChars
+		capacities := func(l stack.Ledger) map[string]int {
+			out := map[string]int{}
+			for _, p := range pods {
+				row, _ := l.RowAt(p.Addr)
+				out[p.Name] = row.PrefixCapacityBlocks
+			}
+			return out
+		}
+		var last stack.Ledger
+		took, learnErr := await(ctx, 5*time.Second, func(g Gomega) {
+			l, err := es.Ledger(ctx)
+			g.Expect(err).NotTo(HaveOccurred())
+			last = l
+			for _, c := range capacities(l) {
+				g.Expect(c).To(Equal(want))
+			}
+		})
+		m, err := es.PickerMetrics(ctx)
+		Expect(err).NotTo(HaveOccurred())
+		gauges := map[string]float64{}
+		for _, p := range pods {
+			gauges[p.Name], _ = m.Value("tally_endpoint_prefix_capacity_blocks", "endpoint", p.Addr.String())
+		}
+		AddReportEntry("prefix capacity", fmt.Sprintf("engines of %d blocks of %d tokens: want %d index blocks of %d characters; ledger %v after %v, tally_endpoint_prefix_capacity_blocks %v (lruCapacityBlocks default %d)",
+			engineKVBlocks, engine.DefaultBlockSizeTokens, want, v1alpha1.DefaultBlockSizeChars, capacities(last), took.Round(time.Millisecond), gauges, v1alpha1.DefaultLRUCapacityBlocks))
+		Expect(learnErr).NotTo(HaveOccurred(), "every endpoint's capacity comes from its engine: %v", capacities(last))
+		for name, g := range gauges {
+			Expect(g).To(Equal(float64(want)), "tally_endpoint_prefix_capacity_blocks of %s", name)
+		}
+	}, SpecTimeout(time.Minute))
+
+	It("steers picks away from a pod busy with requests that did not come through the picker", func(ctx SpecContext) {
+		const foreign = 12
+		pod0 := pods[0]
+		d := newDirect()
+		DeferCleanup(func(ctx SpecContext) {
+			d.stop()
+			expectEnginesIdle(ctx, es)
+			expectLedgerDrains(ctx, es)
+		})
+		// Long generations (about 27 s at 6.8 ms a step) keep them running
+		// for the whole spec; stop cancels them.
+		reqs := make([]stack.Request, foreign)
+		for i := range reqs {
+			reqs[i] = steadyRequest("foreign", 4000, false)
+		}
+		d.send(es.HTTPClient(), pod0.URL(), reqs, "foreign")
+		eventually(ctx, func() int { return engineLoad(es)[pod0.Name] }).WithTimeout(10*time.Second).Should(Equal(foreign), "requests running on %s", pod0.Name)
+		var seen stack.Ledger
+		took, seenErr := await(ctx, 5*time.Second, func(g Gomega) {
+			l, err := es.Ledger(ctx)
+			g.Expect(err).NotTo(HaveOccurred())
+			seen = l
+			g.Expect(foreignOf(l, pods)).To(Equal(map[string]int{names[0]: foreign, names[1]: 0, names[2]: 0}))
+		})
+
+		// 24 held requests: the engines never see them, so the engine's
+		// 12 stay foreign all along. The even spread of 36 is 12 each: all
+		// 24 on the two other pods. A picker blind to the 12 places 8/8/8.
+		h := hold(es)
+		DeferCleanup(h.stop)
+		placed := h.send(ctx, steadyRequests(24, "steer"), "steer")
+		totals := sum(placed, map[string]int{pod0.Name: foreign})
+		AddReportEntry("foreign load", fmt.Sprintf("%d requests straight to %s; the picker's foreign requests per pod %v (seen after %v); the next 24 placed %v; in flight per pod %v",
+			foreign, pod0.Name, foreignOf(seen, pods), took.Round(time.Millisecond), placed, totals))
+		Expect(seenErr).NotTo(HaveOccurred(), "the picker sees the requests it did not place")
+		Expect(placed[pod0.Name]).To(BeNumerically("<=", 1), "placement %v", placed)
+		for _, name := range names {
+			Expect(totals[name]).To(BeNumerically("~", 12, 1), "requests per pod, foreign ones included: %v", totals)
+		}
+	}, SpecTimeout(2*time.Minute))
+
+	It("forgets the prefix blocks an engine did not deliver from its cache", func(ctx SpecContext) {
+		req := sameRequest("shortfall: ", 4, false)
+		wantBlocks := steadyPromptTokens * v1alpha1.DefaultCharsPerToken / v1alpha1.DefaultBlockSizeChars
+		type step struct {
+			pod               string
+			cached, predicted int
+			forgotten         float64
+		}
+		// sendOne sends the prompt through the gateway, waits until the
+		// picker has released it (the usage is read then), and returns
+		// where it went, what the engine delivered from its cache, what
+		// the picker predicted and the blocks it forgot.
+		sendOne := func(what string) step {
+			GinkgoHelper()
+			before, err := es.PickerMetrics(ctx)
+			Expect(err).NotTo(HaveOccurred())
+			r := stack.Send(ctx, es.HTTPClient(), es.GatewayURL(), nextID(what), req)
+			Expect(r.Err).NotTo(HaveOccurred())
+			expectLedgerDrains(ctx, es)
+			after, err := es.PickerMetrics(ctx)
+			Expect(err).NotTo(HaveOccurred())
+			counter := func(m stack.Metrics, name string) float64 { v, _ := m.Value(name); return v }
+			return step{
+				pod:       es.ServedBy(r.ID),
+				cached:    r.CachedTokens,
+				predicted: int(counter(after, "tally_prefix_cached_tokens_total") - counter(before, "tally_prefix_cached_tokens_total")),
+				forgotten: counter(after, "tally_cache_shortfall_forgotten_blocks_total") - counter(before, "tally_cache_shortfall_forgotten_blocks_total"),
+			}
+		}
+		first := sendOne("shortfall-first")
+		repeat := sendOne("shortfall-repeat")
+		// The engine that served the prompt restarts: its cache is empty,
+		// and nothing tells the picker but the next response's usage.
+		var held *stack.Pod
+		for _, p := range pods {
+			if p.Name == first.pod {
+				held = p
+			}
+		}
+		Expect(held).NotTo(BeNil(), "the first request was served: %+v", first)
+		Expect(held.ResetEngine()).To(Succeed())
+		shortfall := sendOne("shortfall-after-reset")
+		next := sendOne("shortfall-next")
+		l, err := es.Ledger(ctx)
+		Expect(err).NotTo(HaveOccurred())
+		row, _ := l.RowAt(held.Addr)
+		AddReportEntry("delivered-cache feedback", fmt.Sprintf("a %d-token prompt (%d index blocks): first %+v; repeated %+v; after %s's engine reset %+v; next %+v; %s's ledger row delivered %d / predicted %d cached tokens",
+			steadyPromptTokens, wantBlocks, first, repeat, held.Name, shortfall, next, held.Name, row.DeliveredCachedTokens, row.PredictedCachedTokens))
+
+		Expect(repeat.pod).To(Equal(first.pod), "the repeat goes where the prefix is")
+		Expect(repeat.predicted).To(BeNumerically(">", 0), "the picker predicts the repeat's cached prefix: %+v", repeat)
+		Expect(repeat.cached).To(BeNumerically(">", 0), "the engine delivers it: %+v", repeat)
+		Expect(repeat.forgotten).To(BeZero(), "a delivery within a block of the prediction forgets nothing: %+v", repeat)
+		Expect(shortfall.pod).To(Equal(first.pod), "the picker still believed %s held the prefix: %+v", first.pod, shortfall)
+		Expect(shortfall.predicted).To(BeNumerically(">", 0), "%+v", shortfall)
+		Expect(shortfall.cached).To(BeZero(), "the reset engine had nothing cached: %+v", shortfall)
+		Expect(shortfall.forgotten).To(Equal(float64(wantBlocks)), "every block of the prompt is forgotten on %s: %+v", first.pod, shortfall)
+		Expect(next.predicted).To(BeZero(), "the next pick no longer sees the prefix on %s: %+v", first.pod, next)
+	}, SpecTimeout(time.Minute))
+
+	It("leaves a pod whose metrics fail out of the picks until they succeed again", func(ctx SpecContext) {
+		pod1 := pods[1]
+		pod1.FailMetrics(true)
+		DeferCleanup(func() { pod1.FailMetrics(false) })
+		unhealthy := func(want bool) func(g Gomega) {
+			return func(g Gomega) {
+				l, err := es.Ledger(ctx)
+				g.Expect(err).NotTo(HaveOccurred())
+				row, ok := l.RowAt(pod1.Addr)
+				g.Expect(ok).To(BeTrue(), "%s has a row: %+v", pod1.Name, l)
+				g.Expect(row.Unhealthy).To(Equal(want), "%s's row: %+v", pod1.Name, row)
+			}
+		}
+		healthyGauge := func() float64 {
+			m, err := es.PickerMetrics(ctx)
+			Expect(err).NotTo(HaveOccurred())
+			v, _ := m.Value("tally_endpoint_healthy", "endpoint", pod1.Addr.String())
+			return v
+		}
+		burst := func(n int, what string) map[string]int {
+			h := hold(es)
+			defer func() {
+				h.stop()
+				expectLedgerDrains(ctx, es)
+			}()
+			return h.send(ctx, steadyRequests(n, what), what)
+		}
+
+		outAfter, outErr := await(ctx, 10*time.Second, unhealthy(true))
+		gaugeOut := healthyGauge()
+		whileFailing := burst(20, "failing-metrics")
+		pod1.FailMetrics(false)
+		backAfter, backErr := await(ctx, 10*time.Second, unhealthy(false))
+		gaugeBack := healthyGauge()
+		afterRecovery := burst(30, "recovered-metrics")
+		AddReportEntry("failing metrics", fmt.Sprintf("%s's /metrics answering 500: unhealthy after %v (tally_endpoint_healthy %v), 20 held requests placed %v; metrics back: healthy after %v (gauge %v), 30 held requests placed %v",
+			pod1.Name, outAfter.Round(time.Millisecond), gaugeOut, whileFailing, backAfter.Round(time.Millisecond), gaugeBack, afterRecovery))
+
+		Expect(outErr).NotTo(HaveOccurred(), "failing scrapes take %s out", pod1.Name)
+		Expect(gaugeOut).To(BeZero())
+		Expect(whileFailing).To(HaveKeyWithValue(pod1.Name, 0), "placement while %s's metrics fail: %v", pod1.Name, whileFailing)
+		for _, name := range []string{names[0], names[2]} {
+			Expect(whileFailing[name]).To(BeNumerically("~", 10, 1), "placement while %s's metrics fail: %v", pod1.Name, whileFailing)
+		}
+		Expect(backErr).NotTo(HaveOccurred(), "a successful scrape brings %s back", pod1.Name)
+		Expect(gaugeBack).To(Equal(1.0))
+		for _, name := range names {
+			Expect(afterRecovery[name]).To(BeNumerically("~", 10, 1), "placement once %s's metrics are back: %v", pod1.Name, afterRecovery)
+		}
+	}, SpecTimeout(time.Minute))
+})
