@@ -337,3 +337,110 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 		}
 	}, SpecTimeout(time.Minute))
 })
+
+// failoverFirstPodIP keeps this pool's pods off the other specs' addresses.
+var failoverFirstPodIP = netip.MustParseAddr("127.0.46.2")
+
+// controller-runtime's leader election defaults, which cmd/epp keeps: a
+// lease lasts 15 s, and candidates retry every 2 s, jittered by up to 1.2
+// times that (k8s.io/client-go/tools/leaderelection).
+const (
+	leaseDuration    = 15 * time.Second
+	leaseRetryPeriod = 2 * time.Second
+)
+
+// takeoverBound is the longest a standby can take to lead after a leader's
+// crash: it last saw the lease renewed up to one jittered retry after the
+// crash, waits leaseDuration from then, and tries again within one more.
+const takeoverBound = leaseDuration + 2*leaseRetryPeriod*22/10
+
+var _ = Describe("A standby picker taking over from a crashed leader", Ordered, func() {
+	var fs *stack.Stack
+	var standby *stack.Replica
+
+	BeforeAll(func(ctx SpecContext) {
+		// Two pods at first; a third joins just before the leader dies.
+		fs = startStack(ctx, stack.Options{
+			Namespace:  "e2e-failover",
+			PoolName:   "failover-pool",
+			Pods:       2,
+			FirstPodIP: failoverFirstPodIP,
+			TimeScale:  1,
+			PickerArgs: []string{"--ha-enable-leader-election", "--config-text=" + enginePickerConfig},
+		})
+		var err error
+		standby, err = fs.StartReplica(ctx)
+		Expect(err).NotTo(HaveOccurred())
+	}, NodeTimeout(2*time.Minute))
+
+	It("is ready within the lease and spreads its first burst by the load the engines report", func(ctx SpecContext) {
+		const oldLoad, burstSize = 20, 30
+		ready, err := standby.Ready(ctx)
+		Expect(err).NotTo(HaveOccurred())
+		Expect(ready).To(BeFalse(), "the standby is not ready while the first picker leads")
+
+		// The leader places 20 long requests (about 40 s of generation
+		// each) over the two pods; they are still running when the
+		// standby's first burst comes.
+		old, viaStandby := newDirect(), newDirect()
+		DeferCleanup(func(ctx SpecContext) {
+			old.stop()
+			viaStandby.stop()
+			expectEnginesIdle(ctx, fs)
+		})
+		oldReqs := make([]stack.Request, oldLoad)
+		for i := range oldReqs {
+			oldReqs[i] = steadyRequest("old-leader", 6000, false)
+		}
+		old.send(fs.HTTPClient(), fs.GatewayURL(), oldReqs, "old-leader")
+		eventually(ctx, func() int { return total(engineLoad(fs)) }).WithTimeout(15*time.Second).Should(Equal(oldLoad), "the old leader's requests on the engines")
+		oldPlaced := engineLoad(fs)
+
+		// A third pod joins; both pickers watch the pool.
+		newPod, err := fs.AddPod(ctx, true)
+		Expect(err).NotTo(HaveOccurred())
+		Expect(fs.WaitForEndpoints(ctx, fs.PodNames()...)).To(Succeed())
+		Expect(standby.WaitForEndpoints(ctx, fs.PodNames()...)).To(Succeed())
+		pods := fs.Pods()
+		var beforeKill stack.Ledger
+		_, seenErr := await(ctx, 5*time.Second, func(g Gomega) {
+			l, err := standby.Ledger(ctx)
+			g.Expect(err).NotTo(HaveOccurred())
+			beforeKill = l
+			g.Expect(foreignOf(l, pods)).To(Equal(sum(oldPlaced, map[string]int{newPod.Name: 0})))
+		})
+
+		fs.KillPicker()
+		killed := time.Now()
+		eventually(ctx, func(g Gomega) {
+			ready, err := standby.Ready(ctx)
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(ready).To(BeTrue())
+		}).WithTimeout(takeoverBound + 5*time.Second).Should(Succeed(), "the standby takes over")
+		takeover := time.Since(killed)
+		atTakeover, err := standby.Ledger(ctx)
+		Expect(err).NotTo(HaveOccurred())
+
+		// The first burst through the new leader: long requests too, so
+		// that the engines' counts at the end hold both leaders' requests.
+		before := servedOn(fs)
+		burst := make([]stack.Request, burstSize)
+		for i := range burst {
+			burst[i] = steadyRequest("new-leader", 6000, false)
+		}
+		viaStandby.send(fs.HTTPClient(), standby.GatewayURL(), burst, "new-leader")
+		eventually(ctx, func() int { return total(delta(before, servedOn(fs))) }).WithTimeout(30*time.Second).Should(Equal(burstSize), "burst requests that reached a pod")
+		placed := delta(before, servedOn(fs))
+		eventually(ctx, func() int { return total(engineLoad(fs)) }).WithTimeout(15*time.Second).Should(Equal(oldLoad + burstSize))
+		load := engineLoad(fs)
+		even := float64(oldLoad+burstSize) / float64(len(pods))
+		AddReportEntry("failover", fmt.Sprintf("old leader's requests per pod %v; the standby's foreign requests before the kill %v; ready %v after SIGKILL (bound %v); foreign at takeover %v; first burst of %d placed %v; engines then %v (even %.1f)",
+			oldPlaced, foreignOf(beforeKill, pods), takeover.Round(time.Millisecond), takeoverBound, foreignOf(atTakeover, pods), burstSize, placed, load, even))
+
+		Expect(seenErr).NotTo(HaveOccurred(), "the standby scrapes the engines before it leads")
+		Expect(takeover).To(BeNumerically("<=", takeoverBound), "the standby leads once the crashed leader's lease expires")
+		for _, p := range pods {
+			Expect(float64(load[p.Name])).To(BeNumerically("~", even, even/10), "requests on the engines after the first burst: %v (the burst placed %v)", load, placed)
+		}
+	}, SpecTimeout(3*time.Minute))
+})
