@@ -416,7 +416,7 @@ var _ = Describe("A standby picker taking over from a crashed leader", Ordered, 
 			ready, err := standby.Ready(ctx)
 			g.Expect(err).NotTo(HaveOccurred())
 			g.Expect(ready).To(BeTrue())
-		}).WithTimeout(takeoverBound + 5*time.Second).Should(Succeed(), "the standby takes over")
+		}).WithTimeout(takeoverBound+5*time.Second).Should(Succeed(), "the standby takes over")
 		takeover := time.Since(killed)
 		atTakeover, err := standby.Ledger(ctx)
 		Expect(err).NotTo(HaveOccurred())
@@ -431,7 +431,7 @@ var _ = Describe("A standby picker taking over from a crashed leader", Ordered, 
 		viaStandby.send(fs.HTTPClient(), standby.GatewayURL(), burst, "new-leader")
 		eventually(ctx, func() int { return total(delta(before, servedOn(fs))) }).WithTimeout(30*time.Second).Should(Equal(burstSize), "burst requests that reached a pod")
 		placed := delta(before, servedOn(fs))
-		eventually(ctx, func() int { return total(engineLoad(fs)) }).WithTimeout(15*time.Second).Should(Equal(oldLoad + burstSize))
+		eventually(ctx, func() int { return total(engineLoad(fs)) }).WithTimeout(15 * time.Second).Should(Equal(oldLoad + burstSize))
 		load := engineLoad(fs)
 		even := float64(oldLoad+burstSize) / float64(len(pods))
 		AddReportEntry("failover", fmt.Sprintf("old leader's requests per pod %v; the standby's foreign requests before the kill %v; ready %v after SIGKILL (bound %v); foreign at takeover %v; first burst of %d placed %v; engines then %v (even %.1f)",
