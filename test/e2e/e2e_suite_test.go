@@ -16,6 +16,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -41,6 +42,12 @@ var binDir string
 // binDirEnv names a directory holding already built epp and devgateway
 // binaries; when it is unset the suite builds them from this tree.
 const binDirEnv = "TALLY_E2E_BIN_DIR"
+
+// pickerArgsEnv holds flags (space-separated) given to every picker after
+// the spec's own, to check that a spec can fail: with
+// TALLY_E2E_PICKER_ARGS=--refresh-metrics-interval=0 the specs of the
+// picker's loop with the engines fail.
+const pickerArgsEnv = "TALLY_E2E_PICKER_ARGS"
 
 var _ = BeforeSuite(func(ctx SpecContext) {
 	// envtest logs through controller-runtime's logger.
@@ -74,6 +81,7 @@ func startStack(ctx context.Context, opts stack.Options) *stack.Stack {
 	GinkgoHelper()
 	opts.BinDir = binDir
 	opts.Output = GinkgoWriter
+	opts.PickerArgs = append(opts.PickerArgs, strings.Fields(os.Getenv(pickerArgsEnv))...)
 	s, err := stack.Start(ctx, opts)
 	Expect(err).NotTo(HaveOccurred())
 	DeferCleanup(func() {

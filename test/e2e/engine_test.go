@@ -179,6 +179,7 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 		}
 		AddReportEntry("prefix capacity", fmt.Sprintf("engines of %d blocks of %d tokens: want %d index blocks of %d characters; ledger %v after %v, tally_endpoint_prefix_capacity_blocks %v (lruCapacityBlocks default %d)",
 			engineKVBlocks, engine.DefaultBlockSizeTokens, want, v1alpha1.DefaultBlockSizeChars, capacities(last), took.Round(time.Millisecond), gauges, v1alpha1.DefaultLRUCapacityBlocks))
+		// Without scrapes every endpoint keeps lruCapacityBlocks (25,000).
 		Expect(learnErr).NotTo(HaveOccurred(), "every endpoint's capacity comes from its engine: %v", capacities(last))
 		for name, g := range gauges {
 			Expect(g).To(Equal(float64(want)), "tally_endpoint_prefix_capacity_blocks of %s", name)
@@ -212,7 +213,8 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 
 		// 24 held requests: the engines never see them, so the engine's
 		// 12 stay foreign all along. The even spread of 36 is 12 each: all
-		// 24 on the two other pods. A picker blind to the 12 places 8/8/8.
+		// 24 on the two other pods. A picker blind to the 12 (no scrapes)
+		// placed 8/8/8: 20/8/8 in flight.
 		h := hold(es)
 		DeferCleanup(h.stop)
 		placed := h.send(ctx, steadyRequests(24, "steer"), "steer")
@@ -283,6 +285,9 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 		Expect(shortfall.predicted).To(BeNumerically(">", 0), "%+v", shortfall)
 		Expect(shortfall.cached).To(BeZero(), "the reset engine had nothing cached: %+v", shortfall)
 		Expect(shortfall.forgotten).To(Equal(float64(wantBlocks)), "every block of the prompt is forgotten on %s: %+v", first.pod, shortfall)
+		// A picker that counts the shortfall but forgets nothing predicted
+		// the whole prompt again (1,024 tokens) for the next pick. Scrapes
+		// play no part here: the usage comes in the response.
 		Expect(next.predicted).To(BeZero(), "the next pick no longer sees the prefix on %s: %+v", first.pod, next)
 	}, SpecTimeout(time.Minute))
 
@@ -324,6 +329,7 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 		AddReportEntry("failing metrics", fmt.Sprintf("%s's /metrics answering 500: unhealthy after %v (tally_endpoint_healthy %v), 20 held requests placed %v; metrics back: healthy after %v (gauge %v), 30 held requests placed %v",
 			pod1.Name, outAfter.Round(time.Millisecond), gaugeOut, whileFailing, backAfter.Round(time.Millisecond), gaugeBack, afterRecovery))
 
+		// Without scrapes the pod stays a candidate: 6/7/7.
 		Expect(outErr).NotTo(HaveOccurred(), "failing scrapes take %s out", pod1.Name)
 		Expect(gaugeOut).To(BeZero())
 		Expect(whileFailing).To(HaveKeyWithValue(pod1.Name, 0), "placement while %s's metrics fail: %v", pod1.Name, whileFailing)
@@ -437,6 +443,8 @@ var _ = Describe("A standby picker taking over from a crashed leader", Ordered, 
 		AddReportEntry("failover", fmt.Sprintf("old leader's requests per pod %v; the standby's foreign requests before the kill %v; ready %v after SIGKILL (bound %v); foreign at takeover %v; first burst of %d placed %v; engines then %v (even %.1f)",
 			oldPlaced, foreignOf(beforeKill, pods), takeover.Round(time.Millisecond), takeoverBound, foreignOf(atTakeover, pods), burstSize, placed, load, even))
 
+		// A new leader without scrapes starts blind: it placed 10/10/10,
+		// leaving the engines at 20/20/10.
 		Expect(seenErr).NotTo(HaveOccurred(), "the standby scrapes the engines before it leads")
 		Expect(takeover).To(BeNumerically("<=", takeoverBound), "the standby leads once the crashed leader's lease expires")
 		for _, p := range pods {
