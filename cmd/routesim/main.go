@@ -1,0 +1,168 @@
+// Command routesim replays an LLM-serving trace against simulated vLLM
+// engines in virtual time under several routing policies (round-robin,
+// least-request on scraped metrics, an upstream-like scorer, and Tally's
+// real picker) and reports each policy's latency beside the no-queueing
+// bound. See package test/bench/routesim.
+//
+//	routesim --trace test/data/mooncake_sample.jsonl --engines 4
+//	routesim --azure AzureLLMInferenceTrace_conv.csv --requests 5000 --out docs/bench
+//
+// The tables go to stdout, progress to stderr; with --out DIR it also
+// writes DIR/routesim.md and its SVG charts. Same flags and seed, same
+// numbers. Invalid flags exit 2, naming the flag; a failed run exits 1.
+//
+// Invariant: everything the simulation decides comes from the flags and the
+// trace; the wall clock only times the run.
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"slices"
+	"strings"
+
+	"github.com/tallyepp/tally/test/bench/routesim"
+	"github.com/tallyepp/tally/test/modelsim/engine"
+)
+
+func main() { os.Exit(run(os.Args[1:], os.Stdout, os.Stderr)) }
+
+type options struct {
+	trace, azure          string
+	cfg                   routesim.Config
+	requests              int
+	policies              string
+	burst                 routesim.Burst
+	tenants, systemPrompt int
+	out                   string
+	parallel              int
+	quiet                 bool
+}
+
+func parse(args []string, stderr io.Writer) (*options, error) {
+	o := &options{}
+	fs := flag.NewFlagSet("routesim", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	db := routesim.DefaultBurst()
+	fs.StringVar(&o.trace, "trace", "", "Mooncake-format trace (JSON lines: timestamp, input_length, output_length, hash_ids)")
+	fs.StringVar(&o.azure, "azure", "", "Azure LLM inference trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens), given a synthetic system prompt per tenant")
+	fs.IntVar(&o.cfg.Engines, "engines", routesim.DefaultEngines, "simulated engines")
+	fs.IntVar(&o.cfg.KVBlocks, "kv-blocks", engine.DefaultKVBlocks, "KV cache of each engine, in 16-token blocks")
+	fs.Float64Var(&o.cfg.LoadFactor, "load-factor", 1, "arrival rate multiplier: 2 replays the trace twice as fast")
+	fs.Float64Var(&o.cfg.NonStreaming, "non-streaming", 0, "fraction of requests whose client does not stream (first bytes at the end of generation)")
+	fs.Float64Var(&o.cfg.Bypass, "bypass", 0, "fraction of requests sent round-robin straight to the engines, past the policy")
+	fs.Uint64Var(&o.cfg.Seed, "seed", 1, "seed of every random choice")
+	fs.IntVar(&o.requests, "requests", 0, "replay the first N requests of the trace (0: all)")
+	fs.StringVar(&o.policies, "policies", strings.Join(routesim.Policies(), ","), "comma-separated policies to run")
+	fs.IntVar(&o.burst.Requests, "burst", db.Requests, "requests of the burst scenario (0: no burst)")
+	fs.IntVar(&o.burst.PromptTokens, "burst-prompt-tokens", db.PromptTokens, "prompt of each burst request, in tokens")
+	fs.IntVar(&o.burst.SharedTokens, "burst-shared-tokens", db.SharedTokens, "leading prompt tokens the burst shares (whole 512-token blocks), held by one engine before it")
+	fs.IntVar(&o.burst.OutputTokens, "burst-output-tokens", db.OutputTokens, "output of each burst request, in tokens")
+	fs.IntVar(&o.tenants, "tenants", 16, "with --azure: tenants, each with its own system prompt (drawn Zipf-like)")
+	fs.IntVar(&o.systemPrompt, "system-prompt-tokens", 1024, "with --azure: each tenant's system prompt, in tokens")
+	fs.StringVar(&o.out, "out", "", "directory for routesim.md and the SVG charts (none when empty)")
+	fs.IntVar(&o.parallel, "parallel", runtime.GOMAXPROCS(0), "runs at once (the numbers do not depend on it)")
+	fs.BoolVar(&o.quiet, "quiet", false, "no progress on stderr")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected argument %q: every option is a flag", fs.Arg(0))
+	}
+	switch {
+	case (o.trace == "") == (o.azure == ""):
+		return nil, errors.New("exactly one of --trace (Mooncake JSONL) or --azure (Azure CSV) is required")
+	case o.requests < 0:
+		return nil, fmt.Errorf("--requests: %d is invalid: must be 0 (all) or more", o.requests)
+	case o.parallel < 1:
+		return nil, fmt.Errorf("--parallel: %d is invalid: must be 1 or more", o.parallel)
+	case o.burst.Requests < 0:
+		return nil, fmt.Errorf("--burst: %d is invalid: must be 0 (none) or more", o.burst.Requests)
+	}
+	for _, p := range splitList(o.policies) {
+		if !slices.Contains(routesim.Policies(), p) {
+			return nil, fmt.Errorf("--policies: %q is not a policy: accepted are %s", p, strings.Join(routesim.Policies(), ", "))
+		}
+	}
+	if err := o.cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("%w (flags --engines, --kv-blocks, --load-factor, --non-streaming, --bypass)", err)
+	}
+	if o.burst.Requests > 0 {
+		if err := o.burst.Validate(); err != nil {
+			return nil, fmt.Errorf("%w (flags --burst*)", err)
+		}
+	}
+	return o, nil
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	o, err := parse(args, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "routesim:", err)
+		return 2
+	}
+	var reqs []routesim.Request
+	var source string
+	if o.trace != "" {
+		reqs, err = routesim.LoadMooncakeFile(o.trace)
+		source = baseName(o.trace)
+	} else {
+		reqs, err = routesim.LoadAzureFile(o.azure, routesim.AzurePrefix{Tenants: o.tenants, SystemPromptTokens: o.systemPrompt, Seed: o.cfg.Seed})
+		source = fmt.Sprintf("%s (%d tenants, %d-token system prompts)", baseName(o.azure), o.tenants, o.systemPrompt)
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "routesim:", err)
+		return 1
+	}
+	if o.requests > 0 && o.requests < len(reqs) {
+		reqs = reqs[:o.requests]
+	}
+	s := routesim.Suite{Config: o.cfg, Policies: splitList(o.policies), Parallel: o.parallel}
+	if o.burst.Requests > 0 {
+		s.Burst = &o.burst
+	}
+	if !o.quiet {
+		s.Progress = func(msg string) { fmt.Fprintln(stderr, "routesim:", msg) }
+	}
+	rep, err := s.Run(reqs, source)
+	if err != nil {
+		fmt.Fprintln(stderr, "routesim:", err)
+		return 1
+	}
+	rep.Command = "routesim " + strings.Join(args, " ")
+	if err := rep.WriteMarkdown(stdout); err != nil {
+		fmt.Fprintln(stderr, "routesim: writing the report:", err)
+		return 1
+	}
+	if o.out != "" {
+		if err := rep.WriteDir(o.out); err != nil {
+			fmt.Fprintln(stderr, "routesim: --out:", err)
+			return 1
+		}
+	}
+	return 0
+}
+
+func splitList(s string) []string {
+	var out []string
+	for part := range strings.SplitSeq(s, ",") {
+		if part = strings.TrimSpace(part); part != "" {
+			out = append(out, part)
+		}
+	}
+	return out
+}
+
+func baseName(path string) string {
+	if i := strings.LastIndexByte(path, '/'); i >= 0 {
+		return path[i+1:]
+	}
+	return path
+}

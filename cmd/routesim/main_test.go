@@ -1,0 +1,54 @@
+package main
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+const sampleTrace = "../../test/data/mooncake_sample.jsonl"
+
+func TestRunWritesTablesAndCharts(t *testing.T) {
+	dir := t.TempDir()
+	var stdout, stderr bytes.Buffer
+	args := []string{"--trace", sampleTrace, "--requests", "30", "--engines", "2", "--burst", "8",
+		"--burst-prompt-tokens", "1024", "--burst-shared-tokens", "512", "--bypass", "0.3", "--non-streaming", "0.5", "--out", dir}
+	if code := run(args, &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	for _, want := range []string{"| tally |", "| upstream-like |", "| bound |", "Burst:", "requests/s"} {
+		if !strings.Contains(stdout.String(), want) {
+			t.Errorf("stdout lacks %q:\n%s", want, stdout.String())
+		}
+	}
+	if !strings.Contains(stderr.String(), "trace tally") {
+		t.Errorf("no progress on stderr: %q", stderr.String())
+	}
+	for _, name := range []string{"routesim.md", "routesim-ttft-cdf.svg", "routesim-burst-inflight.svg"} {
+		if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+func TestBadFlagsExit2NamingTheFlag(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{nil, "--trace"},
+		{[]string{"--trace", "a", "--azure", "b"}, "exactly one"},
+		{[]string{"--trace", sampleTrace, "--engines", "0"}, "engines"},
+		{[]string{"--trace", sampleTrace, "--bypass", "2"}, "bypass"},
+		{[]string{"--trace", sampleTrace, "--burst-shared-tokens", "99999"}, "burst shared tokens"},
+		{[]string{"--trace", sampleTrace, "--policies", "tally,random"}, "--policies"},
+	} {
+		var stdout, stderr bytes.Buffer
+		code := run(tc.args, &stdout, &stderr)
+		if code != 2 || !strings.Contains(stderr.String(), tc.want) {
+			t.Errorf("%v: exit %d, stderr %q; want an error naming %q", tc.args, code, stderr.String(), tc.want)
+		}
+	}
+}

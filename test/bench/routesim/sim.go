@@ -1,0 +1,408 @@
+package routesim
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"strconv"
+	"time"
+
+	"github.com/tallyepp/tally/test/modelsim/engine"
+)
+
+// Config is one simulated pool and how the trace is replayed against it.
+type Config struct {
+	// Engines is the number of model servers.
+	Engines int
+	// KVBlocks is each engine's KV cache, in blocks of 16 tokens.
+	KVBlocks int
+	// LoadFactor scales the arrival rate: arrivals come LoadFactor times
+	// as fast as the trace's timestamps say.
+	LoadFactor float64
+	// NonStreaming is the fraction of requests whose client does not
+	// stream: the picker sees their first response bytes only when
+	// generation ends.
+	NonStreaming float64
+	// Bypass is the fraction of requests sent straight to the engines in
+	// rotation, not through the policy (another gateway, a batch job): a
+	// policy sees them only in the engines' metrics.
+	Bypass float64
+	// Seed makes the run reproducible: it draws which requests stream and
+	// which bypass, and seeds every policy's tie-breaking.
+	Seed uint64
+	// SampleEvery, when positive, records every engine's requests
+	// (running and waiting) at that interval of virtual time.
+	SampleEvery time.Duration
+}
+
+// Defaults of Config and of the policies' metric intervals.
+const (
+	// prepareTextIDs and runTextIDs bound the hash_id texts remembered
+	// (2 KiB each) while preparing a workload and in each run that needs
+	// prompt text.
+	prepareTextIDs = 16384
+	runTextIDs     = 4096
+	DefaultEngines = 4
+	// scrapeInterval is how often the metric-driven policies see the
+	// engines' gauges (the upstream picker's default refresh).
+	scrapeInterval = 50 * time.Millisecond
+	// observeInterval is how often Tally's picker is given each engine's
+	// scrape (picker.ObserveEngine), as the scraper does by default.
+	observeInterval = 250 * time.Millisecond
+)
+
+// EngineConfig is the engine model of every simulated server: the
+// package's latency defaults with the configured cache size.
+func (c Config) EngineConfig() engine.Config {
+	ec := engine.DefaultConfig()
+	ec.KVBlocks = c.KVBlocks
+	ec.BlockSizeTokens = engineBlockTokens
+	return ec
+}
+
+// Validate names the first field that is out of range and what it accepts.
+func (c Config) Validate() error {
+	switch {
+	case c.Engines < 1:
+		return fmt.Errorf("engines: %d is invalid: must be 1 or more", c.Engines)
+	case c.KVBlocks < 1:
+		return fmt.Errorf("kv blocks: %d is invalid: must be 1 or more", c.KVBlocks)
+	case !(c.LoadFactor > 0) || math.IsInf(c.LoadFactor, 0):
+		return fmt.Errorf("load factor: %v is invalid: must be a positive number", c.LoadFactor)
+	case !(c.NonStreaming >= 0 && c.NonStreaming <= 1):
+		return fmt.Errorf("non-streaming fraction: %v is invalid: must be from 0 to 1", c.NonStreaming)
+	case !(c.Bypass >= 0 && c.Bypass <= 1):
+		return fmt.Errorf("bypass fraction: %v is invalid: must be from 0 to 1", c.Bypass)
+	case c.SampleEvery < 0:
+		return fmt.Errorf("sample interval: %v is invalid: must be 0 or more", c.SampleEvery)
+	}
+	return nil
+}
+
+// job is one request as every run replays it: its arrival, who sends it,
+// and its prompt's block hashes, computed once and shared (read-only) by
+// every run.
+type job struct {
+	Request
+	arrival time.Duration // scaled by the load factor
+	stream  bool
+	bypass  bool
+	// engineHashes are the prompt's 64-character (16-token) blocks, as the
+	// model server hashes them; upstreamHashes the upstream-like policy's
+	// 256-character blocks.
+	engineHashes   []uint64
+	upstreamHashes []uint64
+	bound          Bound
+}
+
+// Workload is a trace prepared for replay: the requests, which of them
+// stream and bypass, their block hashes and their no-queueing bounds.
+type Workload struct {
+	cfg  Config
+	jobs []job
+	// PrefillTokens and CachedTokens sum, over the bound (an unbounded
+	// cache that saw every earlier request), the prompt tokens computed
+	// and found cached.
+	BoundPrefillTokens, BoundCachedTokens int64
+}
+
+// Prepare checks cfg and the trace against each other and computes what
+// every run shares. It fails, naming the flag at fault, when a request
+// could never fit an engine's cache.
+func Prepare(reqs []Request, cfg Config) (*Workload, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if len(reqs) == 0 {
+		return nil, errors.New("no requests to replay")
+	}
+	ec := cfg.EngineConfig()
+	w := &Workload{cfg: cfg, jobs: make([]job, len(reqs))}
+	rng := rand.New(rand.NewPCG(cfg.Seed, 0x726f75746573696d)) // "routesim"
+	seen := make(map[uint64]struct{})
+	texts := newIDText(prepareTextIDs)
+	var text []byte
+	for i, r := range reqs {
+		need := (r.InputTokens + r.OutputTokens + ec.BlockSizeTokens - 1) / ec.BlockSizeTokens
+		if need > ec.KVBlocks {
+			return nil, fmt.Errorf("request %d needs %d KV blocks (%d prompt + %d output tokens); --kv-blocks %d is too small for it",
+				i, need, r.InputTokens, r.OutputTokens, ec.KVBlocks)
+		}
+		if i > 0 && r.Arrival < reqs[i-1].Arrival {
+			return nil, fmt.Errorf("request %d arrives before request %d: the trace must be in arrival order", i, i-1)
+		}
+		// Both draws always happen, so that one fraction does not change
+		// which requests the other picks.
+		nonStream, bypass := rng.Float64(), rng.Float64()
+		text = texts.appendPrompt(text[:0], r)
+		j := &w.jobs[i]
+		*j = job{
+			Request:        r,
+			arrival:        time.Duration(float64(r.Arrival) / cfg.LoadFactor),
+			stream:         nonStream >= cfg.NonStreaming,
+			bypass:         bypass < cfg.Bypass,
+			engineHashes:   blockHashes(text, chunkChars),
+			upstreamHashes: blockHashes(text[:min(len(text), upstreamMaxBlocks*upstreamBlockChars)], upstreamBlockChars),
+		}
+		j.bound = boundOf(ec, r.InputTokens, r.OutputTokens, leadingHits(seen, j.engineHashes))
+		w.BoundPrefillTokens += int64(j.bound.PrefillTokens)
+		w.BoundCachedTokens += int64(r.InputTokens - j.bound.PrefillTokens)
+		for _, h := range j.engineHashes {
+			seen[h] = struct{}{}
+		}
+	}
+	return w, nil
+}
+
+// Len is the number of requests.
+func (w *Workload) Len() int { return len(w.jobs) }
+
+// Config is the configuration the workload was prepared with.
+func (w *Workload) Config() Config { return w.cfg }
+
+// Bounds returns each request's no-queueing bound, in trace order.
+func (w *Workload) Bounds() []Bound {
+	out := make([]Bound, len(w.jobs))
+	for i := range w.jobs {
+		out[i] = w.jobs[i].bound
+	}
+	return out
+}
+
+// Outcome is what one request saw.
+type Outcome struct {
+	// Engine served it.
+	Engine int
+	// Bypass: it went to Engine in rotation, not through the policy.
+	Bypass bool
+	Stream bool
+	// TTFT is the time from arrival to the engine's first output token
+	// (the time to first token a streaming client sees; a non-streaming
+	// client sees the whole response at E2E).
+	TTFT time.Duration
+	// E2E is the time from arrival to the last output token.
+	E2E time.Duration
+	// CachedTokens is the prompt tokens the engine found in its cache.
+	CachedTokens int
+}
+
+// Sample is every engine's requests (running and waiting) at one instant.
+type Sample struct {
+	At       time.Duration
+	Requests []int
+}
+
+// Result is one policy's run over a workload.
+type Result struct {
+	Policy   string
+	Outcomes []Outcome
+	// Engines is each engine's stats when the last request finished.
+	Engines []engine.Stats
+	// Placed counts, per engine, the requests the policy placed there
+	// (bypassing requests not included).
+	Placed []int
+	// Samples, when Config.SampleEvery is set.
+	Samples []Sample
+	// End is the virtual time when the last request finished; Wall is how
+	// long the run took.
+	End  time.Duration
+	Wall time.Duration
+}
+
+// Run replays the workload against fresh engines with the named policy
+// (one of Policies). It is deterministic: the same workload and policy give
+// the same result. It fails if a request cannot be placed or never ends.
+func (w *Workload) Run(policyName string) (*Result, error) {
+	start := time.Now()
+	s := &sim{w: w, engines: make([]*engine.Engine, w.cfg.Engines)}
+	for i := range s.engines {
+		e, err := engine.New(w.cfg.EngineConfig())
+		if err != nil {
+			return nil, fmt.Errorf("engine %d: %w", i, err)
+		}
+		s.engines[i] = e
+	}
+	pol, err := newPolicy(policyName, w.cfg, &s.now)
+	if err != nil {
+		return nil, err
+	}
+	s.pol = pol
+	res := &Result{
+		Policy:   policyName,
+		Outcomes: make([]Outcome, len(w.jobs)),
+		Placed:   make([]int, w.cfg.Engines),
+	}
+	s.res = res
+	if err := s.run(); err != nil {
+		return nil, fmt.Errorf("policy %s: %w", policyName, err)
+	}
+	res.Engines = make([]engine.Stats, len(s.engines))
+	for i, e := range s.engines {
+		res.Engines[i] = e.Stats()
+	}
+	res.End = s.now
+	res.Wall = time.Since(start)
+	return res, nil
+}
+
+// sim is one run: virtual time, the engines, the policy. Everything
+// happens in one goroutine, in an order fixed by the virtual times and, at
+// equal times, by: engine steps that end (engine order), then the policy's
+// metric observation, then arrivals (trace order), then the start of the
+// engines' next steps.
+type sim struct {
+	w       *Workload
+	engines []*engine.Engine
+	pol     policy
+	res     *Result
+	now     time.Duration
+
+	next     int // the next request to arrive
+	done     int
+	bypassRR int
+	stats    []engine.Stats // scratch for observations
+}
+
+// never is a time after any event.
+const never = time.Duration(math.MaxInt64)
+
+func (s *sim) run() error {
+	n := len(s.w.jobs)
+	observeEvery := s.pol.observeEvery()
+	nextObserve, nextSample := never, never
+	if observeEvery > 0 {
+		nextObserve = 0
+	}
+	if s.w.cfg.SampleEvery > 0 {
+		nextSample = 0
+	}
+	s.stats = make([]engine.Stats, len(s.engines))
+	for s.done < n {
+		t := never
+		if s.next < n {
+			t = s.w.jobs[s.next].arrival
+		}
+		for _, e := range s.engines {
+			if at, ok := e.NextEventAt(); ok && at < t {
+				t = at
+			}
+		}
+		if t == never {
+			return fmt.Errorf("%d of %d requests never finished", n-s.done, n)
+		}
+		t = min(t, nextObserve, nextSample)
+		s.now = t
+
+		for i, e := range s.engines {
+			if at, ok := e.NextEventAt(); ok && at <= t {
+				if err := s.handle(i, e.AdvanceTo(t)); err != nil {
+					return err
+				}
+			}
+		}
+		if t == nextObserve {
+			s.pol.observe(s.readStats())
+			nextObserve += observeEvery
+		}
+		if t == nextSample {
+			s.sample()
+			nextSample += s.w.cfg.SampleEvery
+		}
+		for s.next < n && s.w.jobs[s.next].arrival <= t {
+			if err := s.arrive(s.next); err != nil {
+				return err
+			}
+			s.next++
+		}
+		// Start the next step of every engine that has work and no step
+		// running: it starts now, with everything that arrived by now, and
+		// the engine's clock moves 1 ns into it (an arrival in that
+		// nanosecond waits for the next step, as one mid-step would).
+		for _, e := range s.engines {
+			if at, ok := e.NextEventAt(); ok && at == e.Now() {
+				_ = e.AdvanceTo(e.Now() + 1)
+			}
+		}
+	}
+	return nil
+}
+
+func (s *sim) readStats() []engine.Stats {
+	for i, e := range s.engines {
+		e.AdvanceTo(s.now) // every step ending by now is handled already
+		s.stats[i] = e.Stats()
+	}
+	return s.stats
+}
+
+func (s *sim) sample() {
+	reqs := make([]int, len(s.engines))
+	for i, st := range s.readStats() {
+		reqs[i] = st.RunningRequests + st.WaitingRequests
+	}
+	s.res.Samples = append(s.res.Samples, Sample{At: s.now, Requests: reqs})
+}
+
+func (s *sim) arrive(i int) error {
+	j := &s.w.jobs[i]
+	var target int
+	if j.bypass {
+		target = s.bypassRR % len(s.engines)
+		s.bypassRR++
+	} else {
+		var err error
+		target, err = s.pol.pick(i, j)
+		if err != nil {
+			return fmt.Errorf("picking an engine for request %d: %w", i, err)
+		}
+		if target < 0 || target >= len(s.engines) {
+			return fmt.Errorf("request %d placed on engine %d of %d", i, target, len(s.engines))
+		}
+		s.res.Placed[target]++
+	}
+	s.res.Outcomes[i] = Outcome{Engine: target, Bypass: j.bypass, Stream: j.stream}
+	e := s.engines[target]
+	e.AdvanceTo(s.now)
+	if err := e.Add(engine.Request{
+		ID:           strconv.Itoa(i),
+		PromptTokens: j.InputTokens,
+		OutputTokens: j.OutputTokens,
+		BlockHashes:  j.engineHashes,
+	}); err != nil {
+		return fmt.Errorf("adding request %d to engine %d: %w", i, target, err)
+	}
+	return nil
+}
+
+func (s *sim) handle(engineIdx int, events []engine.Event) error {
+	for _, ev := range events {
+		if ev.Kind == engine.Token {
+			continue
+		}
+		i, err := strconv.Atoi(ev.ID)
+		if err != nil || i < 0 || i >= len(s.w.jobs) {
+			return fmt.Errorf("engine %d reported unknown request %q", engineIdx, ev.ID)
+		}
+		j := &s.w.jobs[i]
+		o := &s.res.Outcomes[i]
+		switch ev.Kind {
+		case engine.FirstToken:
+			o.TTFT = ev.At - j.arrival
+			o.CachedTokens = ev.CachedTokens
+			if j.stream && !j.bypass {
+				s.pol.firstByte(i)
+			}
+		case engine.Finished:
+			o.E2E = ev.At - j.arrival
+			s.done++
+			if !j.bypass {
+				if !j.stream {
+					s.pol.firstByte(i)
+				}
+				s.pol.done(i, j.InputTokens, ev.CachedTokens)
+			}
+		}
+	}
+	return nil
+}

@@ -1,0 +1,151 @@
+package routesim
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+)
+
+// Suite is one invocation: every policy over the trace, and over the burst
+// scenario.
+type Suite struct {
+	Config   Config
+	Policies []string
+	// Burst, when set, runs the burst scenario too.
+	Burst *Burst
+	// Parallel bounds the runs at once (each is one goroutine); runs are
+	// independent, so the numbers do not depend on it.
+	Parallel int
+	// Progress, when set, hears of each run as it ends (from any goroutine,
+	// one call at a time).
+	Progress func(msg string)
+}
+
+// Run prepares the workload and runs every policy over it (and the burst).
+func (s Suite) Run(reqs []Request, source string) (*Report, error) {
+	start := time.Now()
+	if len(s.Policies) == 0 {
+		s.Policies = Policies()
+	}
+	for _, p := range s.Policies {
+		if _, err := newPolicy(p, Config{Engines: 1}, new(time.Duration)); err != nil {
+			return nil, err
+		}
+	}
+	w, err := Prepare(reqs, s.Config)
+	if err != nil {
+		return nil, err
+	}
+	var bw *Workload
+	if s.Burst != nil {
+		if bw, err = PrepareBurst(*s.Burst, s.Config); err != nil {
+			return nil, err
+		}
+	}
+	s.progress(fmt.Sprintf("prepared %d requests in %.2f s", w.Len(), time.Since(start).Seconds()))
+
+	type task struct {
+		w      *Workload
+		policy string
+		res    *Result
+		err    error
+	}
+	var tasks []*task
+	for _, p := range s.Policies {
+		tasks = append(tasks, &task{w: w, policy: p})
+	}
+	if bw != nil {
+		for _, p := range s.Policies {
+			tasks = append(tasks, &task{w: bw, policy: p})
+		}
+	}
+	sem := make(chan struct{}, max(s.Parallel, 1))
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	for _, t := range tasks {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			t.res, t.err = t.w.Run(t.policy)
+			if t.err == nil {
+				what := "trace"
+				if t.w == bw {
+					what = "burst"
+				}
+				mu.Lock()
+				s.progress(fmt.Sprintf("%s %s: %d requests in %.2f s (%.0f requests/s)", what, t.policy,
+					t.w.Len(), t.res.Wall.Seconds(), float64(t.w.Len())/t.res.Wall.Seconds()))
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+
+	r := &Report{Source: source, Config: s.Config, Bound: w.BoundSummary()}
+	r.Describe(w)
+	if bw != nil {
+		r.Burst = &BurstReport{Burst: *s.Burst, BoundTTFT: bw.jobs[1].bound.TTFT}
+	}
+	for _, t := range tasks {
+		if t.err != nil {
+			return nil, t.err
+		}
+		r.SimulatedRequests += t.w.Len()
+		if t.w == w {
+			r.Runs = append(r.Runs, Summarize(t.res))
+		} else {
+			r.Burst.Runs = append(r.Burst.Runs, SummarizeBurst(t.res))
+		}
+	}
+	r.Wall = time.Since(start)
+	return r, nil
+}
+
+func (s Suite) progress(msg string) {
+	if s.Progress != nil {
+		s.Progress(msg)
+	}
+}
+
+// Files the report writes into its output directory.
+const (
+	ReportFile     = "routesim.md"
+	TTFTChartFile  = "routesim-ttft-cdf.svg"
+	BurstChartFile = "routesim-burst-inflight.svg"
+)
+
+// WriteDir writes the charts and the markdown report (which links them)
+// into dir, creating it if needed.
+func (r *Report) WriteDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("creating the output directory: %w", err)
+	}
+	write := func(name string, draw func(*bytes.Buffer) error) error {
+		var b bytes.Buffer
+		if err := draw(&b); err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(dir, name), b.Bytes(), 0o644); err != nil {
+			return fmt.Errorf("writing %s: %w", name, err)
+		}
+		return nil
+	}
+	title := fmt.Sprintf("TTFT, %s, %d engines", r.Source, r.Config.Engines)
+	if err := write(TTFTChartFile, func(b *bytes.Buffer) error { return WriteTTFTCDF(b, title, r.Bound, r.Runs) }); err != nil {
+		return err
+	}
+	r.ChartTTFT = TTFTChartFile
+	if r.Burst != nil {
+		title := fmt.Sprintf("Burst of %d requests, %d engines", r.Burst.Burst.Requests, r.Config.Engines)
+		if err := write(BurstChartFile, func(b *bytes.Buffer) error { return WriteInFlight(b, title, r.Burst.Runs) }); err != nil {
+			return err
+		}
+		r.ChartInFlight = BurstChartFile
+	}
+	return write(ReportFile, func(b *bytes.Buffer) error { return r.WriteMarkdown(b) })
+}

@@ -1,0 +1,360 @@
+package routesim
+
+import (
+	"bufio"
+	"bytes"
+	"cmp"
+	"encoding/binary"
+	"encoding/csv"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// Trace geometry, the same as test/stack's: each Mooncake hash_id stands for
+// 512 tokens; the picker and the model-server simulator count 4 characters
+// per token, and the engine caches 16-token (64-character) blocks, so one
+// hash_id becomes 32 chunks of 64 characters.
+const (
+	traceBlockTokens = 512
+	charsPerToken    = 4
+	chunkChars       = 64
+	chunksPerHashID  = traceBlockTokens * charsPerToken / chunkChars
+	// engineBlockTokens is the engine's KV block size; the simulation
+	// always runs engines with it, so a chunk is one engine block.
+	engineBlockTokens = chunkChars / charsPerToken
+)
+
+// Request is one row of a trace: Mooncake JSONL, or an Azure CSV row given
+// a synthetic prefix structure.
+type Request struct {
+	// Arrival is the time from the first request of the trace.
+	Arrival time.Duration
+	// InputTokens and OutputTokens are the prompt and generated lengths.
+	InputTokens  int
+	OutputTokens int
+	// HashIDs names each 512-token block of the prompt; equal leading ids
+	// mean a shared prefix. len(HashIDs) == ceil(InputTokens/512).
+	HashIDs []int
+}
+
+// LoadMooncakeFile reads a Mooncake-format trace (JSON lines) from path.
+func LoadMooncakeFile(path string) ([]Request, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("opening trace: %w", err)
+	}
+	defer f.Close()
+	reqs, err := LoadMooncake(f)
+	if err != nil {
+		return nil, fmt.Errorf("trace %s: %w", path, err)
+	}
+	return reqs, nil
+}
+
+type mooncakeRow struct {
+	Timestamp    *int64 `json:"timestamp"`
+	InputLength  *int   `json:"input_length"`
+	OutputLength *int   `json:"output_length"`
+	HashIDs      []int  `json:"hash_ids"`
+}
+
+// LoadMooncake reads one JSON object a line: timestamp (ms), input_length,
+// output_length (tokens) and hash_ids (one per 512 prompt tokens). Arrivals
+// count from the first row; rows must not go back in time. Blank lines are
+// skipped; any other malformed row is an error naming its line and field.
+func LoadMooncake(r io.Reader) ([]Request, error) {
+	var out []Request
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 64<<10), 16<<20)
+	var first int64
+	line := 0
+	for sc.Scan() {
+		line++
+		text := bytes.TrimSpace(sc.Bytes())
+		if len(text) == 0 {
+			continue
+		}
+		var row mooncakeRow
+		if err := json.Unmarshal(text, &row); err != nil {
+			return nil, fmt.Errorf("line %d: not a trace row: %w", line, err)
+		}
+		req, ts, err := row.request()
+		if err != nil {
+			return nil, fmt.Errorf("line %d: %w", line, err)
+		}
+		if len(out) == 0 {
+			first = ts
+		}
+		req.Arrival = time.Duration(ts-first) * time.Millisecond
+		if len(out) > 0 && req.Arrival < out[len(out)-1].Arrival {
+			return nil, fmt.Errorf("line %d: field timestamp: %d is before the previous row's", line, ts)
+		}
+		out = append(out, req)
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("reading line %d: %w", line+1, err)
+	}
+	if len(out) == 0 {
+		return nil, errors.New("no requests in trace")
+	}
+	return out, nil
+}
+
+func (row mooncakeRow) request() (Request, int64, error) {
+	switch {
+	case row.Timestamp == nil:
+		return Request{}, 0, errors.New("field timestamp is missing")
+	case *row.Timestamp < 0:
+		return Request{}, 0, fmt.Errorf("field timestamp: %d is invalid: must be 0 or more milliseconds", *row.Timestamp)
+	case row.InputLength == nil:
+		return Request{}, 0, errors.New("field input_length is missing")
+	case *row.InputLength < 1:
+		return Request{}, 0, fmt.Errorf("field input_length: %d is invalid: must be 1 or more tokens", *row.InputLength)
+	case row.OutputLength == nil:
+		return Request{}, 0, errors.New("field output_length is missing")
+	case *row.OutputLength < 1:
+		return Request{}, 0, fmt.Errorf("field output_length: %d is invalid: must be 1 or more tokens", *row.OutputLength)
+	}
+	if want := blocksFor(*row.InputLength); len(row.HashIDs) != want {
+		return Request{}, 0, fmt.Errorf("field hash_ids: has %d ids, want ceil(input_length/%d) = %d", len(row.HashIDs), traceBlockTokens, want)
+	}
+	return Request{InputTokens: *row.InputLength, OutputTokens: *row.OutputLength, HashIDs: row.HashIDs}, *row.Timestamp, nil
+}
+
+func blocksFor(tokens int) int { return (tokens + traceBlockTokens - 1) / traceBlockTokens }
+
+// AzurePrefix gives an Azure trace, which has no prefix data, a synthetic
+// prefix structure: each request belongs to one of Tenants tenants (drawn
+// Zipf-like, so a few tenants are busy and most are not), and its prompt
+// starts with its tenant's system prompt of SystemPromptTokens tokens (cut
+// short for a shorter prompt); the rest of the prompt is its own.
+type AzurePrefix struct {
+	Tenants            int
+	SystemPromptTokens int
+	Seed               uint64
+}
+
+// LoadAzureFile reads an Azure LLM inference trace CSV from path.
+func LoadAzureFile(path string, p AzurePrefix) ([]Request, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("opening trace: %w", err)
+	}
+	defer f.Close()
+	reqs, err := LoadAzure(f, p)
+	if err != nil {
+		return nil, fmt.Errorf("trace %s: %w", path, err)
+	}
+	return reqs, nil
+}
+
+// azureTimeLayout is the TIMESTAMP column's format (fraction optional).
+const azureTimeLayout = "2006-01-02 15:04:05.999999999"
+
+// LoadAzure reads TIMESTAMP,ContextTokens,GeneratedTokens rows (a header
+// line first) and gives them the prefix structure p describes. Arrivals
+// count from the first row; rows are sorted by arrival, stably.
+func LoadAzure(r io.Reader, p AzurePrefix) ([]Request, error) {
+	if p.Tenants < 1 {
+		return nil, fmt.Errorf("tenants: %d is invalid: must be 1 or more", p.Tenants)
+	}
+	if p.SystemPromptTokens < 0 {
+		return nil, fmt.Errorf("system prompt tokens: %d is invalid: must be 0 or more", p.SystemPromptTokens)
+	}
+	cr := csv.NewReader(r)
+	cr.FieldsPerRecord = 3
+	cr.ReuseRecord = true
+	header, err := cr.Read()
+	if err != nil {
+		return nil, fmt.Errorf("reading the header: %w", err)
+	}
+	if header[0] != "TIMESTAMP" || header[1] != "ContextTokens" || header[2] != "GeneratedTokens" {
+		return nil, fmt.Errorf("header %q: want TIMESTAMP,ContextTokens,GeneratedTokens", header)
+	}
+	rng := rand.New(rand.NewPCG(p.Seed, 0x617a757265)) // "azure"
+	var zipf *rand.Zipf
+	if p.Tenants > 1 {
+		zipf = rand.NewZipf(rng, 1.2, 1, uint64(p.Tenants-1))
+	}
+	sysBlocks := blocksFor(p.SystemPromptTokens)
+	if p.SystemPromptTokens == 0 {
+		sysBlocks = 0
+	}
+	// Tenant t's system prompt is ids t*sysBlocks ...; unique ids follow
+	// every tenant's.
+	nextID := p.Tenants * sysBlocks
+	var out []Request
+	var first time.Time
+	for line := 2; ; line++ {
+		rec, err := cr.Read()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("line %d: %w", line, err)
+		}
+		ts, err := time.Parse(azureTimeLayout, rec[0])
+		if err != nil {
+			return nil, fmt.Errorf("line %d: field TIMESTAMP: %w", line, err)
+		}
+		ctx, err := strconv.Atoi(rec[1])
+		if err != nil || ctx < 1 {
+			return nil, fmt.Errorf("line %d: field ContextTokens: %q is invalid: must be 1 or more tokens", line, rec[1])
+		}
+		gen, err := strconv.Atoi(rec[2])
+		if err != nil || gen < 0 {
+			return nil, fmt.Errorf("line %d: field GeneratedTokens: %q is invalid: must be 0 or more tokens", line, rec[2])
+		}
+		if len(out) == 0 {
+			first = ts
+		}
+		tenant := 0
+		if zipf != nil {
+			tenant = int(zipf.Uint64())
+		}
+		n := blocksFor(ctx)
+		ids := make([]int, n)
+		for i := range ids {
+			if i < sysBlocks {
+				ids[i] = tenant*sysBlocks + i
+				continue
+			}
+			ids[i] = nextID
+			nextID++
+		}
+		out = append(out, Request{
+			Arrival:      ts.Sub(first),
+			InputTokens:  ctx,
+			OutputTokens: max(gen, 1), // a request generates at least one token
+			HashIDs:      ids,
+		})
+	}
+	if len(out) == 0 {
+		return nil, errors.New("no requests in trace")
+	}
+	// The column is sorted in the published files; a few equal or
+	// out-of-order stamps must not make arrivals go back.
+	sortByArrival(out)
+	if out[0].Arrival != 0 {
+		base := out[0].Arrival
+		for i := range out {
+			out[i].Arrival -= base
+		}
+	}
+	return out, nil
+}
+
+func sortByArrival(reqs []Request) {
+	byArrival := func(a, b Request) int { return cmp.Compare(a.Arrival, b.Arrival) }
+	if !slices.IsSortedFunc(reqs, byArrival) {
+		slices.SortStableFunc(reqs, byArrival)
+	}
+}
+
+// AppendPromptText appends the prompt r stands for to dst: each hash_id
+// expands into 32 chunks of 64 characters that depend on the id and the
+// chunk's position within it only, cut to InputTokens*4 characters, as
+// test/stack's PromptText does. Two prompts therefore share exactly the
+// 64-character blocks their leading hash_ids share.
+func (r Request) AppendPromptText(dst []byte) []byte {
+	var t idText
+	return t.appendPrompt(dst, r)
+}
+
+// idTextBytes is the text one hash_id expands into.
+const idTextBytes = chunksPerHashID * chunkChars
+
+// idText expands hash_ids into text, remembering the texts of up to
+// maxIDs ids (a trace reuses the ids of a conversation's earlier turns
+// soon after them); the zero value remembers none.
+type idText struct {
+	maxIDs int
+	at     map[int]*[idTextBytes]byte
+}
+
+func newIDText(maxIDs int) *idText {
+	return &idText{maxIDs: maxIDs, at: make(map[int]*[idTextBytes]byte)}
+}
+
+func (t *idText) appendPrompt(dst []byte, r Request) []byte {
+	n := r.InputTokens * charsPerToken
+	for _, id := range r.HashIDs {
+		if n <= 0 {
+			break
+		}
+		k := min(n, idTextBytes)
+		dst = append(dst, t.text(id)[:k]...)
+		n -= k
+	}
+	return dst
+}
+
+func (t *idText) text(id int) []byte {
+	if txt, ok := t.at[id]; ok {
+		return txt[:]
+	}
+	if len(t.at) >= t.maxIDs {
+		// Forget everything: cheaper than an LRU, and the ids in use
+		// come back at once.
+		clear(t.at)
+	}
+	txt := new([idTextBytes]byte)
+	for i := range chunksPerHashID {
+		fillChunk((*[chunkChars]byte)(txt[i*chunkChars:]), uint64(id), uint64(i))
+	}
+	if t.maxIDs > 0 {
+		t.at[id] = txt
+	}
+	return txt[:]
+}
+
+// chunkAlphabet has 32 symbols so each takes 5 bits of a random word.
+const chunkAlphabet = "abcdefghijklmnopqrstuvwxyz      "
+
+// fillChunk writes the deterministic text of chunk i of hash_id id (the
+// same text as test/stack's).
+func fillChunk(dst *[chunkChars]byte, id, i uint64) {
+	state := id*chunksPerHashID + i + 1
+	// 12 symbols of 5 bits from each word.
+	for base := 0; base < chunkChars; base += 12 {
+		word := splitmix64(&state)
+		for k := base; k < min(base+12, chunkChars); k++ {
+			dst[k] = chunkAlphabet[word&31]
+			word >>= 5
+		}
+	}
+}
+
+func splitmix64(state *uint64) uint64 {
+	*state += 0x9e3779b97f4a7c15
+	z := *state
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
+	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+	return z ^ (z >> 31)
+}
+
+// blockHashes hashes each full block of blockChars characters of text,
+// chained to the blocks before it, as test/modelsim/server does for a text
+// prompt (with 64-character blocks): equal hashes mean equal prefixes.
+func blockHashes(text []byte, blockChars int) []uint64 {
+	hashes := make([]uint64, len(text)/blockChars)
+	d := xxhash.New()
+	var prev [8]byte
+	for i := range hashes {
+		d.Reset()
+		_, _ = d.Write(prev[:])
+		_, _ = d.Write(text[i*blockChars : (i+1)*blockChars])
+		hashes[i] = d.Sum64()
+		binary.LittleEndian.PutUint64(prev[:], hashes[i])
+	}
+	return hashes
+}

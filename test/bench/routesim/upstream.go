@@ -1,0 +1,197 @@
+package routesim
+
+import (
+	"math/rand/v2"
+	"time"
+
+	"github.com/tallyepp/tally/test/modelsim/engine"
+)
+
+// An approximate model of the upstream picker's default scheduling
+// (gateway-api-inference-extension v1.5.0), written from its documented
+// behaviour, not its code: every load signal comes from a metrics scrape,
+// and the prefix index learns a placement only after the pick, so picks
+// made at the same instant do not see each other.
+const (
+	upstreamQueueWeight  = 2
+	upstreamKVWeight     = 2
+	upstreamPrefixWeight = 3
+	// Prompt blocks of 64 tokens (at 4 characters a token), at most 256
+	// matched, 31,250 remembered per server.
+	upstreamBlockChars     = 256
+	upstreamMaxBlocks      = 256
+	upstreamCapacityBlocks = 31_250
+)
+
+type upstreamLike struct {
+	rng     *rand.Rand
+	waiting []int
+	kvUsage []float64
+	lrus    []*blockLRU
+	scores  []float64
+	// Records of the picks made at pendingAt, applied once virtual time
+	// moves past it.
+	pending   []pendingRecord
+	pendingAt time.Duration
+	now       *time.Duration // the simulation's clock
+}
+
+type pendingRecord struct {
+	engine int
+	hashes []uint64
+}
+
+func newUpstreamLike(engines int, rng *rand.Rand, now *time.Duration) *upstreamLike {
+	p := &upstreamLike{
+		rng:     rng,
+		now:     now,
+		waiting: make([]int, engines),
+		kvUsage: make([]float64, engines),
+		lrus:    make([]*blockLRU, engines),
+		scores:  make([]float64, engines),
+	}
+	for i := range p.lrus {
+		p.lrus[i] = newBlockLRU(upstreamCapacityBlocks)
+	}
+	return p
+}
+
+// applyRecords writes the records of the picks made before now.
+func (p *upstreamLike) applyRecords() {
+	if len(p.pending) > 0 && *p.now > p.pendingAt {
+		for _, r := range p.pending {
+			for _, h := range r.hashes {
+				p.lrus[r.engine].add(h)
+			}
+		}
+		clear(p.pending)
+		p.pending = p.pending[:0]
+	}
+}
+
+func (p *upstreamLike) pick(_ int, j *job) (int, error) {
+	p.applyRecords()
+	minQ, maxQ := p.waiting[0], p.waiting[0]
+	for _, q := range p.waiting {
+		minQ, maxQ = min(minQ, q), max(maxQ, q)
+	}
+	for i := range p.scores {
+		queue := 1.0
+		if maxQ > minQ {
+			queue = float64(maxQ-p.waiting[i]) / float64(maxQ-minQ)
+		}
+		prefix := 0.0
+		if n := len(j.upstreamHashes); n > 0 {
+			prefix = float64(p.lrus[i].leading(j.upstreamHashes)) / float64(n)
+		}
+		p.scores[i] = upstreamQueueWeight*queue + upstreamKVWeight*(1-p.kvUsage[i]) + upstreamPrefixWeight*prefix
+	}
+	best, ties := 0, 0
+	for i, s := range p.scores {
+		switch {
+		case ties == 0 || s > p.scores[best]:
+			best, ties = i, 1
+		case s == p.scores[best]:
+			ties++
+			if p.rng.IntN(ties) == 0 {
+				best = i
+			}
+		}
+	}
+	p.pending = append(p.pending, pendingRecord{engine: best, hashes: j.upstreamHashes})
+	p.pendingAt = *p.now
+	return best, nil
+}
+
+func (p *upstreamLike) firstByte(int)               {}
+func (p *upstreamLike) done(int, int, int)          {}
+func (p *upstreamLike) observeEvery() time.Duration { return scrapeInterval }
+func (p *upstreamLike) observe(stats []engine.Stats) {
+	for i, s := range stats {
+		p.waiting[i] = s.WaitingRequests
+		p.kvUsage[i] = s.KVCacheUsage()
+	}
+}
+
+// blockLRU is one server's approximate prefix memory: a set of block
+// hashes of bounded size, the least recently added or matched forgotten
+// first. Invariant: idx and the list hold the same hashes, at most cap.
+type blockLRU struct {
+	cap        int
+	idx        map[uint64]int32
+	nodes      []lruNode
+	head, tail int32 // most recent at head
+}
+
+type lruNode struct {
+	hash       uint64
+	prev, next int32
+}
+
+const lruNone int32 = -1
+
+func newBlockLRU(capacity int) *blockLRU {
+	return &blockLRU{cap: capacity, idx: make(map[uint64]int32), head: lruNone, tail: lruNone}
+}
+
+// leading counts the leading hashes held, and marks them used.
+func (l *blockLRU) leading(hashes []uint64) int {
+	n := 0
+	for _, h := range hashes {
+		i, ok := l.idx[h]
+		if !ok {
+			break
+		}
+		l.unlink(i)
+		l.pushFront(i)
+		n++
+	}
+	return n
+}
+
+func (l *blockLRU) add(h uint64) {
+	if i, ok := l.idx[h]; ok {
+		l.unlink(i)
+		l.pushFront(i)
+		return
+	}
+	var i int32
+	switch {
+	case len(l.idx) >= l.cap:
+		i = l.tail
+		l.unlink(i)
+		delete(l.idx, l.nodes[i].hash)
+	default:
+		l.nodes = append(l.nodes, lruNode{})
+		i = int32(len(l.nodes) - 1)
+	}
+	l.nodes[i].hash = h
+	l.idx[h] = i
+	l.pushFront(i)
+}
+
+func (l *blockLRU) unlink(i int32) {
+	n := &l.nodes[i]
+	if n.prev != lruNone {
+		l.nodes[n.prev].next = n.next
+	} else {
+		l.head = n.next
+	}
+	if n.next != lruNone {
+		l.nodes[n.next].prev = n.prev
+	} else {
+		l.tail = n.prev
+	}
+	n.prev, n.next = lruNone, lruNone
+}
+
+func (l *blockLRU) pushFront(i int32) {
+	n := &l.nodes[i]
+	n.prev, n.next = lruNone, l.head
+	if l.head != lruNone {
+		l.nodes[l.head].prev = i
+	} else {
+		l.tail = i
+	}
+	l.head = i
+}
