@@ -25,6 +25,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/test/bench/routesim"
 	"github.com/tallyepp/tally/test/modelsim/engine"
 )
@@ -38,7 +39,7 @@ type options struct {
 	policies              string
 	burst                 routesim.Burst
 	tenants, systemPrompt int
-	out                   string
+	out, tallyConfig      string
 	parallel              int
 	quiet                 bool
 }
@@ -64,6 +65,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.burst.OutputTokens, "burst-output-tokens", db.OutputTokens, "output of each burst request, in tokens")
 	fs.IntVar(&o.tenants, "tenants", 16, "with --azure: tenants, each with its own system prompt (drawn Zipf-like)")
 	fs.IntVar(&o.systemPrompt, "system-prompt-tokens", 1024, "with --azure: each tenant's system prompt, in tokens")
+	fs.StringVar(&o.tallyConfig, "tally-config", "", "PickerConfig file (YAML or JSON) for the tally policy's picker; default: the production defaults")
 	fs.StringVar(&o.out, "out", "", "directory for routesim.md and the SVG charts (none when empty)")
 	fs.IntVar(&o.parallel, "parallel", runtime.GOMAXPROCS(0), "runs at once (the numbers do not depend on it)")
 	fs.BoolVar(&o.quiet, "quiet", false, "no progress on stderr")
@@ -86,6 +88,15 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	for _, p := range splitList(o.policies) {
 		if !slices.Contains(routesim.Policies(), p) {
 			return nil, fmt.Errorf("--policies: %q is not a policy: accepted are %s", p, strings.Join(routesim.Policies(), ", "))
+		}
+	}
+	if o.tallyConfig != "" {
+		data, err := os.ReadFile(o.tallyConfig)
+		if err != nil {
+			return nil, fmt.Errorf("--tally-config: %w", err)
+		}
+		if o.cfg.Picker, err = v1alpha1.Load(data); err != nil {
+			return nil, fmt.Errorf("--tally-config %s: %w", o.tallyConfig, err)
 		}
 	}
 	if err := o.cfg.Validate(); err != nil {

@@ -52,3 +52,24 @@ func TestBadFlagsExit2NamingTheFlag(t *testing.T) {
 		}
 	}
 }
+
+func TestTallyConfig(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "picker.yaml")
+	if err := os.WriteFile(cfg, []byte("prefillTokensPerSecond: 48000\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var stdout, stderr bytes.Buffer
+	args := []string{"--trace", sampleTrace, "--requests", "10", "--burst", "0", "--policies", "tally", "--tally-config", cfg, "--quiet"}
+	if code := run(args, &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	if !strings.Contains(stdout.String(), "`prefillTokensPerSecond: 48000`") {
+		t.Errorf("the report does not name the configuration:\n%s", stdout.String())
+	}
+	if err := os.WriteFile(cfg, []byte("prefillTokensPerSecnd: 1\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if code := run([]string{"--trace", sampleTrace, "--tally-config", cfg}, &stdout, &stderr); code != 2 || !strings.Contains(stderr.String(), "--tally-config") {
+		t.Errorf("a misspelt field: exit %d, %q", code, stderr.String())
+	}
+}

@@ -28,7 +28,7 @@ func DefaultBurst() Burst {
 const burstAt = time.Second
 
 // burstSampleEvery is the resolution of the in-flight chart.
-const burstSampleEvery = 10 * time.Millisecond
+const burstSampleEvery = 20 * time.Millisecond
 
 // Validate names the first field out of range.
 func (b Burst) Validate() error {

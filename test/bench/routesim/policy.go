@@ -6,7 +6,6 @@ import (
 	"net/netip"
 	"time"
 
-	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/test/modelsim/engine"
 )
@@ -126,7 +125,7 @@ func newTally(cfg Config, now *time.Duration, rng *rand.Rand) *tally {
 	// origin, so that its drain model and rate learning run as they would
 	// in real time.
 	origin := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-	p := picker.New(v1alpha1.PickerConfig{}, picker.Options{
+	p := picker.New(cfg.Picker, picker.Options{
 		Now:  func() time.Time { return origin.Add(*now) },
 		Rand: rng,
 	})

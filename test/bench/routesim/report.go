@@ -1,11 +1,14 @@
 package routesim
 
 import (
+	"encoding/json"
 	"fmt"
 	"io"
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
 )
 
 // Dist is a latency distribution's percentiles (nearest rank) and mean.
@@ -149,6 +152,26 @@ func (r *Report) Describe(w *Workload) {
 	}
 }
 
+// configDiff lists the fields of c that differ from the defaults, as
+// `name: value` in the configuration file's terms.
+func configDiff(c v1alpha1.PickerConfig) string {
+	fields := func(pc v1alpha1.PickerConfig) map[string]any {
+		var m map[string]any
+		data, _ := json.Marshal(v1alpha1.WithDefaults(pc))
+		_ = json.Unmarshal(data, &m)
+		return m
+	}
+	got, def := fields(c), fields(v1alpha1.PickerConfig{})
+	var diff []string
+	for k, v := range got {
+		if dv, ok := def[k]; !ok || fmt.Sprint(dv) != fmt.Sprint(v) {
+			diff = append(diff, fmt.Sprintf("`%s: %v`", k, v))
+		}
+	}
+	slices.Sort(diff)
+	return strings.Join(diff, ", ")
+}
+
 func secs(d time.Duration) string { return fmt.Sprintf("%.3f", d.Seconds()) }
 
 func ratio(a, b time.Duration) string {
@@ -175,6 +198,9 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 		r.Source, c.Engines, c.KVBlocks, c.KVBlocks*engineBlockTokens, c.LoadFactor, c.NonStreaming, c.Bypass, c.Seed)
 	fmt.Fprintf(&b, "%d requests over %.1f s of arrivals; mean prompt %.0f tokens, mean output %.0f; offered prefill load %.0f%% of the engines' capacity (after the bound's cache hits).\n\n",
 		r.Bound.Requests, r.Duration.Seconds(), r.MeanPrompt, r.MeanOutput, 100*r.OfferedLoad)
+	if d := configDiff(c.Picker); d != "" {
+		fmt.Fprintf(&b, "Tally's picker configuration differs from the defaults in: %s.\n\n", d)
+	}
 
 	b.WriteString("| policy | TTFT p50 | p90 | p99 | mean | E2E p50 | p90 | p99 | mean | prefix hits | placed per engine | prefill max/mean |\n")
 	b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|\n")

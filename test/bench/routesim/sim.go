@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/test/modelsim/engine"
 )
 
@@ -31,6 +32,9 @@ type Config struct {
 	// Seed makes the run reproducible: it draws which requests stream and
 	// which bypass, and seeds every policy's tie-breaking.
 	Seed uint64
+	// Picker configures the Tally policy's picker; zero fields take the
+	// defaults, as in production.
+	Picker v1alpha1.PickerConfig
 	// SampleEvery, when positive, records every engine's requests
 	// (running and waiting) at that interval of virtual time.
 	SampleEvery time.Duration
