@@ -149,10 +149,11 @@ func Prepare(reqs []Request, cfg Config) (*Workload, error) {
 			engineHashes:   blockHashes(text, chunkChars),
 			upstreamHashes: blockHashes(text[:min(len(text), upstreamMaxBlocks*upstreamBlockChars)], upstreamBlockChars),
 		}
-		j.bound = boundOf(ec, r.InputTokens, r.OutputTokens, leadingHits(seen, j.engineHashes))
+		hits := leadingHits(seen, j.engineHashes)
+		j.bound = boundOf(ec, r.InputTokens, r.OutputTokens, hits)
 		w.BoundPrefillTokens += int64(j.bound.PrefillTokens)
 		w.BoundCachedTokens += int64(r.InputTokens - j.bound.PrefillTokens)
-		for _, h := range j.engineHashes {
+		for _, h := range j.engineHashes[hits:] { // the leading hits are there
 			seen[h] = struct{}{}
 		}
 	}
