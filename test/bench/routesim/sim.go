@@ -81,6 +81,10 @@ func (c Config) Validate() error {
 	case c.SampleEvery < 0:
 		return fmt.Errorf("sample interval: %v is invalid: must be 0 or more", c.SampleEvery)
 	}
+	pc := v1alpha1.WithDefaults(c.Picker)
+	if err := pc.Validate(); err != nil {
+		return fmt.Errorf("tally's picker config: %w", err)
+	}
 	return nil
 }
 

@@ -134,16 +134,14 @@ func newBlockLRU(capacity int) *blockLRU {
 	return &blockLRU{cap: capacity, idx: make(map[uint64]int32), head: lruNone, tail: lruNone}
 }
 
-// leading counts the leading hashes held, and marks them used.
+// leading counts the leading hashes held; a lookup is not a use (only
+// a record after a pick is).
 func (l *blockLRU) leading(hashes []uint64) int {
 	n := 0
 	for _, h := range hashes {
-		i, ok := l.idx[h]
-		if !ok {
+		if _, ok := l.idx[h]; !ok {
 			break
 		}
-		l.unlink(i)
-		l.pushFront(i)
 		n++
 	}
 	return n
