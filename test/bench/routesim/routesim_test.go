@@ -264,3 +264,36 @@ func TestConfigValidate(t *testing.T) {
 		t.Errorf("a request larger than the cache: %v", err)
 	}
 }
+
+// Requests that bypass the policy reach Tally's picker only as the engines'
+// scraped counts: foreign load beyond its ledger.
+func TestTallySeesBypassAsForeignLoad(t *testing.T) {
+	var now time.Duration
+	p, err := newPolicy(Tally, Config{Engines: 2, KVBlocks: 1000, LoadFactor: 1}, &now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	j := &job{Request: Request{InputTokens: 600, OutputTokens: 1, HashIDs: []int{1, 2}}, stream: true}
+	e, err := p.pick(0, j)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stats := make([]engine.Stats, 2)
+	stats[e].RunningRequests = 1                                  // the picked request
+	stats[1-e].RunningRequests, stats[1-e].WaitingRequests = 2, 1 // bypassing ones
+	p.observe(stats)
+	for _, s := range p.(*tally).p.Stats() {
+		want := 0
+		if s.Endpoint.Address == p.(*tally).addrs[1-e] {
+			want = 3
+		}
+		if s.ForeignRequests != want || s.PrefixCapacityBlocks != 1000*16*4/256 {
+			t.Errorf("%v: %d foreign requests, prefix capacity %d; want %d, %d", s.Endpoint.Address, s.ForeignRequests, s.PrefixCapacityBlocks, want, 1000*16*4/256)
+		}
+	}
+	p.firstByte(0)
+	p.done(0, 600, 0)
+	if inFlight, _ := p.(*tally).p.Totals(); inFlight != 0 {
+		t.Errorf("%d in flight after the release", inFlight)
+	}
+}
