@@ -132,13 +132,22 @@ func rowsAt(l stack.Ledger, addr netip.AddrPort) []stack.LedgerEndpoint {
 	return rows
 }
 
-// expectLedgerDrains waits until s's ledger holds nothing.
+// expectLedgerDrains waits until s's ledger holds nothing and the picker's
+// last scrape of each engine saw no request beyond it. A held request
+// cancelled as the hold lifts may still reach its engine and run there for
+// a moment after the picker released it: until a scrape sees it gone, the
+// picker counts it as foreign load, and the next spec's placement with it.
 func expectLedgerDrains(ctx context.Context, s *stack.Stack) {
 	GinkgoHelper()
 	eventually(ctx, func(g Gomega) {
 		l, err := s.Ledger(ctx)
 		g.Expect(err).NotTo(HaveOccurred())
 		g.Expect(l.Idle()).To(BeTrue(), "ledger %+v", l)
+		for _, e := range l.Endpoints {
+			if e.Engine != nil {
+				g.Expect(e.Engine.ForeignRequests).To(BeZero(), "%s's engine at the last scrape: %+v", e.Pod, *e.Engine)
+			}
+		}
 	}).WithTimeout(15 * time.Second).Should(Succeed())
 }
 
