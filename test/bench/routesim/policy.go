@@ -46,7 +46,7 @@ type policy interface {
 	observe(stats []engine.Stats)
 }
 
-func newPolicy(name string, cfg Config, now *time.Duration) (policy, error) {
+func newPolicy(name string, cfg Config, now *time.Duration, texts *idText) (policy, error) {
 	// Every policy's tie-breaking is seeded from the run's seed.
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0x706f6c696379)) // "policy"
 	switch name {
@@ -57,7 +57,7 @@ func newPolicy(name string, cfg Config, now *time.Duration) (policy, error) {
 	case UpstreamLike:
 		return newUpstreamLike(cfg.Engines, rng, now), nil
 	case Tally:
-		return newTally(cfg, now, rng), nil
+		return newTally(cfg, now, rng, texts), nil
 	}
 	return nil, fmt.Errorf("policy %q is unknown: accepted are %v", name, Policies())
 }
@@ -120,7 +120,7 @@ type tally struct {
 // prefix hashes and nothing else.
 const tallyModel = "routesim"
 
-func newTally(cfg Config, now *time.Duration, rng *rand.Rand) *tally {
+func newTally(cfg Config, now *time.Duration, rng *rand.Rand, texts *idText) *tally {
 	// The picker's clock is the simulation's: virtual time from a fixed
 	// origin, so that its drain model and rate learning run as they would
 	// in real time.
@@ -133,7 +133,7 @@ func newTally(cfg Config, now *time.Duration, rng *rand.Rand) *tally {
 		p:          p,
 		byAddr:     make(map[netip.AddrPort]int, cfg.Engines),
 		res:        make(map[int]*picker.Reservation),
-		texts:      newIDText(runTextIDs),
+		texts:      texts,
 		cacheTokns: cfg.KVBlocks * engineBlockTokens,
 	}
 	eps := make([]picker.Endpoint, cfg.Engines)

@@ -227,7 +227,7 @@ func run(t *testing.T, e *engine.Engine, id string, r Request, hashes []uint64) 
 // upstream-like policy; a later pick does.
 func TestUpstreamLikeRecordsAfterThePick(t *testing.T) {
 	var now time.Duration
-	p, err := newPolicy(UpstreamLike, Config{Engines: 4, Seed: 1}, &now)
+	p, err := newPolicy(UpstreamLike, Config{Engines: 4, Seed: 1}, &now, &idText{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -269,7 +269,7 @@ func TestConfigValidate(t *testing.T) {
 // scraped counts: foreign load beyond its ledger.
 func TestTallySeesBypassAsForeignLoad(t *testing.T) {
 	var now time.Duration
-	p, err := newPolicy(Tally, Config{Engines: 2, KVBlocks: 1000, LoadFactor: 1}, &now)
+	p, err := newPolicy(Tally, Config{Engines: 2, KVBlocks: 1000, LoadFactor: 1}, &now, &idText{})
 	if err != nil {
 		t.Fatal(err)
 	}

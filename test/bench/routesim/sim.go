@@ -42,11 +42,10 @@ type Config struct {
 
 // Defaults of Config and of the policies' metric intervals.
 const (
-	// prepareTextIDs and runTextIDs bound the hash_id texts remembered
-	// (2 KiB each) while preparing a workload and in each run that needs
-	// prompt text.
-	prepareTextIDs = 16384
-	runTextIDs     = 4096
+	// maxTextIDs bounds the hash_id texts a workload remembers (2 KiB
+	// each, 128 MiB at most) for the runs that need prompt text; the
+	// sample trace has 5,576 ids, the whole Mooncake trace 43,924.
+	maxTextIDs     = 65536
 	DefaultEngines = 4
 	// scrapeInterval is how often the metric-driven policies see the
 	// engines' gauges (the upstream picker's default refresh).
@@ -109,6 +108,8 @@ type job struct {
 type Workload struct {
 	cfg  Config
 	jobs []job
+	// texts are the prompts' hash_id texts, read-only once prepared.
+	texts *idText
 	// PrefillTokens and CachedTokens sum, over the bound (an unbounded
 	// cache that saw every earlier request), the prompt tokens computed
 	// and found cached.
@@ -129,7 +130,7 @@ func Prepare(reqs []Request, cfg Config) (*Workload, error) {
 	w := &Workload{cfg: cfg, jobs: make([]job, len(reqs))}
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0x726f75746573696d)) // "routesim"
 	seen := make(map[uint64]struct{})
-	texts := newIDText(prepareTextIDs)
+	w.texts = newIDText(maxTextIDs)
 	var text []byte
 	for i, r := range reqs {
 		need := (r.InputTokens + r.OutputTokens + ec.BlockSizeTokens - 1) / ec.BlockSizeTokens
@@ -143,7 +144,7 @@ func Prepare(reqs []Request, cfg Config) (*Workload, error) {
 		// Both draws always happen, so that one fraction does not change
 		// which requests the other picks.
 		nonStream, bypass := rng.Float64(), rng.Float64()
-		text = texts.appendPrompt(text[:0], r)
+		text = w.texts.appendPrompt(text[:0], r)
 		j := &w.jobs[i]
 		*j = job{
 			Request:        r,
@@ -161,6 +162,7 @@ func Prepare(reqs []Request, cfg Config) (*Workload, error) {
 			seen[h] = struct{}{}
 		}
 	}
+	w.texts.frozen = true // read by concurrent runs from now on
 	return w, nil
 }
 
@@ -232,7 +234,7 @@ func (w *Workload) Run(policyName string) (*Result, error) {
 		}
 		s.engines[i] = e
 	}
-	pol, err := newPolicy(policyName, w.cfg, &s.now)
+	pol, err := newPolicy(policyName, w.cfg, &s.now, w.texts)
 	if err != nil {
 		return nil, err
 	}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 )
@@ -31,8 +32,8 @@ func (s Suite) Run(reqs []Request, source string) (*Report, error) {
 		s.Policies = Policies()
 	}
 	for _, p := range s.Policies {
-		if _, err := newPolicy(p, Config{Engines: 1}, new(time.Duration)); err != nil {
-			return nil, err
+		if !slices.Contains(Policies(), p) {
+			return nil, fmt.Errorf("policy %q is unknown: accepted are %v", p, Policies())
 		}
 	}
 	w, err := Prepare(reqs, s.Config)

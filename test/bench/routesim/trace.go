@@ -273,11 +273,12 @@ func (r Request) AppendPromptText(dst []byte) []byte {
 // idTextBytes is the text one hash_id expands into.
 const idTextBytes = chunksPerHashID * chunkChars
 
-// idText expands hash_ids into text, remembering the texts of up to
-// maxIDs ids (a trace reuses the ids of a conversation's earlier turns
-// soon after them); the zero value remembers none.
+// idText expands hash_ids into text, remembering the texts of up to maxIDs
+// ids; the zero value remembers none. Once frozen it remembers no more and
+// is safe for concurrent use: a miss is expanded into the caller's buffer.
 type idText struct {
 	maxIDs int
+	frozen bool
 	at     map[int]*[idTextBytes]byte
 }
 
@@ -292,15 +293,23 @@ func (t *idText) appendPrompt(dst []byte, r Request) []byte {
 			break
 		}
 		k := min(n, idTextBytes)
-		dst = append(dst, t.text(id)[:k]...)
+		if txt := t.lookup(id); txt != nil {
+			dst = append(dst, txt[:k]...)
+		} else {
+			dst = appendIDText(dst, id, k)
+		}
 		n -= k
 	}
 	return dst
 }
 
-func (t *idText) text(id int) []byte {
+// lookup returns id's text if it is remembered or can be; nil if not.
+func (t *idText) lookup(id int) *[idTextBytes]byte {
 	if txt, ok := t.at[id]; ok {
-		return txt[:]
+		return txt
+	}
+	if t.frozen || t.maxIDs == 0 {
+		return nil
 	}
 	if len(t.at) >= t.maxIDs {
 		// Forget everything: cheaper than an LRU, and the ids in use
@@ -311,10 +320,20 @@ func (t *idText) text(id int) []byte {
 	for i := range chunksPerHashID {
 		fillChunk((*[chunkChars]byte)(txt[i*chunkChars:]), uint64(id), uint64(i))
 	}
-	if t.maxIDs > 0 {
-		t.at[id] = txt
+	t.at[id] = txt
+	return txt
+}
+
+// appendIDText appends the first k bytes of id's text.
+func appendIDText(dst []byte, id, k int) []byte {
+	var chunk [chunkChars]byte
+	for i := 0; k > 0; i++ {
+		fillChunk(&chunk, uint64(id), uint64(i))
+		m := min(k, chunkChars)
+		dst = append(dst, chunk[:m]...)
+		k -= m
 	}
-	return txt[:]
+	return dst
 }
 
 // chunkAlphabet has 32 symbols so each takes 5 bits of a random word.
