@@ -16,9 +16,10 @@ const (
 	upstreamQueueWeight  = 2
 	upstreamKVWeight     = 2
 	upstreamPrefixWeight = 3
-	// Prompt blocks of 64 tokens (at 4 characters a token), at most 256
-	// matched, 31,250 remembered per server.
-	upstreamBlockChars     = 256
+	// The documented defaults of its prefix plugin: prompt blocks of 64
+	// characters (16 tokens), at most 256 matched (the first 16,384
+	// characters), 31,250 remembered per server (500,000 tokens).
+	upstreamBlockChars     = 64
 	upstreamMaxBlocks      = 256
 	upstreamCapacityBlocks = 31_250
 )
