@@ -2,16 +2,34 @@
 // engines (package test/modelsim/engine) in virtual time, routed by one of
 // several policies, one of them the real picker package, and reports the
 // latency each policy gives beside the no-queueing bound: each request
-// alone on an idle engine with an unbounded cache.
+// alone on an idle engine whose unbounded cache has seen every earlier
+// request (bound.go).
 //
 // A run is a discrete-event simulation in one goroutine: the next event is
 // the earliest of the next arrival, the end of an engine's step and the
 // policy's next metrics observation, and nothing reads the wall clock but
 // the report of how long the run took. The picker's clock (picker.Options.Now)
-// is the simulation's.
+// is the simulation's. Runs of different policies share only read-only
+// data, so a Suite runs them in parallel.
+//
+// What a policy sees is what a router in a cluster would: round-robin
+// nothing; least-request and upstream-like the engines' gauges every 50 ms
+// (running and waiting requests, KV-cache usage); Tally the prompt text,
+// each response's first bytes (at the first token when the client streams,
+// at the end otherwise), its usage (cached tokens) before the release, and
+// every engine's scrape every 250 ms (picker.ObserveEngine: running,
+// waiting, cache size), through which requests that bypass it appear as
+// foreign load. Not modelled: the network and the gateway (no latency, no
+// failures), and scrapes take no time.
+//
+// The prompts: each 512-token Mooncake hash_id expands into the same text
+// as test/stack's (32 chunks of 64 characters), and the engines' block
+// hashes are the model server's (chained xxhash of each 64-character,
+// 16-token block), so prefixes are shared exactly as in the demo stack.
+// Azure traces, which carry no prefix data, get a system prompt per tenant.
 //
 // The invariant not to break: a run is a function of the workload, the
-// configuration and the seed. Same inputs, same numbers, to the token;
-// policies see the engines only through what a real router would see
-// (scraped gauges, first bytes, usage at the end of a response).
+// configuration and the seed. Same inputs, same numbers, to the
+// nanosecond of virtual time; nothing may depend on map order, goroutine
+// scheduling or the wall clock.
 package routesim
