@@ -26,7 +26,7 @@ func TestRunWritesTablesAndCharts(t *testing.T) {
 	if !strings.Contains(stderr.String(), "trace tally") {
 		t.Errorf("no progress on stderr: %q", stderr.String())
 	}
-	for _, name := range []string{"routesim.md", "routesim-ttft-cdf.svg", "routesim-burst-inflight.svg"} {
+	for _, name := range []string{"routesim.md", "routesim.json", "routesim-ttft-cdf.svg", "routesim-burst-inflight.svg"} {
 		if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
 			t.Error(err)
 		}

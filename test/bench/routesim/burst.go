@@ -79,7 +79,8 @@ type BurstRun struct {
 	TTFT   Dist
 	// Drained is when the last burst request finished, after the burst.
 	Drained time.Duration
-	Samples []Sample
+	// Samples are for the chart, not the JSON report.
+	Samples []Sample `json:"-"`
 }
 
 // BurstReport is the burst scenario over every policy.

@@ -2,6 +2,7 @@ package routesim
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -116,12 +117,14 @@ func (s Suite) progress(msg string) {
 // Files the report writes into its output directory.
 const (
 	ReportFile     = "routesim.md"
+	JSONFile       = "routesim.json"
 	TTFTChartFile  = "routesim-ttft-cdf.svg"
 	BurstChartFile = "routesim-burst-inflight.svg"
 )
 
-// WriteDir writes the charts and the markdown report (which links them)
-// into dir, creating it if needed.
+// WriteDir writes the charts, the markdown report (which links them) and
+// the report as JSON (durations in nanoseconds) into dir, creating it if
+// needed.
 func (r *Report) WriteDir(dir string) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("creating the output directory: %w", err)
@@ -147,6 +150,13 @@ func (r *Report) WriteDir(dir string) error {
 			return err
 		}
 		r.ChartInFlight = BurstChartFile
+	}
+	if err := write(JSONFile, func(b *bytes.Buffer) error {
+		e := json.NewEncoder(b)
+		e.SetIndent("", "  ")
+		return e.Encode(r)
+	}); err != nil {
+		return err
 	}
 	return write(ReportFile, func(b *bytes.Buffer) error { return r.WriteMarkdown(b) })
 }
