@@ -1,0 +1,286 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+)
+
+// plan is what `bench` runs.
+type plan struct {
+	name        string
+	bursts      []string
+	burstN      int
+	burstTokens int
+	// loads run at basePods endpoints; scaleLoad at each of scalePods.
+	loads     []loadCase
+	scaleLoad loadCase
+	scalePods []int
+	warmup    time.Duration
+	window    time.Duration
+	churnN    int
+}
+
+type loadCase struct{ concurrency, tokens int }
+
+// basePods is the pool of the bursts and of most loads: three pods, as in
+// the upstream measurements of FACTS §5.
+const basePods = 3
+
+var (
+	fullPlan = plan{
+		name:   "full",
+		bursts: burstKinds, burstN: 128, burstTokens: 32_000,
+		loads: []loadCase{{1, 8_000}, {16, 8_000}, {64, 8_000}, {1, 32_000}, {16, 32_000}, {64, 32_000}},
+		scaleLoad: loadCase{16, 8_000}, scalePods: []int{16, 128, 1_000},
+		warmup: 2 * time.Second, window: 10 * time.Second, churnN: 500,
+	}
+	quickPlan = plan{
+		name:   "quick",
+		bursts: []string{kindFresh, kindShared, kindLong}, burstN: 128, burstTokens: 32_000,
+		loads:     []loadCase{{1, 8_000}, {16, 8_000}, {64, 8_000}, {16, 32_000}},
+		scaleLoad: loadCase{16, 8_000}, scalePods: []int{128, 1_000},
+		warmup: time.Second, window: 3 * time.Second, churnN: 200,
+	}
+)
+
+// loadKey names one load measurement.
+type loadKey struct{ pods, concurrency, tokens int }
+
+// results are one picker's measurements.
+type results struct {
+	bursts  map[string]burstResult
+	loads   map[loadKey]loadResult
+	churn   *churnResult
+	idleRSS map[int]int64 // by endpoints, once ready
+}
+
+func newResults() *results {
+	return &results{bursts: map[string]burstResult{}, loads: map[loadKey]loadResult{}, idleRSS: map[int]int64{}}
+}
+
+// bench runs every scenario of a plan for each picker, one picker at a
+// time against the same pool, growing the pool for the endpoint scale.
+type bench struct {
+	o       options
+	plan    plan
+	pickers []string
+	env     *benchEnv
+	res     map[string]*results
+	log     io.Writer
+	began   time.Time
+	machine machine
+}
+
+func runBench(ctx context.Context, o options, stdout, stderr io.Writer) (err error) {
+	b := &bench{o: o, plan: fullPlan, log: stderr, began: time.Now(), res: map[string]*results{}, machine: describeMachine()}
+	if o.quick {
+		b.plan = quickPlan
+	}
+	for _, p := range strings.Split(o.only, ",") {
+		p = strings.TrimSpace(p)
+		if p != pickerTally && p != pickerUpstream {
+			return fmt.Errorf("flag --pickers: %q is invalid: want tally and/or upstream", p)
+		}
+		b.pickers = append(b.pickers, p)
+		b.res[p] = newResults()
+	}
+	b.progress("%s plan for %s on %d CPUs (%s), load average %s", b.plan.name, strings.Join(b.pickers, " and "), b.machine.cpus, b.machine.cpuModel, b.machine.loadAvg)
+	if b.env, err = startEnv(ctx, basePods, stderr); err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, b.env.stop()) }()
+
+	for _, p := range b.pickers {
+		for _, kind := range b.plan.bursts {
+			if err := b.burst(ctx, p, kind); err != nil {
+				return err
+			}
+		}
+	}
+	for _, p := range b.pickers {
+		if err := b.baseLoads(ctx, p); err != nil {
+			return err
+		}
+	}
+	for _, pods := range b.plan.scalePods {
+		if err := b.env.grow(ctx, pods); err != nil {
+			return err
+		}
+		for _, p := range b.pickers {
+			if err := b.scale(ctx, p, pods); err != nil {
+				return err
+			}
+		}
+	}
+	b.machine.loadAvgEnd = loadAverage()
+	md := b.markdown()
+	b.progress("done in %v", time.Since(b.began).Round(time.Second))
+	if o.out == "" {
+		_, err := io.WriteString(stdout, md)
+		return err
+	}
+	if err := writeSection(o.out, md); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "wrote the benchmark tables into %s\n", o.out)
+	return nil
+}
+
+func (b *bench) progress(format string, args ...any) {
+	fmt.Fprintf(b.log, "[bench %v] "+format+"\n", append([]any{time.Since(b.began).Round(time.Second)}, args...)...)
+}
+
+func (b *bench) bin(kind string) string {
+	if kind == pickerUpstream {
+		return b.o.upstreamBin
+	}
+	return b.o.tallyBin
+}
+
+func (b *bench) start(ctx context.Context, kind string) (*pickerTarget, error) {
+	pt, err := b.env.startTarget(ctx, kind, b.bin(kind), b.o.useTLS, b.o.conns, b.o.pickerArgs)
+	if err != nil {
+		return nil, err
+	}
+	pt.log = nil // the bench reports progress itself
+	return pt, nil
+}
+
+// burst runs one burst against a freshly started picker: what a picker
+// learnt from an earlier burst (prefixes, engine speeds) must not decide
+// this one.
+func (b *bench) burst(ctx context.Context, kind, prompt string) (err error) {
+	pt, err := b.start(ctx, kind)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, pt.stop()) }()
+	r, err := runBurst(ctx, pt.target, prompt, b.plan.burstN, b.plan.burstTokens)
+	if err != nil {
+		return fmt.Errorf("%s: burst %s: %w", kind, prompt, err)
+	}
+	b.res[kind].bursts[prompt] = r
+	b.progress("%s: burst %s of %d × %d tokens: %s in %v%s", kind, prompt, r.n, r.tokens, r.placement.spread(), r.placedInWindow.Round(time.Millisecond), failures(r.errors+r.refused, r.firstError))
+	return nil
+}
+
+func (b *bench) baseLoads(ctx context.Context, kind string) (err error) {
+	pt, err := b.start(ctx, kind)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, pt.stop()) }()
+	b.res[kind].idleRSS[basePods] = pt.idleRSS
+	for _, lc := range b.plan.loads {
+		if err := b.load(ctx, pt, basePods, lc); err != nil {
+			return err
+		}
+	}
+	r, err := runChurn(ctx, pt.target, b.plan.churnN, 16, 8_000)
+	if err != nil {
+		return fmt.Errorf("%s: churn: %w", kind, err)
+	}
+	b.res[kind].churn = &r
+	ledger := "no ledger to check"
+	if r.checked {
+		ledger = "ledger empty"
+		if !r.empty {
+			ledger = "ledger NOT empty: " + r.state
+		}
+	}
+	b.progress("%s: churn of %d requests: %s%s", kind, r.requests, ledger, failures(r.errors, r.firstError))
+	return nil
+}
+
+func (b *bench) scale(ctx context.Context, kind string, pods int) (err error) {
+	pt, err := b.start(ctx, kind)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, pt.stop()) }()
+	b.res[kind].idleRSS[pods] = pt.idleRSS
+	return b.load(ctx, pt, pods, b.plan.scaleLoad)
+}
+
+func (b *bench) load(ctx context.Context, pt *pickerTarget, pods int, lc loadCase) error {
+	r, err := runLoad(ctx, pt.target, lc.concurrency, lc.tokens, b.plan.warmup, b.plan.window)
+	if err != nil {
+		return fmt.Errorf("%s: load of %d clients × %d tokens at %d endpoints: %w", pt.name, lc.concurrency, lc.tokens, pods, err)
+	}
+	b.res[pt.name].loads[loadKey{pods, lc.concurrency, lc.tokens}] = r
+	b.progress("%s: %d endpoints, %d clients × %d tokens: %.0f req/s, pick p50 %s p99 %s ms, CPU %s ms/req, peak RSS %s MB%s",
+		pt.name, pods, lc.concurrency, lc.tokens, r.rps, ms(r.pickP50), ms(r.pickP99), ms(r.cpuPerRequest()), mb(r.use.peak), failures(r.errors+r.refused, r.firstError))
+	return nil
+}
+
+func failures(n int, first string) string {
+	if n == 0 {
+		return ""
+	}
+	if first == "" {
+		return fmt.Sprintf(" (%d refused)", n)
+	}
+	return fmt.Sprintf(" (%d failed or refused; first: %s)", n, first)
+}
+
+// machine is what the tables were measured on.
+type machine struct {
+	cpus       int
+	cpuModel   string
+	goVersion  string
+	kernel     string
+	loadAvg    string
+	loadAvgEnd string
+	commit     string
+}
+
+// Markers around the generated section of the output file.
+const (
+	sectionBegin = "<!-- extproc-load bench: generated by `make bench`; edits between these markers are overwritten -->"
+	sectionEnd   = "<!-- end of extproc-load bench -->"
+)
+
+// writeSection replaces the generated section of the markdown file at path
+// (between the markers) with md, or inserts it after the file's title when
+// the file has none yet. Everything else in the file is kept.
+func writeSection(path, md string) error {
+	old, err := os.ReadFile(path)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("reading %s: %w", path, err)
+	}
+	doc := spliceSection(string(old), md)
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, []byte(doc), 0o644); err != nil {
+		return fmt.Errorf("writing %s: %w", tmp, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return fmt.Errorf("replacing %s: %w", path, err)
+	}
+	return nil
+}
+
+func spliceSection(doc, md string) string {
+	section := sectionBegin + "\n\n" + strings.TrimSpace(md) + "\n\n" + sectionEnd
+	if i := strings.Index(doc, sectionBegin); i >= 0 {
+		if j := strings.Index(doc[i:], sectionEnd); j >= 0 {
+			return doc[:i] + section + doc[i+j+len(sectionEnd):]
+		}
+	}
+	if doc == "" {
+		return "# Benchmarks\n\n" + section + "\n"
+	}
+	// After the title line (and the blank line after it), if there is one.
+	if strings.HasPrefix(doc, "# ") {
+		end := strings.IndexByte(doc, '\n')
+		if end < 0 {
+			return doc + "\n\n" + section + "\n"
+		}
+		return doc[:end+1] + "\n" + section + "\n" + doc[end+1:]
+	}
+	return section + "\n\n" + doc
+}

@@ -1,0 +1,114 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"time"
+
+	"github.com/tallyepp/tally/test/stack"
+)
+
+// benchEnv is the API server, the pool and its pods, which every picker of
+// a run is started against in turn.
+type benchEnv struct {
+	cluster *stack.Cluster
+	pods    *pods
+	logDir  string
+	log     io.Writer
+}
+
+func startEnv(ctx context.Context, n int, log io.Writer) (*benchEnv, error) {
+	e := &benchEnv{pods: newPods(), log: log}
+	dir, err := os.MkdirTemp("", "extproc-load-")
+	if err != nil {
+		return nil, fmt.Errorf("creating a directory for the pickers' logs: %w", err)
+	}
+	e.logDir = dir
+	fmt.Fprintf(log, "[extproc-load] starting the API server and a pool of %d pods (picker logs in %s)\n", n, dir)
+	began := time.Now()
+	e.cluster, err = stack.StartCluster(ctx, stack.ClusterOptions{
+		Namespace: "bench", PoolName: "bench-pool", Pods: n, Handler: e.pods.handler,
+	})
+	if err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(log, "[extproc-load] cluster up in %v\n", time.Since(began).Round(time.Millisecond))
+	return e, nil
+}
+
+// grow adds pods until the pool has n.
+func (e *benchEnv) grow(ctx context.Context, n int) error {
+	have := len(e.cluster.Endpoints())
+	if n <= have {
+		return nil
+	}
+	began := time.Now()
+	if err := e.cluster.AddPods(ctx, n-have); err != nil {
+		return err
+	}
+	fmt.Fprintf(e.log, "[extproc-load] pool grown to %d pods in %v\n", n, time.Since(began).Round(time.Millisecond))
+	return nil
+}
+
+func (e *benchEnv) endpoints() []string {
+	var eps []string
+	for _, a := range e.cluster.Endpoints() {
+		eps = append(eps, a.String())
+	}
+	return eps
+}
+
+// stop stops the cluster; the pickers' logs stay for a failed run's reader
+// only if the stop failed.
+func (e *benchEnv) stop() error {
+	err := e.cluster.Stop()
+	if err == nil {
+		err = os.RemoveAll(e.logDir)
+	}
+	return err
+}
+
+// pickerTarget is a started picker and the target that drives it.
+type pickerTarget struct {
+	*target
+	proc *pickerProcess
+	// idleRSS is the picker's resident set once ready, before any request.
+	idleRSS int64
+}
+
+func (e *benchEnv) startTarget(ctx context.Context, kind, bin string, useTLS bool, conns int, extra []string) (*pickerTarget, error) {
+	if _, err := os.Stat(bin); err != nil {
+		hint := "make build"
+		if kind == pickerUpstream {
+			hint = "make upstream-epp"
+		}
+		return nil, fmt.Errorf("the %s picker's binary: %w (build it with `%s`)", kind, err, hint)
+	}
+	began := time.Now()
+	proc, err := startPicker(ctx, kind, bin, e.cluster, useTLS, extra, e.logDir)
+	if err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(e.log, "[extproc-load] %s picker ready with %d endpoints in %v\n", kind, len(e.cluster.Endpoints()), time.Since(began).Round(time.Millisecond))
+	c, err := dial(proc.grpcAddr, useTLS, conns)
+	if err != nil {
+		return nil, errors.Join(err, proc.stop())
+	}
+	t := &target{name: kind, client: c, prompts: newPrompts(1), pods: e.pods, pid: proc.pid(), endpoints: e.endpoints(), log: e.log}
+	if kind == pickerTally {
+		t.ledger = func(ctx context.Context) (stack.Ledger, error) { return ledgerAt(ctx, proc.metricsURL) }
+	}
+	pt := &pickerTarget{target: t, proc: proc}
+	if rss, _, err := procMemory(proc.pid()); err == nil {
+		pt.idleRSS = rss
+	}
+	return pt, nil
+}
+
+func (pt *pickerTarget) stop() error {
+	pt.client.close()
+	return pt.proc.stop()
+}

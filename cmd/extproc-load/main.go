@@ -1,0 +1,293 @@
+// Command extproc-load drives an endpoint picker over real gRPC with the
+// messages Envoy's ext_proc filter sends (FULL_DUPLEX_STREAMED request and
+// response bodies: request headers with protocol_config, body chunks of at
+// most 62,000 bytes, the last with end_of_stream, then the response headers,
+// the response body and the end of the stream), and measures it. It plays
+// both the gateway and the model servers: each routed request is answered
+// on its stream with a short streamed completion.
+//
+// Usage:
+//
+//	extproc-load [flags] burst|load|churn|bench
+//
+// Scenarios:
+//
+//	burst   --n N requests of --tokens tokens sent at once, each held open at
+//	        its endpoint until all are placed; --kind fresh (no shared
+//	        prefix), cold (a 512-token prefix nobody holds), shared (a
+//	        512-token prefix one pod holds: warmed first) or long (a
+//	        30,000-token one). Prints the placement per endpoint.
+//	load    --concurrency C clients doing complete cycles for --duration
+//	        (after --warmup): requests/s, time to pick p50/p99/p999, and the
+//	        picker's CPU time per request and peak RSS (/proc/<pid>/stat and
+//	        VmHWM in /proc/<pid>/status) over the window.
+//	churn   --n requests ending in turn complete, cancelled before the pick,
+//	        cancelled after it, answered 503 upstream, reset mid-response;
+//	        then reads Tally's /debug/ledger and reports whether it emptied
+//	        (skipped for the upstream picker, which has no ledger).
+//	bench   every scenario, for Tally and the upstream picker side by side
+//	        in one run, at 3, 16, 128 and 1,000 endpoints; writes markdown
+//	        tables with ratios into --out between marker comments (--quick:
+//	        fewer scenarios, shorter windows).
+//
+// By default the tool starts everything itself: a real kube-apiserver and
+// etcd (test/stack; $KUBEBUILDER_ASSETS or hack/envtest-assets.sh), an
+// InferencePool, --pods Ready pods on loopback IPs (each address serves a
+// vLLM metrics page reporting the requests the tool holds there), and the
+// picker process (--picker tally: --tally-bin; upstream: --upstream-bin), so
+// it knows the picker's pid. With --addr it drives a picker already running
+// there instead (--pid and --metrics-url, if given, for CPU, memory and the
+// ledger).
+//
+// Progress goes to stderr, results to stdout. Exit status 2 is a bad flag, 1
+// a failed run.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/tallyepp/tally/test/stack"
+)
+
+type options struct {
+	// Where the picker is.
+	addr        string
+	metricsURL  string
+	pid         int
+	picker      string
+	tallyBin    string
+	upstreamBin string
+	pods        int
+	useTLS      bool
+	conns       int
+	pickerArgs  stringList
+	// Scenario settings.
+	n           int
+	kind        string
+	tokens      int
+	concurrency int
+	duration    time.Duration
+	warmup      time.Duration
+	// bench.
+	quick bool
+	out   string
+	only  string
+}
+
+type stringList []string
+
+func (l *stringList) String() string     { return strings.Join(*l, " ") }
+func (l *stringList) Set(v string) error { *l = append(*l, v); return nil }
+
+func parseFlags(args []string, stderr io.Writer) (string, options, error) {
+	var o options
+	fs := flag.NewFlagSet("extproc-load", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.addr, "addr", "", "ext_proc address of a picker already running (host:port); empty starts the API server, pool, pods and picker")
+	fs.StringVar(&o.metricsURL, "metrics-url", "", "with --addr: the picker's metrics server (for /debug/ledger), e.g. http://127.0.0.1:9090")
+	fs.IntVar(&o.pid, "pid", 0, "with --addr: the picker's process id, for its CPU time and peak RSS")
+	fs.StringVar(&o.picker, "picker", pickerTally, "picker to start: tally or upstream")
+	fs.StringVar(&o.tallyBin, "tally-bin", "bin/epp", "Tally's picker binary")
+	fs.StringVar(&o.upstreamBin, "upstream-bin", "bin/upstream-epp", "the upstream picker's binary (make upstream-epp)")
+	fs.IntVar(&o.pods, "pods", 3, "Ready pods in the pool")
+	fs.BoolVar(&o.useTLS, "tls", false, "speak TLS to the picker (certificate not verified); a started picker serves TLS then")
+	fs.IntVar(&o.conns, "conns", 2, "gRPC connections to the picker (Envoy opens one per worker thread)")
+	fs.Var(&o.pickerArgs, "picker-arg", "extra flag for a started picker (repeatable)")
+	fs.IntVar(&o.n, "n", 0, "burst and churn: requests (default 128 for burst, 500 for churn)")
+	fs.StringVar(&o.kind, "kind", kindShared, "burst: prompt kind: "+strings.Join(burstKinds, ", "))
+	fs.IntVar(&o.tokens, "tokens", 0, "prompt tokens (default 32,000 for burst, 8,000 for load and churn)")
+	fs.IntVar(&o.concurrency, "concurrency", 16, "load and churn: concurrent clients")
+	fs.DurationVar(&o.duration, "duration", 10*time.Second, "load: the measured window")
+	fs.DurationVar(&o.warmup, "warmup", 2*time.Second, "load: run this long before the window")
+	fs.BoolVar(&o.quick, "quick", false, "bench: the short version (about 5 minutes)")
+	fs.StringVar(&o.out, "out", "", "bench: markdown file whose generated section is replaced (empty: print the tables)")
+	fs.StringVar(&o.only, "pickers", pickerTally+","+pickerUpstream, "bench: pickers to run, comma-separated")
+	if err := fs.Parse(args); err != nil {
+		return "", o, err
+	}
+	if fs.NArg() != 1 {
+		return "", o, fmt.Errorf("want one scenario (burst, load, churn or bench), got %q", fs.Args())
+	}
+	cmd := fs.Arg(0)
+	defaults := map[string][2]int{"burst": {128, 32_000}, "load": {0, 8_000}, "churn": {500, 8_000}, "bench": {0, 0}}
+	d, ok := defaults[cmd]
+	if !ok {
+		return "", o, fmt.Errorf("scenario %q is invalid: want burst, load, churn or bench", cmd)
+	}
+	if o.n == 0 {
+		o.n = d[0]
+	}
+	if o.tokens == 0 {
+		o.tokens = d[1]
+	}
+	switch {
+	case o.picker != pickerTally && o.picker != pickerUpstream:
+		return "", o, fmt.Errorf("flag --picker: %q is invalid: want tally or upstream", o.picker)
+	case o.pods < 1:
+		return "", o, fmt.Errorf("flag --pods: %d is invalid: want 1 or more", o.pods)
+	case o.n < 0:
+		return "", o, fmt.Errorf("flag --n: %d is invalid: want 1 or more", o.n)
+	case o.concurrency < 1:
+		return "", o, fmt.Errorf("flag --concurrency: %d is invalid: want 1 or more", o.concurrency)
+	case o.duration <= 0:
+		return "", o, fmt.Errorf("flag --duration: %v is invalid: want more than 0", o.duration)
+	case o.warmup < 0:
+		return "", o, fmt.Errorf("flag --warmup: %v is invalid: want 0 or more", o.warmup)
+	case o.tokens < 0:
+		return "", o, fmt.Errorf("flag --tokens: %d is invalid: want 1 or more", o.tokens)
+	case cmd == "bench" && o.addr != "":
+		return "", o, errors.New("flag --addr: bench starts its own pickers; drop --addr")
+	}
+	return cmd, o, nil
+}
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	cmd, o, err := parseFlags(args, stderr)
+	if err != nil {
+		if !errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintln(stderr, "extproc-load:", err)
+		}
+		return 2
+	}
+	if cmd == "bench" {
+		err = runBench(ctx, o, stdout, stderr)
+	} else {
+		err = runOne(ctx, cmd, o, stdout, stderr)
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "extproc-load:", err)
+		return 1
+	}
+	return 0
+}
+
+// runOne runs one scenario against a picker it starts or is pointed at.
+func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer) (err error) {
+	t := &target{prompts: newPrompts(1), log: stderr, name: o.addr}
+	if o.addr != "" {
+		if t.client, err = dial(o.addr, o.useTLS, o.conns); err != nil {
+			return err
+		}
+		defer t.client.close()
+		t.pid = o.pid
+		if o.metricsURL != "" {
+			url := strings.TrimSuffix(o.metricsURL, "/")
+			t.ledger = func(ctx context.Context) (stack.Ledger, error) { return ledgerAt(ctx, url) }
+		}
+	} else {
+		env, err := startEnv(ctx, o.pods, stderr)
+		if err != nil {
+			return err
+		}
+		defer func() { err = errors.Join(err, env.stop()) }()
+		bin := o.tallyBin
+		if o.picker == pickerUpstream {
+			bin = o.upstreamBin
+		}
+		pt, err := env.startTarget(ctx, o.picker, bin, o.useTLS, o.conns, o.pickerArgs)
+		if err != nil {
+			return err
+		}
+		defer func() { err = errors.Join(err, pt.stop()) }()
+		t = pt.target
+	}
+	switch cmd {
+	case "burst":
+		r, err := runBurst(ctx, t, o.kind, o.n, o.tokens)
+		if err != nil {
+			return err
+		}
+		printBurst(stdout, r)
+	case "load":
+		r, err := runLoad(ctx, t, o.concurrency, o.tokens, o.warmup, o.duration)
+		if err != nil {
+			return err
+		}
+		printLoad(stdout, r)
+	case "churn":
+		r, err := runChurn(ctx, t, o.n, o.concurrency, o.tokens)
+		if err != nil {
+			return err
+		}
+		printChurn(stdout, r)
+		if r.checked && !r.empty {
+			return fmt.Errorf("the ledger did not empty within %v after churn: %s", ledgerEmptyTimeout, r.state)
+		}
+	}
+	return nil
+}
+
+func printBurst(w io.Writer, r burstResult) {
+	fmt.Fprintf(w, "burst %s: %d requests of %d tokens", r.kind, r.n, r.tokens)
+	if r.warm != "" {
+		fmt.Fprintf(w, ", prefix warmed on %s", r.warm)
+	}
+	fmt.Fprintf(w, "\nplaced in %v: %s (pick p50 %s, p99 %s)\n", r.placedInWindow.Round(time.Millisecond), r.placement.spread(), ms(r.pickP50), ms(r.pickP99))
+	for _, e := range r.placement.endpoints {
+		fmt.Fprintf(w, "  %-22s %d\n", e, r.placement.counts[e])
+	}
+	fmt.Fprintf(w, "placed %d, refused %d, failed %d\n", r.placement.total(), r.refused, r.errors)
+	if r.firstError != "" {
+		fmt.Fprintf(w, "first failure: %s\n", r.firstError)
+	}
+}
+
+func printLoad(w io.Writer, r loadResult) {
+	fmt.Fprintf(w, "load: %d clients, %d-token prompts, %v window\n", r.concurrency, r.tokens, r.window.Round(time.Millisecond))
+	fmt.Fprintf(w, "requests %d (%.0f/s), refused %d, failed %d\n", r.requests, r.rps, r.refused, r.errors)
+	fmt.Fprintf(w, "time to pick p50 %s, p99 %s, p999 %s ms; routed body back p99 %s ms\n", ms(r.pickP50), ms(r.pickP99), ms(r.pickP999), ms(r.routedP99))
+	if r.use.cpu > 0 || r.use.peak > 0 {
+		fmt.Fprintf(w, "picker CPU %s ms per request, peak RSS %s MB\n", ms(r.cpuPerRequest()), mb(r.use.peak))
+	}
+	fmt.Fprintf(w, "placement: %s\n", r.placement.spread())
+	if r.firstError != "" {
+		fmt.Fprintf(w, "first failure: %s\n", r.firstError)
+	}
+}
+
+func printChurn(w io.Writer, r churnResult) {
+	fmt.Fprintf(w, "churn: %d requests:", r.requests)
+	for _, k := range churnKinds {
+		fmt.Fprintf(w, " %s %d;", k, r.byKind[k])
+	}
+	fmt.Fprintf(w, " failed %d\n", r.errors)
+	if r.firstError != "" {
+		fmt.Fprintf(w, "first failure: %s\n", r.firstError)
+	}
+	switch {
+	case !r.checked:
+		fmt.Fprintln(w, "ledger: not checked (no ledger to read)")
+	case r.empty:
+		fmt.Fprintf(w, "ledger: empty (after %v)\n", r.emptyAfter.Round(time.Millisecond))
+	default:
+		fmt.Fprintf(w, "ledger: NOT empty after %v: %s\n", ledgerEmptyTimeout, r.state)
+	}
+}
+
+func ms(d time.Duration) string {
+	v := float64(d) / float64(time.Millisecond)
+	switch {
+	case v >= 100:
+		return fmt.Sprintf("%.0f", v)
+	case v >= 10:
+		return fmt.Sprintf("%.1f", v)
+	}
+	return fmt.Sprintf("%.2f", v)
+}
+
+func mb(b int64) string { return fmt.Sprintf("%.0f", float64(b)/(1<<20)) }

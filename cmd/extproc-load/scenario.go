@@ -1,0 +1,499 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/tallyepp/tally/test/stack"
+)
+
+const (
+	completionsPath = "/v1/completions"
+	// warmSettle is the pause after warming a prefix: the upstream picker
+	// records prefixes after the pick and scrapes every 50 ms, so it gets
+	// time to see the warm request as a real engine would have it.
+	warmSettle = 300 * time.Millisecond
+	// loadSystemTokens is the system prompt every request of a load run
+	// shares (then a unique remainder), as in picker/extproc's benchmark.
+	loadSystemTokens = 1_000
+	// ledgerEmptyTimeout is how long churn waits for the ledger to empty:
+	// a picker releases a reservation when it sees its stream end.
+	ledgerEmptyTimeout = 10 * time.Second
+)
+
+// target is a picker the scenarios drive.
+type target struct {
+	name    string
+	client  *client
+	prompts *prompts
+	// pods is nil when the tool does not serve the pool's pods.
+	pods *pods
+	// pid is the picker's process for CPU and memory; 0 measures nothing.
+	pid int
+	// ledger reads the picker's in-flight ledger; nil skips the churn check
+	// (the upstream picker has none).
+	ledger func(context.Context) (stack.Ledger, error)
+	// endpoints lists the pool in order, for placement tables; nil orders
+	// endpoints as first seen.
+	endpoints []string
+	log       io.Writer
+}
+
+func (t *target) logf(format string, args ...any) {
+	if t.log != nil {
+		fmt.Fprintf(t.log, "[extproc-load] %s: "+format+"\n", append([]any{t.name}, args...)...)
+	}
+}
+
+// errorsSeen counts failed requests and keeps the first failure.
+type errorsSeen struct {
+	n     atomic.Int64
+	mu    sync.Mutex
+	first error
+}
+
+func (e *errorsSeen) add(err error) {
+	if e.n.Add(1) == 1 {
+		e.mu.Lock()
+		e.first = err
+		e.mu.Unlock()
+	}
+}
+
+func (e *errorsSeen) summary() (int, string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.first == nil {
+		return int(e.n.Load()), ""
+	}
+	return int(e.n.Load()), e.first.Error()
+}
+
+// prefillTime is how long one vLLM engine takes to prefill tokens uncached
+// prompt tokens alone (FACTS §6: a step of 6.5 ms + 0.0198 ms per prefill
+// token, 8,192 tokens a step): about 0.66 s for 32,000 tokens.
+func prefillTime(tokens int) time.Duration {
+	const stepBudget = 8_192
+	steps := (tokens + stepBudget - 1) / stepBudget
+	return time.Duration(steps)*6500*time.Microsecond + time.Duration(tokens)*19800*time.Nanosecond
+}
+
+// cycle plays one complete request: routed, answered 200, ended.
+func (t *target) cycle(ctx context.Context, req request) (placed, error) {
+	return t.cycleAfter(ctx, req, 0)
+}
+
+// cycleAfter is cycle with the model server's first byte delay after the
+// pick. A picker that learns engines' speed from the time to the first
+// byte (Tally does) would learn an impossible one from an instant answer.
+func (t *target) cycleAfter(ctx context.Context, req request, delay time.Duration) (placed, error) {
+	x, err := t.client.open(ctx)
+	if err != nil {
+		return placed{}, err
+	}
+	defer x.cancel()
+	p, err := x.sendRequest(req)
+	if err != nil || p.status != 0 {
+		return p, err
+	}
+	release := t.pods.hold(p.endpoint)
+	defer release()
+	sleepCtx(ctx, delay)
+	return p, x.respond(okResponse(p.endpoint, len(req.body)/bytesPerToken))
+}
+
+// placement counts requests per endpoint, in pool order.
+type placement struct {
+	endpoints []string
+	counts    map[string]int
+}
+
+func newPlacement(pool []string) *placement {
+	return &placement{endpoints: slices.Clone(pool), counts: map[string]int{}}
+}
+
+func (p *placement) add(endpoint string) {
+	if _, ok := p.counts[endpoint]; !ok && !slices.Contains(p.endpoints, endpoint) {
+		p.endpoints = append(p.endpoints, endpoint)
+	}
+	p.counts[endpoint]++
+}
+
+func (p *placement) total() int {
+	n := 0
+	for _, c := range p.counts {
+		n += c
+	}
+	return n
+}
+
+// spread is the counts in pool order, "a / b / c".
+func (p *placement) spread() string {
+	parts := make([]string, len(p.endpoints))
+	for i, e := range p.endpoints {
+		parts[i] = fmt.Sprint(p.counts[e])
+	}
+	return strings.Join(parts, " / ")
+}
+
+// busiest is the largest count and its endpoint.
+func (p *placement) busiest() (string, int) {
+	best, n := "", -1
+	for _, e := range p.endpoints {
+		if p.counts[e] > n {
+			best, n = e, p.counts[e]
+		}
+	}
+	return best, n
+}
+
+// burstResult is where a burst went while all of it was in flight.
+type burstResult struct {
+	kind           string
+	n, tokens      int
+	warm           string // the endpoint that holds the prefix ("" if none)
+	placement      *placement
+	refused        int
+	errors         int
+	firstError     string
+	pickP50        time.Duration
+	pickP99        time.Duration
+	placedInWindow time.Duration // from the first request to the last placed
+}
+
+// runBurst sends n requests of tokens tokens at once, each held open at its
+// endpoint until all n are placed, then answers them all. For the shared
+// and long kinds one request warms the prefix first.
+func runBurst(ctx context.Context, t *target, kind string, n, tokens int) (burstResult, error) {
+	if !slices.Contains(burstKinds, kind) {
+		return burstResult{}, fmt.Errorf("burst prompt kind %q is invalid: want one of %s", kind, strings.Join(burstKinds, ", "))
+	}
+	if prefixTokens(kind) >= tokens {
+		return burstResult{}, fmt.Errorf("burst of kind %s: %d tokens do not exceed its %d-token shared prefix", kind, tokens, prefixTokens(kind))
+	}
+	res := burstResult{kind: kind, n: n, tokens: tokens, placement: newPlacement(t.endpoints)}
+	nonce := t.prompts.newNonce()
+	prefix := t.prompts.prefix(nonce, prefixTokens(kind))
+	if kind == kindShared || kind == kindLong {
+		warm := request{id: fmt.Sprintf("warm-%d", nonce), path: completionsPath, body: t.prompts.body(nonce, prefix, -1, tokens)}
+		p, err := t.cycleAfter(ctx, warm, prefillTime(tokens))
+		if err == nil && p.status != 0 {
+			err = fmt.Errorf("answered HTTP %d", p.status)
+		}
+		if err != nil {
+			return res, fmt.Errorf("warming the %s prefix: %w", kind, err)
+		}
+		res.warm = p.endpoint
+		time.Sleep(warmSettle)
+	}
+	bodies := make([][]byte, n)
+	for i := range bodies {
+		bodies[i] = t.prompts.body(nonce, prefix, i, tokens)
+	}
+
+	var (
+		errs     errorsSeen
+		mu       sync.Mutex
+		picks    []time.Duration
+		placedWG sync.WaitGroup
+		doneWG   sync.WaitGroup
+		go1      = make(chan struct{})
+		answer   = make(chan struct{})
+	)
+	placedWG.Add(n)
+	for i := range n {
+		doneWG.Go(func() {
+			<-go1
+			placedOnce := sync.OnceFunc(placedWG.Done)
+			defer placedOnce()
+			x, err := t.client.open(ctx)
+			if err != nil {
+				errs.add(err)
+				return
+			}
+			defer x.cancel()
+			p, err := x.sendRequest(request{id: fmt.Sprintf("burst-%d-%d", nonce, i), path: completionsPath, body: bodies[i]})
+			if err != nil {
+				errs.add(err)
+				return
+			}
+			mu.Lock()
+			if p.status != 0 {
+				res.refused++
+			} else {
+				res.placement.add(p.endpoint)
+				picks = append(picks, p.pick)
+			}
+			mu.Unlock()
+			if p.status != 0 {
+				return
+			}
+			release := t.pods.hold(p.endpoint)
+			defer release()
+			placedOnce()
+			select {
+			case <-answer:
+			case <-ctx.Done():
+				return
+			}
+			if err := x.respond(okResponse(p.endpoint, tokens)); err != nil {
+				errs.add(err)
+			}
+		})
+	}
+	start := time.Now()
+	close(go1)
+	placedWG.Wait()
+	res.placedInWindow = time.Since(start)
+	close(answer)
+	doneWG.Wait()
+	res.errors, res.firstError = errs.summary()
+	slices.Sort(picks)
+	res.pickP50, res.pickP99 = percentile(picks, 0.50), percentile(picks, 0.99)
+	return res, ctx.Err()
+}
+
+// loadResult is what C clients doing complete cycles measured.
+type loadResult struct {
+	concurrency, tokens int
+	window              time.Duration
+	requests            int // completed in the window
+	refused, errors     int
+	firstError          string
+	rps                 float64
+	pickP50, pickP99    time.Duration
+	pickP999, routedP99 time.Duration
+	use                 usage
+	placement           *placement
+}
+
+// cpuPerRequest is the picker's CPU time per request completed in the window.
+func (r loadResult) cpuPerRequest() time.Duration {
+	if r.requests == 0 {
+		return 0
+	}
+	return r.use.cpu / time.Duration(r.requests)
+}
+
+// runLoad runs concurrency clients, each doing complete request cycles
+// back to back (prompts of tokens tokens: a shared 1,000-token system
+// prompt and a unique remainder), for warmup and then the measured window.
+// Latencies are of requests that started in the window; requests/s and
+// CPU count what completed in it.
+func runLoad(ctx context.Context, t *target, concurrency, tokens int, warmup, window time.Duration) (loadResult, error) {
+	res := loadResult{concurrency: concurrency, tokens: tokens, window: window, placement: newPlacement(t.endpoints)}
+	nonce := t.prompts.newNonce()
+	system := t.prompts.prefix(nonce, min(loadSystemTokens, tokens/2))
+	type sample struct {
+		start, end   time.Time
+		pick, routed time.Duration
+		endpoint     string
+		refused      bool
+	}
+	var (
+		errs    errorsSeen
+		next    atomic.Int64
+		stop    atomic.Bool
+		wg      sync.WaitGroup
+		samples = make([][]sample, concurrency)
+	)
+	for c := range concurrency {
+		wg.Go(func() {
+			for !stop.Load() && ctx.Err() == nil {
+				i := int(next.Add(1))
+				req := request{id: fmt.Sprintf("load-%d-%d", nonce, i), path: completionsPath, body: t.prompts.body(nonce, system, i, tokens)}
+				began := time.Now()
+				p, err := t.cycle(ctx, req)
+				if err != nil {
+					if ctx.Err() == nil {
+						errs.add(err)
+					}
+					continue
+				}
+				samples[c] = append(samples[c], sample{start: began, end: time.Now(), pick: p.pick, routed: p.routed, endpoint: p.endpoint, refused: p.status != 0})
+			}
+		})
+	}
+	sleepCtx(ctx, warmup)
+	m, err := startMeter(t.pid)
+	if err != nil {
+		stop.Store(true)
+		wg.Wait()
+		return res, err
+	}
+	from := time.Now()
+	sleepCtx(ctx, window)
+	until := time.Now()
+	res.use, err = m.stop()
+	stop.Store(true)
+	wg.Wait()
+	if err != nil {
+		return res, err
+	}
+	res.window = until.Sub(from)
+	var picks, routed []time.Duration
+	for _, ss := range samples {
+		for _, s := range ss {
+			if s.end.After(from) && !s.end.After(until) {
+				res.requests++
+			}
+			if s.start.Before(from) || s.start.After(until) {
+				continue
+			}
+			if s.refused {
+				res.refused++
+				continue
+			}
+			res.placement.add(s.endpoint)
+			picks = append(picks, s.pick)
+			routed = append(routed, s.routed)
+		}
+	}
+	res.errors, res.firstError = errs.summary()
+	res.rps = float64(res.requests) / res.window.Seconds()
+	slices.Sort(picks)
+	slices.Sort(routed)
+	res.pickP50, res.pickP99, res.pickP999 = percentile(picks, 0.50), percentile(picks, 0.99), percentile(picks, 0.999)
+	res.routedP99 = percentile(routed, 0.99)
+	return res, ctx.Err()
+}
+
+// Ways a request ends in a churn run.
+const (
+	churnComplete         = "complete"
+	churnCancelBeforePick = "cancel before pick"
+	churnCancelAfterPick  = "cancel after pick"
+	churnUpstream5xx      = "upstream 503"
+	churnResetMidResponse = "reset mid-response"
+)
+
+var churnKinds = []string{churnComplete, churnCancelBeforePick, churnCancelAfterPick, churnUpstream5xx, churnResetMidResponse}
+
+// churnResult is how a churn run ended.
+type churnResult struct {
+	requests   int
+	byKind     map[string]int
+	errors     int
+	firstError string
+	// checked says a ledger was read; empty whether it emptied within
+	// ledgerEmptyTimeout, after emptyAfter; state describes it if not.
+	checked    bool
+	empty      bool
+	emptyAfter time.Duration
+	state      string
+}
+
+// runChurn sends n requests from concurrency clients, each ending one of
+// the churn ways in turn: complete, cancelled before the pick (mid-body),
+// cancelled after it, answered 503 by the upstream, reset mid-response.
+// Then it waits for the picker's ledger to be empty, if it can read one.
+func runChurn(ctx context.Context, t *target, n, concurrency, tokens int) (churnResult, error) {
+	res := churnResult{requests: n, byKind: map[string]int{}}
+	nonce := t.prompts.newNonce()
+	var (
+		errs errorsSeen
+		next atomic.Int64
+		mu   sync.Mutex
+		wg   sync.WaitGroup
+	)
+	for range concurrency {
+		wg.Go(func() {
+			for ctx.Err() == nil {
+				i := int(next.Add(1)) - 1
+				if i >= n {
+					return
+				}
+				kind := churnKinds[i%len(churnKinds)]
+				req := request{id: fmt.Sprintf("churn-%d-%d", nonce, i), path: completionsPath, body: t.prompts.body(nonce, nil, i, tokens)}
+				if err := t.churnOne(ctx, kind, req); err != nil {
+					errs.add(fmt.Errorf("%s: %w", kind, err))
+				}
+				mu.Lock()
+				res.byKind[kind]++
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	res.errors, res.firstError = errs.summary()
+	if t.ledger == nil {
+		return res, ctx.Err()
+	}
+	res.checked = true
+	start := time.Now()
+	for {
+		l, err := t.ledger(ctx)
+		if err == nil && l.Idle() {
+			res.empty, res.emptyAfter = true, time.Since(start)
+			return res, nil
+		}
+		if err != nil {
+			res.state = err.Error()
+		} else {
+			res.state = fmt.Sprintf("%d in flight, %d prefill tokens", l.InFlight, l.PrefillTokens)
+		}
+		if time.Since(start) > ledgerEmptyTimeout || ctx.Err() != nil {
+			return res, ctx.Err()
+		}
+		time.Sleep(pollInterval)
+	}
+}
+
+func (t *target) churnOne(ctx context.Context, kind string, req request) error {
+	x, err := t.client.open(ctx)
+	if err != nil {
+		return err
+	}
+	defer x.cancel()
+	if kind == churnCancelBeforePick {
+		// The client goes away while its body is still arriving.
+		if err := x.send(requestHeaders(req)); err != nil {
+			return err
+		}
+		if err := x.send(bodyChunk(req.body[:min(maxChunkBytes, len(req.body)-1)], false)); err != nil && !errors.Is(err, io.EOF) {
+			return err
+		}
+		return nil
+	}
+	p, err := x.sendRequest(req)
+	if err != nil || p.status != 0 {
+		return err
+	}
+	release := t.pods.hold(p.endpoint)
+	defer release()
+	switch kind {
+	case churnCancelAfterPick:
+		return nil
+	case churnUpstream5xx:
+		return x.respond(response{status: 503, servedBy: p.endpoint, chunks: [][]byte{[]byte(`{"error":"overloaded"}`)}})
+	case churnResetMidResponse:
+		ok := okResponse(p.endpoint, len(req.body)/bytesPerToken)
+		if err := x.sendResponseHeaders(ok); err != nil {
+			return err
+		}
+		return x.sendResponseChunk(ok.chunks[0], false, true)
+	}
+	return x.respond(okResponse(p.endpoint, len(req.body)/bytesPerToken))
+}
+
+// percentile of sorted durations (nearest rank); 0 if empty.
+func percentile(sorted []time.Duration, q float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	return sorted[int(q*float64(len(sorted)-1)+0.5)]
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) {
+	select {
+	case <-ctx.Done():
+	case <-time.After(d):
+	}
+}
