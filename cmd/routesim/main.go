@@ -8,8 +8,9 @@
 //	routesim --azure AzureLLMInferenceTrace_conv.csv --requests 5000 --out docs/bench
 //
 // The tables go to stdout, progress to stderr; with --out DIR it also
-// writes DIR/routesim.md and its SVG charts. Same flags and seed, same
-// numbers. Invalid flags exit 2, naming the flag; a failed run exits 1.
+// writes DIR/routesim.md, its SVG charts and routesim.json. Same flags and
+// seed, same numbers. Invalid flags exit 2, naming the flag; a failed run
+// exits 1.
 //
 // Invariant: everything the simulation decides comes from the flags and the
 // trace; the wall clock only times the run.
@@ -66,7 +67,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.tenants, "tenants", 16, "with --azure: tenants, each with its own system prompt (drawn Zipf-like)")
 	fs.IntVar(&o.systemPrompt, "system-prompt-tokens", 1024, "with --azure: each tenant's system prompt, in tokens")
 	fs.StringVar(&o.tallyConfig, "tally-config", "", "PickerConfig file (YAML or JSON) for the tally policy's picker; default: the production defaults")
-	fs.StringVar(&o.out, "out", "", "directory for routesim.md and the SVG charts (none when empty)")
+	fs.StringVar(&o.out, "out", "", "directory for routesim.md, its SVG charts and routesim.json (none when empty)")
 	fs.IntVar(&o.parallel, "parallel", runtime.GOMAXPROCS(0), "runs at once (the numbers do not depend on it)")
 	fs.BoolVar(&o.quiet, "quiet", false, "no progress on stderr")
 	if err := fs.Parse(args); err != nil {
