@@ -97,7 +97,7 @@ type job struct {
 	bypass  bool
 	// engineHashes are the prompt's 64-character (16-token) blocks, as the
 	// model server hashes them; upstreamHashes the upstream-like policy's
-	// 256-character blocks.
+	// blocks (upstream.go).
 	engineHashes   []uint64
 	upstreamHashes []uint64
 	bound          Bound
@@ -110,9 +110,9 @@ type Workload struct {
 	jobs []job
 	// texts are the prompts' hash_id texts, read-only once prepared.
 	texts *idText
-	// PrefillTokens and CachedTokens sum, over the bound (an unbounded
-	// cache that saw every earlier request), the prompt tokens computed
-	// and found cached.
+	// BoundPrefillTokens and BoundCachedTokens sum, over the bound (an
+	// unbounded cache that saw every earlier request), the prompt tokens
+	// computed and found cached.
 	BoundPrefillTokens, BoundCachedTokens int64
 }
 
