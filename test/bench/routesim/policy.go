@@ -46,6 +46,13 @@ type policy interface {
 	observe(stats []engine.Stats)
 }
 
+// countObserver is a policy that needs only each engine's running and
+// waiting requests, summed: the simulation then observes for it without
+// reading every engine's full stats.
+type countObserver interface {
+	observeCounts(requests []int)
+}
+
 func newPolicy(name string, cfg Config, now *time.Duration, texts *idText) (policy, error) {
 	// Every policy's tie-breaking is seeded from the run's seed.
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0x706f6c696379)) // "policy"
@@ -104,6 +111,7 @@ func (p *leastRequest) observe(stats []engine.Stats) {
 		p.load[i] = s.RunningRequests + s.WaitingRequests
 	}
 }
+func (p *leastRequest) observeCounts(requests []int) { copy(p.load, requests) }
 
 // tally drives the real picker on the simulation's clock.
 type tally struct {
