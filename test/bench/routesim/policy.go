@@ -115,13 +115,13 @@ func (p *leastRequest) observeCounts(requests []int) { copy(p.load, requests) }
 
 // tally drives the real picker on the simulation's clock.
 type tally struct {
-	p          *picker.Picker
-	addrs      []netip.AddrPort
-	byAddr     map[netip.AddrPort]int
-	res        map[int]*picker.Reservation
-	texts      *idText
-	prompt     []byte
-	cacheTokns int
+	p           *picker.Picker
+	addrs       []netip.AddrPort
+	byAddr      map[netip.AddrPort]int
+	res         map[int]*picker.Reservation
+	texts       *idText
+	prompt      []byte
+	cacheTokens int
 }
 
 // tallyModel is the model name of every request; it seeds the picker's
@@ -138,11 +138,11 @@ func newTally(cfg Config, now *time.Duration, rng *rand.Rand, texts *idText) *ta
 		Rand: rng,
 	})
 	t := &tally{
-		p:          p,
-		byAddr:     make(map[netip.AddrPort]int, cfg.Engines),
-		res:        make(map[int]*picker.Reservation),
-		texts:      texts,
-		cacheTokns: cfg.KVBlocks * engineBlockTokens,
+		p:           p,
+		byAddr:      make(map[netip.AddrPort]int, cfg.Engines),
+		res:         make(map[int]*picker.Reservation),
+		texts:       texts,
+		cacheTokens: cfg.KVBlocks * engineBlockTokens,
 	}
 	eps := make([]picker.Endpoint, cfg.Engines)
 	for i := range eps {
@@ -195,7 +195,7 @@ func (t *tally) observe(stats []engine.Stats) {
 		t.p.ObserveEngine(t.addrs[i], picker.EngineStats{
 			Running:     s.RunningRequests,
 			Waiting:     s.WaitingRequests,
-			CacheTokens: t.cacheTokns,
+			CacheTokens: t.cacheTokens,
 		})
 	}
 }
