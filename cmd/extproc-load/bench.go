@@ -22,7 +22,9 @@ type plan struct {
 	scalePods []int
 	warmup    time.Duration
 	window    time.Duration
-	churnN    int
+	// idle is how long a picker's background CPU is measured.
+	idle   time.Duration
+	churnN int
 }
 
 type loadCase struct{ concurrency, tokens int }
@@ -35,16 +37,16 @@ var (
 	fullPlan = plan{
 		name:   "full",
 		bursts: burstKinds, burstN: 128, burstTokens: 32_000,
-		loads: []loadCase{{1, 8_000}, {16, 8_000}, {64, 8_000}, {1, 32_000}, {16, 32_000}, {64, 32_000}},
+		loads:     []loadCase{{1, 8_000}, {16, 8_000}, {64, 8_000}, {1, 32_000}, {16, 32_000}, {64, 32_000}},
 		scaleLoad: loadCase{16, 8_000}, scalePods: []int{16, 128, 1_000},
-		warmup: 2 * time.Second, window: 10 * time.Second, churnN: 500,
+		warmup: 2 * time.Second, window: 10 * time.Second, idle: 3 * time.Second, churnN: 500,
 	}
 	quickPlan = plan{
 		name:   "quick",
 		bursts: []string{kindFresh, kindShared, kindLong}, burstN: 128, burstTokens: 32_000,
 		loads:     []loadCase{{1, 8_000}, {16, 8_000}, {64, 8_000}, {16, 32_000}},
 		scaleLoad: loadCase{16, 8_000}, scalePods: []int{128, 1_000},
-		warmup: time.Second, window: 3 * time.Second, churnN: 200,
+		warmup: time.Second, window: 3 * time.Second, idle: time.Second, churnN: 200,
 	}
 )
 
@@ -57,10 +59,13 @@ type results struct {
 	loads   map[loadKey]loadResult
 	churn   *churnResult
 	idleRSS map[int]int64 // by endpoints, once ready
+	// idleCPU is the picker's CPU time per second of wall time with no
+	// request in flight (its scrapes, its housekeeping), by endpoints.
+	idleCPU map[int]time.Duration
 }
 
 func newResults() *results {
-	return &results{bursts: map[string]burstResult{}, loads: map[loadKey]loadResult{}, idleRSS: map[int]int64{}}
+	return &results{bursts: map[string]burstResult{}, loads: map[loadKey]loadResult{}, idleRSS: map[int]int64{}, idleCPU: map[int]time.Duration{}}
 }
 
 // bench runs every scenario of a plan for each picker, one picker at a
@@ -175,7 +180,9 @@ func (b *bench) baseLoads(ctx context.Context, kind string) (err error) {
 		return err
 	}
 	defer func() { err = errors.Join(err, pt.stop()) }()
-	b.res[kind].idleRSS[basePods] = pt.idleRSS
+	if err := b.idle(ctx, pt, basePods); err != nil {
+		return err
+	}
 	for _, lc := range b.plan.loads {
 		if err := b.load(ctx, pt, basePods, lc); err != nil {
 			return err
@@ -203,8 +210,30 @@ func (b *bench) scale(ctx context.Context, kind string, pods int) (err error) {
 		return err
 	}
 	defer func() { err = errors.Join(err, pt.stop()) }()
-	b.res[kind].idleRSS[pods] = pt.idleRSS
+	if err := b.idle(ctx, pt, pods); err != nil {
+		return err
+	}
 	return b.load(ctx, pt, pods, b.plan.scaleLoad)
+}
+
+// idle records a just-started picker's resident set and its CPU use with
+// nothing in flight.
+func (b *bench) idle(ctx context.Context, pt *pickerTarget, pods int) error {
+	m, err := startMeter(pt.pid)
+	if err != nil {
+		return err
+	}
+	began := time.Now()
+	sleepCtx(ctx, b.plan.idle)
+	u, err := m.stop()
+	if err != nil {
+		return err
+	}
+	perSecond := time.Duration(float64(u.cpu) / time.Since(began).Seconds())
+	b.res[pt.name].idleRSS[pods] = pt.idleRSS
+	b.res[pt.name].idleCPU[pods] = perSecond
+	b.progress("%s: idle at %d endpoints: RSS %s MB, CPU %.1f%% of a core", pt.name, pods, mb(pt.idleRSS), 100*perSecond.Seconds())
+	return ctx.Err()
 }
 
 func (b *bench) load(ctx context.Context, pt *pickerTarget, pods int, lc loadCase) error {

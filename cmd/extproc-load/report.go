@@ -147,10 +147,11 @@ requests/s.
 	// Endpoints.
 	if len(p.scalePods) > 0 {
 		w.WriteString("### Endpoints: memory and pick time by pool size\n\n")
-		w.WriteString("| endpoints | idle RSS MB, Tally / upstream | pick p99 ms at " + fmt.Sprintf("%d clients × %s tokens", p.scaleLoad.concurrency, thousands(p.scaleLoad.tokens)) + " |\n|---|---|---|\n")
+		w.WriteString("Idle: just started and synced, nothing in flight, the pods' metrics being scraped (the upstream picker every 50 ms, Tally every 250 ms, by default).\n\n")
+		w.WriteString("| endpoints | idle RSS MB | idle CPU, % of a core | pick p99 ms at " + fmt.Sprintf("%d clients × %s tokens", p.scaleLoad.concurrency, thousands(p.scaleLoad.tokens)) + " |\n|---|---|---|---|\n")
 		for _, n := range append([]int{basePods}, p.scalePods...) {
 			k := loadKey{n, p.scaleLoad.concurrency, p.scaleLoad.tokens}
-			fmt.Fprintf(&w, "| %s | %s | %s |\n", thousands(n), rssPair(tally, up, n),
+			fmt.Fprintf(&w, "| %s | %s | %s | %s |\n", thousands(n), rssPair(tally, up, n), idleCPUPair(tally, up, n),
 				pair(loadOf(tally, k), loadOf(up, k), func(r loadResult) float64 { return msf(r.pickP99) }, "%.2f"))
 		}
 		small, large := basePods, p.scalePods[len(p.scalePods)-1]
@@ -281,6 +282,26 @@ func rssPair(t, u *results, pods int) string {
 		}
 		v := float64(r.idleRSS[pods]) / (1 << 20)
 		return fmt.Sprintf("%.0f", v), v
+	}
+	ts, tv := cell(t)
+	us, uv := cell(u)
+	s := ts + " / " + us
+	if tv != 0 && uv != 0 {
+		s += fmt.Sprintf(" (%.2f×)", tv/uv)
+	}
+	return s
+}
+
+func idleCPUPair(t, u *results, pods int) string {
+	cell := func(r *results) (string, float64) {
+		if r == nil {
+			return "–", 0
+		}
+		d, ok := r.idleCPU[pods]
+		if !ok {
+			return "–", 0
+		}
+		return fmt.Sprintf("%.1f", 100*d.Seconds()), d.Seconds()
 	}
 	ts, tv := cell(t)
 	us, uv := cell(u)

@@ -1,0 +1,256 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	"google.golang.org/grpc"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/test/stack"
+)
+
+// A smoke test of each scenario against Tally's real ext_proc server,
+// in-process (the picker and gRPC server as cmd/epp assembles them), so it
+// runs in `make test` without the API server; TestChurnThroughTheStack runs
+// the whole tool against the epp binary when the e2e binaries are built.
+
+var smokeEndpoints = []string{"127.0.0.21:8000", "127.0.0.22:8000", "127.0.0.23:8000"}
+
+// inProcessTally serves a Tally picker over the three smoke endpoints on a
+// loopback port and returns a target driving it.
+func inProcessTally(t *testing.T) (*target, *picker.Picker) {
+	t.Helper()
+	cfg := v1alpha1.Default()
+	p := picker.New(cfg, picker.Options{Log: logr.Discard(), Rand: rand.New(rand.NewPCG(1, 2))})
+	var eps []picker.Endpoint
+	for _, e := range smokeEndpoints {
+		a := netip.MustParseAddrPort(e)
+		eps = append(eps, picker.Endpoint{Pod: "pod-" + a.Addr().String(), Address: a})
+	}
+	p.Replace(eps)
+	srv := extproc.NewServer(p, extproc.Options{MaxRequestBytes: cfg.MaxRequestBytes, Log: logr.Discard()})
+	g := grpc.NewServer(extproc.GRPCServerOptions(cfg.MaxRequestBytes)...)
+	srv.Register(g)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go g.Serve(lis)
+	t.Cleanup(g.Stop)
+	c, err := dial(lis.Addr().String(), false, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.close)
+	ledger := func(context.Context) (stack.Ledger, error) {
+		var l stack.Ledger
+		l.InFlight, l.PrefillTokens = p.Totals()
+		for _, s := range p.Stats() {
+			l.Endpoints = append(l.Endpoints, stack.LedgerEndpoint{
+				Pod: s.Endpoint.Pod, Endpoint: s.Endpoint.Address.String(),
+				InFlight: s.InFlight, PrefillTokens: s.PrefillTokens, Decoding: s.Decoding,
+			})
+		}
+		return l, nil
+	}
+	return &target{name: "tally", client: c, prompts: newPrompts(1), pods: newPods(), pid: os.Getpid(), ledger: ledger, endpoints: smokeEndpoints}, p
+}
+
+func TestBurstPlacesEveryRequest(t *testing.T) {
+	tg, _ := inProcessTally(t)
+	for _, tc := range []struct {
+		kind      string
+		n, tokens int
+	}{
+		{kindFresh, 30, 2_000},
+		{kindCold, 30, 2_000},
+		{kindShared, 30, 2_000},
+		{kindLong, 6, 31_000},
+	} {
+		t.Run(tc.kind, func(t *testing.T) {
+			r, err := runBurst(t.Context(), tg, tc.kind, tc.n, tc.tokens)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r.errors != 0 || r.refused != 0 {
+				t.Fatalf("%d failed (first: %s), %d refused", r.errors, r.firstError, r.refused)
+			}
+			if got := r.placement.total(); got != tc.n {
+				t.Fatalf("placement %s sums to %d, want %d", r.placement.spread(), got, tc.n)
+			}
+			if warm := tc.kind == kindShared || tc.kind == kindLong; warm != (r.warm != "") {
+				t.Errorf("warm endpoint %q for kind %s", r.warm, tc.kind)
+			}
+			if r.pickP50 <= 0 || r.pickP50 > r.pickP99 {
+				t.Errorf("pick p50 %v, p99 %v: want 0 < p50 <= p99", r.pickP50, r.pickP99)
+			}
+			var out bytes.Buffer
+			printBurst(&out, r)
+			if !strings.Contains(out.String(), "placed "+strconv.Itoa(tc.n)+", refused 0, failed 0") {
+				t.Errorf("output does not report %d placed:\n%s", tc.n, out.String())
+			}
+		})
+	}
+}
+
+func TestLoadMeasuresRequestsLatencyAndCPU(t *testing.T) {
+	tg, _ := inProcessTally(t)
+	r, err := runLoad(t.Context(), tg, 4, 2_000, 200*time.Millisecond, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.errors != 0 || r.refused != 0 {
+		t.Fatalf("%d failed (first: %s), %d refused", r.errors, r.firstError, r.refused)
+	}
+	if r.requests == 0 || r.rps <= 0 {
+		t.Fatalf("no requests completed: %+v", r)
+	}
+	if !(0 < r.pickP50 && r.pickP50 <= r.pickP99 && r.pickP99 <= r.pickP999) {
+		t.Errorf("pick p50 %v, p99 %v, p999 %v: want 0 < p50 <= p99 <= p999", r.pickP50, r.pickP99, r.pickP999)
+	}
+	if r.use.cpu <= 0 || r.use.peak <= 0 {
+		t.Errorf("CPU %v and peak RSS %d of this process: want both above 0", r.use.cpu, r.use.peak)
+	}
+	if got := r.placement.total(); got == 0 {
+		t.Errorf("no placement recorded")
+	}
+}
+
+func TestChurnLeavesTheLedgerEmpty(t *testing.T) {
+	tg, p := inProcessTally(t)
+	r, err := runChurn(t.Context(), tg, 50, 8, 20_000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.errors != 0 {
+		t.Fatalf("%d failed, first: %s", r.errors, r.firstError)
+	}
+	for _, k := range churnKinds {
+		if r.byKind[k] != 10 {
+			t.Errorf("%s: %d requests, want 10 (%v)", k, r.byKind[k], r.byKind)
+		}
+	}
+	if !r.checked || !r.empty {
+		in, pre := p.Totals()
+		t.Fatalf("ledger checked %v, empty %v (%s; totals %d in flight, %d prefill)", r.checked, r.empty, r.state, in, pre)
+	}
+}
+
+// TestChurnThroughTheStack runs the tool as `make bench` does: it starts
+// the API server, the pool, the pods and the epp binary, and reads the
+// ledger over HTTP.
+func TestChurnThroughTheStack(t *testing.T) {
+	bin := os.Getenv("TALLY_E2E_BIN_DIR")
+	if bin == "" {
+		t.Skip("TALLY_E2E_BIN_DIR is not set (make test sets it): no epp binary to start")
+	}
+	var out, errs bytes.Buffer
+	code := run(t.Context(), []string{"--tally-bin", filepath.Join(bin, "epp"), "--n", "40", "--concurrency", "8", "--tokens", "4000", "churn"}, &out, &errs)
+	if code != 0 {
+		t.Fatalf("exit %d; stdout:\n%s\nstderr:\n%s", code, out.String(), errs.String())
+	}
+	if !strings.Contains(out.String(), "ledger: empty") || !strings.Contains(out.String(), "failed 0") {
+		t.Fatalf("want an empty ledger and no failure; stdout:\n%s", out.String())
+	}
+}
+
+func TestFlagsAreChecked(t *testing.T) {
+	for _, args := range [][]string{
+		{},
+		{"nonsense"},
+		{"--picker", "other", "burst"},
+		{"--kind", "lukewarm", "--addr", "127.0.0.1:1", "burst"},
+		{"--concurrency", "0", "load"},
+		{"--addr", "127.0.0.1:1", "bench"},
+	} {
+		var out, errs bytes.Buffer
+		code := run(context.Background(), args, &out, &errs)
+		want := 2
+		if len(args) > 0 && args[0] == "--kind" {
+			want = 1 // a kind is checked by the scenario, after connecting
+		}
+		if code != want {
+			t.Errorf("%q: exit %d, want %d; stderr: %s", args, code, want, errs.String())
+		}
+	}
+}
+
+func TestPromptsShareExactlyTheirPrefix(t *testing.T) {
+	p := newPrompts(1)
+	nonce := p.newNonce()
+	prefix := p.prefix(nonce, 512)
+	if len(prefix) != 512*bytesPerToken {
+		t.Fatalf("prefix of %d bytes, want %d", len(prefix), 512*bytesPerToken)
+	}
+	var prompts []string
+	for i := range 2 {
+		var body struct{ Model, Prompt string }
+		if err := json.Unmarshal(p.body(nonce, prefix, i, 8_000), &body); err != nil {
+			t.Fatal(err)
+		}
+		if len(body.Prompt) != 8_000*bytesPerToken {
+			t.Errorf("prompt of %d bytes, want %d", len(body.Prompt), 8_000*bytesPerToken)
+		}
+		prompts = append(prompts, body.Prompt)
+	}
+	common := 0
+	for common < len(prompts[0]) && prompts[0][common] == prompts[1][common] {
+		common++
+	}
+	// They share the prefix and the tag's "request N-" before the index.
+	if common < len(prefix) || common > len(prefix)+len("request 1-") {
+		t.Errorf("the prompts share %d bytes, want the %d of the prefix and the request tag", common, len(prefix))
+	}
+	if other := p.prefix(p.newNonce(), 512); bytes.Equal(other, prefix) {
+		t.Errorf("two runs got the same prefix")
+	}
+}
+
+func TestSpliceSectionKeepsTheRestOfTheFile(t *testing.T) {
+	doc := "# Benchmarks\n\nHand-written intro.\n"
+	once := spliceSection(doc, "table one")
+	if !strings.HasPrefix(once, "# Benchmarks\n\n"+sectionBegin) || !strings.Contains(once, "table one") || !strings.HasSuffix(once, "Hand-written intro.\n") {
+		t.Fatalf("first insertion:\n%s", once)
+	}
+	twice := spliceSection(once, "table two")
+	if strings.Contains(twice, "table one") || !strings.Contains(twice, "table two") || strings.Count(twice, sectionBegin) != 1 || !strings.Contains(twice, "Hand-written intro.") {
+		t.Fatalf("replacement:\n%s", twice)
+	}
+	if got := spliceSection("", "t"); !strings.Contains(got, sectionBegin) {
+		t.Fatalf("new file:\n%s", got)
+	}
+}
+
+func TestProcReadsThisProcess(t *testing.T) {
+	cpu, err := procCPU(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rss, peak, err := procMemory(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cpu < 0 || rss <= 0 || peak < rss/2 {
+		t.Errorf("cpu %v, rss %d, peak %d", cpu, rss, peak)
+	}
+}
+
+func TestPrefillTime(t *testing.T) {
+	if got := prefillTime(32_000); got < 600*time.Millisecond || got > 700*time.Millisecond {
+		t.Errorf("prefill of 32,000 tokens takes %v, want about 0.66 s (FACTS §6)", got)
+	}
+}
