@@ -203,7 +203,7 @@ func (r *Reservation) deliveredLocked(promptTokens, cachedTokens int) (forgotten
 	w.engine.predic += int64(r.cachedTokens)
 	// Compare as shares of the prompt: the engine counts real tokens, the
 	// index estimated ones.
-	blocks := int(float64(cachedTokens) / float64(promptTokens) * float64(r.promptChars) / float64(p.cfg.BlockSizeChars))
+	blocks := p.blocks.count(int(float64(cachedTokens) / float64(promptTokens) * float64(r.promptChars)))
 	if blocks+1 >= r.heldBefore || blocks >= len(r.hashes) {
 		return 0 // within a block of the prediction
 	}

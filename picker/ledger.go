@@ -351,7 +351,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	r.prefill = c.uncached
 	r.heldBefore = matched[first]
 	r.cachedBlocks = matched[first]
-	r.cachedTokens = matched[first] * p.cfg.BlockSizeChars / p.cfg.CharsPerToken
+	r.cachedTokens = p.blocks.chars(matched[first]) / p.cfg.CharsPerToken
 	c.hold(r, r.pickedNs)
 	p.meanPromptTokens += (float64(r.promptTokens) - p.meanPromptTokens) * meanPromptWeight
 	p.linkLocked(r)
@@ -386,5 +386,5 @@ func (p *Picker) uncachedTokens(promptChars, matchedBlocks int) int {
 	if promptChars == 0 {
 		return 0
 	}
-	return max(p.tokens(promptChars-matchedBlocks*p.cfg.BlockSizeChars), 1)
+	return max(p.tokens(promptChars-p.blocks.chars(matchedBlocks)), 1)
 }

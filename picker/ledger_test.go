@@ -184,20 +184,28 @@ func TestStreamedFirstBytesTeachThePrefillRate(t *testing.T) {
 
 func TestOnlyTheFirstPromptBlocksAreRecorded(t *testing.T) {
 	cfg := testConfig()
-	cfg.MaxPromptBlocks = 10
+	cfg.MaxPromptBlocks = 10 // 7 blocks of 64 characters, then 3 of 1,024
 	p := newPicker(t, 1, cfg, Options{})
-	a := addr(0)
 	prompt := text("huge", 100*64)
 	r := mustPick(t, p, Request{Model: model, Prompt: prompt})
 	if r.PromptTokens() != 100*64/4 {
 		t.Errorf("prompt tokens = %d, want every token counted (%d)", r.PromptTokens(), 100*64/4)
 	}
-	if n := heldBlocks(p, prompt, a); n != 10 {
+	p.mu.Lock()
+	n := p.index.Len(p.rows[0].id)
+	p.mu.Unlock()
+	if n != 10 {
 		t.Errorf("recorded %d blocks, want the cap of 10", n)
 	}
 	again := mustPick(t, p, Request{Model: model, Prompt: prompt})
-	if again.CachedTokens() != 10*64/4 {
-		t.Errorf("a repeat matched %d cached tokens, want the capped %d", again.CachedTokens(), 10*64/4)
+	if want := (7*64 + 3*1024) / 4; again.CachedTokens() != want {
+		t.Errorf("a repeat matched %d cached tokens, want the %d the 10 blocks cover", again.CachedTokens(), want)
+	}
+	// A prompt that parts in the coarse tail matches up to the block
+	// where it parts.
+	other := append(prompt[:7*64+1024+10:7*64+1024+10], text("elsewhere", 5000)...)
+	if got, want := mustPick(t, p, Request{Model: model, Prompt: other}).CachedTokens(), (7*64+1024)/4; got != want {
+		t.Errorf("a prompt parting in the second coarse block matched %d tokens, want %d", got, want)
 	}
 }
 

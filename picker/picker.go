@@ -136,6 +136,7 @@ type Picker struct {
 	synced    atomic.Bool
 	epoch     time.Time // origin of the drain model's clock
 	retention time.Duration
+	blocks    blockLayout
 	// scrapeFailureThreshold: see Options.ScrapeFailureThreshold.
 	scrapeFailureThreshold int
 
@@ -197,6 +198,7 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 		metrics:                newMetrics(opts.PoolName),
 		epoch:                  opts.Now(),
 		retention:              time.Duration(cfg.EndpointRetentionSeconds) * time.Second,
+		blocks:                 newBlockLayout(cfg),
 		scrapeFailureThreshold: opts.ScrapeFailureThreshold,
 		byAddr:                 make(map[netip.AddrPort]*row),
 		byKey:                  make(map[rowKey]*row),
@@ -328,11 +330,12 @@ func (p *Picker) Pick(req Request) (*Reservation, error) {
 	if chars == 0 {
 		chars = max(req.PromptChars, 0)
 	}
-	// Only the first MaxPromptBlocks blocks are hashed and recorded, so that
-	// a huge prompt holds the lock no longer than a long one.
-	hashed := req.Prompt[:min(len(req.Prompt), p.cfg.MaxPromptBlocks*p.cfg.BlockSizeChars)]
+	// At most MaxPromptBlocks blocks are hashed and recorded, so that a huge
+	// prompt holds the lock no longer than a long one: fine blocks for the
+	// head, coarse ones for the tail (blocks.go).
 	buf := p.hashBufs.Get().(*[]uint64)
-	hashes := prefix.HashSalted((*buf)[:0], req.Model, req.CacheSalt, hashed, p.cfg.BlockSizeChars)
+	hashes := prefix.HashTiered((*buf)[:0], req.Model, req.CacheSalt, req.Prompt,
+		p.cfg.BlockSizeChars, p.blocks.fine, p.blocks.coarseChars, p.cfg.MaxPromptBlocks)
 	*buf = hashes
 	now := p.opts.Now()
 	r := &Reservation{

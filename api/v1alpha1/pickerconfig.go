@@ -17,12 +17,17 @@ const (
 
 // Defaults, each with its unit in its name.
 const (
-	// DefaultBlockSizeChars is about 64 tokens: fine enough that a match
-	// misses at most 63 tokens of a shared prefix, coarse enough that a
-	// 32,000-token prompt is 500 blocks, recorded within about 100 µs.
-	DefaultBlockSizeChars = 256
-	// DefaultLRUCapacityBlocks is about 1.6 million tokens per endpoint.
-	DefaultLRUCapacityBlocks        = 25_000
+	// DefaultBlockSizeChars is about 128 tokens: a match misses at most 127
+	// tokens of a shared prefix, and with maxPromptBlocks the index covers
+	// about 48,000 tokens in these blocks (then more in coarse ones) in
+	// at most 500 blocks, recorded within about 100 µs. Finer blocks cover
+	// less of a long prompt in the same time: on a real conversation trace
+	// (Mooncake, prompts of 22,000 tokens on average) 512 placed requests
+	// better than 256 (cmd/routesim; docs/benchmarks.md).
+	DefaultBlockSizeChars = 512
+	// DefaultLRUCapacityBlocks is about 1.6 million tokens per endpoint,
+	// until the endpoint's engine says how large its KV cache is.
+	DefaultLRUCapacityBlocks        = 12_500
 	DefaultCharsPerToken            = 4
 	DefaultDecodeWeightTokens       = 128
 	DefaultFallbackEndpoints        = 3
@@ -34,8 +39,10 @@ const (
 	// before the picker has learned it from streamed first bytes.
 	DefaultPrefillTokensPerSecond = 10_000
 	// DefaultMaxPromptBlocks caps the prompt blocks hashed and recorded per
-	// request: 500 blocks of 256 characters, about 32,000 tokens, so that a
-	// huge prompt holds the picker's lock no longer than a 32,000-token one.
+	// request, so that a huge prompt holds the picker's lock no longer than
+	// a 32,000-token one (250 blocks of 512 characters): 375 blocks of
+	// blockSizeChars (about 48,000 tokens), then 125 of 16 times that
+	// (about 256,000 tokens more).
 	DefaultMaxPromptBlocks = 500
 )
 
@@ -46,7 +53,7 @@ type PickerConfig struct {
 	Kind       string `json:"kind"`
 
 	// BlockSizeChars is the size, in characters of prompt text, of one prefix
-	// block: the unit in which shared prefixes are found (256 is about 64 tokens).
+	// block: the unit in which shared prefixes are found (512 is about 128 tokens).
 	BlockSizeChars int `json:"blockSizeChars,omitempty"`
 	// LRUCapacityBlocks is how many prefix blocks are remembered per endpoint;
 	// the least recently used are forgotten first.
@@ -67,9 +74,10 @@ type PickerConfig struct {
 	// derives it from the memory limit the picker runs under (GOMEMLIMIT):
 	// half of it, or 1 GiB without one, and never less than maxRequestBytes.
 	MaxBufferedRequestBytes int64 `json:"maxBufferedRequestBytes,omitempty"`
-	// MaxPromptBlocks caps the prompt blocks hashed and recorded per request.
-	// A longer prompt is matched and recorded on its first MaxPromptBlocks
-	// blocks only (its prefill cost still counts every token).
+	// MaxPromptBlocks caps the prompt blocks hashed and recorded per request:
+	// the first three quarters are blockSizeChars long, the rest 16 times
+	// as long. A longer prompt is matched and recorded on what those cover
+	// only (its prefill cost still counts every token).
 	MaxPromptBlocks int `json:"maxPromptBlocks,omitempty"`
 	// EndpointRetentionSeconds is how long an endpoint that left the pool's
 	// endpoint set (a pod turned NotReady) keeps its ledger row and prefix

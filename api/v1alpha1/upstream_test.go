@@ -120,8 +120,8 @@ schedulingProfiles:
 }
 
 func TestUpstreamPrefixCapacityKeepsItsTokens(t *testing.T) {
-	// Upstream blocks of 16 tokens (the default) are a quarter of Tally's
-	// 256-character blocks: the capacity in tokens is kept.
+	// Upstream blocks of 16 tokens (the default) are an eighth of Tally's
+	// 512-character blocks: the capacity in tokens is kept.
 	c, _, err := LoadAny([]byte(`
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
@@ -132,8 +132,8 @@ plugins:
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.BlockSizeChars != DefaultBlockSizeChars || c.LRUCapacityBlocks != 7813 || c.MaxPromptBlocks != 500 {
-		t.Errorf("got block %d, capacity %d, prompt blocks %d; want 256, 7813 (500,000 tokens), 500 (32,000 tokens)",
+	if c.BlockSizeChars != DefaultBlockSizeChars || c.LRUCapacityBlocks != 3907 || c.MaxPromptBlocks != 250 {
+		t.Errorf("got block %d, capacity %d, prompt blocks %d; want 512, 3907 (500,000 tokens), 250 (32,000 tokens)",
 			c.BlockSizeChars, c.LRUCapacityBlocks, c.MaxPromptBlocks)
 	}
 }

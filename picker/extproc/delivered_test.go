@@ -7,7 +7,7 @@ import "testing"
 // longer counts the blocks the engine did not keep.
 func TestDeliveredCachedTokensPruneThePrefixIndex(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
-	prompt := letters(77, 8000) // 2,000 tokens, 31 blocks of 256 characters
+	prompt := letters(77, 8000) // 2,000 tokens, 15 blocks of 512 characters
 	req := completion("m", prompt)
 	req.hint = hintList("127.0.0.11:8000")
 	noUsage := httpResponse{status: 200, chunks: []string{`{"choices":[{"text":"hi"}]}`}}
@@ -19,8 +19,8 @@ func TestDeliveredCachedTokensPruneThePrefixIndex(t *testing.T) {
 		`{"choices":[{"text":"hi"}],"usage":{"prompt_tokens":2000,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}}`}}
 	play(t, f, req, shortfall)
 	got := metricValue(t, f, "tally_cache_shortfall_forgotten_blocks_total")
-	if got != 31 {
-		t.Errorf("tally_cache_shortfall_forgotten_blocks_total = %v, want 31 (every block of the prompt)", got)
+	if got != 15 {
+		t.Errorf("tally_cache_shortfall_forgotten_blocks_total = %v, want 15 (every block of the prompt)", got)
 	}
 	for _, s := range f.picker.Stats() {
 		if s.Endpoint.Address.String() == "127.0.0.11:8000" && (s.DeliveredCachedTokens != 0 || s.PredictedCachedTokens == 0) {

@@ -61,6 +61,43 @@ func HashSalted(dst []uint64, model, salt string, prompt []byte, blockSize int) 
 	return dst
 }
 
+// HashTiered hashes the first fineBlocks full blocks of prompt as
+// HashSalted does with blockSize, then continues the same chain over blocks
+// of coarseSize bytes, at most maxBlocks hashes in all: a long prompt is
+// matched finely where prompts usually part (their head) and coarsely in
+// its tail, in a bounded number of blocks. The chain is one chain, so the
+// invariant holds across the change of size: each hash stands for the
+// whole prompt up to the end of its block.
+func HashTiered(dst []uint64, model, salt string, prompt []byte, blockSize, fineBlocks, coarseSize, maxBlocks int) []uint64 {
+	if blockSize < 1 || maxBlocks < 1 {
+		return dst
+	}
+	fineBlocks = min(fineBlocks, maxBlocks)
+	start := len(dst)
+	fine := min(len(prompt), fineBlocks*blockSize)
+	dst = HashSalted(dst, model, salt, prompt[:fine], blockSize)
+	if len(dst)-start < fineBlocks || coarseSize < 1 {
+		return dst
+	}
+	h := seed(model, salt)
+	if len(dst) > start {
+		h = dst[len(dst)-1]
+	}
+	tail := prompt[fine:]
+	tail = tail[:min(len(tail), (maxBlocks-fineBlocks)*coarseSize)]
+	if coarseSize > maxStackBlock {
+		return hashStreaming(dst, h, tail, coarseSize)
+	}
+	var buf [8 + maxStackBlock]byte
+	for off := 0; off+coarseSize <= len(tail); off += coarseSize {
+		binary.LittleEndian.PutUint64(buf[:8], h)
+		copy(buf[8:], tail[off:off+coarseSize])
+		h = xxhash.Sum64(buf[:8+coarseSize])
+		dst = append(dst, h)
+	}
+	return dst
+}
+
 func seed(model, salt string) uint64 {
 	if salt == "" {
 		return xxhash.Sum64String(model)

@@ -155,3 +155,24 @@ func TestHashSaltedSeedsTheChainWithModelAndSalt(t *testing.T) {
 		t.Errorf("HashSalted allocated %.1f times per call, want 0", allocs)
 	}
 }
+
+func TestHashTieredContinuesOneChain(t *testing.T) {
+	prompt := text("tiered", 64*10+256*3+100)
+	fine := Hash(nil, "m", prompt[:64*10], 64)
+	got := HashTiered(nil, "m", "", prompt, 64, 10, 256, 12)
+	if len(got) != 12 {
+		t.Fatalf("%d hashes, want 10 fine and 2 coarse (the cap)", len(got))
+	}
+	if !slices.Equal(got[:10], fine) {
+		t.Error("the fine head differs from Hash")
+	}
+	// The coarse tail chains from the last fine hash.
+	again := HashTiered(nil, "m", "", append(slices.Clone(prompt[:64*10]), bytes.Repeat([]byte("z"), 256*2)...), 64, 10, 256, 12)
+	if again[10] == got[10] || again[9] != got[9] {
+		t.Error("coarse blocks do not depend on their own text, or the head changed")
+	}
+	// A prompt shorter than the fine part hashes as Hash does.
+	if short := HashTiered(nil, "m", "", prompt[:64*4], 64, 10, 256, 12); !slices.Equal(short, fine[:4]) {
+		t.Error("a short prompt hashes differently from Hash")
+	}
+}

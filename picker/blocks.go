@@ -1,0 +1,39 @@
+package picker
+
+import "github.com/tallyepp/tally/api/v1alpha1"
+
+// blockLayout says how a prompt is cut into the blocks the prefix index
+// matches: the first three quarters of maxPromptBlocks are blockSizeChars
+// long, where prompts sharing a system prompt or a conversation's history
+// part, and the rest are coarseFactor times as long. With the defaults (500
+// blocks of 256 characters) that is about 24,000 tokens in 64-token blocks,
+// then about 128,000 more in 1,024-token blocks: a long-context prompt is
+// still matched to most of its length, in a bounded number of blocks.
+type blockLayout struct {
+	fine        int // blocks of blockSizeChars
+	fineChars   int
+	coarseChars int
+}
+
+const coarseFactor = 16
+
+func newBlockLayout(cfg v1alpha1.PickerConfig) blockLayout {
+	fine := max(cfg.MaxPromptBlocks*3/4, 1)
+	return blockLayout{fine: fine, fineChars: cfg.BlockSizeChars, coarseChars: cfg.BlockSizeChars * coarseFactor}
+}
+
+// chars is the prompt length the first n blocks cover.
+func (b blockLayout) chars(n int) int {
+	if n <= b.fine {
+		return n * b.fineChars
+	}
+	return b.fine*b.fineChars + (n-b.fine)*b.coarseChars
+}
+
+// count is how many whole blocks the first chars characters make.
+func (b blockLayout) count(chars int) int {
+	if chars <= b.fine*b.fineChars {
+		return chars / b.fineChars
+	}
+	return b.fine + (chars-b.fine*b.fineChars)/b.coarseChars
+}
