@@ -12,7 +12,6 @@ import (
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 
-	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/test/modelsim/engine"
 	"github.com/tallyepp/tally/test/modelsim/server"
 	"github.com/tallyepp/tally/test/stack"
@@ -31,14 +30,25 @@ const engineKVBlocks = 6000
 // mean stays exact and one foreign request weighs as much as one placed.
 const steadyPromptTokens = 1024
 
+// The picker's prefix blocks and fallback capacity, named in its
+// configuration so that the figures below do not move with the defaults.
+const (
+	engineBlockSizeChars    = 256
+	engineCharsPerToken     = server.DefaultCharsPerToken
+	engineLRUCapacityBlocks = 25_000
+)
+
 // As in the identity specs, a starting prefill rate of 100 tokens/s keeps
 // the picker's drain model from releasing the prefill of requests it placed
 // during a spec's few seconds: a placed request weighs its prompt until it
 // ends, as a foreign one does.
-const enginePickerConfig = `apiVersion: tally.tallyepp.io/v1alpha1
+var enginePickerConfig = fmt.Sprintf(`apiVersion: tally.tallyepp.io/v1alpha1
 kind: PickerConfig
 prefillTokensPerSecond: 100
-`
+blockSizeChars: %d
+charsPerToken: %d
+lruCapacityBlocks: %d
+`, engineBlockSizeChars, engineCharsPerToken, engineLRUCapacityBlocks)
 
 // steadyRequest is a completion of steadyPromptTokens tokens whose first
 // block is its own, so it shares no prefix with any other.
@@ -130,6 +140,83 @@ func foreignOf(l stack.Ledger, pods []*stack.Pod) map[string]int {
 	return out
 }
 
+// expectShortfallForgotten sends one prompt through es's gateway four
+// times: once to place it, once to find it cached, once more after the
+// engine that holds it restarted (it delivers nothing from its cache, the
+// picker predicted the whole prompt) and once to see that the picker forgot
+// it. Streamed, the usage is in the last event (stream_options.include_usage).
+func expectShortfallForgotten(ctx context.Context, es *stack.Stack, pods []*stack.Pod, stream bool) {
+	GinkgoHelper()
+	req := sameRequest(fmt.Sprintf("shortfall (stream %v): ", stream), 4, stream)
+	wantBlocks := steadyPromptTokens * engineCharsPerToken / engineBlockSizeChars
+	type step struct {
+		pod               string
+		cached, predicted int
+		// read and readPredicted are the delivered and predicted cached
+		// tokens the picker counted from the response's usage.
+		read, readPredicted int
+		forgotten           float64
+	}
+	// sendOne sends the prompt through the gateway, waits until the
+	// picker has released it (the usage is read then), and returns
+	// where it went, what the engine delivered from its cache, what
+	// the picker predicted, what it read of the usage and the blocks it
+	// forgot.
+	sendOne := func(what string) step {
+		GinkgoHelper()
+		before, err := es.PickerMetrics(ctx)
+		Expect(err).NotTo(HaveOccurred())
+		r := stack.Send(ctx, es.HTTPClient(), es.GatewayURL(), nextID(what), req)
+		Expect(r.Err).NotTo(HaveOccurred())
+		expectLedgerDrains(ctx, es)
+		after, err := es.PickerMetrics(ctx)
+		Expect(err).NotTo(HaveOccurred())
+		counter := func(m stack.Metrics, name string) float64 { v, _ := m.Value(name); return v }
+		return step{
+			pod:           es.ServedBy(r.ID),
+			cached:        r.CachedTokens,
+			predicted:     int(counter(after, "tally_prefix_cached_tokens_total") - counter(before, "tally_prefix_cached_tokens_total")),
+			read:          int(after.Sum("tally_endpoint_delivered_cached_tokens_total") - before.Sum("tally_endpoint_delivered_cached_tokens_total")),
+			readPredicted: int(after.Sum("tally_endpoint_predicted_cached_tokens_total") - before.Sum("tally_endpoint_predicted_cached_tokens_total")),
+			forgotten:     counter(after, "tally_cache_shortfall_forgotten_blocks_total") - counter(before, "tally_cache_shortfall_forgotten_blocks_total"),
+		}
+	}
+	first := sendOne("shortfall-first")
+	repeat := sendOne("shortfall-repeat")
+	// The engine that served the prompt restarts: its cache is empty,
+	// and nothing tells the picker but the next response's usage.
+	var held *stack.Pod
+	for _, p := range pods {
+		if p.Name == first.pod {
+			held = p
+		}
+	}
+	Expect(held).NotTo(BeNil(), "the first request was served: %+v", first)
+	Expect(held.ResetEngine()).To(Succeed())
+	shortfall := sendOne("shortfall-after-reset")
+	next := sendOne("shortfall-next")
+	l, err := es.Ledger(ctx)
+	Expect(err).NotTo(HaveOccurred())
+	row, _ := l.RowAt(held.Addr)
+	AddReportEntry("delivered-cache feedback", fmt.Sprintf("stream %v: a %d-token prompt (%d index blocks): first %+v; repeated %+v; after %s's engine reset %+v; next %+v; %s's ledger row delivered %d / predicted %d cached tokens",
+		stream, steadyPromptTokens, wantBlocks, first, repeat, held.Name, shortfall, next, held.Name, row.DeliveredCachedTokens, row.PredictedCachedTokens))
+
+	Expect(repeat.pod).To(Equal(first.pod), "the repeat goes where the prefix is")
+	Expect(repeat.predicted).To(BeNumerically(">", 0), "the picker predicts the repeat's cached prefix: %+v", repeat)
+	Expect(repeat.cached).To(BeNumerically(">", 0), "the engine delivers it: %+v", repeat)
+	Expect(repeat.read).To(Equal(repeat.cached), "the picker reads the repeat's usage: %+v", repeat)
+	Expect(repeat.readPredicted).To(Equal(repeat.predicted), "%+v", repeat)
+	Expect(repeat.forgotten).To(BeZero(), "a delivery within a block of the prediction forgets nothing: %+v", repeat)
+	Expect(shortfall.pod).To(Equal(first.pod), "the picker still believed %s held the prefix: %+v", first.pod, shortfall)
+	Expect(shortfall.predicted).To(BeNumerically(">", 0), "%+v", shortfall)
+	Expect(shortfall.cached).To(BeZero(), "the reset engine had nothing cached: %+v", shortfall)
+	Expect(shortfall.forgotten).To(Equal(float64(wantBlocks)), "every block of the prompt is forgotten on %s: %+v", first.pod, shortfall)
+	// A picker that counts the shortfall but forgets nothing predicted
+	// the whole prompt again (1,024 tokens) for the next pick. Scrapes
+	// play no part here: the usage comes in the response.
+	Expect(next.predicted).To(BeZero(), "the next pick no longer sees the prefix on %s: %+v", first.pod, next)
+}
+
 var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailure, func() {
 	var es *stack.Stack
 	var pods []*stack.Pod
@@ -153,7 +240,7 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 
 	It("sizes each endpoint's prefix index from its engine's KV cache", func(ctx SpecContext) {
 		// The engine's tokens in the picker's blocks of prompt characters.
-		want := engineKVBlocks * engine.DefaultBlockSizeTokens * v1alpha1.DefaultCharsPerToken / v1alpha1.DefaultBlockSizeChars
+		want := engineKVBlocks * engine.DefaultBlockSizeTokens * engineCharsPerToken / engineBlockSizeChars
 		capacities := func(l stack.Ledger) map[string]int {
 			out := map[string]int{}
 			for _, p := range pods {
@@ -177,9 +264,9 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 		for _, p := range pods {
 			gauges[p.Name], _ = m.Value("tally_endpoint_prefix_capacity_blocks", "endpoint", p.Addr.String())
 		}
-		AddReportEntry("prefix capacity", fmt.Sprintf("engines of %d blocks of %d tokens: want %d index blocks of %d characters; ledger %v after %v, tally_endpoint_prefix_capacity_blocks %v (lruCapacityBlocks default %d)",
-			engineKVBlocks, engine.DefaultBlockSizeTokens, want, v1alpha1.DefaultBlockSizeChars, capacities(last), took.Round(time.Millisecond), gauges, v1alpha1.DefaultLRUCapacityBlocks))
-		// Without scrapes every endpoint keeps lruCapacityBlocks (25,000).
+		AddReportEntry("prefix capacity", fmt.Sprintf("engines of %d blocks of %d tokens: want %d index blocks of %d characters; ledger %v after %v, tally_endpoint_prefix_capacity_blocks %v (lruCapacityBlocks %d)",
+			engineKVBlocks, engine.DefaultBlockSizeTokens, want, engineBlockSizeChars, capacities(last), took.Round(time.Millisecond), gauges, engineLRUCapacityBlocks))
+		// Without scrapes every endpoint keeps lruCapacityBlocks.
 		Expect(learnErr).NotTo(HaveOccurred(), "every endpoint's capacity comes from its engine: %v", capacities(last))
 		for name, g := range gauges {
 			Expect(g).To(Equal(float64(want)), "tally_endpoint_prefix_capacity_blocks of %s", name)
@@ -229,66 +316,7 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 	}, SpecTimeout(2*time.Minute))
 
 	It("forgets the prefix blocks an engine did not deliver from its cache", func(ctx SpecContext) {
-		req := sameRequest("shortfall: ", 4, false)
-		wantBlocks := steadyPromptTokens * v1alpha1.DefaultCharsPerToken / v1alpha1.DefaultBlockSizeChars
-		type step struct {
-			pod               string
-			cached, predicted int
-			forgotten         float64
-		}
-		// sendOne sends the prompt through the gateway, waits until the
-		// picker has released it (the usage is read then), and returns
-		// where it went, what the engine delivered from its cache, what
-		// the picker predicted and the blocks it forgot.
-		sendOne := func(what string) step {
-			GinkgoHelper()
-			before, err := es.PickerMetrics(ctx)
-			Expect(err).NotTo(HaveOccurred())
-			r := stack.Send(ctx, es.HTTPClient(), es.GatewayURL(), nextID(what), req)
-			Expect(r.Err).NotTo(HaveOccurred())
-			expectLedgerDrains(ctx, es)
-			after, err := es.PickerMetrics(ctx)
-			Expect(err).NotTo(HaveOccurred())
-			counter := func(m stack.Metrics, name string) float64 { v, _ := m.Value(name); return v }
-			return step{
-				pod:       es.ServedBy(r.ID),
-				cached:    r.CachedTokens,
-				predicted: int(counter(after, "tally_prefix_cached_tokens_total") - counter(before, "tally_prefix_cached_tokens_total")),
-				forgotten: counter(after, "tally_cache_shortfall_forgotten_blocks_total") - counter(before, "tally_cache_shortfall_forgotten_blocks_total"),
-			}
-		}
-		first := sendOne("shortfall-first")
-		repeat := sendOne("shortfall-repeat")
-		// The engine that served the prompt restarts: its cache is empty,
-		// and nothing tells the picker but the next response's usage.
-		var held *stack.Pod
-		for _, p := range pods {
-			if p.Name == first.pod {
-				held = p
-			}
-		}
-		Expect(held).NotTo(BeNil(), "the first request was served: %+v", first)
-		Expect(held.ResetEngine()).To(Succeed())
-		shortfall := sendOne("shortfall-after-reset")
-		next := sendOne("shortfall-next")
-		l, err := es.Ledger(ctx)
-		Expect(err).NotTo(HaveOccurred())
-		row, _ := l.RowAt(held.Addr)
-		AddReportEntry("delivered-cache feedback", fmt.Sprintf("a %d-token prompt (%d index blocks): first %+v; repeated %+v; after %s's engine reset %+v; next %+v; %s's ledger row delivered %d / predicted %d cached tokens",
-			steadyPromptTokens, wantBlocks, first, repeat, held.Name, shortfall, next, held.Name, row.DeliveredCachedTokens, row.PredictedCachedTokens))
-
-		Expect(repeat.pod).To(Equal(first.pod), "the repeat goes where the prefix is")
-		Expect(repeat.predicted).To(BeNumerically(">", 0), "the picker predicts the repeat's cached prefix: %+v", repeat)
-		Expect(repeat.cached).To(BeNumerically(">", 0), "the engine delivers it: %+v", repeat)
-		Expect(repeat.forgotten).To(BeZero(), "a delivery within a block of the prediction forgets nothing: %+v", repeat)
-		Expect(shortfall.pod).To(Equal(first.pod), "the picker still believed %s held the prefix: %+v", first.pod, shortfall)
-		Expect(shortfall.predicted).To(BeNumerically(">", 0), "%+v", shortfall)
-		Expect(shortfall.cached).To(BeZero(), "the reset engine had nothing cached: %+v", shortfall)
-		Expect(shortfall.forgotten).To(Equal(float64(wantBlocks)), "every block of the prompt is forgotten on %s: %+v", first.pod, shortfall)
-		// A picker that counts the shortfall but forgets nothing predicted
-		// the whole prompt again (1,024 tokens) for the next pick. Scrapes
-		// play no part here: the usage comes in the response.
-		Expect(next.predicted).To(BeZero(), "the next pick no longer sees the prefix on %s: %+v", first.pod, next)
+		expectShortfallForgotten(ctx, es, pods, false)
 	}, SpecTimeout(time.Minute))
 
 	It("leaves a pod whose metrics fail out of the picks until they succeed again", func(ctx SpecContext) {
@@ -341,6 +369,12 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 		for _, name := range names {
 			Expect(afterRecovery[name]).To(BeNumerically("~", 10, 1), "placement once %s's metrics are back: %v", pod1.Name, afterRecovery)
 		}
+	}, SpecTimeout(time.Minute))
+
+	// Last: streamed responses teach the picker the engines' prefill rate,
+	// which would drain the held requests of the specs above.
+	It("forgets them when the usage comes at the end of a stream too", func(ctx SpecContext) {
+		expectShortfallForgotten(ctx, es, pods, true)
 	}, SpecTimeout(time.Minute))
 })
 

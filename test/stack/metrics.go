@@ -38,6 +38,16 @@ func (m Metrics) Value(name string, labelPairs ...string) (float64, bool) {
 	return 0, false
 }
 
+// Sum adds up the values of every series of family name (gauges, counters
+// and untyped metrics).
+func (m Metrics) Sum(name string) float64 {
+	total := 0.0
+	for _, s := range m[name].GetMetric() {
+		total += s.GetGauge().GetValue() + s.GetCounter().GetValue() + s.GetUntyped().GetValue()
+	}
+	return total
+}
+
 func hasLabels(s *dto.Metric, pairs []string) bool {
 	for i := 0; i+1 < len(pairs); i += 2 {
 		found := false

@@ -168,6 +168,14 @@ func send(ctx context.Context, client *http.Client, baseURL, id string, req Requ
 		err = readJSON(resp.Body, &res)
 		res.TTFT = time.Since(start)
 	}
+	if err == nil {
+		// Read to the end, as a careful client does: the connection is
+		// reused, and the gateway finishes the exchange (the picker sees
+		// the response's end and reads its usage) before the client
+		// leaves. A client that closes at "data: [DONE]" may cut the
+		// picker's stream first.
+		_, err = io.Copy(io.Discard, resp.Body)
+	}
 	res.Latency = time.Since(start)
 	if err != nil {
 		res.Err = fmt.Errorf("request %s: %w", id, err)
