@@ -26,7 +26,9 @@ const (
 
 // The pool sizes and prompt lengths every benchmark covers.
 func benchGrid() (endpoints, tokens []int) {
-	return []int{3, 16, 128}, []int{1_000, 8_000, 32_000}
+	// 8,388,608 tokens is a 32 MiB prompt: the block cap must keep its
+	// critical section as short as a 32,000-token prompt's.
+	return []int{3, 16, 128}, []int{1_000, 8_000, 32_000, 8 << 20}
 }
 
 func benchConfig() v1alpha1.PickerConfig {
@@ -79,7 +81,7 @@ func BenchmarkPick(b *testing.B) {
 	for _, e := range pools {
 		for _, tok := range lengths {
 			var l *pickLoad
-			b.Run(fmt.Sprintf("endpoints=%d/tokens=%dk", e, tok/1000), func(b *testing.B) {
+			b.Run(fmt.Sprintf("endpoints=%d/tokens=%s", e, tokensName(tok)), func(b *testing.B) {
 				if l == nil {
 					l = newPickLoad(e, tok)
 				}
@@ -110,12 +112,12 @@ func BenchmarkCriticalSection(b *testing.B) {
 	for _, mode := range []string{"known", "new"} {
 		for _, e := range pools {
 			for _, tok := range lengths {
-				b.Run(fmt.Sprintf("%s/endpoints=%d/tokens=%dk", mode, e, tok/1000), func(b *testing.B) {
+				b.Run(fmt.Sprintf("%s/endpoints=%d/tokens=%s", mode, e, tokensName(tok)), func(b *testing.B) {
 					p := New(benchConfig(), Options{Rand: rand.New(rand.NewPCG(1, 2))})
 					p.Replace(endpoints(e))
 					prompt := text("bench", tok*4)
 					req := Request{Model: "bench-model", Prompt: prompt}
-					base := prefix.Hash(nil, req.Model, prompt, p.cfg.BlockSizeChars)
+					base := prefix.HashTiered(nil, req.Model, "", prompt, p.cfg.BlockSizeChars, p.blocks.fine, p.blocks.coarseChars, p.cfg.MaxPromptBlocks)
 					hashes := append([]uint64(nil), base...)
 					shared := benchSharedTokens * 4 / p.cfg.BlockSizeChars
 					r := &Reservation{p: p}
@@ -231,4 +233,11 @@ func BenchmarkSmallPicksBesideHugePrompts(b *testing.B) {
 			b.ReportMetric(float64(lat[len(lat)*99/100]), "p99-ns")
 		})
 	}
+}
+
+func tokensName(tok int) string {
+	if tok >= 1<<20 {
+		return fmt.Sprintf("%dMiB", tok*4>>20)
+	}
+	return fmt.Sprintf("%dk", tok/1000)
 }

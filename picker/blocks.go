@@ -13,13 +13,23 @@ type blockLayout struct {
 	fine        int // blocks of blockSizeChars
 	fineChars   int
 	coarseChars int
+	// inLock is how many leading blocks a pick records inside its critical
+	// section: those of the first inLockTokens tokens. The rest follow in a
+	// lock hold of their own.
+	inLock int
 }
+
+// inLockTokens bounds the prompt a pick's critical section records, so that
+// a huge prompt holds it no longer than a 32,000-token one.
+const inLockTokens = 32_000
 
 const coarseFactor = 16
 
 func newBlockLayout(cfg v1alpha1.PickerConfig) blockLayout {
 	fine := max(cfg.MaxPromptBlocks*3/4, 1)
-	return blockLayout{fine: fine, fineChars: cfg.BlockSizeChars, coarseChars: cfg.BlockSizeChars * coarseFactor}
+	b := blockLayout{fine: fine, fineChars: cfg.BlockSizeChars, coarseChars: cfg.BlockSizeChars * coarseFactor}
+	b.inLock = max(b.count(inLockTokens*cfg.CharsPerToken), 1)
+	return b
 }
 
 // chars is the prompt length the first n blocks cover.

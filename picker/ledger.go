@@ -355,7 +355,12 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	c.hold(r, r.pickedNs)
 	p.meanPromptTokens += (float64(r.promptTokens) - p.meanPromptTokens) * meanPromptWeight
 	p.linkLocked(r)
-	p.index.Record(c.id, r.hashes, r.owner)
+	// The head of the prompt (its first 32,000 tokens or so) is recorded
+	// here; a longer tail right after, in a lock hold of its own (Pick), so
+	// that a huge prompt holds this critical section no longer than a
+	// 32,000-token one.
+	p.index.Record(c.id, r.hashes[:min(len(r.hashes), p.blocks.inLock)], r.owner)
+	r.tailOn = c
 	return nil
 }
 

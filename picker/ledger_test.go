@@ -4,6 +4,8 @@ import (
 	"math"
 	"testing"
 	"time"
+
+	"github.com/tallyepp/tally/picker/prefix"
 )
 
 // podEndpoints are n endpoints with pod UIDs, as the controllers give them.
@@ -253,5 +255,25 @@ func TestTheRateFitSeparatesFixedOverhead(t *testing.T) {
 	}
 	if rate := statsOf(p, addr(0)).PrefillTokensPerSecond; math.Abs(rate-50_000) > 5_000 {
 		t.Errorf("learned %.0f tokens/s, want about 50000: the fixed 50 ms is not prefill", rate)
+	}
+}
+
+func TestAHugePromptsTailIsRecordedOutsideTheCriticalSection(t *testing.T) {
+	cfg := testConfig() // 64-character blocks: 32,000 tokens are 2,000 of them
+	p := newPicker(t, 1, cfg, Options{})
+	prompt := text("long context", 200_000) // 50,000 tokens: 2,000 fine blocks in the lock, more after
+	all := len(prefix.HashTiered(nil, model, "", prompt, cfg.BlockSizeChars, p.blocks.fine, p.blocks.coarseChars, cfg.MaxPromptBlocks))
+	var inSection int
+	p.afterPick = func() { // right after the critical section, before the tail
+		p.mu.Lock()
+		inSection = p.index.Len(p.rows[0].id)
+		p.mu.Unlock()
+	}
+	mustPick(t, p, Request{Model: model, Prompt: prompt})
+	p.mu.Lock()
+	after := p.index.Len(p.rows[0].id)
+	p.mu.Unlock()
+	if inSection != p.blocks.inLock || after != all || all <= p.blocks.inLock {
+		t.Errorf("blocks recorded: %d in the critical section (want %d), %d after the pick (want all %d)", inSection, p.blocks.inLock, after, all)
 	}
 }

@@ -302,6 +302,21 @@ func (p *Picker) expireLocked(now int64) (dropped int) {
 	return dropped
 }
 
+// recordTail records the blocks of a long prompt past what its critical
+// section recorded, unless the request has ended or moved since (ServedBy
+// records all of them itself). It reports whether evictions are owed.
+func (p *Picker) recordTail(r *Reservation) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !r.released && r.row.id >= 0 && r.tailOn == r.row {
+		// Recording the whole prompt walks the head it recorded a moment
+		// ago (still at the front of the list) and puts the tail behind
+		// it, where eviction takes a prompt's tail before its head.
+		p.index.Record(r.row.id, r.hashes, r.owner)
+	}
+	return p.index.Untidy()
+}
+
 // tidyBatchBlocks bounds the prefix entries evicted or freed under one
 // hold of the lock (tens of microseconds), so a pick never waits long behind
 // an eviction or a removal.
@@ -359,6 +374,9 @@ func (p *Picker) Pick(req Request) (*Reservation, error) {
 	p.mu.Unlock()
 	if p.afterPick != nil {
 		p.afterPick()
+	}
+	if err == nil && len(hashes) > p.blocks.inLock {
+		untidy = p.recordTail(r) || untidy
 	}
 	if untidy {
 		p.tidy() // the evictions this pick's records owe, outside its critical section

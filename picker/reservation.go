@@ -32,6 +32,7 @@ type Reservation struct {
 	delivered    bool
 	heldBefore   int      // leading blocks the holder had before this request recorded there
 	owner        uint32   // tag of this request's records in the prefix index
+	tailOn       *row     // where its pick left a long prompt's tail to record
 	hashes       []uint64 // the prompt's blocks, kept for ServedBy
 	hashBuf      *[]uint64
 
@@ -160,6 +161,7 @@ func (r *Reservation) moveLocked(addr netip.AddrPort, now int64) bool {
 		r.prefill = p.uncachedTokens(r.promptChars, matched[0])
 	}
 	r.row = to
+	r.tailOn = nil // recorded whole just below
 	to.hold(r, now)
 	p.index.Record(to.id, r.hashes, r.owner)
 	return p.index.Untidy()
