@@ -56,6 +56,14 @@ type LedgerEngine struct {
 	ForeignTokens   int `json:"foreignTokens"`
 }
 
+// String prints the fields, so that a row printed with %+v shows them.
+func (e *LedgerEngine) String() string {
+	if e == nil {
+		return "<not scraped>"
+	}
+	return fmt.Sprintf("{Running:%d Waiting:%d ForeignRequests:%d ForeignTokens:%d}", e.Running, e.Waiting, e.ForeignRequests, e.ForeignTokens)
+}
+
 // Idle reports whether nothing is reserved anywhere in the ledger.
 func (l Ledger) Idle() bool {
 	if l.InFlight != 0 || l.PrefillTokens != 0 {
