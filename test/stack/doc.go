@@ -2,7 +2,8 @@
 // (cmd/demo) and the end-to-end suite (test/e2e): a real kube-apiserver and
 // etcd, an InferencePool with pods whose IPs are 127.0.0.x, one simulated
 // vLLM server per pod IP, the picker (cmd/epp) and the dev gateway
-// (cmd/devgateway) as processes. It also loads the Mooncake trace, builds
+// (cmd/devgateway) as processes, and more picker replicas with gateways of
+// their own for leader election (StartReplica). It also loads the Mooncake trace, builds
 // workloads, replays them and summarises what the clients measured.
 //
 // The invariant: everything a Stack starts (processes, servers, temporary
