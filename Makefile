@@ -37,9 +37,29 @@ demo: envtest-assets build ## Start a local stack (API server, simulators, epp, 
 fuzz: ## Fuzz the request parser for FUZZTIME (default 2m).
 	$(GO) test -run '^$$' -fuzz=FuzzParse -fuzztime=$(FUZZTIME) ./picker/request
 
-.PHONY: bench
-bench: ## Run the picker benchmarks.
+.PHONY: bench-micro
+bench-micro: ## Run the picker's Go benchmarks (one pick, parsing, hashing, request cycles in-process).
 	$(GO) test -run '^$$' -bench . -benchmem ./picker/...
+
+# The upstream picker (gateway-api-inference-extension v1.5.0 cmd/epp) that
+# `make bench` runs beside Tally, built from its own module in
+# test/bench/upstream. Built once (about 4 minutes on 2 cores), then reused
+# while bin/upstream-epp exists; delete it to rebuild.
+.PHONY: upstream-epp
+upstream-epp: ## Build (once) bin/upstream-epp, the upstream picker the benchmarks compare with.
+	@if [ ! -x bin/upstream-epp ]; then \
+		echo "building bin/upstream-epp from test/bench/upstream (about 4 minutes the first time)" >&2; \
+		cd test/bench/upstream && GOWORK=off $(GO) build -trimpath -o $(CURDIR)/bin/upstream-epp .; \
+	fi
+
+BENCH_ARGS ?=
+.PHONY: bench
+bench: envtest-assets build upstream-epp ## Run Tally and the upstream picker side by side (bursts, load, churn, 3 to 1,000 endpoints) and write the tables into docs/benchmarks.md (about 5 minutes once built).
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" bin/extproc-load --tally-bin bin/epp --upstream-bin bin/upstream-epp $(BENCH_ARGS) bench --out docs/benchmarks.md
+
+.PHONY: bench-quick
+bench-quick: envtest-assets build upstream-epp ## The short version of `make bench` (about 90 seconds once built).
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" bin/extproc-load --tally-bin bin/epp --upstream-bin bin/upstream-epp --quick $(BENCH_ARGS) bench --out docs/benchmarks.md
 
 .PHONY: manifests
 manifests: ## Regenerate RBAC from the markers and copy the pinned InferencePool CRD into config/ and charts/.

@@ -8,7 +8,7 @@
 //
 // Usage:
 //
-//	extproc-load [flags] burst|load|churn|bench
+//	extproc-load burst|load|churn|bench [flags]
 //
 // Scenarios:
 //
@@ -111,13 +111,20 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	fs.BoolVar(&o.quick, "quick", false, "bench: the short version (about 5 minutes)")
 	fs.StringVar(&o.out, "out", "", "bench: markdown file whose generated section is replaced (empty: print the tables)")
 	fs.StringVar(&o.only, "pickers", pickerTally+","+pickerUpstream, "bench: pickers to run, comma-separated")
+	// Flags may come before the scenario and after it.
 	if err := fs.Parse(args); err != nil {
 		return "", o, err
 	}
-	if fs.NArg() != 1 {
-		return "", o, fmt.Errorf("want one scenario (burst, load, churn or bench), got %q", fs.Args())
+	if fs.NArg() == 0 {
+		return "", o, errors.New("want a scenario: burst, load, churn or bench")
 	}
 	cmd := fs.Arg(0)
+	if err := fs.Parse(fs.Args()[1:]); err != nil {
+		return "", o, err
+	}
+	if fs.NArg() != 0 {
+		return "", o, fmt.Errorf("want one scenario, got %q and then %q", cmd, fs.Args())
+	}
 	defaults := map[string][2]int{"burst": {128, 32_000}, "load": {0, 8_000}, "churn": {500, 8_000}, "bench": {0, 0}}
 	d, ok := defaults[cmd]
 	if !ok {

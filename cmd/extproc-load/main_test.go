@@ -175,6 +175,8 @@ func TestFlagsAreChecked(t *testing.T) {
 		{"--picker", "other", "burst"},
 		{"--kind", "lukewarm", "--addr", "127.0.0.1:1", "burst"},
 		{"--concurrency", "0", "load"},
+		{"load", "--duration", "0s"},
+		{"burst", "fresh"},
 		{"--addr", "127.0.0.1:1", "bench"},
 	} {
 		var out, errs bytes.Buffer
