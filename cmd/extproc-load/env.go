@@ -5,11 +5,17 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"time"
 
 	"github.com/tallyepp/tally/test/stack"
 )
+
+// firstPodIP is the first pod's address. The demo and the end-to-end
+// suite count up from 127.0.0.2; a benchmark running beside them must not
+// collide, and a thousand pods end at 127.0.13.232.
+var firstPodIP = netip.MustParseAddr("127.0.10.1")
 
 // benchEnv is the API server, the pool and its pods, which every picker of
 // a run is started against in turn.
@@ -17,11 +23,13 @@ type benchEnv struct {
 	cluster *stack.Cluster
 	pods    *pods
 	logDir  string
-	log     io.Writer
+	// keepLogs leaves the pickers' logs in logDir after the run.
+	keepLogs bool
+	log      io.Writer
 }
 
-func startEnv(ctx context.Context, n int, log io.Writer) (*benchEnv, error) {
-	e := &benchEnv{pods: newPods(), log: log}
+func startEnv(ctx context.Context, n int, keepLogs bool, log io.Writer) (*benchEnv, error) {
+	e := &benchEnv{pods: newPods(), log: log, keepLogs: keepLogs}
 	dir, err := os.MkdirTemp("", "extproc-load-")
 	if err != nil {
 		return nil, fmt.Errorf("creating a directory for the pickers' logs: %w", err)
@@ -30,10 +38,10 @@ func startEnv(ctx context.Context, n int, log io.Writer) (*benchEnv, error) {
 	fmt.Fprintf(log, "[extproc-load] starting the API server and a pool of %d pods (picker logs in %s)\n", n, dir)
 	began := time.Now()
 	e.cluster, err = stack.StartCluster(ctx, stack.ClusterOptions{
-		Namespace: "bench", PoolName: "bench-pool", Pods: n, Handler: e.pods.handler,
+		Namespace: "bench", PoolName: "bench-pool", Pods: n, FirstPodIP: firstPodIP, Handler: e.pods.handler,
 	})
 	if err != nil {
-		return nil, err
+		return nil, errors.Join(err, os.RemoveAll(dir))
 	}
 	fmt.Fprintf(log, "[extproc-load] cluster up in %v\n", time.Since(began).Round(time.Millisecond))
 	return e, nil
@@ -61,11 +69,10 @@ func (e *benchEnv) endpoints() []string {
 	return eps
 }
 
-// stop stops the cluster; the pickers' logs stay for a failed run's reader
-// only if the stop failed.
+// stop stops the cluster and removes the pickers' logs unless keepLogs.
 func (e *benchEnv) stop() error {
 	err := e.cluster.Stop()
-	if err == nil {
+	if err == nil && !e.keepLogs {
 		err = os.RemoveAll(e.logDir)
 	}
 	return err

@@ -70,6 +70,7 @@ type options struct {
 	useTLS      bool
 	conns       int
 	pickerArgs  stringList
+	keepLogs    bool
 	// Scenario settings.
 	n           int
 	kind        string
@@ -101,6 +102,7 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	fs.IntVar(&o.pods, "pods", 3, "Ready pods in the pool")
 	fs.BoolVar(&o.useTLS, "tls", false, "speak TLS to the picker (certificate not verified); a started picker serves TLS then")
 	fs.IntVar(&o.conns, "conns", 2, "gRPC connections to the picker (Envoy opens one per worker thread)")
+	fs.BoolVar(&o.keepLogs, "keep-logs", false, "leave the started pickers' logs in their temporary directory")
 	fs.Var(&o.pickerArgs, "picker-arg", "extra flag for a started picker (repeatable)")
 	fs.IntVar(&o.n, "n", 0, "burst and churn: requests (default 128 for burst, 500 for churn)")
 	fs.StringVar(&o.kind, "kind", kindShared, "burst: prompt kind: "+strings.Join(burstKinds, ", "))
@@ -197,7 +199,7 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 			t.ledger = func(ctx context.Context) (stack.Ledger, error) { return ledgerAt(ctx, url) }
 		}
 	} else {
-		env, err := startEnv(ctx, o.pods, stderr)
+		env, err := startEnv(ctx, o.pods, o.keepLogs, stderr)
 		if err != nil {
 			return err
 		}

@@ -139,10 +139,16 @@ func (p *pickerProcess) waitReady(ctx context.Context, endpoints int) error {
 		ccancel()
 		if err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING {
 			n, err := p.endpointSeries(ctx)
-			if err == nil && n == endpoints {
+			switch {
+			case err != nil || n != endpoints:
+				last = fmt.Sprintf("serving, %d of %d endpoints listed (%v)", n, endpoints, err)
+			case !listening(p.grpcAddr):
+				// The upstream picker reports ready before its ext_proc
+				// port listens (with TLS, while it makes its certificate).
+				last = "ready, but the ext_proc port does not accept connections yet"
+			default:
 				return nil
 			}
-			last = fmt.Sprintf("serving, %d of %d endpoints listed (%v)", n, endpoints, err)
 		}
 		select {
 		case <-p.done:
@@ -170,7 +176,16 @@ func (p *pickerProcess) endpointSeries(ctx context.Context) (int, error) {
 	return n, nil
 }
 
-// ledger reads Tally's /debug/ledger.
+func listening(addr string) bool {
+	conn, err := net.DialTimeout("tcp", addr, controlTimeout)
+	if err != nil {
+		return false
+	}
+	conn.Close()
+	return true
+}
+
+// ledgerAt reads Tally's /debug/ledger.
 func ledgerAt(ctx context.Context, metricsURL string) (stack.Ledger, error) {
 	body, err := httpGet(ctx, metricsURL+"/debug/ledger")
 	if err != nil {

@@ -26,6 +26,8 @@ const (
 	// ledgerEmptyTimeout is how long churn waits for the ledger to empty:
 	// a picker releases a reservation when it sees its stream end.
 	ledgerEmptyTimeout = 10 * time.Second
+	// failureBackoff is a load client's pause after a failed request.
+	failureBackoff = 10 * time.Millisecond
 )
 
 // target is a picker the scenarios drive.
@@ -315,6 +317,8 @@ func runLoad(ctx context.Context, t *target, concurrency, tokens int, warmup, wi
 					if ctx.Err() == nil {
 						errs.add(err)
 					}
+					// A picker that is not there fails at once: do not spin.
+					sleepCtx(ctx, failureBackoff)
 					continue
 				}
 				samples[c] = append(samples[c], sample{start: began, end: time.Now(), pick: p.pick, routed: p.routed, endpoint: p.endpoint, refused: p.status != 0})
