@@ -448,7 +448,13 @@ func (st *stream) release() {
 	if st.res == nil {
 		return
 	}
-	if u := st.up.usage; st.up.hasUsage && u.hasCached {
+	u, ok := st.up.usage, st.up.hasUsage
+	if !ok && st.up.tail.buf != nil {
+		// The stream ended before the response did (a client closing at
+		// "data: [DONE]"): the usage may be in what arrived.
+		u, ok = parseUsage(st.up.tail.bytes())
+	}
+	if ok && u.hasCached {
 		// What the engine really had cached corrects the prefix index.
 		st.res.Delivered(u.promptTokens, u.cachedTokens)
 	}
