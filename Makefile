@@ -52,6 +52,8 @@ upstream-epp: ## Build (once) bin/upstream-epp, the upstream picker the benchmar
 		cd test/bench/upstream && GOWORK=off $(GO) build -trimpath -o $(CURDIR)/bin/upstream-epp .; \
 	fi
 
+# BENCH_ARGS passes flags to bin/extproc-load, e.g. BENCH_ARGS=--runs=3 for
+# medians of three runs of the 3-endpoint loads, alternating the pickers.
 BENCH_ARGS ?=
 .PHONY: bench
 bench: envtest-assets build upstream-epp ## Run Tally and the upstream picker side by side (bursts, load, churn, 3 to 1,000 endpoints) and write the tables into docs/benchmarks.md (about 5 minutes once built).

@@ -55,8 +55,10 @@ type loadKey struct{ pods, concurrency, tokens int }
 
 // results are one picker's measurements.
 type results struct {
-	bursts  map[string]burstResult
+	bursts map[string]burstResult
+	// loads are the medians of runs.
 	loads   map[loadKey]loadResult
+	runs    map[loadKey][]loadResult
 	churn   *churnResult
 	idleRSS map[int]int64 // by endpoints, once ready
 	// idleCPU is the picker's CPU time per second of wall time with no
@@ -65,7 +67,7 @@ type results struct {
 }
 
 func newResults() *results {
-	return &results{bursts: map[string]burstResult{}, loads: map[loadKey]loadResult{}, idleRSS: map[int]int64{}, idleCPU: map[int]time.Duration{}}
+	return &results{bursts: map[string]burstResult{}, loads: map[loadKey]loadResult{}, runs: map[loadKey][]loadResult{}, idleRSS: map[int]int64{}, idleCPU: map[int]time.Duration{}}
 }
 
 // bench runs every scenario of a plan for each picker, one picker at a
@@ -107,9 +109,16 @@ func runBench(ctx context.Context, o options, stdout, stderr io.Writer) (err err
 			}
 		}
 	}
-	for _, p := range b.pickers {
-		if err := b.baseLoads(ctx, p); err != nil {
-			return err
+	// Runs alternate between the pickers, so that a change in the machine's
+	// load during the run falls on both.
+	for run := range max(o.runs, 1) {
+		for _, p := range b.pickers {
+			if o.runs > 1 {
+				b.progress("%s: run %d of %d of the loads at %d endpoints", p, run+1, o.runs, basePods)
+			}
+			if err := b.baseLoads(ctx, p); err != nil {
+				return err
+			}
 		}
 	}
 	for _, pods := range b.plan.scalePods {
@@ -241,7 +250,10 @@ func (b *bench) load(ctx context.Context, pt *pickerTarget, pods int, lc loadCas
 	if err != nil {
 		return fmt.Errorf("%s: load of %d clients × %d tokens at %d endpoints: %w", pt.name, lc.concurrency, lc.tokens, pods, err)
 	}
-	b.res[pt.name].loads[loadKey{pods, lc.concurrency, lc.tokens}] = r
+	k := loadKey{pods, lc.concurrency, lc.tokens}
+	res := b.res[pt.name]
+	res.runs[k] = append(res.runs[k], r)
+	res.loads[k] = medianLoad(res.runs[k])
 	b.progress("%s: %d endpoints, %d clients × %d tokens: %.0f req/s, pick p50 %s p99 %s ms, CPU %s ms/req, peak RSS %s MB%s",
 		pt.name, pods, lc.concurrency, lc.tokens, r.rps, ms(r.pickP50), ms(r.pickP99), ms(r.cpuPerRequest()), mb(r.use.peak), failures(r.errors+r.refused, r.firstError))
 	return nil

@@ -82,6 +82,7 @@ type options struct {
 	quick bool
 	out   string
 	only  string
+	runs  int
 }
 
 type stringList []string
@@ -110,6 +111,7 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	fs.IntVar(&o.concurrency, "concurrency", 16, "load and churn: concurrent clients")
 	fs.DurationVar(&o.duration, "duration", 10*time.Second, "load: the measured window")
 	fs.DurationVar(&o.warmup, "warmup", 2*time.Second, "load: run this long before the window")
+	fs.IntVar(&o.runs, "runs", 1, "bench: runs of the loads at 3 endpoints, alternating between the pickers; the tables give medians")
 	fs.BoolVar(&o.quick, "quick", false, "bench: the short version (about 5 minutes)")
 	fs.StringVar(&o.out, "out", "", "bench: markdown file whose generated section is replaced (empty: print the tables)")
 	fs.StringVar(&o.only, "pickers", pickerTally+","+pickerUpstream, "bench: pickers to run, comma-separated")
@@ -151,6 +153,8 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 		return "", o, fmt.Errorf("flag --duration: %v is invalid: want more than 0", o.duration)
 	case o.warmup < 0:
 		return "", o, fmt.Errorf("flag --warmup: %v is invalid: want 0 or more", o.warmup)
+	case o.runs < 1:
+		return "", o, fmt.Errorf("flag --runs: %d is invalid: want 1 or more", o.runs)
 	case o.tokens < 0:
 		return "", o, fmt.Errorf("flag --tokens: %d is invalid: want 1 or more", o.tokens)
 	case cmd == "bench" && o.addr != "":

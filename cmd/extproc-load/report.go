@@ -57,7 +57,7 @@ func (b *bench) markdown() string {
 		fmt.Fprintf(&w, "Tally at commit %s; ", b.machine.commit)
 	}
 	fmt.Fprintf(&w, "upstream: gateway-api-inference-extension v1.5.0 `cmd/epp`, default configuration.\n\n")
-	fmt.Fprintf(&w, "```sh\nmake bench        # or: make bench-quick\n# which runs, after building bin/epp, bin/extproc-load and (once) bin/upstream-epp:\nbin/extproc-load bench%s --out docs/benchmarks.md\n```\n\n", map[bool]string{true: " --quick"}[p.name == "quick"])
+	fmt.Fprintf(&w, "```sh\nmake bench        # or: make bench-quick\n# which runs, after building bin/epp, bin/extproc-load and (once) bin/upstream-epp:\nbin/extproc-load bench%s --out docs/benchmarks.md\n```\n\n", benchFlags(p.name, b.o.runs))
 	w.WriteString(`Both pickers run in turn as processes against the same real API server,
 InferencePool and pods (loopback IPs), driven over real gRPC by the same
 client playing Envoy (FULL_DUPLEX_STREAMED, body chunks of at most 62,000
@@ -70,7 +70,8 @@ shares the cores with the picker, so requests/s and latencies are the pair's;
 CPU per request (from ` + "`/proc/<pid>/stat`" + `, 10 ms ticks) and peak RSS
 (VmHWM, reset at the window's start) are the picker's alone. Ratios are
 Tally / upstream: below 1 is better for time, CPU and memory, above 1 for
-requests/s.
+requests/s. Unless said otherwise each figure is one run; on a shared 2-core machine runs vary by
+10–30%, more when the load average before and after (above) is high.
 
 `)
 
@@ -108,6 +109,9 @@ requests/s.
 
 	// Loads.
 	fmt.Fprintf(&w, "### Load: complete request cycles, %v measured after %v of warm-up\n\n", p.window, p.warmup)
+	if b.o.runs > 1 {
+		fmt.Fprintf(&w, "At %d endpoints each cell is the median of %d runs, alternating between the pickers; at more endpoints, one run.\n\n", basePods, b.o.runs)
+	}
 	w.WriteString("Each client sends its next request as soon as the last one ended; prompts share a 1,000-token system prompt, then differ. Time to pick runs from the first request message to the picker's routing answer. Cells are Tally / upstream (ratio).\n\n")
 	w.WriteString("| endpoints | clients | prompt tokens | requests/s | pick p50 ms | pick p99 ms | pick p999 ms | picker CPU ms/request | peak RSS MB |\n|---|---|---|---|---|---|---|---|---|\n")
 	var keys []loadKey
@@ -170,6 +174,7 @@ requests/s.
 		if len(per) > 0 {
 			fmt.Fprintf(&w, "\nMemory per endpoint (idle RSS from %s to %s endpoints): %s.\n", thousands(small), thousands(large), strings.Join(per, ", "))
 		}
+		w.WriteString("\nWith many endpoints the scrapes alone cost a share of a core before any request arrives (idle CPU above), and the pods' metrics pages are served by the load tool on the same cores: CPU per request at 128 and 1,000 endpoints includes each picker's scraping over the window.\n")
 		w.WriteString("\n")
 	}
 
@@ -202,6 +207,17 @@ requests/s.
 		w.WriteString("\nOnly one picker ran: no ratios.\n")
 	}
 	return w.String()
+}
+
+func benchFlags(plan string, runs int) string {
+	var s string
+	if plan == "quick" {
+		s += " --quick"
+	}
+	if runs > 1 {
+		s += fmt.Sprintf(" --runs %d", runs)
+	}
+	return s
 }
 
 func burstLabel(kind string) string {

@@ -274,10 +274,48 @@ type loadResult struct {
 	pickP999, routedP99 time.Duration
 	use                 usage
 	placement           *placement
+	// cpuPerReq, when set, is cpuPerRequest's answer: the median of runs.
+	cpuPerReq time.Duration
+}
+
+// medianLoad is each measure's median over runs of one load (errors and
+// refusals are summed, the first failure kept).
+func medianLoad(runs []loadResult) loadResult {
+	m := runs[len(runs)/2]
+	med := func(f func(loadResult) time.Duration) time.Duration {
+		v := make([]time.Duration, len(runs))
+		for i, r := range runs {
+			v[i] = f(r)
+		}
+		slices.Sort(v)
+		return v[len(v)/2]
+	}
+	m.pickP50 = med(func(r loadResult) time.Duration { return r.pickP50 })
+	m.pickP99 = med(func(r loadResult) time.Duration { return r.pickP99 })
+	m.pickP999 = med(func(r loadResult) time.Duration { return r.pickP999 })
+	m.routedP99 = med(func(r loadResult) time.Duration { return r.routedP99 })
+	m.cpuPerReq = med(func(r loadResult) time.Duration { return r.cpuPerRequest() })
+	m.use.peak = int64(med(func(r loadResult) time.Duration { return time.Duration(r.use.peak) }))
+	rps := make([]float64, len(runs))
+	m.errors, m.refused, m.firstError = 0, 0, ""
+	for i, r := range runs {
+		rps[i] = r.rps
+		m.errors += r.errors
+		m.refused += r.refused
+		if m.firstError == "" {
+			m.firstError = r.firstError
+		}
+	}
+	slices.Sort(rps)
+	m.rps = rps[len(rps)/2]
+	return m
 }
 
 // cpuPerRequest is the picker's CPU time per request completed in the window.
 func (r loadResult) cpuPerRequest() time.Duration {
+	if r.cpuPerReq != 0 {
+		return r.cpuPerReq
+	}
 	if r.requests == 0 {
 		return 0
 	}
