@@ -12,10 +12,12 @@ import (
 	"github.com/tallyepp/tally/test/stack"
 )
 
-// firstPodIP is the first pod's address. The demo and the end-to-end
-// suite count up from 127.0.0.2; a benchmark running beside them must not
-// collide, and a thousand pods end at 127.0.13.232.
-var firstPodIP = netip.MustParseAddr("127.0.10.1")
+// firstPodIP is the first pod's address. The demo counts up from
+// 127.0.0.2, the install tests use 127.0.10.x and the end-to-end suite
+// 127.0.42-46.x; a benchmark or its smoke test running beside them (go test
+// runs packages in parallel) must not collide, and a thousand pods end at
+// 127.0.73.232.
+var firstPodIP = netip.MustParseAddr("127.0.70.1")
 
 // benchEnv is the API server, the pool and its pods, which every picker of
 // a run is started against in turn.

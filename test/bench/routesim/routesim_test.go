@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/test/modelsim/engine"
 )
 
@@ -287,8 +288,10 @@ func TestTallySeesBypassAsForeignLoad(t *testing.T) {
 		if s.Endpoint.Address == p.(*tally).addrs[1-e] {
 			want = 3
 		}
-		if s.ForeignRequests != want || s.PrefixCapacityBlocks != 1000*16*4/256 {
-			t.Errorf("%v: %d foreign requests, prefix capacity %d; want %d, %d", s.Endpoint.Address, s.ForeignRequests, s.PrefixCapacityBlocks, want, 1000*16*4/256)
+		cfg := v1alpha1.Default()
+		wantCap := 1000 * 16 * cfg.CharsPerToken / cfg.BlockSizeChars // the engine's KV size, in index blocks
+		if s.ForeignRequests != want || s.PrefixCapacityBlocks != wantCap {
+			t.Errorf("%v: %d foreign requests, prefix capacity %d; want %d, %d", s.Endpoint.Address, s.ForeignRequests, s.PrefixCapacityBlocks, want, wantCap)
 		}
 	}
 	p.firstByte(0)
