@@ -41,9 +41,7 @@
 // gateway, the network, the engine's scheduling step), so the picker fits
 // seconds = overhead + tokens / rate by least squares over exponentially
 // decayed samples and drains at the fitted rate; first bytes after less than
-// 256 tokens of work are not used, and while prefill explains under a
-// quarter of the time to first bytes (an engine much faster than the path
-// to it) the fit cannot tell the rate and the configured one is used. Endpoints that see only non-streamed (or
+// 256 tokens of work are not used. Endpoints that see only non-streamed (or
 // only short) traffic keep the configured rate.
 //
 // Everything the model does under the lock is O(1) per candidate (amortised:

@@ -36,7 +36,6 @@ type row struct {
 	// computed, as of at; both are positions in one FIFO, so a
 	// reservation's prefill is done when posOut reaches its endPos.
 	rate          float64 // tokens per second
-	startRate     float64 // the configured starting rate
 	posIn, posOut float64
 	at            int64
 	// fit learns rate from streamed first bytes.
@@ -91,9 +90,6 @@ const (
 	// minLearnTokens: a first byte teaches the rate only if at least this
 	// much prefill came before it; shorter ones say little but noise.
 	minLearnTokens = 256
-	// minPrefillShare: the fit is trusted only when prefill explains at
-	// least this share of the time to first bytes.
-	minPrefillShare = 0.25
 )
 
 // rateFit fits seconds = overhead + tokens/rate to streamed first bytes by
@@ -121,11 +117,7 @@ func (f *rateFit) decay(d float64) {
 	f.n, f.t, f.s, f.tt, f.ts = f.n*d, f.t*d, f.s*d, f.tt*d, f.ts*d
 }
 
-// rate is the fitted rate; ok is false when the samples cannot tell one:
-// when the work does not vary enough, or when prefill explains too little
-// of the time to a first byte (under minPrefillShare of it on average), so
-// that the slope is mostly noise in the fixed costs. An engine much faster
-// than everything around it is such a case.
+// rate is the fitted rate; ok is false when the samples cannot tell one.
 func (f *rateFit) rate() (rate float64, ok bool) {
 	// The origin sample, added here so that it never decays.
 	n, t, tt := f.n+rateOriginWeight, f.t, f.tt
@@ -134,8 +126,8 @@ func (f *rateFit) rate() (rate float64, ok bool) {
 		return 0, false
 	}
 	slope := (n*f.ts - t*f.s) / den
-	if slope <= 0 || slope*t < minPrefillShare*f.s {
-		return 0, false
+	if slope <= 0 {
+		return maxPrefillRate, true // the time does not grow with the work
 	}
 	return min(max(1/slope, minPrefillRate), maxPrefillRate), true
 }
@@ -251,8 +243,6 @@ func (w *row) learn(r *Reservation, now int64) {
 	w.fit.add(float64(r.work), seconds, 1)
 	if rate, ok := w.fit.rate(); ok {
 		w.rate = rate
-	} else {
-		w.rate = w.startRate // the samples cannot tell: the configured rate
 	}
 }
 

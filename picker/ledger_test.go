@@ -278,19 +278,3 @@ func TestAHugePromptsTailIsRecordedOutsideTheCriticalSection(t *testing.T) {
 	}
 }
 
-func TestARateTheFirstBytesCannotTellKeepsTheConfiguredOne(t *testing.T) {
-	clock := newFakeClock()
-	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
-	// An engine far faster than its surroundings: 100 ms of fixed cost,
-	// jittered, and under a millisecond of prefill whatever the prompt.
-	for i := range 40 {
-		tokens := 1000 + (i%5)*2000
-		r := mustPick(t, p, Request{Model: model, Prompt: text("f"+string(rune('a'+i)), tokens*4), Stream: true})
-		clock.Advance(100*time.Millisecond + time.Duration(i%7)*3*time.Millisecond)
-		r.FirstByte()
-		r.Release()
-	}
-	if rate := statsOf(p, addr(0)).PrefillTokensPerSecond; rate != float64(testConfig().PrefillTokensPerSecond) {
-		t.Errorf("learned %.0f tokens/s from first bytes that prefill does not explain, want the configured %d", rate, testConfig().PrefillTokensPerSecond)
-	}
-}

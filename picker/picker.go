@@ -245,7 +245,7 @@ func (p *Picker) Replace(eps []Endpoint) {
 		switch {
 		case !ok:
 			w = &row{key: k, id: p.index.Add(), rate: float64(p.cfg.PrefillTokensPerSecond), at: now}
-			w.fit, w.startRate = newRateFit(w.rate), w.rate
+			w.fit = newRateFit(w.rate)
 			p.byKey[k] = w
 			added++
 		case !w.current:
