@@ -277,4 +277,3 @@ func TestAHugePromptsTailIsRecordedOutsideTheCriticalSection(t *testing.T) {
 		t.Errorf("blocks recorded: %d in the critical section (want %d), %d after the pick (want all %d)", inSection, p.blocks.inLock, after, all)
 	}
 }
-
