@@ -139,6 +139,11 @@ func (t TraceRequest) PromptText() string {
 	return b.String()[:n]
 }
 
+// HashIDChunk writes the text of chunk i (of 32) of hash_id id: the
+// characters PromptText expands each 512-token block into, so that other
+// replayers (the routing simulator) share prefixes exactly as the demo does.
+func HashIDChunk(dst *[64]byte, id, i uint64) { fillChunk(dst, id, i) }
+
 // chunkAlphabet has 32 symbols so each takes 5 bits of a random word; the
 // spaces make the text split into word-like runs.
 const chunkAlphabet = "abcdefghijklmnopqrstuvwxyz      "

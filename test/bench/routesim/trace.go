@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/tallyepp/tally/test/stack"
 )
 
 // Trace geometry, the same as test/stack's: each Mooncake hash_id stands for
@@ -318,7 +320,7 @@ func (t *idText) lookup(id int) *[idTextBytes]byte {
 	}
 	txt := new([idTextBytes]byte)
 	for i := range chunksPerHashID {
-		fillChunk((*[chunkChars]byte)(txt[i*chunkChars:]), uint64(id), uint64(i))
+		stack.HashIDChunk((*[chunkChars]byte)(txt[i*chunkChars:]), uint64(id), uint64(i))
 	}
 	t.at[id] = txt
 	return txt
@@ -328,37 +330,12 @@ func (t *idText) lookup(id int) *[idTextBytes]byte {
 func appendIDText(dst []byte, id, k int) []byte {
 	var chunk [chunkChars]byte
 	for i := 0; k > 0; i++ {
-		fillChunk(&chunk, uint64(id), uint64(i))
+		stack.HashIDChunk(&chunk, uint64(id), uint64(i))
 		m := min(k, chunkChars)
 		dst = append(dst, chunk[:m]...)
 		k -= m
 	}
 	return dst
-}
-
-// chunkAlphabet has 32 symbols so each takes 5 bits of a random word.
-const chunkAlphabet = "abcdefghijklmnopqrstuvwxyz      "
-
-// fillChunk writes the deterministic text of chunk i of hash_id id (the
-// same text as test/stack's).
-func fillChunk(dst *[chunkChars]byte, id, i uint64) {
-	state := id*chunksPerHashID + i + 1
-	// 12 symbols of 5 bits from each word.
-	for base := 0; base < chunkChars; base += 12 {
-		word := splitmix64(&state)
-		for k := base; k < min(base+12, chunkChars); k++ {
-			dst[k] = chunkAlphabet[word&31]
-			word >>= 5
-		}
-	}
-}
-
-func splitmix64(state *uint64) uint64 {
-	*state += 0x9e3779b97f4a7c15
-	z := *state
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
-	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
-	return z ^ (z >> 31)
 }
 
 // blockHashes hashes each full block of blockChars characters of text,
