@@ -36,6 +36,11 @@ type EngineStats struct {
 	HasQueuedPromptTokens bool
 	// CacheTokens is the KV cache's size in tokens; 0 when not published.
 	CacheTokens int
+	// KVCacheUsage is the share of the KV cache in use (0 to 1), when
+	// HasKVCacheUsage. It is reported, never scored: the ledger and the
+	// prefix index already say what the picker placed there.
+	KVCacheUsage    float64
+	HasKVCacheUsage bool
 }
 
 // ScrapeTarget is one endpoint to scrape.
@@ -71,7 +76,8 @@ type engineView struct {
 	unhealthy         bool
 	excluded          bool // unhealthy while another endpoint is healthy
 	cacheTokens       int
-	delivered, predic int64 // cached prompt tokens delivered by the engine, and predicted
+	kvUsage           float64 // -1: not published
+	delivered, predic int64   // cached prompt tokens delivered by the engine, and predicted
 }
 
 // foreignCost is the foreign load's share of the endpoint's cost at now.
@@ -118,6 +124,10 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 	e := &w.engine
 	e.scraped, e.at, e.failures = true, now, 0
 	e.running, e.waiting = s.Running, s.Waiting
+	e.kvUsage = -1
+	if s.HasKVCacheUsage {
+		e.kvUsage = s.KVCacheUsage
+	}
 	e.foreign = max(s.Running+s.Waiting-w.inFlight, 0)
 	e.foreignTokens = int(p.meanPromptTokens)
 	if s.HasQueuedPromptTokens && s.Waiting > 0 {

@@ -36,7 +36,7 @@ type metrics struct {
 	prefixHitRatio                               *prometheus.HistogramVec
 	schedulerE2EAll, prefixHitRatioAll           prometheus.Observer
 	poolReadyPods, poolAvgQueue, poolPerPodQueue *prometheus.Desc
-	poolAvgRunning                               *prometheus.Desc
+	poolAvgRunning, poolAvgKVCache               *prometheus.Desc
 	poolName                                     string
 }
 
@@ -140,6 +140,9 @@ func newMetrics(poolName string) *metrics {
 	m.poolAvgRunning = prometheus.NewDesc("inference_pool_average_running_requests",
 		"Mean over the endpoints whose last scrape succeeded of the requests their engines reported running; not sent before a scrape.",
 		[]string{"name"}, nil)
+	m.poolAvgKVCache = prometheus.NewDesc("inference_pool_average_kv_cache_utilization",
+		"Mean over the healthy endpoints whose engines publish it of the share of their KV cache in use (0 to 1) at their last scrape; not sent before one.",
+		[]string{"name"}, nil)
 	m.picksOK = m.picks.WithLabelValues("ok")
 	m.picksNoEndpoint = m.picks.WithLabelValues("no_endpoint")
 	m.picksSaturated = m.picks.WithLabelValues("saturated")
@@ -155,7 +158,7 @@ func (m *metrics) collectors() []prometheus.Collector {
 func (p *Picker) Describe(ch chan<- *prometheus.Desc) {
 	m := p.metrics
 	for _, d := range []*prometheus.Desc{m.endpointInFlight, m.endpointPrefill, m.endpointDecoding, m.endpointPrefillRate, m.endpoints, m.retained, m.inFlight,
-		m.poolReadyPods, m.poolAvgQueue, m.poolPerPodQueue, m.poolAvgRunning,
+		m.poolReadyPods, m.poolAvgQueue, m.poolPerPodQueue, m.poolAvgRunning, m.poolAvgKVCache,
 		m.engineRunning, m.engineWaiting, m.foreignRequests, m.foreignTokens, m.endpointHealthy,
 		m.prefixCapacity, m.deliveredCached, m.predictedCached, m.deliveryRatio} {
 		ch <- d
@@ -200,12 +203,17 @@ func (m *metrics) collectPool(ch chan<- prometheus.Metric, eps []EndpointStats) 
 	}
 	queued, rank := 0, 0
 	running, scraped := 0, 0
+	kvUsage, kvScraped := 0.0, 0
 	for i, s := range eps {
 		q := max(s.InFlight-s.Decoding, 0)
 		if s.Scraped && !s.Unhealthy {
 			q = s.EngineWaiting
 			running += s.EngineRunning
 			scraped++
+			if s.KVCacheUsage >= 0 {
+				kvUsage += s.KVCacheUsage
+				kvScraped++
+			}
 		}
 		queued += q
 		// The upstream picker names an endpoint "<pod>-rank-<i>", i the
@@ -222,6 +230,9 @@ func (m *metrics) collectPool(ch chan<- prometheus.Metric, eps []EndpointStats) 
 	ch <- prometheus.MustNewConstMetric(m.poolAvgQueue, prometheus.GaugeValue, float64(queued)/float64(len(eps)), m.poolName)
 	if scraped > 0 {
 		ch <- prometheus.MustNewConstMetric(m.poolAvgRunning, prometheus.GaugeValue, float64(running)/float64(scraped), m.poolName)
+	}
+	if kvScraped > 0 {
+		ch <- prometheus.MustNewConstMetric(m.poolAvgKVCache, prometheus.GaugeValue, kvUsage/float64(kvScraped), m.poolName)
 	}
 }
 

@@ -107,6 +107,9 @@ type EndpointStats struct {
 	EngineRunning, EngineWaiting   int
 	ForeignRequests, ForeignTokens int
 	Unhealthy                      bool
+	// KVCacheUsage is the share of its KV cache in use (0 to 1) at the last
+	// scrape; -1 when the engine does not publish it or was never scraped.
+	KVCacheUsage float64
 	// PrefixCapacityBlocks is the size of its prefix index, from its engine
 	// or the configuration.
 	PrefixCapacityBlocks int
@@ -419,8 +422,12 @@ func (p *Picker) Snapshot() Ledger {
 			Decoding: w.decoding, PrefillTokensPerSecond: w.rate,
 			Scraped: e.scraped, EngineRunning: e.running, EngineWaiting: e.waiting,
 			ForeignRequests: e.foreign, ForeignTokens: e.foreignCost(now), Unhealthy: e.unhealthy,
+			KVCacheUsage:          -1,
 			PrefixCapacityBlocks:  p.index.Capacity(w.id),
 			DeliveredCachedTokens: e.delivered, PredictedCachedTokens: e.predic}
+		if e.scraped {
+			s.KVCacheUsage = e.kvUsage
+		}
 		l.InFlight += s.InFlight
 		l.PrefillTokens += s.PrefillTokens
 		if w.current {

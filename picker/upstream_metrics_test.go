@@ -151,3 +151,36 @@ func assertBuckets(t *testing.T, h *dto.Histogram, want []float64) {
 		}
 	}
 }
+
+// The KV cache average is over the healthy endpoints whose engines publish
+// their use; an endpoint never scraped, not publishing it, or failing its
+// scrapes does not count.
+func TestUpstreamKVCacheUtilizationAveragesTheScrapes(t *testing.T) {
+	reg := prometheus.NewPedanticRegistry()
+	p := New(testConfig(), Options{Registerer: reg, Now: newFakeClock().Now, PoolName: "pool-a"})
+	a, b, c, d := netip.MustParseAddrPort("127.0.0.2:8000"), netip.MustParseAddrPort("127.0.0.3:8000"),
+		netip.MustParseAddrPort("127.0.0.4:8000"), netip.MustParseAddrPort("127.0.0.5:8000")
+	p.Replace([]Endpoint{{Pod: "a", Address: a}, {Pod: "b", Address: b}, {Pod: "c", Address: c}, {Pod: "d", Address: d}})
+	const help = "# HELP inference_pool_average_kv_cache_utilization Mean over the healthy endpoints whose engines publish it of the share " +
+		"of their KV cache in use (0 to 1) at their last scrape; not sent before one.\n# TYPE inference_pool_average_kv_cache_utilization gauge\n"
+	compare := func(what, want string) {
+		t.Helper()
+		if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "inference_pool_average_kv_cache_utilization"); err != nil {
+			t.Errorf("%s: %v", what, err)
+		}
+	}
+	compare("before any scrape", "")
+	p.ObserveEngine(c, EngineStats{Running: 1}) // publishes no KV use
+	compare("no engine publishes it", "")
+	p.ObserveEngine(a, EngineStats{KVCacheUsage: 0.625, HasKVCacheUsage: true})
+	p.ObserveEngine(b, EngineStats{KVCacheUsage: 0.125, HasKVCacheUsage: true})
+	compare("two publish it", help+`inference_pool_average_kv_cache_utilization{name="pool-a"} 0.375
+`)
+	for range DefaultScrapeFailureThreshold {
+		p.ObserveScrapeFailure(a)
+	}
+	compare("one fails its scrapes", help+`inference_pool_average_kv_cache_utilization{name="pool-a"} 0.125
+`)
+	p.ObserveEngine(b, EngineStats{Running: 2}) // stopped publishing it
+	compare("none publishes it any more", "")
+}

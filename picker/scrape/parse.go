@@ -24,21 +24,27 @@ type names struct {
 	cacheInfo, blockSizeLabel, numBlocksLabel string
 	// cacheTokens is a gauge of the KV cache's size in tokens.
 	cacheTokens string
+	// kvUsage (and kvUsageOld, a name older servers use) is a gauge of the
+	// share of the KV cache in use, 0 to 1.
+	kvUsage, kvUsageOld string
 }
 
 var engines = map[string]names{
 	EngineVLLM: {
 		running: "vllm:num_requests_running", waiting: "vllm:num_requests_waiting",
 		cacheInfo: "vllm:cache_config_info", blockSizeLabel: "block_size", numBlocksLabel: "num_gpu_blocks",
+		kvUsage: "vllm:kv_cache_usage_perc", kvUsageOld: "vllm:gpu_cache_usage_perc",
 	},
 	EngineSGLang: {
 		running: "sglang:num_running_reqs", waiting: "sglang:num_queue_reqs",
 		// SGLang's token capacity is a gauge of its own; cache_config_info
 		// carries only page_size.
 		cacheTokens: "sglang:max_total_num_tokens",
+		kvUsage:     "sglang:token_usage",
 	},
 	EngineTRTLLM: {
 		running: "trtllm_num_requests_running", waiting: "trtllm_num_requests_waiting",
+		kvUsage: "trtllm_kv_cache_utilization",
 	},
 }
 
@@ -50,12 +56,19 @@ func Known(engine string) bool {
 
 // parse reads the Prometheus text exposition in body for the families of
 // one engine and returns what the picker needs. Series of a family are
-// summed (an engine serving several models, or data-parallel ranks). It
+// summed (an engine serving several models, or data-parallel ranks), except
+// KV cache usage, a share, which is averaged. It
 // looks at each line's name only up to the families it knows, so an engine
 // publishing hundreds of families costs a scan of its bytes, not a parse.
 func parse(body []byte, n names) (picker.EngineStats, bool) {
 	var st picker.EngineStats
 	var running, waiting float64
+	// usage sums the current name's series, usageOld the older name's: a
+	// server publishing both is read by the current one.
+	var usage, usageOld struct {
+		sum float64
+		n   int
+	}
 	seen := false
 	for len(body) > 0 {
 		line := body
@@ -81,7 +94,8 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 			which = &running
 		case string(name) == n.waiting:
 			which = &waiting
-		case string(name) == n.cacheTokens, string(name) == n.cacheInfo:
+		case string(name) == n.cacheTokens, string(name) == n.cacheInfo,
+			string(name) == n.kvUsage, string(name) == n.kvUsageOld:
 		default:
 			continue
 		}
@@ -95,6 +109,12 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 			seen = true
 		case string(name) == n.cacheTokens:
 			st.CacheTokens += int(value)
+		case string(name) == n.kvUsage:
+			usage.sum += value
+			usage.n++
+		case string(name) == n.kvUsageOld:
+			usageOld.sum += value
+			usageOld.n++
 		default: // cacheInfo
 			bs, okB := labelInt(labels, n.blockSizeLabel)
 			nb, okN := labelInt(labels, n.numBlocksLabel)
@@ -104,6 +124,13 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		}
 	}
 	st.Running, st.Waiting = int(running), int(waiting)
+	if usage.n == 0 {
+		usage = usageOld
+	}
+	if usage.n > 0 {
+		st.KVCacheUsage = min(max(usage.sum/float64(usage.n), 0), 1)
+		st.HasKVCacheUsage = true
+	}
 	return st, seen
 }
 

@@ -10,6 +10,7 @@ func TestParseEachEngine(t *testing.T) {
 		running      int
 		waiting      int
 		cacheTokens  int
+		kvUsage      float64 // -1: none
 	}{
 		{EngineVLLM, `# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -18,14 +19,21 @@ vllm:num_requests_running{engine="1",model_name="m"} 2
 vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
 vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="28800",engine="0"} 1
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
-`, 5, 4, 16 * 28800},
-		{EngineSGLang, "sglang:num_running_reqs{model_name=\"m\"} 7\nsglang:num_queue_reqs{model_name=\"m\"} 1 1712345678000\nsglang:max_total_num_tokens 500000\nsglang:cache_config_info{page_size=\"1\"} 1\n", 7, 1, 500000},
-		{EngineTRTLLM, "trtllm_num_requests_running 2\ntrtllm_num_requests_waiting 9\n", 2, 9, 0},
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.9
+`, 5, 4, 16 * 28800, 0.375},
+		{EngineVLLM, "vllm:num_requests_running 1\nvllm:gpu_cache_usage_perc 0.8\n", 1, 0, 0, 0.8},
+		{EngineSGLang, "sglang:num_running_reqs{model_name=\"m\"} 7\nsglang:num_queue_reqs{model_name=\"m\"} 1 1712345678000\nsglang:max_total_num_tokens 500000\nsglang:cache_config_info{page_size=\"1\"} 1\nsglang:token_usage{model_name=\"m\"} 0.125\n", 7, 1, 500000, 0.125},
+		{EngineTRTLLM, "trtllm_num_requests_running 2\ntrtllm_num_requests_waiting 9\n", 2, 9, 0, -1},
+		{EngineTRTLLM, "trtllm_num_requests_running 2\ntrtllm_kv_cache_utilization 1.5\n", 2, 0, 0, 1},
 	}
 	for _, c := range cases {
 		st, seen := parse([]byte(c.body), engines[c.engine])
 		if !seen || st.Running != c.running || st.Waiting != c.waiting || st.CacheTokens != c.cacheTokens {
 			t.Errorf("%s: %+v (seen %v), want running %d, waiting %d, cache %d tokens", c.engine, st, seen, c.running, c.waiting, c.cacheTokens)
+		}
+		if got := map[bool]float64{true: st.KVCacheUsage, false: -1}[st.HasKVCacheUsage]; got != c.kvUsage {
+			t.Errorf("%s: KV cache usage %v, want %v (-1: none)", c.engine, got, c.kvUsage)
 		}
 	}
 	if _, seen := parse([]byte("other_metric 1\n"), engines[EngineVLLM]); seen {
