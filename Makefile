@@ -56,15 +56,26 @@ upstream-epp: ## Build (once) bin/upstream-epp, the upstream picker the benchmar
 		cd test/bench/upstream && GOWORK=off $(GO) build -trimpath -o $(CURDIR)/bin/upstream-epp .; \
 	fi
 
+# The routing simulator's sections of docs/benchmarks.md, on the demo's
+# trace, and their charts in docs/bench/: virtual time, so the numbers are
+# the same on any machine (a few seconds). The tables it also prints are
+# in the document, so stdout is dropped; progress stays on stderr.
+ROUTESIM_BENCH = bin/routesim --trace test/data/mooncake_sample.jsonl --engines 4 --out docs/bench --doc docs/benchmarks.md
+.PHONY: bench-routesim
+bench-routesim: build ## Rerun only the routing simulator's sections of docs/benchmarks.md and their charts (seconds).
+	$(ROUTESIM_BENCH) --name routesim >/dev/null
+	@# The burst ignores --bypass and --non-streaming: the first run has it.
+	$(ROUTESIM_BENCH) --name routesim-mixed --bypass 0.3 --non-streaming 0.5 --burst 0 >/dev/null
+
 # BENCH_ARGS passes flags to bin/extproc-load, e.g. BENCH_ARGS=--runs=3 for
 # medians of three runs of the 3-endpoint loads, alternating the pickers.
 BENCH_ARGS ?=
 .PHONY: bench
-bench: envtest-assets build upstream-epp ## Run Tally and the upstream picker side by side (bursts, load, churn, 3 to 1,000 endpoints) and write the tables into docs/benchmarks.md (about 5 minutes once built).
+bench: envtest-assets build upstream-epp bench-routesim ## Run the routing simulator, then Tally and the upstream picker side by side (bursts, load, churn, 3 to 1,000 endpoints); write the tables into docs/benchmarks.md, the charts into docs/bench/ (about 10 minutes once built).
 	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" bin/extproc-load --tally-bin bin/epp --upstream-bin bin/upstream-epp $(BENCH_ARGS) bench --out docs/benchmarks.md
 
 .PHONY: bench-quick
-bench-quick: envtest-assets build upstream-epp ## The short version of `make bench` (about 90 seconds once built).
+bench-quick: envtest-assets build upstream-epp bench-routesim ## The short version of `make bench` (about 2 minutes once built).
 	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" bin/extproc-load --tally-bin bin/epp --upstream-bin bin/upstream-epp --quick $(BENCH_ARGS) bench --out docs/benchmarks.md
 
 .PHONY: manifests

@@ -20,6 +20,7 @@ import (
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/test/bench/docsection"
 	"github.com/tallyepp/tally/test/stack"
 )
 
@@ -222,18 +223,54 @@ func TestPromptsShareExactlyTheirPrefix(t *testing.T) {
 	}
 }
 
-func TestSpliceSectionKeepsTheRestOfTheFile(t *testing.T) {
-	doc := "# Benchmarks\n\nHand-written intro.\n"
-	once := spliceSection(doc, "table one")
-	if !strings.HasPrefix(once, "# Benchmarks\n\n"+sectionBegin) || !strings.Contains(once, "table one") || !strings.HasSuffix(once, "Hand-written intro.\n") {
-		t.Fatalf("first insertion:\n%s", once)
+func TestWriteSplicesTheTablesAndDrawsTheCPUChart(t *testing.T) {
+	dir := t.TempDir()
+	out := filepath.Join(dir, "benchmarks.md")
+	begin, end := docsection.Markers(sectionName)
+	if err := os.WriteFile(out, []byte("# Benchmarks\n\n"+begin+"\nold\n"+end+"\n\nHand-written.\n"), 0o644); err != nil {
+		t.Fatal(err)
 	}
-	twice := spliceSection(once, "table two")
-	if strings.Contains(twice, "table one") || !strings.Contains(twice, "table two") || strings.Count(twice, sectionBegin) != 1 || !strings.Contains(twice, "Hand-written intro.") {
-		t.Fatalf("replacement:\n%s", twice)
+	b := &bench{o: options{out: out}, plan: quickPlan, began: time.Now(), res: map[string]*results{}}
+	for k, name := range []string{pickerTally, pickerUpstream} {
+		b.res[name] = newResults()
+		for _, lc := range quickPlan.loads {
+			b.res[name].loads[loadKey{basePods, lc.concurrency, lc.tokens}] = loadResult{requests: 1000, use: usage{cpu: time.Duration(k+1) * time.Second}}
+		}
 	}
-	if got := spliceSection("", "t"); !strings.Contains(got, sectionBegin) {
-		t.Fatalf("new file:\n%s", got)
+	var stdout bytes.Buffer
+	if err := b.write(&stdout); err != nil {
+		t.Fatal(err)
+	}
+	doc, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(doc), "\nold\n") || !strings.HasSuffix(string(doc), end+"\n\nHand-written.\n") || !strings.Contains(string(doc), "]("+cpuChartFile+")") {
+		t.Errorf("the section was not replaced, or lacks the chart's link:\n%s", doc)
+	}
+	svg, err := os.ReadFile(filepath.Join(dir, "bench", "cpu-per-request.svg"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The quick plan measures 8,000 tokens at 1, 16 and 64 clients and
+	// 32,000 at 16: four lines, eight points.
+	if n := strings.Count(string(svg), "<polyline"); n != 4 {
+		t.Errorf("%d lines, want 4 (2 pickers × 2 prompt sizes)", n)
+	}
+	if n := strings.Count(string(svg), "<circle"); n != 8 {
+		t.Errorf("%d points, want 8", n)
+	}
+	for _, want := range []string{"Tally, 8,000-token prompts", "upstream, 32,000-token prompts", ">64<"} {
+		if !strings.Contains(string(svg), want) {
+			t.Errorf("the chart lacks %q", want)
+		}
+	}
+
+	if err := os.WriteFile(out, []byte("# Benchmarks without markers\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.write(&stdout); err == nil || !strings.Contains(err.Error(), begin) {
+		t.Errorf("a file without markers: %v, want an error naming the marker to add", err)
 	}
 }
 

@@ -44,8 +44,9 @@ func loadAverage() string {
 	return f[0]
 }
 
-// markdown renders the run as the generated section of docs/benchmarks.md.
-func (b *bench) markdown() string {
+// markdown renders the run as the generated section of docs/benchmarks.md;
+// cpuChart, when not empty, is the CPU chart's path relative to the file.
+func (b *bench) markdown(cpuChart string) string {
 	var w strings.Builder
 	p := b.plan
 	tally, up := b.res[pickerTally], b.res[pickerUpstream]
@@ -57,7 +58,7 @@ func (b *bench) markdown() string {
 		fmt.Fprintf(&w, "Tally at commit %s; ", b.machine.commit)
 	}
 	fmt.Fprintf(&w, "upstream: gateway-api-inference-extension v1.5.0 `cmd/epp`, default configuration.\n\n")
-	fmt.Fprintf(&w, "```sh\nmake bench        # or: make bench-quick\n# which runs, after building bin/epp, bin/extproc-load and (once) bin/upstream-epp:\nbin/extproc-load bench%s --out docs/benchmarks.md\n```\n\n", benchFlags(p.name, b.o.runs))
+	fmt.Fprintf(&w, "```sh\nmake bench        # or: make bench-quick\n# which runs, after building bin/epp, bin/extproc-load and (once) bin/upstream-epp:\nbin/extproc-load bench%s --out docs/benchmarks.md\n# then bin/routesim, for the routing simulator's sections further down (see the Makefile)\n```\n\n", benchFlags(p.name, b.o.runs))
 	w.WriteString(`Both pickers run in turn as processes against the same real API server,
 InferencePool and pods (loopback IPs), driven over real gRPC by the same
 client playing Envoy (FULL_DUPLEX_STREAMED, body chunks of at most 62,000
@@ -147,6 +148,9 @@ requests/s. Unless said otherwise each figure is one run; on a shared 2-core mac
 		w.WriteString("\nFailed or refused requests: " + strings.Join(notes, "; ") + ".\n")
 	}
 	w.WriteString("\n")
+	if cpuChart != "" {
+		fmt.Fprintf(&w, "![Picker CPU per request by concurrency at %d endpoints, Tally and upstream, by prompt size](%s)\n\n", basePods, cpuChart)
+	}
 
 	// Endpoints.
 	if len(p.scalePods) > 0 {

@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/tallyepp/tally/test/bench/docsection"
 )
 
 const sampleTrace = "../../test/data/mooncake_sample.jsonl"
@@ -44,6 +46,8 @@ func TestBadFlagsExit2NamingTheFlag(t *testing.T) {
 		{[]string{"--trace", sampleTrace, "--bypass", "2"}, "bypass"},
 		{[]string{"--trace", sampleTrace, "--burst-shared-tokens", "99999"}, "burst shared tokens"},
 		{[]string{"--trace", sampleTrace, "--policies", "tally,random"}, "--policies"},
+		{[]string{"--trace", sampleTrace, "--name", "a/b"}, "--name"},
+		{[]string{"--trace", sampleTrace, "--doc", "x.md"}, "--doc needs --out"},
 	} {
 		var stdout, stderr bytes.Buffer
 		code := run(tc.args, &stdout, &stderr)
@@ -71,5 +75,58 @@ func TestTallyConfig(t *testing.T) {
 	}
 	if code := run([]string{"--trace", sampleTrace, "--tally-config", cfg}, &stdout, &stderr); code != 2 || !strings.Contains(stderr.String(), "--tally-config") {
 		t.Errorf("a misspelt field: exit %d, %q", code, stderr.String())
+	}
+}
+
+func TestDocGetsTheSectionWithRelativeLinks(t *testing.T) {
+	dir := t.TempDir()
+	doc := filepath.Join(dir, "benchmarks.md")
+	begin, end := docsection.Markers("sim-mixed")
+	if err := os.WriteFile(doc, []byte("# Benchmarks\n\n"+begin+"\nold\n"+end+"\n\nHand-written.\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var stdout, stderr bytes.Buffer
+	args := []string{"--trace", sampleTrace, "--requests", "20", "--engines", "2", "--burst", "8",
+		"--burst-prompt-tokens", "1024", "--burst-shared-tokens", "512", "--bypass", "0.3", "--non-streaming", "0.5",
+		"--out", filepath.Join(dir, "bench"), "--name", "sim-mixed", "--doc", doc}
+	if code := run(args, &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	data, err := os.ReadFile(doc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := string(data)
+	for _, want := range []string{
+		"## Routing simulator: mooncake_sample.jsonl, 2 engines, 30% of requests past the policy, 50% of clients not streaming",
+		"](bench/sim-mixed-ttft-cdf.svg)", "](bench/sim-mixed-burst-inflight.svg)", "| tally |", "Hand-written.",
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("the file lacks %q:\n%s", want, got)
+		}
+	}
+	if strings.Contains(got, "\nold\n") {
+		t.Errorf("the old section is still there:\n%s", got)
+	}
+	for _, name := range []string{"sim-mixed-ttft-cdf.svg", "sim-mixed-burst-inflight.svg"} {
+		if _, err := os.Stat(filepath.Join(dir, "bench", name)); err != nil {
+			t.Error(err)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, "bench", "sim-mixed.md")); err == nil {
+		t.Error("with --doc, the tables went to --out as well")
+	}
+	if !strings.Contains(stderr.String(), "wrote section") {
+		t.Errorf("no word of the section on stderr: %q", stderr.String())
+	}
+
+	// A file without the section's markers is left alone, and the error
+	// says what to add.
+	if err := os.WriteFile(doc, []byte("# Benchmarks\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	stderr.Reset()
+	if code := run(args, &stdout, &stderr); code != 1 || !strings.Contains(stderr.String(), begin) {
+		t.Errorf("no markers: exit %d, %q", code, stderr.String())
 	}
 }

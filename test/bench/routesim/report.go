@@ -152,6 +152,30 @@ func (r *Report) Describe(w *Workload) {
 	}
 }
 
+// Title names the run: the trace, the engines and what differs from every
+// request streaming through the policy at the trace's own pace.
+func (r *Report) Title() string {
+	t := fmt.Sprintf("%s, %d engines", r.Source, r.Config.Engines)
+	if v := variant(r.Config); v != "" {
+		t += ", " + v
+	}
+	return t
+}
+
+func variant(c Config) string {
+	var parts []string
+	if c.LoadFactor != 1 {
+		parts = append(parts, fmt.Sprintf("load ×%g", c.LoadFactor))
+	}
+	if c.Bypass > 0 {
+		parts = append(parts, fmt.Sprintf("%g%% of requests past the policy", 100*c.Bypass))
+	}
+	if c.NonStreaming > 0 {
+		parts = append(parts, fmt.Sprintf("%g%% of clients not streaming", 100*c.NonStreaming))
+	}
+	return strings.Join(parts, ", ")
+}
+
 // configDiff lists the fields of c that differ from the defaults, as
 // `name: value` in the configuration file's terms.
 func configDiff(c v1alpha1.PickerConfig) string {

@@ -126,19 +126,23 @@ func TestSuiteReport(t *testing.T) {
 	}
 
 	dir := t.TempDir()
-	if err := a.WriteDir(dir); err != nil {
+	if err := a.WriteDir(dir, "sample"); err != nil {
 		t.Fatal(err)
 	}
-	md, err := os.ReadFile(filepath.Join(dir, ReportFile))
+	files := FilesNamed("sample")
+	md, err := os.ReadFile(filepath.Join(dir, files.Report))
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range append(Policies(), TTFTChartFile, BurstChartFile, "| bound |") {
+	for _, want := range append(Policies(), "](sample-ttft-cdf.svg)", "](sample-burst-inflight.svg)", "| bound |") {
 		if !bytes.Contains(md, []byte(want)) {
-			t.Errorf("%s does not mention %q", ReportFile, want)
+			t.Errorf("%s does not mention %q", files.Report, want)
 		}
 	}
-	for _, name := range []string{TTFTChartFile, BurstChartFile} {
+	if _, err := os.Stat(filepath.Join(dir, files.JSON)); err != nil {
+		t.Error(err)
+	}
+	for _, name := range []string{files.TTFTChart, files.BurstChart} {
 		f, err := os.ReadFile(filepath.Join(dir, name))
 		if err != nil {
 			t.Fatal(err)

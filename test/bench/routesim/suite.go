@@ -114,22 +114,40 @@ func (s Suite) progress(msg string) {
 	}
 }
 
-// Files the report writes into its output directory.
-const (
-	ReportFile     = "routesim.md"
-	JSONFile       = "routesim.json"
-	TTFTChartFile  = "routesim-ttft-cdf.svg"
-	BurstChartFile = "routesim-burst-inflight.svg"
-)
+// DefaultName is the name of the report's files unless told otherwise.
+const DefaultName = "routesim"
+
+// Files are the names of the files WriteDir writes.
+type Files struct{ Report, JSON, TTFTChart, BurstChart string }
+
+// FilesNamed are the files of the report called name: name.md, name.json,
+// name-ttft-cdf.svg and name-burst-inflight.svg.
+func FilesNamed(name string) Files {
+	return Files{Report: name + ".md", JSON: name + ".json", TTFTChart: name + "-ttft-cdf.svg", BurstChart: name + "-burst-inflight.svg"}
+}
 
 // WriteDir writes the charts, the markdown report (which links them) and
 // the report as JSON (durations in nanoseconds) into dir, creating it if
-// needed.
-func (r *Report) WriteDir(dir string) error {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return fmt.Errorf("creating the output directory: %w", err)
+// needed, under the names FilesNamed(name).
+func (r *Report) WriteDir(dir, name string) error {
+	if err := r.WriteCharts(dir, name); err != nil {
+		return err
 	}
-	write := func(name string, draw func(*bytes.Buffer) error) error {
+	files := FilesNamed(name)
+	write := writer(dir)
+	if err := write(files.JSON, func(b *bytes.Buffer) error {
+		e := json.NewEncoder(b)
+		e.SetIndent("", "  ")
+		return e.Encode(r)
+	}); err != nil {
+		return err
+	}
+	return write(files.Report, func(b *bytes.Buffer) error { return r.WriteMarkdown(b) })
+}
+
+// writer writes files into dir, each drawn into a buffer first.
+func writer(dir string) func(name string, draw func(*bytes.Buffer) error) error {
+	return func(name string, draw func(*bytes.Buffer) error) error {
 		var b bytes.Buffer
 		if err := draw(&b); err != nil {
 			return err
@@ -139,24 +157,27 @@ func (r *Report) WriteDir(dir string) error {
 		}
 		return nil
 	}
-	title := fmt.Sprintf("TTFT, %s, %d engines", r.Source, r.Config.Engines)
-	if err := write(TTFTChartFile, func(b *bytes.Buffer) error { return WriteTTFTCDF(b, title, r.Bound, r.Runs) }); err != nil {
+}
+
+// WriteCharts writes the charts alone into dir, creating it if needed, and
+// records their names (FilesNamed(name)) for WriteMarkdown to link.
+func (r *Report) WriteCharts(dir, name string) error {
+	files := FilesNamed(name)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("creating the output directory: %w", err)
+	}
+	write := writer(dir)
+	title := "TTFT, " + r.Title()
+	if err := write(files.TTFTChart, func(b *bytes.Buffer) error { return WriteTTFTCDF(b, title, r.Bound, r.Runs) }); err != nil {
 		return err
 	}
-	r.ChartTTFT = TTFTChartFile
+	r.ChartTTFT = files.TTFTChart
 	if r.Burst != nil {
 		title := fmt.Sprintf("Burst of %d requests, %d engines", r.Burst.Burst.Requests, r.Config.Engines)
-		if err := write(BurstChartFile, func(b *bytes.Buffer) error { return WriteInFlight(b, title, r.Burst.Runs) }); err != nil {
+		if err := write(files.BurstChart, func(b *bytes.Buffer) error { return WriteInFlight(b, title, r.Burst.Runs) }); err != nil {
 			return err
 		}
-		r.ChartInFlight = BurstChartFile
+		r.ChartInFlight = files.BurstChart
 	}
-	if err := write(JSONFile, func(b *bytes.Buffer) error {
-		e := json.NewEncoder(b)
-		e.SetIndent("", "  ")
-		return e.Encode(r)
-	}); err != nil {
-		return err
-	}
-	return write(ReportFile, func(b *bytes.Buffer) error { return r.WriteMarkdown(b) })
+	return nil
 }

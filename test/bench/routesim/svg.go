@@ -6,35 +6,14 @@ import (
 	"math"
 	"strings"
 	"time"
+
+	"github.com/tallyepp/tally/test/bench/chart"
 )
 
-// Charts are plain SVG written by hand: a few polylines, axes and labels,
-// no scripts and no external fonts, so they render the same in a browser
-// and on GitHub.
+// The charts are drawn with package chart's helpers.
 
-// paletteColors are ten colours of seven characters, a space apart.
-const paletteColors = "#1f77b4 #d62728 #2ca02c #ff7f0e #9467bd #8c564b #e377c2 #7f7f7f #bcbd22 #17becf"
-
-func color(i int) string {
-	k := i % 10 * 8
-	return paletteColors[k : k+7]
-}
-
-const (
-	svgFont = `font-family="sans-serif" font-size="12"`
-	// maxCDFPoints bounds each CDF's polyline.
-	maxCDFPoints = 600
-)
-
-func svgHeader(b *strings.Builder, w, h int, title string) {
-	fmt.Fprintf(b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" %s>`+"\n", w, h, w, h, svgFont)
-	fmt.Fprintf(b, `<rect width="%d" height="%d" fill="white"/>`+"\n", w, h)
-	fmt.Fprintf(b, `<text x="%d" y="20" text-anchor="middle" font-size="14" font-weight="bold">%s</text>`+"\n", w/2, escape(title))
-}
-
-func escape(s string) string {
-	return strings.NewReplacer("&", "&amp;", "<", "&lt;", ">", "&gt;", `"`, "&quot;").Replace(s)
-}
+// maxCDFPoints bounds each CDF's polyline.
+const maxCDFPoints = 600
 
 // WriteTTFTCDF draws the TTFT CDF of each run and of the bound (dashed),
 // on a logarithmic time axis.
@@ -66,7 +45,7 @@ func WriteTTFTCDF(w io.Writer, title string, bound Summary, runs []Summary) erro
 	y := func(frac float64) float64 { return float64(top) + (1-frac)*ph }
 
 	var b strings.Builder
-	svgHeader(&b, width, height, title)
+	chart.Header(&b, width, height, title)
 	// Grid and ticks: decades (and 2, 5 between them) on x, tenths on y.
 	for d := decLo; d <= decHi; d++ {
 		for _, m := range []float64{1, 2, 5} {
@@ -111,20 +90,14 @@ func WriteTTFTCDF(w io.Writer, title string, bound Summary, runs []Summary) erro
 		fmt.Fprintf(&b, "%.1f,%.1f %.1f,%.1f", xx, prevY, xx, y(1))
 		b.WriteString(`"/>` + "\n")
 	}
-	legend := func(k int, name, color, dash string) {
-		ly := top + 10 + 20*k
-		lx := width - right + 14
-		fmt.Fprintf(&b, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="%s" stroke-width="2"%s/>`+"\n", lx, ly, lx+24, ly, color, dash)
-		fmt.Fprintf(&b, `<text x="%d" y="%d">%s</text>`+"\n", lx+30, ly+4, escape(name))
-	}
+	legend := func(k int, name, color, dash string) { chart.Legend(&b, width-right+14, top, k, name, color, dash) }
 	for k, s := range runs {
-		c := color(k)
+		c := chart.Color(k)
 		line(s.ttfts, c, "")
 		legend(k, s.Policy, c, "")
 	}
-	const dashed = ` stroke-dasharray="6 4"`
-	line(bound.ttfts, "#000", dashed)
-	legend(len(runs), "no-queueing bound", "#000", dashed)
+	line(bound.ttfts, "#000", chart.Dashed)
+	legend(len(runs), "no-queueing bound", "#000", chart.Dashed)
 	b.WriteString("</svg>\n")
 	_, err := io.WriteString(w, b.String())
 	return err
@@ -159,17 +132,17 @@ func WriteInFlight(w io.Writer, title string, runs []BurstRun) error {
 			}
 		}
 	}
-	tMax := niceCeil(math.Max(tEnd.Seconds(), 0.1))
-	yMax := niceCeil(float64(most))
+	tMax := chart.NiceCeil(math.Max(tEnd.Seconds(), 0.1))
+	yMax := chart.NiceCeil(float64(most))
 	x := func(sec float64) float64 { return float64(left) + sec/tMax*pw }
 
 	var b strings.Builder
-	svgHeader(&b, width, height, title)
+	chart.Header(&b, width, height, title)
 	engines := 0
 	for k, r := range runs {
 		py := top + k*(panelH+gap)
 		y := func(n float64) float64 { return float64(py) + (1-n/yMax)*panelH }
-		fmt.Fprintf(&b, `<text x="%d" y="%d" font-weight="bold">%s</text>`+"\n", left, py-6, escape(r.Policy))
+		fmt.Fprintf(&b, `<text x="%d" y="%d" font-weight="bold">%s</text>`+"\n", left, py-6, chart.Escape(r.Policy))
 		for i := 0; i <= 4; i++ {
 			v := yMax * float64(i) / 4
 			fmt.Fprintf(&b, `<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#eee"/>`+"\n", left, y(v), width-right, y(v))
@@ -186,7 +159,7 @@ func WriteInFlight(w io.Writer, title string, runs []BurstRun) error {
 		}
 		engines = max(engines, len(r.Samples[0].Requests))
 		for e := range r.Samples[0].Requests {
-			fmt.Fprintf(&b, `<polyline fill="none" stroke-width="1.5" stroke="%s" points="`, color(e))
+			fmt.Fprintf(&b, `<polyline fill="none" stroke-width="1.5" stroke="%s" points="`, chart.Color(e))
 			for _, s := range r.Samples {
 				fmt.Fprintf(&b, "%.1f,%.1f ", x(s.At.Seconds()), y(float64(s.Requests[e])))
 			}
@@ -194,27 +167,10 @@ func WriteInFlight(w io.Writer, title string, runs []BurstRun) error {
 		}
 	}
 	for e := range engines {
-		ly := top + 10 + 20*e
-		lx := width - right + 14
-		fmt.Fprintf(&b, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="%s" stroke-width="2"/>`+"\n", lx, ly, lx+24, ly, color(e))
-		fmt.Fprintf(&b, `<text x="%d" y="%d">engine %d</text>`+"\n", lx+30, ly+4, e)
+		chart.Legend(&b, width-right+14, top, e, fmt.Sprintf("engine %d", e), chart.Color(e), "")
 	}
 	fmt.Fprintf(&b, `<text x="%.0f" y="%d" text-anchor="middle">time (s); requests running and waiting per engine</text>`+"\n", float64(left)+pw/2, height-12)
 	b.WriteString("</svg>\n")
 	_, err := io.WriteString(w, b.String())
 	return err
-}
-
-// niceCeil rounds v up to 1, 2 or 5 times a power of ten.
-func niceCeil(v float64) float64 {
-	if v <= 0 {
-		return 1
-	}
-	p := math.Pow(10, math.Floor(math.Log10(v)))
-	for _, m := range []float64{1, 2, 5, 10} {
-		if m*p >= v-1e-9 {
-			return m * p
-		}
-	}
-	return 10 * p
 }
