@@ -21,20 +21,24 @@ import (
 // meanings follow the upstream endpoint picker so that gateway charts that
 // pass its flags work unchanged.
 type options struct {
-	poolName        string
-	poolNamespace   string
-	poolGroup       string
-	grpcPort        int
-	grpcHealthPort  int
-	metricsPort     int
-	secureServing   bool
-	certPath        string
-	leaderElection  bool
-	configFile      string
-	configText      string
-	kubeconfig      string
-	verbosity       int
-	maxRequestBytes int64
+	poolName       string
+	poolNamespace  string
+	poolGroup      string
+	grpcPort       int
+	grpcHealthPort int
+	metricsPort    int
+	secureServing  bool
+	certPath       string
+	leaderElection bool
+	// The lease: a crashed leader is replaced within about leaseDuration
+	// plus two retry periods; renewDeadline is how long a leader keeps
+	// trying to renew before it steps down.
+	leaseDuration, renewDeadline, retryPeriod time.Duration
+	configFile                                string
+	configText                                string
+	kubeconfig                                string
+	verbosity                                 int
+	maxRequestBytes                           int64
 	// maxBufferedRequestBytes is the flag's value; the budget in force is
 	// bufferBudget's.
 	maxBufferedRequestBytes int64
@@ -106,6 +110,9 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	fs.BoolVar(&o.secureServing, "secure-serving", true, "serve ext_proc over TLS")
 	fs.StringVar(&o.certPath, "cert-path", "", "directory holding tls.crt and tls.key; a self-signed certificate is generated when empty")
 	fs.BoolVar(&o.leaderElection, "ha-enable-leader-election", false, "elect one leader among replicas; only the leader reports ready")
+	fs.DurationVar(&o.leaseDuration, "ha-lease-duration", 15*time.Second, "with leader election: how long a standby waits after the leader's last renewal it saw before taking the lease")
+	fs.DurationVar(&o.renewDeadline, "ha-renew-deadline", 10*time.Second, "with leader election: how long the leader keeps trying to renew its lease before it stops leading (less than --ha-lease-duration)")
+	fs.DurationVar(&o.retryPeriod, "ha-retry-period", 2*time.Second, "with leader election: how often the leader renews and a standby tries to take the lease")
 	fs.StringVar(&o.configFile, "config-file", "", "path of a PickerConfig file")
 	fs.StringVar(&o.configText, "config-text", "", "a PickerConfig given inline (instead of --config-file)")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, else in-cluster)")
@@ -191,6 +198,16 @@ func (o options) validate() error {
 	}
 	if o.shutdownGrace < 0 {
 		errs = append(errs, fmt.Errorf("flag --shutdown-grace: %s is invalid: must be 0 or more", o.shutdownGrace))
+	}
+	// client-go's rule: the lease outlasts the renew deadline, which
+	// outlasts a jittered retry (1.2 retry periods).
+	if o.retryPeriod <= 0 {
+		errs = append(errs, fmt.Errorf("flag --ha-retry-period: %s is invalid: must be more than 0", o.retryPeriod))
+	} else if o.renewDeadline*10 <= o.retryPeriod*12 {
+		errs = append(errs, fmt.Errorf("flag --ha-renew-deadline: %s is invalid: must be more than 1.2 times --ha-retry-period (%s)", o.renewDeadline, o.retryPeriod))
+	}
+	if o.leaseDuration <= o.renewDeadline {
+		errs = append(errs, fmt.Errorf("flag --ha-lease-duration: %s is invalid: must be more than --ha-renew-deadline (%s)", o.leaseDuration, o.renewDeadline))
 	}
 	if o.metricsCertPath != "" && !o.metricsSecureServing {
 		errs = append(errs, errors.New("flag --metrics-cert-path needs --metrics-secure-serving"))

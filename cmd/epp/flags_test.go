@@ -41,7 +41,8 @@ func TestDefaultsFollowTheUpstreamPicker(t *testing.T) {
 		t.Fatal(err)
 	}
 	if o.poolNamespace != "default" || o.grpcPort != 9002 || o.grpcHealthPort != 9003 || o.metricsPort != 9090 ||
-		!o.secureServing || o.leaderElection || o.maxRequestLifetime != 30*time.Minute {
+		!o.secureServing || o.leaderElection || o.maxRequestLifetime != 30*time.Minute ||
+		o.leaseDuration != 15*time.Second || o.renewDeadline != 10*time.Second || o.retryPeriod != 2*time.Second {
 		t.Fatalf("unexpected defaults: %+v", o)
 	}
 }
@@ -85,6 +86,9 @@ func TestInvalidFlagValuesNameTheFlag(t *testing.T) {
 		{[]string{"--model-server-metrics-port", "70000"}, "--model-server-metrics-port"},
 		{[]string{"--model-server-metrics-path", "metrics"}, "--model-server-metrics-path"},
 		{[]string{"--model-server-metrics-failure-threshold", "0"}, "--model-server-metrics-failure-threshold"},
+		{[]string{"--ha-lease-duration", "10s"}, "--ha-lease-duration"},
+		{[]string{"--ha-renew-deadline", "2400ms"}, "--ha-renew-deadline"},
+		{[]string{"--ha-retry-period", "0s"}, "--ha-retry-period"},
 	} {
 		var stderr bytes.Buffer
 		code := run(context.Background(), append([]string{"--pool-name", "p"}, tc.args...), env(nil), &stderr)

@@ -90,6 +90,9 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 		LeaderElection:          opts.leaderElection,
 		LeaderElectionID:        "tally-epp-" + opts.poolName,
 		LeaderElectionNamespace: opts.poolNamespace,
+		LeaseDuration:           &opts.leaseDuration,
+		RenewDeadline:           &opts.renewDeadline,
+		RetryPeriod:             &opts.retryPeriod,
 		// Stop leading at once on shutdown so a standby takes over quickly.
 		LeaderElectionReleaseOnCancel: true,
 	})

@@ -292,6 +292,16 @@ func TestChartLeaderElectionWithReplicas(t *testing.T) {
 	if flagValue(t, c.Args, "--ha-enable-leader-election") != "" {
 		t.Errorf("--ha-enable-leader-election takes no value in %q", c.Args)
 	}
+	for flag, want := range map[string]string{"--ha-lease-duration": "15s", "--ha-renew-deadline": "10s", "--ha-retry-period": "2s"} {
+		if got := flagValue(t, c.Args, flag); got != want {
+			t.Errorf("%s = %q, want %q (the chart's default)", flag, got, want)
+		}
+	}
+	_, c = pickerDeployment(t, mustRender(t, testNamespace, requiredValues,
+		"picker: {replicas: 2, leaderElection: {leaseDurationSeconds: 8, renewDeadlineSeconds: 5, retryPeriodSeconds: 1}}"))
+	if got := flagValue(t, c.Args, "--ha-lease-duration"); got != "8s" {
+		t.Errorf("--ha-lease-duration = %q, want the value's 8s", got)
+	}
 	var role rbacv1.Role
 	r.one(t, "Role", &role)
 	want := []rbacv1.PolicyRule{
@@ -604,6 +614,8 @@ func TestChartRejectsBadValues(t *testing.T) {
 		{"route without a gateway", []string{requiredValues, "httpRoute: {create: true}"}, []string{"httpRoute.gateway.name is required"}},
 		{"existing ServiceAccount without a name", []string{requiredValues, "serviceAccount: {create: false}"}, []string{"serviceAccount.name is required"}},
 		{"termination grace below the drain", []string{requiredValues, "picker: {terminationGracePeriodSeconds: 30}"}, []string{"picker.terminationGracePeriodSeconds (30) must be above", "(605)"}},
+		{"lease not above the renew deadline", []string{requiredValues, "picker: {leaderElection: {leaseDurationSeconds: 10}}"}, []string{"picker.leaderElection.leaseDurationSeconds (10) must be more than renewDeadlineSeconds (10)"}},
+		{"renew deadline within a retry", []string{requiredValues, "picker: {leaderElection: {renewDeadlineSeconds: 2}}"}, []string{"renewDeadlineSeconds (2) must be more than 1.2 times retryPeriodSeconds (2)"}},
 		{"budget without a bound", []string{requiredValues, `podDisruptionBudget: {create: true, maxUnavailable: ""}`}, []string{"set minAvailable or maxUnavailable"}},
 	}
 	for _, tc := range cases {

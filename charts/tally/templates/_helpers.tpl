@@ -96,6 +96,14 @@ Rendered (to nothing) by every template that needs them.
 {{- if and .Values.httpRoute.create (not .Values.httpRoute.gateway.name) -}}
 {{- fail "httpRoute.gateway.name is required when httpRoute.create is true: the Gateway the route attaches to" -}}
 {{- end -}}
+{{- with .Values.picker.leaderElection -}}
+{{- if le (int .leaseDurationSeconds) (int .renewDeadlineSeconds) -}}
+{{- fail (printf "picker.leaderElection.leaseDurationSeconds (%d) must be more than renewDeadlineSeconds (%d)" (int .leaseDurationSeconds) (int .renewDeadlineSeconds)) -}}
+{{- end -}}
+{{- if le (mul (int .renewDeadlineSeconds) 10) (mul (int .retryPeriodSeconds) 12) -}}
+{{- fail (printf "picker.leaderElection.renewDeadlineSeconds (%d) must be more than 1.2 times retryPeriodSeconds (%d)" (int .renewDeadlineSeconds) (int .retryPeriodSeconds)) -}}
+{{- end -}}
+{{- end -}}
 {{- if and .Values.podDisruptionBudget.create (eq (toString .Values.podDisruptionBudget.minAvailable) "") (eq (toString .Values.podDisruptionBudget.maxUnavailable) "") -}}
 {{- fail "podDisruptionBudget: set minAvailable or maxUnavailable when podDisruptionBudget.create is true" -}}
 {{- end -}}
