@@ -112,7 +112,7 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	fs.DurationVar(&o.duration, "duration", 10*time.Second, "load: the measured window")
 	fs.DurationVar(&o.warmup, "warmup", 2*time.Second, "load: run this long before the window")
 	fs.IntVar(&o.runs, "runs", 1, "bench: runs of the loads at 3 endpoints, alternating between the pickers; the tables give medians")
-	fs.BoolVar(&o.quick, "quick", false, "bench: the short version (about 5 minutes)")
+	fs.BoolVar(&o.quick, "quick", false, "bench: the short version (about 90 seconds on 2 cores)")
 	fs.StringVar(&o.out, "out", "", "bench: markdown file whose generated section is replaced (empty: print the tables)")
 	fs.StringVar(&o.only, "pickers", pickerTally+","+pickerUpstream, "bench: pickers to run, comma-separated")
 	// Flags may come before the scenario and after it.
