@@ -108,14 +108,15 @@ func (s *Server) Register(g *grpc.Server) {
 // GRPCServerOptions are the options the gRPC server carrying this service
 // needs: in BUFFERED mode the gateway sends the whole request body as one
 // message, which must not be refused by gRPC's default 4 MiB receive limit
-// before the server can answer 413 itself.
+// before the server can answer 413 itself. Its codec receives request
+// bodies without a fresh copy per message (see codec).
 func GRPCServerOptions(maxRequestBytes int64) []grpc.ServerOption {
 	const envelopeBytes = 1 << 20 // headers and metadata around the body
 	limit := maxRequestBytes + envelopeBytes
 	if maxRequestBytes <= 0 || limit > 1<<31-1 {
 		limit = 1<<31 - 1
 	}
-	return []grpc.ServerOption{grpc.MaxRecvMsgSize(int(limit))}
+	return []grpc.ServerOption{grpc.MaxRecvMsgSize(int(limit)), grpc.ForceServerCodecV2(newCodec())}
 }
 
 // Process serves one HTTP request's ext_proc stream.
@@ -132,8 +133,19 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) (err err
 		}
 	}()
 
+	// Received into one inbound per stream: each message's body aliases a
+	// buffer reused by the next, and the buffers are the server's, reused
+	// by later streams.
+	var in inbound
+	buf, wire := s.getBuffer(), s.getBuffer()
+	in.buf, in.wire = *buf, *wire
+	defer func() {
+		*buf, *wire = in.buf, in.wire
+		s.putBuffer(buf)
+		s.putBuffer(wire)
+	}()
 	for {
-		req, err := srv.Recv()
+		err := srv.RecvMsg(&in)
 		if errors.Is(err, io.EOF) {
 			return nil
 		}
@@ -143,7 +155,7 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) (err err
 			}
 			return fmt.Errorf("receiving from the gateway: %w", err)
 		}
-		if err := st.handle(req); err != nil {
+		if err := st.handle(&in.ProcessingRequest); err != nil {
 			if errors.Is(err, errAnswered) {
 				return nil
 			}

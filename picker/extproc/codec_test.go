@@ -1,0 +1,149 @@
+package extproc
+
+import (
+	"bytes"
+	"testing"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/structpb"
+)
+
+// bufferSlice cuts b into gRPC buffers of at most size bytes (0: one buffer).
+func bufferSlice(b []byte, size int) mem.BufferSlice {
+	if size <= 0 {
+		size = max(len(b), 1)
+	}
+	var s mem.BufferSlice
+	for len(b) > 0 {
+		n := min(size, len(b))
+		s = append(s, mem.SliceBuffer(bytes.Clone(b[:n])))
+		b = b[n:]
+	}
+	return s
+}
+
+// checkLikeProto decodes wire with the codec into a reused inbound and
+// with proto.Unmarshal, and fails unless both fail or both give equal
+// messages.
+func checkLikeProto(t *testing.T, c codec, in *inbound, wire []byte, bufSize int) {
+	t.Helper()
+	var want extprocv3.ProcessingRequest
+	wantErr := proto.Unmarshal(wire, &want)
+	gotErr := c.Unmarshal(bufferSlice(wire, bufSize), in)
+	if (gotErr == nil) != (wantErr == nil) {
+		t.Fatalf("codec error %v, proto.Unmarshal error %v, for %x", gotErr, wantErr, wire)
+	}
+	if wantErr == nil && !proto.Equal(&in.ProcessingRequest, &want) {
+		t.Fatalf("codec decoded\n%v\nproto.Unmarshal\n%v\nfrom %x", &in.ProcessingRequest, &want, wire)
+	}
+}
+
+func TestCodecDecodesAsProtoDoes(t *testing.T) {
+	body := bytes.Repeat([]byte(`{"prompt":"abc"}`), 5000)
+	meta, err := structpb.NewStruct(map[string]any{"k": "v"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := []*extprocv3.ProcessingRequest{
+		{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
+			Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":path", RawValue: []byte("/v1/completions")}}}}},
+			MetadataContext: &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{"envoy.lb": meta}},
+			ProtocolConfig:  &extprocv3.ProtocolConfiguration{RequestBodyMode: fullDuplex}},
+		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: true}}},
+		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: body[:10]}}},
+		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{EndOfStream: true}}},
+		{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte("data: [DONE]\n\n"), EndOfStream: true}},
+			MetadataContext: &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{"envoy.lb": meta}}},
+		{Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: &extprocv3.HttpTrailers{}}},
+		{},
+	}
+	c := newCodec()
+	var in inbound // reused, as a stream reuses it
+	for _, m := range msgs {
+		wire, err := proto.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, size := range []int{0, 1, 7, 16384} {
+			checkLikeProto(t, c, &in, wire, size)
+		}
+	}
+
+	// Fields a broken client may repeat: proto merges a oneof member seen
+	// twice (the later body wins, an absent one keeps the earlier) and
+	// replaces it when another member follows.
+	field := func(num protowire.Number, m proto.Message) []byte {
+		b, err := proto.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return protowire.AppendBytes(protowire.AppendTag(nil, num, protowire.BytesType), b)
+	}
+	withBody := &extprocv3.HttpBody{Body: []byte("first")}
+	later := &extprocv3.HttpBody{Body: []byte("second")}
+	noBody := &extprocv3.HttpBody{EndOfStream: true}
+	headers := &extprocv3.HttpHeaders{EndOfStream: true}
+	twoBodies := append(protowire.AppendTag(nil, fieldBodyBytes, protowire.BytesType), 1, 'a')
+	twoBodies = protowire.AppendBytes(protowire.AppendTag(twoBodies, fieldBodyBytes, protowire.BytesType), []byte("bb"))
+	for name, wire := range map[string][]byte{
+		"body twice":                   append(field(fieldRequestBody, withBody), field(fieldRequestBody, later)...),
+		"body then none":               append(field(fieldRequestBody, withBody), field(fieldRequestBody, noBody)...),
+		"request then response body":   append(field(fieldRequestBody, withBody), field(fieldResponseBody, noBody)...),
+		"body, headers, body":          append(append(field(fieldRequestBody, withBody), field(2, headers)...), field(fieldRequestBody, noBody)...),
+		"body then headers":            append(field(fieldResponseBody, withBody), field(3, headers)...),
+		"two body fields in one":       protowire.AppendBytes(protowire.AppendTag(nil, fieldRequestBody, protowire.BytesType), twoBodies),
+		"body field of the wrong type": protowire.AppendVarint(protowire.AppendTag(nil, fieldRequestBody, protowire.VarintType), 3),
+		"truncated":                    field(fieldRequestBody, withBody)[:5],
+	} {
+		t.Run(name, func(t *testing.T) {
+			checkLikeProto(t, c, &in, wire, 0)
+			checkLikeProto(t, c, &in, wire, 3)
+		})
+	}
+}
+
+// The body a stream received stays intact after gRPC frees (and reuses)
+// the buffers it came in.
+func TestCodecBodyOutlivesTheReceiveBuffers(t *testing.T) {
+	wire, err := proto.Marshal(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
+		RequestBody: &extprocv3.HttpBody{Body: []byte("the prompt")}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, size := range []int{0, 4} {
+		data := bufferSlice(wire, size)
+		var in inbound
+		if err := newCodec().Unmarshal(data, &in); err != nil {
+			t.Fatal(err)
+		}
+		for _, b := range data {
+			clear(b.ReadOnlyData()) // what a reused buffer would hold
+		}
+		if got := string(in.GetRequestBody().GetBody()); got != "the prompt" {
+			t.Fatalf("buffers of %d bytes: body %q after they were reused", size, got)
+		}
+	}
+}
+
+func FuzzCodecDecodesAsProtoDoes(f *testing.F) {
+	for _, m := range []*extprocv3.ProcessingRequest{
+		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte(`{"model":"m"}`), EndOfStream: true}}},
+		{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte("data: x")}}},
+		{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{EndOfStream: true}}},
+	} {
+		wire, err := proto.Marshal(m)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(wire, uint8(0))
+	}
+	c := newCodec()
+	f.Fuzz(func(t *testing.T, wire []byte, size uint8) {
+		var in inbound
+		checkLikeProto(t, c, &in, wire, int(size))
+	})
+}
