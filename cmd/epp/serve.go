@@ -271,10 +271,9 @@ func stopGRPC(s *grpc.Server, grace time.Duration, failed context.Context) bool 
 
 // scrapeOptions are the engine scraper's settings from the flags.
 func scrapeOptions(opts options, reg prometheus.Registerer, log logr.Logger) scrape.Options {
-	transport := http.DefaultTransport.(*http.Transport).Clone()
-	transport.MaxIdleConnsPerHost = 2
+	var tlsConfig *tls.Config
 	if opts.scrapeScheme == "https" {
-		transport.TLSClientConfig = &tls.Config{InsecureSkipVerify: opts.scrapeInsecure} //nolint:gosec // as the upstream flag asks
+		tlsConfig = &tls.Config{InsecureSkipVerify: opts.scrapeInsecure} //nolint:gosec // as the upstream flag asks
 	}
 	return scrape.Options{
 		Interval: opts.scrapeInterval,
@@ -282,7 +281,7 @@ func scrapeOptions(opts options, reg prometheus.Registerer, log logr.Logger) scr
 		Path:     opts.scrapePath,
 		Port:     uint16(opts.scrapePort),
 		Scheme:   opts.scrapeScheme,
-		Client:   &http.Client{Transport: transport},
+		Client:   &http.Client{Transport: scrape.NewTransport(tlsConfig)},
 		Log:      log,
 		// The scraper's metrics are served with the picker's.
 		Registerer: reg,

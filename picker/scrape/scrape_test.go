@@ -154,3 +154,44 @@ func waitFor(t *testing.T, cond func() bool) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// Every endpoint keeps its connection between scrapes, also past the 100
+// idle connections net/http's default transport keeps in all.
+func TestScrapesReuseEachEndpointsConnection(t *testing.T) {
+	const endpoints, rounds = 150, 3
+	var opened atomic.Int64
+	page := []byte("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+	var eps []picker.Endpoint
+	for i := range endpoints {
+		// 127.0.47.x: clear of the other tests' pod IPs.
+		lis, err := net.Listen("tcp", netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 47, byte(1 + i)}), 0).String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := &http.Server{
+			Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write(page) }),
+			ConnState: func(_ net.Conn, s http.ConnState) {
+				if s == http.StateNew {
+					opened.Add(1)
+				}
+			},
+		}
+		go func() { _ = srv.Serve(lis) }()
+		t.Cleanup(func() { _ = srv.Close() })
+		eps = append(eps, picker.Endpoint{Pod: fmt.Sprintf("p-%d", i), UID: fmt.Sprintf("u-%d", i), Address: netip.MustParseAddrPort(lis.Addr().String())})
+	}
+	p := picker.New(v1alpha1.Default(), picker.Options{})
+	p.Replace(eps)
+	s := New(p, Options{})
+	for range rounds {
+		s.Round(t.Context(), p.ScrapeTargets(nil))
+	}
+	for _, st := range p.Stats() {
+		if !st.Scraped || st.Unhealthy {
+			t.Fatalf("%s not scraped: %+v", st.Endpoint.Address, st)
+		}
+	}
+	if got := opened.Load(); got != endpoints {
+		t.Errorf("%d rounds over %d endpoints opened %d connections, want one per endpoint", rounds, endpoints, got)
+	}
+}
