@@ -18,11 +18,12 @@ import (
 // Hash appends to dst the chained hashes of the full blocks of prompt, each
 // blockSize bytes long, and returns the extended slice:
 //
-//	h_0 = xxhash(seed(model) ‖ block_0)
-//	h_i = xxhash(h_{i-1} ‖ block_i)
+//	h_0 = xxhash(seed(model) ‖ xxhash(block_0))
+//	h_i = xxhash(h_{i-1} ‖ xxhash(block_i))
 //
 // where seed(model) = xxhash(model) and ‖ is concatenation with the 64-bit
-// value written little-endian. The model name seeds the chain because two
+// values written little-endian. Hashing each block alone, then the 16-byte
+// pair, needs no copy of the block next to the previous hash. The model name seeds the chain because two
 // models never share KV cache. A trailing partial block is not hashed: it
 // cannot be matched reliably and a model server caches whole blocks only.
 // Hash does not allocate when dst has capacity for len(prompt)/blockSize more
@@ -45,20 +46,7 @@ func HashSalted(dst []uint64, model, salt string, prompt []byte, blockSize int) 
 	if blockSize < 1 {
 		return dst
 	}
-	h := seed(model, salt)
-	if blockSize > maxStackBlock {
-		return hashStreaming(dst, h, prompt, blockSize)
-	}
-	// One-shot hashing of a copy of (h ‖ block) is faster than streaming the
-	// two parts through a Digest; the copy stays on the stack.
-	var buf [8 + maxStackBlock]byte
-	for off := 0; off+blockSize <= len(prompt); off += blockSize {
-		binary.LittleEndian.PutUint64(buf[:8], h)
-		copy(buf[8:], prompt[off:off+blockSize])
-		h = xxhash.Sum64(buf[:8+blockSize])
-		dst = append(dst, h)
-	}
-	return dst
+	return chain(dst, seed(model, salt), prompt, blockSize)
 }
 
 // HashTiered hashes the first fineBlocks full blocks of prompt as
@@ -85,17 +73,7 @@ func HashTiered(dst []uint64, model, salt string, prompt []byte, blockSize, fine
 	}
 	tail := prompt[fine:]
 	tail = tail[:min(len(tail), (maxBlocks-fineBlocks)*coarseSize)]
-	if coarseSize > maxStackBlock {
-		return hashStreaming(dst, h, tail, coarseSize)
-	}
-	var buf [8 + maxStackBlock]byte
-	for off := 0; off+coarseSize <= len(tail); off += coarseSize {
-		binary.LittleEndian.PutUint64(buf[:8], h)
-		copy(buf[8:], tail[off:off+coarseSize])
-		h = xxhash.Sum64(buf[:8+coarseSize])
-		dst = append(dst, h)
-	}
-	return dst
+	return chain(dst, h, tail, coarseSize)
 }
 
 func seed(model, salt string) uint64 {
@@ -110,21 +88,16 @@ func seed(model, salt string) uint64 {
 	return d.Sum64()
 }
 
-// maxStackBlock is the largest block Hash copies onto its stack; it is the
-// largest block size the configuration accepts.
-const maxStackBlock = 4096
-
-func hashStreaming(dst []uint64, h uint64, prompt []byte, blockSize int) []uint64 {
-	var (
-		d    xxhash.Digest
-		prev [8]byte
-	)
+// chain appends the hashes of prompt's full blocks, chained on from h.
+// Its frame stays small: a goroutine's first stack holds it, where a copy
+// of each block on the stack made every stream's goroutine grow its stack
+// (a tenth of a pick's CPU).
+func chain(dst []uint64, h uint64, prompt []byte, blockSize int) []uint64 {
+	var pair [16]byte
 	for off := 0; off+blockSize <= len(prompt); off += blockSize {
-		binary.LittleEndian.PutUint64(prev[:], h)
-		d.Reset()
-		_, _ = d.Write(prev[:]) // Digest.Write never fails.
-		_, _ = d.Write(prompt[off : off+blockSize])
-		h = d.Sum64()
+		binary.LittleEndian.PutUint64(pair[:8], h)
+		binary.LittleEndian.PutUint64(pair[8:], xxhash.Sum64(prompt[off:off+blockSize]))
+		h = xxhash.Sum64(pair[:])
 		dst = append(dst, h)
 	}
 	return dst
