@@ -2,6 +2,7 @@ package extproc
 
 import (
 	"bytes"
+	"strings"
 	"testing"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -146,4 +147,76 @@ func FuzzCodecDecodesAsProtoDoes(f *testing.F) {
 		var in inbound
 		checkLikeProto(t, c, &in, wire, int(size))
 	})
+}
+
+// A body echo is written byte for byte as protobuf writes the equivalent
+// message, through the codec (pooled buffer or not) and through a plain
+// proto codec (ProtoReflect).
+func TestBodyEchoEncodesAsProtoDoes(t *testing.T) {
+	c := newCodec()
+	for _, n := range []int{0, 1, 127, 128, 20_000, 62_000} {
+		for _, response := range []bool{false, true} {
+			for _, end := range []bool{false, true} {
+				e := &bodyEcho{response: response, chunk: bytes.Repeat([]byte{'x'}, n), endOfStream: end}
+				want, err := proto.MarshalOptions{Deterministic: true}.Marshal(e.message())
+				if err != nil {
+					t.Fatal(err)
+				}
+				got, err := c.Marshal(e)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !bytes.Equal(got.Materialize(), want) {
+					t.Errorf("%d bytes, response %v, end %v: codec wrote %x, protobuf %x", n, response, end, got.Materialize(), want)
+				}
+				got.Free()
+				viaProto, err := c.proto.Marshal(e)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !bytes.Equal(viaProto.Materialize(), want) {
+					t.Errorf("%d bytes: a plain proto codec wrote %x, want %x", n, viaProto.Materialize(), want)
+				}
+			}
+		}
+	}
+	for _, p := range []*preEncoded{answerResponseHeaders, answerRequestBody, answerResponseBody, answerRequestTrailers, answerResponseTrailers} {
+		got, err := c.Marshal(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var back extprocv3.ProcessingResponse
+		if err := proto.Unmarshal(got.Materialize(), &back); err != nil || !proto.Equal(&back, p.msg) {
+			t.Errorf("constant answer %v decodes as %v (%v)", p.msg, &back, err)
+		}
+	}
+}
+
+// The routing answer is written byte for byte as protobuf writes the
+// equivalent message.
+func TestRouteAnswerEncodesAsProtoDoes(t *testing.T) {
+	c := newCodec()
+	long := strings.Repeat("10.0.0.1:8000,", 20) + "10.0.0.2:8000" // lengths past one varint byte
+	for _, r := range []routeAnswer{
+		{destination: "10.0.0.7:8000"},
+		{destination: "10.0.0.7:8000,[fd00::1]:8000", contentLength: "32000"},
+		{inBody: true, destination: "[fd00::2]:3000"},
+		{inBody: true, destination: long, contentLength: "1"},
+		{destination: ""},
+	} {
+		want, err := proto.MarshalOptions{Deterministic: true}.Marshal(r.message())
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := c.Marshal(&r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got.Materialize(), want) {
+			t.Errorf("%+v: codec wrote %x, protobuf %x", r, got.Materialize(), want)
+		}
+		if r.destination != "" && r.sizes().whole != len(want) {
+			t.Errorf("%+v: size %d, want %d", r, r.sizes().whole, len(want))
+		}
+	}
 }

@@ -11,6 +11,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/reflect/protoreflect"
 
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/request"
@@ -183,9 +184,7 @@ func (st *stream) requestBody(b *extprocv3.HttpBody) error {
 	case st.loadOnly:
 		// Routed on its headers: each STREAMED chunk, or the one
 		// BUFFERED_PARTIAL message, is answered and passes on unchanged.
-		return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
-			RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}},
-		}})
+		return st.send(answerRequestBody)
 	case st.decided:
 		return nil // nothing is expected after the body's end; ignore stragglers
 	}
@@ -242,9 +241,7 @@ func (st *stream) requestTrailers() error {
 			st.s.opts.Log.V(1).Info("request not routed: its BUFFERED body was empty and ended with trailers", "path", st.path)
 		}
 	}
-	return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
-		RequestTrailers: &extprocv3.TrailersResponse{},
-	}})
+	return st.send(answerRequestTrailers)
 }
 
 func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) error {
@@ -258,12 +255,12 @@ func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders)
 	if h.GetEndOfStream() {
 		st.release()
 	}
-	common := &extprocv3.CommonResponse{}
-	if st.s.opts.ConformanceTestHooks {
-		common.HeaderMutation = &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-			headerOption(testServedHeader, servedForTest(md)),
-		}}
+	if !st.s.opts.ConformanceTestHooks {
+		return st.send(answerResponseHeaders)
 	}
+	common := &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+		headerOption(testServedHeader, servedForTest(md)),
+	}}}
 	return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
 		ResponseHeaders: &extprocv3.HeadersResponse{Response: common},
 	}})
@@ -280,21 +277,16 @@ func (st *stream) responseBody(b *extprocv3.HttpBody) error {
 	if b.GetEndOfStream() {
 		st.release()
 	}
-	common := &extprocv3.CommonResponse{}
 	if st.responseMode == fullDuplex {
-		common.BodyMutation = streamedBody(b.GetBody(), b.GetEndOfStream())
+		return st.send(&bodyEcho{response: true, chunk: b.GetBody(), endOfStream: b.GetEndOfStream()})
 	}
-	return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{
-		ResponseBody: &extprocv3.BodyResponse{Response: common},
-	}})
+	return st.send(answerResponseBody)
 }
 
 func (st *stream) responseTrailers() error {
 	st.up.responseEnd()
 	st.release()
-	return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{
-		ResponseTrailers: &extprocv3.TrailersResponse{},
-	}})
+	return st.send(answerResponseTrailers)
 }
 
 // routeBody routes the request on its buffered body, passes the body on in
@@ -336,22 +328,15 @@ func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 	st.s.metrics.requests.WithLabelValues("200").Inc()
 	st.up.routed(st.bodyLen())
 
-	common, metadata := routeTo(res.Endpoints())
+	answer := &routeAnswer{inBody: inBodyAnswer, destination: destinationValue(res.Endpoints())}
 	if st.requestMode == fullDuplex && st.body != nil {
 		// Envoy drops content-length from a request whose body it streams
 		// in this mode, since a processor could change the body. This one
 		// passes on unchanged, so its length is known: setting it again
 		// spares the model server a chunked request.
-		mutation := common.GetHeaderMutation()
-		mutation.SetHeaders = append(mutation.SetHeaders, headerOption("content-length", strconv.Itoa(len(*st.body))))
+		answer.contentLength = strconv.Itoa(len(*st.body))
 	}
-	resp := &extprocv3.ProcessingResponse{DynamicMetadata: metadata}
-	if inBodyAnswer {
-		resp.Response = &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: common}}
-	} else {
-		resp.Response = &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{Response: common}}
-	}
-	return st.send(resp)
+	return st.send(answer)
 }
 
 // parse reads the buffered body (nil when none came) into a picker request.
@@ -384,11 +369,7 @@ func (st *stream) echoRequestBody(endOfStream bool) error {
 	for {
 		n := min(len(body), maxChunkBytes)
 		last := n == len(body)
-		err := st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
-			RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{
-				BodyMutation: streamedBody(body[:n], last && endOfStream),
-			}},
-		}})
+		err := st.send(&bodyEcho{chunk: body[:n], endOfStream: last && endOfStream})
 		if err != nil || last {
 			return err
 		}
@@ -479,8 +460,10 @@ func (st *stream) close() {
 	st.up.closed()
 }
 
-func (st *stream) send(resp *extprocv3.ProcessingResponse) error {
-	if err := st.srv.Send(resp); err != nil {
+// send sends one answer: a *extprocv3.ProcessingResponse, or one of the
+// codec's own (bodyEcho, preEncoded), which are proto messages too.
+func (st *stream) send(resp protoreflect.ProtoMessage) error {
+	if err := st.srv.SendMsg(resp); err != nil {
 		return fmt.Errorf("sending to the gateway: %w", err)
 	}
 	return nil

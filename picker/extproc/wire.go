@@ -126,18 +126,23 @@ func headerOption(key, value string) *corev3.HeaderValueOption {
 	}
 }
 
-// routeTo is what answers a routed request: the destination header (and a
-// route cache clear so the gateway routes on it), and the metadata the
-// gateway's load balancer reads.
-func routeTo(eps []netip.AddrPort) (*extprocv3.CommonResponse, *structpb.Struct) {
+// destinationValue is the destination header's value: the endpoints,
+// comma-separated, "[v6]:port" for IPv6.
+func destinationValue(eps []netip.AddrPort) string {
 	var b strings.Builder
 	for i, ep := range eps {
 		if i > 0 {
 			b.WriteByte(',')
 		}
-		b.WriteString(ep.String()) // "[v6]:port" for IPv6
+		b.WriteString(ep.String())
 	}
-	value := b.String()
+	return b.String()
+}
+
+// routeTo is what answers a routed request: the destination header (and a
+// route cache clear so the gateway routes on it), and the metadata the
+// gateway's load balancer reads.
+func routeTo(value string) (*extprocv3.CommonResponse, *structpb.Struct) {
 	common := &extprocv3.CommonResponse{
 		ClearRouteCache: true,
 		HeaderMutation: &extprocv3.HeaderMutation{
