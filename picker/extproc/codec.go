@@ -19,8 +19,8 @@ import (
 // message (protobuf always copies bytes fields) but into the stream's own
 // reused buffer. The body is most of what a picker receives (a whole prompt
 // per request); a fresh slice per chunk was most of the picker's garbage.
-// And it writes the answers most sent (body echoes, constants) without
-// protobuf's reflection.
+// And it writes the answers a request gets (the routing answer, body
+// echoes, constants) without protobuf's reflection.
 type codec struct{ proto encoding.CodecV2 }
 
 // newCodec returns the codec the ext_proc server is forced to use.

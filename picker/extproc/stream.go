@@ -460,8 +460,8 @@ func (st *stream) close() {
 	st.up.closed()
 }
 
-// send sends one answer: a *extprocv3.ProcessingResponse, or one of the
-// codec's own (bodyEcho, preEncoded), which are proto messages too.
+// send sends one answer: a *extprocv3.ProcessingResponse, or one the codec
+// writes itself (routeAnswer, bodyEcho, preEncoded), proto messages too.
 func (st *stream) send(resp protoreflect.ProtoMessage) error {
 	if err := st.srv.SendMsg(resp); err != nil {
 		return fmt.Errorf("sending to the gateway: %w", err)
