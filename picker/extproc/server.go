@@ -116,7 +116,14 @@ func GRPCServerOptions(maxRequestBytes int64) []grpc.ServerOption {
 	if maxRequestBytes <= 0 || limit > 1<<31-1 {
 		limit = 1<<31 - 1
 	}
-	return []grpc.ServerOption{grpc.MaxRecvMsgSize(int(limit)), grpc.ForceServerCodecV2(newCodec())}
+	return []grpc.ServerOption{grpc.MaxRecvMsgSize(int(limit)), grpc.ForceServerCodecV2(newCodec()),
+		// Streams run on kept goroutines while one is free (past that, on
+		// new ones, as without workers). A kept goroutine's stack has
+		// already grown to what serving a stream takes; a new one grows it
+		// by copying, each time: a tenth of a short request's CPU. In
+		// interleaved runs of extproc-load at 16 clients, 12-20% less CPU
+		// per request.
+		grpc.NumStreamWorkers(streamWorkers)}
 }
 
 // Process serves one HTTP request's ext_proc stream.
@@ -163,6 +170,11 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) (err err
 		}
 	}
 }
+
+// streamWorkers is how many goroutines the gRPC server keeps for streams:
+// more than the streams a short burst of small requests holds open at once
+// on a few cores, few enough that idle ones cost little (a few MiB).
+const streamWorkers = 64
 
 // Buffers larger than this are dropped instead of recycled, so one huge
 // request does not pin its memory in the pool forever.
