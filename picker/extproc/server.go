@@ -123,7 +123,11 @@ func GRPCServerOptions(maxRequestBytes int64) []grpc.ServerOption {
 		// by copying, each time: a tenth of a short request's CPU. In
 		// interleaved runs of extproc-load at 16 clients, 12-20% less CPU
 		// per request.
-		grpc.NumStreamWorkers(streamWorkers)}
+		grpc.NumStreamWorkers(streamWorkers),
+		// A body chunk (up to 62,000 bytes) and its echo each fit one read
+		// and one write; a gateway opens a few connections, so the buffers
+		// cost little. About 5% less CPU per request in interleaved runs.
+		grpc.ReadBufferSize(connBufferBytes), grpc.WriteBufferSize(connBufferBytes)}
 }
 
 // Process serves one HTTP request's ext_proc stream.
@@ -175,6 +179,9 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) (err err
 // more than the streams a short burst of small requests holds open at once
 // on a few cores, few enough that idle ones cost little (a few MiB).
 const streamWorkers = 64
+
+// connBufferBytes sizes each gateway connection's read and write buffers.
+const connBufferBytes = 128 << 10
 
 // Buffers larger than this are dropped instead of recycled, so one huge
 // request does not pin its memory in the pool forever.
