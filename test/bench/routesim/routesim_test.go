@@ -185,12 +185,12 @@ func TestBoundMatchesTheEngineAlone(t *testing.T) {
 				t.Fatal(err)
 			}
 			seen := map[uint64]struct{}{}
-			wh := blockHashes(warm.AppendPromptText(nil), chunkChars)
+			wh := engine.TextBlockHashes(string(warm.AppendPromptText(nil)), chunkChars)
 			run(t, e, "warm", warm, wh)
 			for _, h := range wh {
 				seen[h] = struct{}{}
 			}
-			h := blockHashes(tc.r.AppendPromptText(nil), chunkChars)
+			h := engine.TextBlockHashes(string(tc.r.AppendPromptText(nil)), chunkChars)
 			start := e.Now()
 			ttft, e2e := run(t, e, "r", tc.r, h)
 			want := boundOf(ec, tc.r.InputTokens, tc.r.OutputTokens, leadingHits(seen, h))

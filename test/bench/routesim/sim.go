@@ -146,14 +146,15 @@ func Prepare(reqs []Request, cfg Config) (*Workload, error) {
 		// which requests the other picks.
 		nonStream, bypass := rng.Float64(), rng.Float64()
 		text = w.texts.appendPrompt(text[:0], r)
+		prompt := string(text)
 		j := &w.jobs[i]
 		*j = job{
 			Request:        r,
 			arrival:        time.Duration(float64(r.Arrival) / cfg.LoadFactor),
 			stream:         nonStream >= cfg.NonStreaming,
 			bypass:         bypass < cfg.Bypass,
-			engineHashes:   blockHashes(text, chunkChars),
-			upstreamHashes: blockHashes(text[:min(len(text), upstreamMaxBlocks*upstreamBlockChars)], upstreamBlockChars),
+			engineHashes:   engine.TextBlockHashes(prompt, chunkChars),
+			upstreamHashes: engine.TextBlockHashes(prompt[:min(len(prompt), upstreamMaxBlocks*upstreamBlockChars)], upstreamBlockChars),
 		}
 		hits := leadingHits(seen, j.engineHashes)
 		j.bound = boundOf(ec, r.InputTokens, r.OutputTokens, hits)

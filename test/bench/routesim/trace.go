@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"cmp"
-	"encoding/binary"
 	"encoding/csv"
 	"encoding/json"
 	"errors"
@@ -15,8 +14,6 @@ import (
 	"slices"
 	"strconv"
 	"time"
-
-	"github.com/cespare/xxhash/v2"
 
 	"github.com/tallyepp/tally/test/stack"
 )
@@ -336,21 +333,4 @@ func appendIDText(dst []byte, id, k int) []byte {
 		k -= m
 	}
 	return dst
-}
-
-// blockHashes hashes each full block of blockChars characters of text,
-// chained to the blocks before it, as test/modelsim/server does for a text
-// prompt (with 64-character blocks): equal hashes mean equal prefixes.
-func blockHashes(text []byte, blockChars int) []uint64 {
-	hashes := make([]uint64, len(text)/blockChars)
-	d := xxhash.New()
-	var prev [8]byte
-	for i := range hashes {
-		d.Reset()
-		_, _ = d.Write(prev[:])
-		_, _ = d.Write(text[i*blockChars : (i+1)*blockChars])
-		hashes[i] = d.Sum64()
-		binary.LittleEndian.PutUint64(prev[:], hashes[i])
-	}
-	return hashes
 }

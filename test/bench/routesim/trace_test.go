@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/tallyepp/tally/test/modelsim/engine"
 )
 
 // The expansion of hash_ids into text is test/stack's, byte for byte, so
@@ -40,9 +42,9 @@ func TestBlockHashesShareLeadingIDs(t *testing.T) {
 	a := Request{InputTokens: 1100, HashIDs: []int{1, 2, 3}}
 	b := Request{InputTokens: 1500, HashIDs: []int{1, 2, 4}}
 	c := Request{InputTokens: 600, HashIDs: []int{1, 2}}
-	ha := blockHashes(a.AppendPromptText(nil), chunkChars)
-	hb := blockHashes(b.AppendPromptText(nil), chunkChars)
-	hc := blockHashes(c.AppendPromptText(nil), chunkChars)
+	ha := engine.TextBlockHashes(string(a.AppendPromptText(nil)), chunkChars)
+	hb := engine.TextBlockHashes(string(b.AppendPromptText(nil)), chunkChars)
+	hc := engine.TextBlockHashes(string(c.AppendPromptText(nil)), chunkChars)
 	if len(ha) != 1100/16 || len(hb) != 1500/16 || len(hc) != 600/16 {
 		t.Fatalf("block counts %d %d %d", len(ha), len(hb), len(hc))
 	}

@@ -273,19 +273,7 @@ func chatText(msgs []chatMessage) (string, *apiError) {
 // textPrompt counts tokens as the picker estimates them and hashes each
 // full block of text, chained to the blocks before it.
 func textPrompt(text string, charsPerToken, blockTokens int) prompt {
-	tokens := max(len(text)/charsPerToken, 1)
-	blockBytes := charsPerToken * blockTokens
-	hashes := make([]uint64, tokens/blockTokens)
-	d := xxhash.New()
-	var prev [8]byte
-	for i := range hashes {
-		d.Reset()
-		_, _ = d.Write(prev[:])
-		_, _ = d.WriteString(text[i*blockBytes : (i+1)*blockBytes])
-		hashes[i] = d.Sum64()
-		binary.LittleEndian.PutUint64(prev[:], hashes[i])
-	}
-	return prompt{tokens: tokens, hashes: hashes}
+	return prompt{tokens: max(len(text)/charsPerToken, 1), hashes: engine.TextBlockHashes(text, charsPerToken*blockTokens)}
 }
 
 func idsPrompt(ids []int64, blockTokens int) prompt {

@@ -1,0 +1,25 @@
+package engine
+
+import (
+	"encoding/binary"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// TextBlockHashes names each full block of blockBytes bytes of a text
+// prompt for Request.BlockHashes: a hash chained over the blocks before it,
+// so equal hashes mean equal prefixes. The simulator's server hashes text
+// prompts with it, and so must anything that predicts its cache.
+func TextBlockHashes(text string, blockBytes int) []uint64 {
+	hashes := make([]uint64, len(text)/blockBytes)
+	d := xxhash.New()
+	var prev [8]byte
+	for i := range hashes {
+		d.Reset()
+		_, _ = d.Write(prev[:])
+		_, _ = d.WriteString(text[i*blockBytes : (i+1)*blockBytes])
+		hashes[i] = d.Sum64()
+		binary.LittleEndian.PutUint64(prev[:], hashes[i])
+	}
+	return hashes
+}
