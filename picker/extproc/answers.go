@@ -14,6 +14,17 @@ import (
 // (ProtoReflect gives the equivalent generated message), and a test checks
 // that each writes exactly the bytes protobuf writes for that message.
 
+// lenField is the size of a length-delimited field of n bytes.
+func lenField(num protowire.Number, n int) int {
+	return protowire.SizeTag(num) + protowire.SizeBytes(n)
+}
+
+// appendLen appends the tag and length of a length-delimited field of n
+// bytes; its n bytes follow.
+func appendLen(b []byte, num protowire.Number, n int) []byte {
+	return protowire.AppendVarint(protowire.AppendTag(b, num, protowire.BytesType), uint64(n))
+}
+
 // Field numbers of the body echo: ProcessingResponse.request_body (3) or
 // .response_body (4), a BodyResponse's response (1), a CommonResponse's
 // body_mutation (3), a BodyMutation's streamed_response (3), and a
@@ -57,15 +68,15 @@ func (e *bodyEcho) ProtoReflect() protoreflect.Message { return e.message().Prot
 // whole ProcessingResponse.
 func (e *bodyEcho) sizes() (streamed, mutation, common, body, whole int) {
 	if len(e.chunk) > 0 {
-		streamed = protowire.SizeTag(fieldStreamedBody) + protowire.SizeBytes(len(e.chunk))
+		streamed = lenField(fieldStreamedBody, len(e.chunk))
 	}
 	if e.endOfStream {
 		streamed += protowire.SizeTag(fieldStreamedEnd) + protowire.SizeVarint(1)
 	}
-	mutation = protowire.SizeTag(fieldStreamedResponse) + protowire.SizeBytes(streamed)
-	common = protowire.SizeTag(fieldBodyMutation) + protowire.SizeBytes(mutation)
-	body = protowire.SizeTag(fieldBodyResponse) + protowire.SizeBytes(common)
-	whole = protowire.SizeTag(fieldRespRequestBody) + protowire.SizeBytes(body)
+	mutation = lenField(fieldStreamedResponse, streamed)
+	common = lenField(fieldBodyMutation, mutation)
+	body = lenField(fieldBodyResponse, common)
+	whole = lenField(fieldRespRequestBody, body)
 	return
 }
 
@@ -77,14 +88,10 @@ func (e *bodyEcho) appendWire(b []byte) []byte {
 	if e.response {
 		field = fieldRespResponseBody
 	}
-	b = protowire.AppendTag(b, field, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(body))
-	b = protowire.AppendTag(b, fieldBodyResponse, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(common))
-	b = protowire.AppendTag(b, fieldBodyMutation, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(mutation))
-	b = protowire.AppendTag(b, fieldStreamedResponse, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(streamed))
+	b = appendLen(b, field, body)
+	b = appendLen(b, fieldBodyResponse, common)
+	b = appendLen(b, fieldBodyMutation, mutation)
+	b = appendLen(b, fieldStreamedResponse, streamed)
 	if len(e.chunk) > 0 {
 		b = protowire.AppendTag(b, fieldStreamedBody, protowire.BytesType)
 		b = protowire.AppendBytes(b, e.chunk)
@@ -169,27 +176,30 @@ const (
 	fieldOptionAction       = 3 // HeaderValueOption.append_action
 	fieldHeaderKey          = 1 // HeaderValue.key
 	fieldHeaderRaw          = 3 // HeaderValue.raw_value
-	fieldStructFields       = 1 // Struct.fields, a map: entries of key 1, value 2
+	fieldStructFields       = 1 // Struct.fields, a map of entries:
+	fieldEntryKey           = 1 // its entries' key
+	fieldEntryValue         = 2 // and value
 	fieldValueString        = 3 // Value.string_value
 	fieldValueStruct        = 5 // Value.struct_value
 )
 
 var overwriteOrAdd = uint64(corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD)
 
+// sizeHeader is the length of a HeaderValue of key and raw value.
+func sizeHeader(key, value string) int {
+	return lenField(fieldHeaderKey, len(key)) + lenField(fieldHeaderRaw, len(value))
+}
+
 // sizeOption is the length of a HeaderValueOption setting key to value.
 func sizeOption(key, value string) int {
-	header := protowire.SizeTag(fieldHeaderKey) + protowire.SizeBytes(len(key)) +
-		protowire.SizeTag(fieldHeaderRaw) + protowire.SizeBytes(len(value))
-	return protowire.SizeTag(fieldOptionHeader) + protowire.SizeBytes(header) +
+	return lenField(fieldOptionHeader, sizeHeader(key, value)) +
 		protowire.SizeTag(fieldOptionAction) + protowire.SizeVarint(overwriteOrAdd)
 }
 
+// appendOption appends a set_headers entry setting key to value.
 func appendOption(b []byte, key, value string) []byte {
-	b = protowire.AppendTag(b, fieldSetHeaders, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(sizeOption(key, value)))
-	b = protowire.AppendTag(b, fieldOptionHeader, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(protowire.SizeTag(fieldHeaderKey)+protowire.SizeBytes(len(key))+
-		protowire.SizeTag(fieldHeaderRaw)+protowire.SizeBytes(len(value))))
+	b = appendLen(b, fieldSetHeaders, sizeOption(key, value))
+	b = appendLen(b, fieldOptionHeader, sizeHeader(key, value))
 	b = protowire.AppendTag(b, fieldHeaderKey, protowire.BytesType)
 	b = protowire.AppendString(b, key)
 	b = protowire.AppendTag(b, fieldHeaderRaw, protowire.BytesType)
@@ -207,21 +217,19 @@ type routeSizes struct {
 
 func (r *routeAnswer) sizes() routeSizes {
 	var s routeSizes
-	s.mutation = protowire.SizeTag(fieldSetHeaders) + protowire.SizeBytes(sizeOption(destinationHeader, r.destination))
+	s.mutation = lenField(fieldSetHeaders, sizeOption(destinationHeader, r.destination))
 	if r.contentLength != "" {
-		s.mutation += protowire.SizeTag(fieldSetHeaders) + protowire.SizeBytes(sizeOption("content-length", r.contentLength))
+		s.mutation += lenField(fieldSetHeaders, sizeOption("content-length", r.contentLength))
 	}
-	s.common = protowire.SizeTag(fieldHeaderMutation) + protowire.SizeBytes(s.mutation) +
-		protowire.SizeTag(fieldClearRouteCache) + protowire.SizeVarint(1)
-	s.response = protowire.SizeTag(fieldBodyResponse) + protowire.SizeBytes(s.common)
-	s.innerValue = protowire.SizeTag(fieldValueString) + protowire.SizeBytes(len(r.destination))
-	s.innerEntry = protowire.SizeTag(1) + protowire.SizeBytes(len(destinationKey)) + protowire.SizeTag(2) + protowire.SizeBytes(s.innerValue)
-	s.innerStruct = protowire.SizeTag(fieldStructFields) + protowire.SizeBytes(s.innerEntry)
-	s.outerValue = protowire.SizeTag(fieldValueStruct) + protowire.SizeBytes(s.innerStruct)
-	s.outerEntry = protowire.SizeTag(1) + protowire.SizeBytes(len(lbNamespace)) + protowire.SizeTag(2) + protowire.SizeBytes(s.outerValue)
-	s.metadata = protowire.SizeTag(fieldStructFields) + protowire.SizeBytes(s.outerEntry)
-	s.whole = protowire.SizeTag(fieldRespRequestBody) + protowire.SizeBytes(s.response) +
-		protowire.SizeTag(fieldRespMetadata) + protowire.SizeBytes(s.metadata)
+	s.common = lenField(fieldHeaderMutation, s.mutation) + protowire.SizeTag(fieldClearRouteCache) + protowire.SizeVarint(1)
+	s.response = lenField(fieldBodyResponse, s.common)
+	s.innerValue = lenField(fieldValueString, len(r.destination))
+	s.innerEntry = lenField(fieldEntryKey, len(destinationKey)) + lenField(fieldEntryValue, s.innerValue)
+	s.innerStruct = lenField(fieldStructFields, s.innerEntry)
+	s.outerValue = lenField(fieldValueStruct, s.innerStruct)
+	s.outerEntry = lenField(fieldEntryKey, len(lbNamespace)) + lenField(fieldEntryValue, s.outerValue)
+	s.metadata = lenField(fieldStructFields, s.outerEntry)
+	s.whole = lenField(fieldRespRequestBody, s.response) + lenField(fieldRespMetadata, s.metadata)
 	return s
 }
 
@@ -233,31 +241,22 @@ func (r *routeAnswer) appendWire(b []byte) []byte {
 	if r.inBody {
 		field = fieldRespRequestBody
 	}
-	b = protowire.AppendTag(b, fieldRespMetadata, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(s.metadata))
-	b = protowire.AppendTag(b, fieldStructFields, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(s.outerEntry))
-	b = protowire.AppendTag(b, 1, protowire.BytesType)
-	b = protowire.AppendString(b, lbNamespace)
-	b = protowire.AppendTag(b, 2, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(s.outerValue))
-	b = protowire.AppendTag(b, fieldValueStruct, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(s.innerStruct))
-	b = protowire.AppendTag(b, fieldStructFields, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(s.innerEntry))
-	b = protowire.AppendTag(b, 1, protowire.BytesType)
-	b = protowire.AppendString(b, destinationKey)
-	b = protowire.AppendTag(b, 2, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(s.innerValue))
-	b = protowire.AppendTag(b, fieldValueString, protowire.BytesType)
-	b = protowire.AppendString(b, r.destination)
+	b = appendLen(b, fieldRespMetadata, s.metadata)
+	b = appendLen(b, fieldStructFields, s.outerEntry)
+	b = appendLen(b, fieldEntryKey, len(lbNamespace))
+	b = append(b, lbNamespace...)
+	b = appendLen(b, fieldEntryValue, s.outerValue)
+	b = appendLen(b, fieldValueStruct, s.innerStruct)
+	b = appendLen(b, fieldStructFields, s.innerEntry)
+	b = appendLen(b, fieldEntryKey, len(destinationKey))
+	b = append(b, destinationKey...)
+	b = appendLen(b, fieldEntryValue, s.innerValue)
+	b = appendLen(b, fieldValueString, len(r.destination))
+	b = append(b, r.destination...)
 
-	b = protowire.AppendTag(b, field, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(s.response))
-	b = protowire.AppendTag(b, fieldBodyResponse, protowire.BytesType) // HeadersResponse.response is field 1 too
-	b = protowire.AppendVarint(b, uint64(s.common))
-	b = protowire.AppendTag(b, fieldHeaderMutation, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(s.mutation))
+	b = appendLen(b, field, s.response)
+	b = appendLen(b, fieldBodyResponse, s.common) // HeadersResponse.response is field 1 too
+	b = appendLen(b, fieldHeaderMutation, s.mutation)
 	b = appendOption(b, destinationHeader, r.destination)
 	if r.contentLength != "" {
 		b = appendOption(b, "content-length", r.contentLength)
