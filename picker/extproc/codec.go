@@ -155,8 +155,7 @@ func splitBody(b, wire []byte) (body, _ []byte, found bool, err error) {
 		if ok {
 			body, found = chunk, true
 		}
-		wire = protowire.AppendTag(wire, num, protowire.BytesType)
-		wire = protowire.AppendVarint(wire, uint64(len(inner)-removed))
+		wire = appendLen(wire, num, len(inner)-removed)
 		wire = appendWithoutBodyBytes(wire, inner)
 	}
 	return body, wire, found, nil
