@@ -295,6 +295,16 @@ func pair(t, u *loadResult, f func(loadResult) float64, format string) string {
 	return s
 }
 
+// withRatio is "tally / upstream (ratio×)" for cells with values tv and
+// uv, without the ratio when either is missing (0).
+func withRatio(ts string, tv float64, us string, uv float64) string {
+	s := ts + " / " + us
+	if tv != 0 && uv != 0 {
+		s += fmt.Sprintf(" (%.2f×)", tv/uv)
+	}
+	return s
+}
+
 func rssPair(t, u *results, pods int) string {
 	cell := func(r *results) (string, float64) {
 		if r == nil || r.idleRSS[pods] == 0 {
@@ -305,11 +315,7 @@ func rssPair(t, u *results, pods int) string {
 	}
 	ts, tv := cell(t)
 	us, uv := cell(u)
-	s := ts + " / " + us
-	if tv != 0 && uv != 0 {
-		s += fmt.Sprintf(" (%.2f×)", tv/uv)
-	}
-	return s
+	return withRatio(ts, tv, us, uv)
 }
 
 func idleCPUPair(t, u *results, pods int) string {
@@ -325,11 +331,7 @@ func idleCPUPair(t, u *results, pods int) string {
 	}
 	ts, tv := cell(t)
 	us, uv := cell(u)
-	s := ts + " / " + us
-	if tv != 0 && uv != 0 {
-		s += fmt.Sprintf(" (%.2f×)", tv/uv)
-	}
-	return s
+	return withRatio(ts, tv, us, uv)
 }
 
 func msf(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
