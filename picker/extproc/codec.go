@@ -99,8 +99,10 @@ func (in *inbound) unmarshal(data mem.BufferSlice) error {
 	if err != nil {
 		return err
 	}
-	if err := proto.Unmarshal(in.wire, &in.ProcessingRequest); err != nil {
-		return err
+	if !decodeFast(in.wire, &in.ProcessingRequest) {
+		if err := proto.Unmarshal(in.wire, &in.ProcessingRequest); err != nil {
+			return err
+		}
 	}
 	if !found {
 		return nil

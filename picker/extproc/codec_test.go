@@ -130,12 +130,88 @@ func TestCodecBodyOutlivesTheReceiveBuffers(t *testing.T) {
 	}
 }
 
-func FuzzCodecDecodesAsProtoDoes(f *testing.F) {
-	for _, m := range []*extprocv3.ProcessingRequest{
+// gatewayMessages are messages as gateways send them, each field decodeFast
+// knows present in one of them.
+func gatewayMessages(t testing.TB) []*extprocv3.ProcessingRequest {
+	meta, err := structpb.NewStruct(map[string]any{
+		"x-gateway-destination-endpoint-served": "10.0.0.1:8000",
+		"n":                                     1.5,
+		"null":                                  nil,
+		"yes":                                   true,
+		"list":                                  []any{"10.0.0.2:8000", 2.0, []any{}},
+		"nested":                                map[string]any{"a": map[string]any{}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return []*extprocv3.ProcessingRequest{
+		{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
+			{Key: ":path", RawValue: []byte("/v1/completions")}, {Key: ":method", Value: "POST"}, {Key: "empty"}, {}}}}},
+			ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: fullDuplex, ResponseBodyMode: 99, SendBodyWithoutWaitingForHeaderResponse: true},
+			MetadataContext: &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
+				"envoy.lb.subset_hint": meta, "": {}}}},
+		{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{}, EndOfStream: true}},
+			ObservabilityMode: true, MetadataContext: &corev3.Metadata{}, ProtocolConfig: &extprocv3.ProtocolConfiguration{}},
 		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte(`{"model":"m"}`), EndOfStream: true}}},
+		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{EndOfStreamWithoutMessage: true, GrpcMessageCompressed: true, DrainComplete: true}}},
+		{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
+			{Key: ":status", RawValue: []byte("200")}}}}},
+			MetadataContext: &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{"envoy.lb": meta}}},
 		{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte("data: x")}}},
-		{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{EndOfStream: true}}},
+		{Request: &extprocv3.ProcessingRequest_ResponseHeaders{}},
+		{},
+	}
+}
+
+// decodeFast takes the messages gateways send (the fuzz test below only
+// checks that whatever it takes, it decodes as protobuf does).
+func TestDecodeFastTakesGatewayMessages(t *testing.T) {
+	for _, m := range gatewayMessages(t) {
+		wire, err := proto.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, wire, _, err = splitBody(wire, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got, want extprocv3.ProcessingRequest
+		if !decodeFast(wire, &got) {
+			t.Fatalf("decodeFast left %v to protobuf", m)
+		}
+		if err := proto.Unmarshal(wire, &want); err != nil {
+			t.Fatal(err)
+		}
+		if !proto.Equal(&got, &want) {
+			t.Fatalf("decodeFast gave\n%v\nproto.Unmarshal\n%v", &got, &want)
+		}
+	}
+	// And leaves to protobuf what it does not know, and what protobuf refuses.
+	marshal := func(m proto.Message) []byte {
+		b, err := proto.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	nested := func(num protowire.Number, b []byte) []byte {
+		return protowire.AppendBytes(protowire.AppendTag(nil, num, protowire.BytesType), b)
+	}
+	for name, wire := range map[string][]byte{
+		"trailers":   marshal(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{}}}),
+		"attributes": marshal(&extprocv3.ProcessingRequest{Attributes: map[string]*structpb.Struct{"a": {}}}),
+		// request_headers.headers.headers[0].key = "\xff"
+		"invalid UTF-8": nested(2, nested(1, nested(1, nested(1, []byte{0xff})))),
 	} {
+		var got extprocv3.ProcessingRequest
+		if decodeFast(wire, &got) {
+			t.Errorf("%s: decodeFast took %x", name, wire)
+		}
+	}
+}
+
+func FuzzCodecDecodesAsProtoDoes(f *testing.F) {
+	for _, m := range gatewayMessages(f) {
 		wire, err := proto.Marshal(m)
 		if err != nil {
 			f.Fatal(err)
