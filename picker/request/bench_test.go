@@ -62,25 +62,41 @@ func chatBody(tokens int) []byte {
 	return body
 }
 
+// completionBody is a completion request with a prompt of plain words of
+// about the given number of tokens: no escapes, as in the load tool's.
+func completionBody(tokens int) []byte {
+	rng := rand.New(rand.NewPCG(3, 4))
+	words := []string{"alpha", "beam", "cache", "delta", "engine", "flow", "graph", "hash", "index", "joule"}
+	b := []byte(`{"model":"m","prompt":"`)
+	for n := len(b) + tokens*4; len(b) < n; {
+		b = append(append(b, words[rng.IntN(len(words))]...), ' ')
+	}
+	return append(b, `","max_tokens":16,"stream":true}`...)
+}
+
 func BenchmarkParse(b *testing.B) {
 	for _, tokens := range []int{1000, 8000, 32000} {
-		body := chatBody(tokens)
-		b.Run(fmt.Sprintf("chat-%dk-tokens", tokens/1000), func(b *testing.B) {
-			var dst []byte
-			b.SetBytes(int64(len(body)))
-			b.ReportAllocs()
-			cpu, cpuOK := benchcpu.ProcessCPU()
-			for b.Loop() {
-				p, err := Parse("/v1/chat/completions", body, dst)
-				if err != nil {
-					b.Fatal(err)
-				}
-				dst = p.Prompt
-			}
-			if end, ok := benchcpu.ProcessCPU(); ok && cpuOK {
-				// CPU time per operation (GC included): see benchcpu.ProcessCPU.
-				b.ReportMetric(float64(end-cpu)/float64(b.N), "cpu-ns/op")
-			}
-		})
+		benchmarkParse(b, fmt.Sprintf("chat-%dk-tokens", tokens/1000), "/v1/chat/completions", chatBody(tokens))
 	}
+	benchmarkParse(b, "plain-8k-tokens", "/v1/completions", completionBody(8000))
+}
+
+func benchmarkParse(b *testing.B, name, path string, body []byte) {
+	b.Run(name, func(b *testing.B) {
+		var dst []byte
+		b.SetBytes(int64(len(body)))
+		b.ReportAllocs()
+		cpu, cpuOK := benchcpu.ProcessCPU()
+		for b.Loop() {
+			p, err := Parse(path, body, dst)
+			if err != nil {
+				b.Fatal(err)
+			}
+			dst = p.Prompt
+		}
+		if end, ok := benchcpu.ProcessCPU(); ok && cpuOK {
+			// CPU time per operation (GC included): see benchcpu.ProcessCPU.
+			b.ReportMetric(float64(end-cpu)/float64(b.N), "cpu-ns/op")
+		}
+	})
 }

@@ -38,6 +38,12 @@ func FuzzParse(f *testing.F) {
 	} {
 		f.Add(seed.kind, []byte(seed.body))
 	}
+	// Runs longer than shortRun, ended by each kind of special byte.
+	long := strings.Repeat("plain words ", 3*shortRun/12)
+	for _, end := range []string{`\n`, `\"`, `\u00e9`, "\x01", `"`} {
+		f.Add(byte(0), []byte(`{"model":"m","prompt":"`+long+end+long[:shortRun+5]+`\\`+long+`"}`))
+		f.Add(byte(1), []byte(`{"model":"m","messages":[{"role":"user","content":"`+long+end+`"},{"role":"user","content":"x"}]}`))
+	}
 	f.Fuzz(func(t *testing.T, kind byte, body []byte) {
 		path := fuzzPaths[int(kind)%len(fuzzPaths)]
 		k := kindOf(path)

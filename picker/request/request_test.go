@@ -495,35 +495,47 @@ func TestParseAllocations(t *testing.T) {
 	}
 }
 
-func TestIndexSpecial(t *testing.T) {
+// runEnds finds the first special byte, whatever its place in a word, and
+// a special found ahead of the scan (a later quote) never hides a nearer one.
+func TestRunEnds(t *testing.T) {
 	specials := []byte{'"', '\\', 0x00, 0x01, 0x1f}
 	plain := []byte{' ', '!', '#', '[', ']', 0x7f, 0x80, 0xc3, 0xff, 'a'}
-	for n := 0; n < 20; n++ {
+	next := func(b []byte, i int) int { r := newRunEnds(); return r.next(b, i) }
+	for _, n := range []int{0, 1, 7, 8, 9, 15, 31, 32, 33, 40, shortRun - 1, shortRun, shortRun + 1, shortRun + 9, shortRun + 40, 2*shortRun + 3} {
 		for at := 0; at <= n; at++ {
 			for _, p := range plain {
 				b := bytes.Repeat([]byte{p}, n)
-				if got := indexSpecial(b, 0); got != n {
-					t.Fatalf("indexSpecial(%q) = %d, want %d", b, got, n)
+				if got := next(b, 0); got != n {
+					t.Fatalf("next(%q) = %d, want %d", b, got, n)
 				}
 				for _, sp := range specials {
 					if at == n {
 						continue
 					}
 					b[at] = sp
-					// A second special later must not hide the first.
-					if at+3 < n {
-						b[at+3] = '"'
+					if got := next(b, 0); got != at {
+						t.Fatalf("next(%q) = %d, want %d", b, got, at)
 					}
-					if got := indexSpecial(b, 0); got != at {
-						t.Fatalf("indexSpecial(%q) = %d, want %d", b, got, at)
+					if got := next(b, at+1); got != n {
+						t.Fatalf("next(%q, %d) = %d, want %d", b, at+1, got, n)
 					}
-					if got := indexSpecial(b, at+1); at+3 >= n && got != n {
-						t.Fatalf("indexSpecial(%q, %d) = %d, want %d", b, at+1, got, n)
+					// The same runEnds, after finding a quote further on,
+					// still stops at a nearer special.
+					if at >= 1 && at+1 < n {
+						b[at+1] = '"'
+						r := newRunEnds()
+						if got := r.next(b, 0); got != at {
+							t.Fatalf("next(%q) = %d, want %d", b, got, at)
+						}
+						if got := r.next(b, at+1); got != at+1 {
+							t.Fatalf("then next(%q, %d) = %d, want %d", b, at+1, got, at+1)
+						}
+						if got := r.next(b, at+2); got != n {
+							t.Fatalf("then next(%q, %d) = %d, want %d", b, at+2, got, n)
+						}
+						b[at+1] = p
 					}
 					b[at] = p
-					if at+3 < n {
-						b[at+3] = p
-					}
 				}
 			}
 		}

@@ -1,6 +1,7 @@
 package request
 
 import (
+	"bytes"
 	"encoding/binary"
 	"fmt"
 	"math"
@@ -26,8 +27,55 @@ type scanner struct {
 	dst []byte
 }
 
-// Word-at-a-time constants for finding the bytes that end a plain run inside a
-// JSON string: '"', '\\' and control characters.
+// runEnds finds where the plain runs of one JSON string end: at '"', '\\'
+// or a control character (below 0x20). Text with escapes every few words
+// has short runs, found fastest by testing a word at a time for all three;
+// past shortRun bytes the run is long, and its end is the next quote or the
+// next backslash before it, found by bytes.IndexByte (vector code) and
+// remembered until the scan passes them (so a string is searched once
+// however many escapes it has, and never past its closing quote), or a
+// control character, which no valid string holds, checked a word at a time.
+type runEnds struct {
+	// The next '"' at or after the scan (len(b) if none), and the next '\\'
+	// before it (quote if none); -1 until looked for.
+	quote, slash int
+}
+
+const shortRun = 256
+
+func newRunEnds() runEnds { return runEnds{quote: -1, slash: -1} }
+
+// next returns the index of the first byte at or after i that is '"', '\\'
+// or below 0x20, or len(b) if there is none. Successive calls must scan the
+// same b with i never decreasing.
+func (r *runEnds) next(b []byte, i int) int {
+	if j := indexSpecial(b, i, min(i+shortRun, len(b))); j != i+shortRun {
+		return j
+	}
+	return r.long(b, i+shortRun)
+}
+
+// long is next for a run already known to be long.
+func (r *runEnds) long(b []byte, i int) int {
+	if r.quote < i {
+		r.quote = len(b)
+		if j := bytes.IndexByte(b[i:], '"'); j >= 0 {
+			r.quote = i + j
+		}
+	}
+	if r.slash < i {
+		r.slash = r.quote
+		if j := bytes.IndexByte(b[i:r.quote], '\\'); j >= 0 {
+			r.slash = i + j
+		}
+	}
+	return indexControl(b, i, r.slash)
+}
+
+// Word-at-a-time constants. For a word x, (x-lsb)&^x&msb flags its zero
+// bytes and (x-spaces)&^x&msb its bytes below 0x20 (so x^quotes turns quotes
+// into zeros); a borrow can only flag bytes above a true hit, so the lowest
+// flagged byte is always exact.
 const (
 	lsb         = 0x0101010101010101
 	msb         = 0x8080808080808080
@@ -36,23 +84,49 @@ const (
 	spaces      = 0x20 * lsb
 )
 
-// indexSpecial returns the index of the first byte at or after i that is '"',
-// '\\' or below 0x20, or len(b) if there is none. It tests eight bytes per
-// step: for a word x, (x-lsb)&^x&msb flags zero bytes and (x-spaces)&^x&msb
-// flags bytes below 0x20; a borrow can only flag bytes above a true hit, so the
-// lowest flagged byte is always exact.
-func indexSpecial(b []byte, i int) int {
+// special flags the bytes of x that are '"', '\\' or below 0x20.
+func special(x uint64) uint64 {
+	q, e := x^quotes, x^backslashes
+	return ((q - lsb) &^ q) | ((e - lsb) &^ e) | below(x)
+}
+
+func below(x uint64) uint64 { return (x - spaces) &^ x & msb }
+
+// indexSpecial returns the index of the first special byte in b[i:end], or
+// end.
+func indexSpecial(b []byte, i, end int) int {
+	b = b[:end] // loops bounded by len(b) need no bounds checks
 	for ; i+8 <= len(b); i += 8 {
-		x := binary.LittleEndian.Uint64(b[i:])
-		q := x ^ quotes
-		e := x ^ backslashes
-		m := ((q - lsb) &^ q) | ((e - lsb) &^ e) | ((x - spaces) &^ x)
-		if m &= msb; m != 0 {
+		if m := special(binary.LittleEndian.Uint64(b[i:])) & msb; m != 0 {
 			return i + bits.TrailingZeros64(m)>>3
 		}
 	}
 	for ; i < len(b); i++ {
 		if c := b[i]; c == '"' || c == '\\' || c < 0x20 {
+			return i
+		}
+	}
+	return len(b)
+}
+
+// indexControl returns the index of the first byte below 0x20 in b[i:end],
+// or end. It tests 32 bytes per step while it can, then 8, then one.
+func indexControl(b []byte, i, end int) int {
+	b = b[:end]
+	for ; i+32 <= len(b); i += 32 {
+		w := b[i : i+32]
+		if below(binary.LittleEndian.Uint64(w))|below(binary.LittleEndian.Uint64(w[8:]))|
+			below(binary.LittleEndian.Uint64(w[16:]))|below(binary.LittleEndian.Uint64(w[24:])) != 0 {
+			break
+		}
+	}
+	for ; i+8 <= len(b); i += 8 {
+		if m := below(binary.LittleEndian.Uint64(b[i:])); m != 0 {
+			return i + bits.TrailingZeros64(m)>>3
+		}
+	}
+	for ; i < len(b); i++ {
+		if b[i] < 0x20 {
 			return i
 		}
 	}
@@ -137,8 +211,13 @@ func (s *scanner) appendString(escapeNUL bool) error {
 	}
 	// Locals rather than fields: this loop is most of the time Parse takes.
 	buf, dst, i := s.buf, s.dst, s.pos+1
+	ends := newRunEnds()
 	for {
-		j := indexSpecial(buf, i)
+		// ends.next, by hand: the call costs more than a short run.
+		j := indexSpecial(buf, i, min(i+shortRun, len(buf)))
+		if j == i+shortRun {
+			j = ends.long(buf, j)
+		}
 		dst = append(dst, buf[i:j]...)
 		if j < len(buf) && buf[j] == '"' {
 			s.dst, s.pos = dst, j+1
@@ -236,8 +315,9 @@ func (s *scanner) hex4(i int) (rune, error) {
 // skipString steps over the JSON string at pos, validating it.
 func (s *scanner) skipString() error {
 	s.pos++ // the opening quote, checked by the caller
+	ends := newRunEnds()
 	for {
-		j := indexSpecial(s.buf, s.pos)
+		j := ends.next(s.buf, s.pos)
 		s.pos = j
 		if j >= len(s.buf) {
 			return s.syntaxError("'\"' to close the string")
@@ -472,7 +552,8 @@ func (s *scanner) key() (field, error) {
 	}
 	start := s.pos + 1
 	var f field
-	if j := indexSpecial(s.buf, start); j < len(s.buf) && s.buf[j] == '"' {
+	ends := newRunEnds()
+	if j := ends.next(s.buf, start); j < len(s.buf) && s.buf[j] == '"' {
 		f = fieldOf(s.buf[start:j])
 		s.pos = j + 1
 	} else {
