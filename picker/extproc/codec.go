@@ -18,10 +18,16 @@ import (
 // per request); a fresh slice per chunk was most of the picker's garbage.
 // And it writes the answers a request gets (the routing answer, body
 // echoes, constants) without protobuf's reflection.
-type codec struct{ proto encoding.CodecV2 }
+type codec struct {
+	proto encoding.CodecV2
+	pool  mem.BufferPool // for body echoes
+}
 
-// newCodec returns the codec the ext_proc server is forced to use.
-func newCodec() codec { return codec{proto: encoding.GetCodecV2("proto")} }
+// newCodec returns the codec the ext_proc server is forced to use, writing
+// body echoes into buffers from pool.
+func newCodec(pool mem.BufferPool) codec {
+	return codec{proto: encoding.GetCodecV2("proto"), pool: pool}
+}
 
 func (c codec) Name() string { return c.proto.Name() }
 
@@ -35,10 +41,9 @@ func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 		if mem.IsBelowBufferPoolingThreshold(n) {
 			return mem.BufferSlice{mem.SliceBuffer(m.appendWire(make([]byte, 0, n)))}, nil
 		}
-		pool := mem.DefaultBufferPool()
-		buf := pool.Get(n)
+		buf := c.pool.Get(n)
 		*buf = m.appendWire((*buf)[:0])
-		return mem.BufferSlice{mem.NewBuffer(buf, pool)}, nil
+		return mem.BufferSlice{mem.NewBuffer(buf, c.pool)}, nil
 	case *routeAnswer:
 		if m.destination == "" {
 			break // protobuf omits an empty string: leave that to it

@@ -62,7 +62,7 @@ func TestCodecDecodesAsProtoDoes(t *testing.T) {
 		{Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: &extprocv3.HttpTrailers{}}},
 		{},
 	}
-	c := newCodec()
+	c := newCodec(&dirtyPool{})
 	var in inbound // reused, as a stream reuses it
 	for _, m := range msgs {
 		wire, err := proto.Marshal(m)
@@ -118,7 +118,7 @@ func TestCodecBodyOutlivesTheReceiveBuffers(t *testing.T) {
 	for _, size := range []int{0, 4} {
 		data := bufferSlice(wire, size)
 		var in inbound
-		if err := newCodec().Unmarshal(data, &in); err != nil {
+		if err := newCodec(&dirtyPool{}).Unmarshal(data, &in); err != nil {
 			t.Fatal(err)
 		}
 		for _, b := range data {
@@ -218,7 +218,7 @@ func FuzzCodecDecodesAsProtoDoes(f *testing.F) {
 		}
 		f.Add(wire, uint8(0))
 	}
-	c := newCodec()
+	c := newCodec(&dirtyPool{})
 	f.Fuzz(func(t *testing.T, wire []byte, size uint8) {
 		var in inbound
 		checkLikeProto(t, c, &in, wire, int(size))
@@ -229,7 +229,7 @@ func FuzzCodecDecodesAsProtoDoes(f *testing.F) {
 // message, through the codec (pooled buffer or not) and through a plain
 // proto codec (ProtoReflect).
 func TestBodyEchoEncodesAsProtoDoes(t *testing.T) {
-	c := newCodec()
+	c := newCodec(&dirtyPool{})
 	for _, n := range []int{0, 1, 127, 128, 20_000, 62_000} {
 		for _, response := range []bool{false, true} {
 			for _, end := range []bool{false, true} {
@@ -271,7 +271,7 @@ func TestBodyEchoEncodesAsProtoDoes(t *testing.T) {
 // The routing answer is written byte for byte as protobuf writes the
 // equivalent message.
 func TestRouteAnswerEncodesAsProtoDoes(t *testing.T) {
-	c := newCodec()
+	c := newCodec(&dirtyPool{})
 	long := strings.Repeat("10.0.0.1:8000,", 20) + "10.0.0.2:8000" // lengths past one varint byte
 	for _, r := range []routeAnswer{
 		{destination: "10.0.0.7:8000"},
@@ -332,7 +332,7 @@ func BenchmarkDecode(b *testing.B) {
 		}
 	})
 	b.Run("codec", func(b *testing.B) {
-		c := newCodec()
+		c := newCodec(&dirtyPool{})
 		var in inbound
 		data := make([]mem.BufferSlice, len(wires))
 		for i, w := range wires {

@@ -23,6 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/experimental"
 	"google.golang.org/grpc/status"
 
 	"github.com/tallyepp/tally/picker"
@@ -116,7 +117,9 @@ func GRPCServerOptions(maxRequestBytes int64) []grpc.ServerOption {
 	if maxRequestBytes <= 0 || limit > 1<<31-1 {
 		limit = 1<<31 - 1
 	}
-	return []grpc.ServerOption{grpc.MaxRecvMsgSize(int(limit)), grpc.ForceServerCodecV2(newCodec()),
+	pool := &dirtyPool{}
+	return []grpc.ServerOption{grpc.MaxRecvMsgSize(int(limit)), grpc.ForceServerCodecV2(newCodec(pool)),
+		experimental.BufferPool(pool),
 		// Streams run on kept goroutines while one is free (past that, on
 		// new ones, as without workers). A kept goroutine's stack has
 		// already grown to what serving a stream takes; a new one grows it
