@@ -102,8 +102,11 @@ func parseUsage(tail []byte) (usage, bool) {
 		if len(rest) == 0 || rest[0] != '{' {
 			return usage{}, false // null: the response says it has none
 		}
+		// What a json.Decoder would read (the object, not what follows it),
+		// without the Decoder's buffer and copies.
+		end := objectEnd(rest)
 		var w wireUsage
-		if err := json.NewDecoder(bytes.NewReader(rest)).Decode(&w); err != nil {
+		if end < 0 || json.Unmarshal(rest[:end], &w) != nil {
 			return usage{}, false
 		}
 		u := usage{promptTokens: max(w.PromptTokens, w.InputTokens), completionTokens: max(w.CompletionTokens, w.OutputTokens)}
@@ -114,4 +117,32 @@ func parseUsage(tail []byte) (usage, bool) {
 		}
 		return u, true
 	}
+}
+
+// objectEnd returns the length of the JSON object at the start of b (which
+// starts with '{'), found by matching brackets outside strings, or -1 if it
+// does not end in b. It does not validate: json.Unmarshal does.
+func objectEnd(b []byte) int {
+	depth, inString := 0, false
+	for i := 0; i < len(b); i++ {
+		c := b[i]
+		switch {
+		case inString:
+			switch c {
+			case '\\':
+				i++
+			case '"':
+				inString = false
+			}
+		case c == '"':
+			inString = true
+		case c == '{' || c == '[':
+			depth++
+		case c == '}' || c == ']':
+			if depth--; depth == 0 {
+				return i + 1
+			}
+		}
+	}
+	return -1
 }

@@ -1,6 +1,9 @@
 package extproc
 
 import (
+	"bytes"
+	"encoding/json"
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -83,4 +86,32 @@ func BenchmarkUsage(b *testing.B) {
 			b.Fatalf("usage %+v %v", u, ok)
 		}
 	}
+}
+
+// objectEnd and json.Unmarshal read a usage object as a json.Decoder does:
+// the first value, whatever follows it.
+func FuzzObjectEndDecodesAsDecoderDoes(f *testing.F) {
+	for _, s := range []string{
+		`{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":8}},"x":1}`,
+		`{"prompt_tokens":"}\"{","completion_tokens":[1,{"a":"]"}]}`,
+		`{"input_tokens":4,"input_tokens_details":null} trailing`,
+		`{"prompt_tokens":1]`, `{"prompt_tokens":2`, `{"prompt_tokens":1.5}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if len(b) == 0 || b[0] != '{' {
+			return
+		}
+		var want, got wireUsage
+		wantErr := json.NewDecoder(bytes.NewReader(b)).Decode(&want)
+		end := objectEnd(b)
+		gotOK := end > 0 && json.Unmarshal(b[:end], &got) == nil
+		if gotOK != (wantErr == nil) {
+			t.Fatalf("%q: objectEnd %d, decoded %v; json.Decoder error %v", b, end, gotOK, wantErr)
+		}
+		if gotOK && !reflect.DeepEqual(got, want) {
+			t.Fatalf("%q: got %+v, json.Decoder %+v", b, got, want)
+		}
+	})
 }
