@@ -130,7 +130,14 @@ func GRPCServerOptions(maxRequestBytes int64) []grpc.ServerOption {
 		// A body chunk (up to 62,000 bytes) and its echo each fit one read
 		// and one write; a gateway opens a few connections, so the buffers
 		// cost little. About 5% less CPU per request in interleaved runs.
-		grpc.ReadBufferSize(connBufferBytes), grpc.WriteBufferSize(connBufferBytes)}
+		grpc.ReadBufferSize(connBufferBytes), grpc.WriteBufferSize(connBufferBytes),
+		// Flow-control windows the size gRPC's own estimate may grow them
+		// to, from the start: with its 64 KB defaults every 16 KB of body
+		// received cost a window update (a frame, usually its own write).
+		// A stream's prompt now fits its window whole, and the connection
+		// is updated every 4 MiB. In interleaved runs of extproc-load at 16
+		// clients, a few per cent less CPU per request.
+		grpc.InitialWindowSize(streamWindowBytes), grpc.InitialConnWindowSize(connWindowBytes)}
 }
 
 // Process serves one HTTP request's ext_proc stream.
@@ -185,6 +192,13 @@ const streamWorkers = 64
 
 // connBufferBytes sizes each gateway connection's read and write buffers.
 const connBufferBytes = 128 << 10
+
+// The gRPC flow-control windows: a stream's (a prompt of up to 250,000
+// tokens fits it whole) and a connection's.
+const (
+	streamWindowBytes = 1 << 20
+	connWindowBytes   = 16 << 20
+)
 
 // Buffers larger than this are dropped instead of recycled, so one huge
 // request does not pin its memory in the pool forever.
