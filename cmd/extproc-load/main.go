@@ -267,6 +267,7 @@ func printLoad(w io.Writer, r loadResult) {
 	if r.use.cpu > 0 || r.use.peak > 0 {
 		fmt.Fprintf(w, "picker CPU %s ms per request, peak RSS %s MB\n", ms(r.cpuPerRequest()), mb(r.use.peak))
 	}
+	fmt.Fprintf(w, "load tool CPU %s ms per request (the clients and the pods' servers)\n", ms(r.clientCPUPerRequest()))
 	fmt.Fprintf(w, "placement: %s\n", r.placement.spread())
 	if r.firstError != "" {
 		fmt.Fprintf(w, "first failure: %s\n", r.firstError)

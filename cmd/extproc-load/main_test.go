@@ -123,8 +123,8 @@ func TestLoadMeasuresRequestsLatencyAndCPU(t *testing.T) {
 	if !(0 < r.pickP50 && r.pickP50 <= r.pickP99 && r.pickP99 <= r.pickP999) {
 		t.Errorf("pick p50 %v, p99 %v, p999 %v: want 0 < p50 <= p99 <= p999", r.pickP50, r.pickP99, r.pickP999)
 	}
-	if r.use.cpu <= 0 || r.use.peak <= 0 {
-		t.Errorf("CPU %v and peak RSS %d of this process: want both above 0", r.use.cpu, r.use.peak)
+	if r.use.cpu <= 0 || r.use.peak <= 0 || r.clientCPU <= 0 {
+		t.Errorf("CPU %v and peak RSS %d of this process as the picker, CPU %v as the load tool: want all above 0", r.use.cpu, r.use.peak, r.clientCPU)
 	}
 	if got := r.placement.total(); got == 0 {
 		t.Errorf("no placement recorded")
@@ -234,7 +234,7 @@ func TestWriteSplicesTheTablesAndDrawsTheCPUChart(t *testing.T) {
 	for k, name := range []string{pickerTally, pickerUpstream} {
 		b.res[name] = newResults()
 		for _, lc := range quickPlan.loads {
-			b.res[name].loads[loadKey{basePods, lc.concurrency, lc.tokens}] = loadResult{requests: 1000, use: usage{cpu: time.Duration(k+1) * time.Second}}
+			b.res[name].loads[loadKey{basePods, lc.concurrency, lc.tokens}] = loadResult{requests: 1000, use: usage{cpu: time.Duration(k+1) * time.Second}, clientCPU: 500 * time.Millisecond}
 		}
 	}
 	var stdout bytes.Buffer
@@ -247,6 +247,10 @@ func TestWriteSplicesTheTablesAndDrawsTheCPUChart(t *testing.T) {
 	}
 	if strings.Contains(string(doc), "\nold\n") || !strings.HasSuffix(string(doc), end+"\n\nHand-written.\n") || !strings.Contains(string(doc), "]("+cpuChartFile+")") {
 		t.Errorf("the section was not replaced, or lacks the chart's link:\n%s", doc)
+	}
+	// Picker CPU 1 and 2 ms per request, the load tool's 0.5 with each.
+	if !strings.Contains(string(doc), "| 1.000 / 2.000 (0.50×) | 0 / 0 | 0.500 / 0.500 (1.00×) |") {
+		t.Errorf("the load table lacks the pickers' and the load tool's CPU per request:\n%s", doc)
 	}
 	svg, err := os.ReadFile(filepath.Join(dir, "bench", "cpu-per-request.svg"))
 	if err != nil {

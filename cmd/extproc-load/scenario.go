@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -274,8 +275,12 @@ type loadResult struct {
 	pickP999, routedP99 time.Duration
 	use                 usage
 	placement           *placement
-	// cpuPerReq, when set, is cpuPerRequest's answer: the median of runs.
-	cpuPerReq time.Duration
+	// clientCPU is this tool's own CPU time over the window: the clients
+	// and the pods they answer for, on the cores the picker uses.
+	clientCPU time.Duration
+	// cpuPerReq and clientPerReq, when set, are cpuPerRequest's and
+	// clientCPUPerRequest's answers: the medians of runs.
+	cpuPerReq, clientPerReq time.Duration
 }
 
 // medianLoad is each measure's median over runs of one load (errors and
@@ -295,6 +300,7 @@ func medianLoad(runs []loadResult) loadResult {
 	m.pickP999 = med(func(r loadResult) time.Duration { return r.pickP999 })
 	m.routedP99 = med(func(r loadResult) time.Duration { return r.routedP99 })
 	m.cpuPerReq = med(func(r loadResult) time.Duration { return r.cpuPerRequest() })
+	m.clientPerReq = med(func(r loadResult) time.Duration { return r.clientCPUPerRequest() })
 	m.use.peak = int64(med(func(r loadResult) time.Duration { return time.Duration(r.use.peak) }))
 	rps := make([]float64, len(runs))
 	m.errors, m.refused, m.firstError = 0, 0, ""
@@ -320,6 +326,18 @@ func (r loadResult) cpuPerRequest() time.Duration {
 		return 0
 	}
 	return r.use.cpu / time.Duration(r.requests)
+}
+
+// clientCPUPerRequest is the load tool's CPU time per request completed in
+// the window.
+func (r loadResult) clientCPUPerRequest() time.Duration {
+	if r.clientPerReq != 0 {
+		return r.clientPerReq
+	}
+	if r.requests == 0 {
+		return 0
+	}
+	return r.clientCPU / time.Duration(r.requests)
 }
 
 // runLoad runs concurrency clients, each doing complete request cycles
@@ -365,6 +383,10 @@ func runLoad(ctx context.Context, t *target, concurrency, tokens int, warmup, wi
 	}
 	sleepCtx(ctx, warmup)
 	m, err := startMeter(t.pid)
+	var client0, client1 time.Duration
+	if err == nil {
+		client0, err = procCPU(os.Getpid())
+	}
 	if err != nil {
 		stop.Store(true)
 		wg.Wait()
@@ -374,11 +396,15 @@ func runLoad(ctx context.Context, t *target, concurrency, tokens int, warmup, wi
 	sleepCtx(ctx, window)
 	until := time.Now()
 	res.use, err = m.stop()
+	if err == nil {
+		client1, err = procCPU(os.Getpid())
+	}
 	stop.Store(true)
 	wg.Wait()
 	if err != nil {
 		return res, err
 	}
+	res.clientCPU = client1 - client0
 	res.window = until.Sub(from)
 	var picks, routed []time.Duration
 	for _, ss := range samples {
