@@ -133,10 +133,13 @@ func rowsAt(l stack.Ledger, addr netip.AddrPort) []stack.LedgerEndpoint {
 }
 
 // expectLedgerDrains waits until s's ledger holds nothing and the picker's
-// last scrape of each engine saw no request beyond it. A held request
-// cancelled as the hold lifts may still reach its engine and run there for
-// a moment after the picker released it: until a scrape sees it gone, the
-// picker counts it as foreign load, and the next spec's placement with it.
+// last scrape of each engine saw it idle. A held request cancelled as the
+// hold lifts may still reach its engine and run there for a moment after
+// the picker released it: until a scrape sees it gone, the picker counts it
+// as foreign load, and the next spec's placement with it. A scrape from
+// before the ledger drained shows no foreign load (it is counted against
+// the ledger of its time), so only an idle engine at the last scrape
+// says that none is coming.
 func expectLedgerDrains(ctx context.Context, s *stack.Stack) {
 	GinkgoHelper()
 	eventually(ctx, func(g Gomega) {
@@ -146,6 +149,7 @@ func expectLedgerDrains(ctx context.Context, s *stack.Stack) {
 		for _, e := range l.Endpoints {
 			if e.Engine != nil {
 				g.Expect(e.Engine.ForeignRequests).To(BeZero(), "%s's engine at the last scrape: %+v", e.Pod, *e.Engine)
+				g.Expect(e.Engine.Running+e.Engine.Waiting).To(BeZero(), "%s's engine at the last scrape: %+v", e.Pod, *e.Engine)
 			}
 		}
 	}).WithTimeout(15 * time.Second).Should(Succeed())

@@ -163,6 +163,9 @@ func parseSSE(body []byte) []completionResponse {
 // and the picker's ledger at that moment; then it lets them finish.
 func heldBurst(ctx context.Context, reqs []stack.Request, what string) (map[string]int, stack.Ledger, []stack.Result) {
 	GinkgoHelper()
+	// Earlier traffic has left the ledger and the engines: none of it
+	// weighs on where the burst goes.
+	expectLedgerDrains(ctx, st)
 	before := served()
 	release := st.Hold()
 	defer release()
