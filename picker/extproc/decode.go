@@ -266,26 +266,39 @@ func (d *decoder) protocolConfig(in field) (*extprocv3.ProtocolConfiguration, bo
 
 // metadata decodes filter_metadata, a map of Structs by filter name.
 func (d *decoder) metadata(in field) (*corev3.Metadata, bool) {
-	md := &corev3.Metadata{}
+	fm, ok := messageMap(d, in, d.structValue, func() *structpb.Struct { return &structpb.Struct{} })
+	if !ok {
+		return nil, false
+	}
+	return &corev3.Metadata{FilterMetadata: fm}, true
+}
+
+// messageMap decodes the message in, whose only field (1) is a map from
+// strings to messages: each entry's value decoded by value, an absent one
+// made by empty, a repeated key the last one's (as protobuf does). The map
+// is nil when there is no entry.
+func messageMap[V comparable](d *decoder, in field, value func(field) (V, bool), empty func() V) (map[string]V, bool) {
+	var m map[string]V
+	var absent V
 	for pos := in.lo; pos < in.hi; {
 		f, next, ok := d.next(pos, in.hi)
 		if !ok || f.num != 1 || f.typ != protowire.BytesType {
 			return nil, false
 		}
 		pos = next
-		key, value, ok := mapEntry(d, f, d.structValue)
+		key, v, ok := mapEntry(d, f, value)
 		if !ok {
 			return nil, false
 		}
-		if md.FilterMetadata == nil {
-			md.FilterMetadata = make(map[string]*structpb.Struct)
+		if m == nil {
+			m = make(map[string]V)
 		}
-		if value == nil {
-			value = &structpb.Struct{}
+		if v == absent {
+			v = empty()
 		}
-		md.FilterMetadata[key] = value
+		m[key] = v
 	}
-	return md, true
+	return m, true
 }
 
 // mapEntry decodes a map entry: a string key (field 1) and a message value
@@ -323,26 +336,11 @@ func (d *decoder) structValue(in field) (*structpb.Struct, bool) {
 	}
 	d.depth++
 	defer func() { d.depth-- }()
-	s := &structpb.Struct{}
-	for pos := in.lo; pos < in.hi; {
-		f, next, ok := d.next(pos, in.hi)
-		if !ok || f.num != 1 || f.typ != protowire.BytesType {
-			return nil, false
-		}
-		pos = next
-		key, v, ok := mapEntry(d, f, d.value)
-		if !ok {
-			return nil, false
-		}
-		if s.Fields == nil {
-			s.Fields = make(map[string]*structpb.Value)
-		}
-		if v == nil {
-			v = &structpb.Value{}
-		}
-		s.Fields[key] = v
+	fields, ok := messageMap(d, in, d.value, func() *structpb.Value { return &structpb.Value{} })
+	if !ok {
+		return nil, false
 	}
-	return s, true
+	return &structpb.Struct{Fields: fields}, true
 }
 
 func (d *decoder) value(in field) (*structpb.Value, bool) {
