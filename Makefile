@@ -21,8 +21,12 @@ build: ## Build every binary into bin/.
 envtest-assets: ## Build (once) the kube-apiserver and etcd the tests run against.
 	@hack/envtest-assets.sh >/dev/null
 
+.PHONY: nginx
+nginx: ## Install (once, with apt-get) NGINX and its NJS module, which the NGINX Gateway Fabric tests run.
+	@hack/nginx.sh
+
 .PHONY: test
-test: envtest-assets build ## Run unit, envtest, end-to-end and fuzz-corpus tests with -race.
+test: envtest-assets nginx build ## Run unit, envtest, end-to-end and fuzz-corpus tests with -race.
 	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(GO) test -race -count=1 $$($(GO) list ./... | grep -v /test/e2e)
 	@# The end-to-end suite runs on its own: its specs time real streams
 	@# against simulators, and other packages' tests on the same cores would
@@ -30,7 +34,7 @@ test: envtest-assets build ## Run unit, envtest, end-to-end and fuzz-corpus test
 	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" TALLY_E2E_BIN_DIR="$(CURDIR)/bin" $(GO) test -race -count=1 ./test/e2e/...
 
 .PHONY: test-e2e
-test-e2e: envtest-assets build ## Run only the end-to-end suite (real API server, epp, simulators, dev gateway).
+test-e2e: envtest-assets nginx build ## Run only the end-to-end suite (real API server, epp, simulators, dev gateway, NGINX).
 	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" TALLY_E2E_BIN_DIR="$(CURDIR)/bin" $(GO) test -count=1 ./test/e2e/...
 
 .PHONY: demo

@@ -41,6 +41,16 @@ type EngineStats struct {
 	// prefix index already say what the picker placed there.
 	KVCacheUsage    float64
 	HasKVCacheUsage bool
+	// The engine's own prefill timing, when HasPrefillTiming: cumulative
+	// counters since the engine started (vLLM's
+	// vllm:request_prefill_time_seconds histogram sum, vllm:prompt_tokens_total
+	// and vllm:prefix_cache_hits_total). The picker learns the endpoint's
+	// prefill rate from their increase between scrapes: uncached prompt
+	// tokens over prefill seconds.
+	PrefillSecondsTotal float64
+	PromptTokensTotal   float64
+	CachedTokensTotal   float64
+	HasPrefillTiming    bool
 }
 
 // ScrapeTarget is one endpoint to scrape.
@@ -127,6 +137,12 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 	e.kvUsage = -1
 	if s.HasKVCacheUsage {
 		e.kvUsage = s.KVCacheUsage
+	}
+	if excess := w.inFlight - (s.Running + s.Waiting); excess > 0 && w.detached > 0 {
+		// Fewer requests than the ledger holds: some detached ones ended
+		// before the model says.
+		w.drain(now)
+		p.shortenDetachedLocked(w, excess, now)
 	}
 	e.foreign = max(s.Running+s.Waiting-w.inFlight, 0)
 	e.foreignTokens = int(p.meanPromptTokens)

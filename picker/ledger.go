@@ -42,6 +42,9 @@ type row struct {
 	fit rateFit
 	// Reservations still in prefill, in the order they joined the queue.
 	qHead, qTail *Reservation
+	// Detached reservations (detach.go), in the order they were detached.
+	detached     int
+	dHead, dTail *Reservation
 
 	// What the engine's metrics say (see engine.go).
 	engine engineView
@@ -146,8 +149,17 @@ func (w *row) advance(now int64) {
 // prefill is done to decoding: amortised O(1), since each reservation leaves
 // the queue once.
 func (w *row) drain(now int64) {
+	fromAt, fromOut := w.at, w.posOut
 	w.advance(now)
 	for r := w.qHead; r != nil && (r.endPos <= w.posOut || w.posOut >= w.posIn); r = w.qHead {
+		if r.detached {
+			// When the model's position passed its end: its decoding
+			// started then, not at this (lazy) drain.
+			end := fromAt + int64(max(r.endPos-fromOut, 0)/w.rate*1e9)
+			w.endPrefill(r, now)
+			r.p.scheduleDetachedLocked(r, min(max(end, r.enqueuedAt), now))
+			continue
+		}
 		w.endPrefill(r, now)
 	}
 }
@@ -316,10 +328,16 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	}
 	p.index.Match(r.hashes, ids, matched)
 
+	for _, c := range cands {
+		c.drain(r.pickedNs)
+	}
+	if len(p.detachedDue) > 0 {
+		p.expireDetachedLocked(r.pickedNs)
+	}
+
 	sat := p.cfg.Saturation
 	eligible := 0
 	for i, c := range cands {
-		c.drain(r.pickedNs)
 		queued := c.queued()
 		c.uncached = p.uncachedTokens(r.promptChars, matched[i])
 		c.cost = queued + c.engine.foreignCost(r.pickedNs) + c.uncached + p.cfg.DecodeWeightTokens*c.decoding

@@ -22,6 +22,9 @@ type metrics struct {
 	// Gauges read from the ledger at scrape time.
 	endpointInFlight, endpointPrefill, endpointDecoding, endpointPrefillRate *prometheus.Desc
 	endpoints, retained, inFlight                                            *prometheus.Desc
+	// Detached reservations (detach.go): detached so far, held now, ended.
+	detached                    prometheus.Counter
+	detachedActive, detachedEnd *prometheus.Desc
 
 	// The engines' view (engine.go), beside the ledger's, so drift shows.
 	engineRunning, engineWaiting, foreignRequests, foreignTokens, endpointHealthy *prometheus.Desc
@@ -83,6 +86,15 @@ func newMetrics(poolName string) *metrics {
 		"The endpoint's prefill rate in the drain model: learned from streamed first bytes, the configured starting value until then.",
 		[]string{"endpoint"}, nil)
 	m.endpoints = prometheus.NewDesc("tally_endpoints", "Endpoints in the pool.", nil, nil)
+	m.detached = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "tally_detached_reservations_total",
+		Help: "Reservations whose ext_proc stream ended at the pick (the gateway shows no response): kept until the model says the request is done.",
+	})
+	m.detachedActive = prometheus.NewDesc("tally_detached_reservations",
+		"Detached reservations held now (included in tally_inflight_requests).", nil, nil)
+	m.detachedEnd = prometheus.NewDesc("tally_detached_reservation_ends_total",
+		"Detached reservations ended, by reason: model (its modelled prefill and decoding are done), engine (an engine scrape reported fewer requests), swept (maximum lifetime).",
+		[]string{"reason"}, nil)
 	m.retained = prometheus.NewDesc("tally_retained_endpoints",
 		"Endpoints that left the pool's endpoint set and keep their ledger row and prefix memory (requests in flight, or the retention window).",
 		nil, nil)
@@ -151,13 +163,14 @@ func newMetrics(poolName string) *metrics {
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.picks, m.swept, m.promptTokens, m.cachedTokens, m.pickDuration, m.schedulerE2E, m.prefixHitRatio,
-		m.shortfallBlocks, m.healthChanges}
+		m.shortfallBlocks, m.healthChanges, m.detached}
 }
 
 // Describe implements prometheus.Collector.
 func (p *Picker) Describe(ch chan<- *prometheus.Desc) {
 	m := p.metrics
 	for _, d := range []*prometheus.Desc{m.endpointInFlight, m.endpointPrefill, m.endpointDecoding, m.endpointPrefillRate, m.endpoints, m.retained, m.inFlight,
+		m.detachedActive, m.detachedEnd,
 		m.poolReadyPods, m.poolAvgQueue, m.poolPerPodQueue, m.poolAvgRunning, m.poolAvgKVCache,
 		m.engineRunning, m.engineWaiting, m.foreignRequests, m.foreignTokens, m.endpointHealthy,
 		m.prefixCapacity, m.deliveredCached, m.predictedCached, m.deliveryRatio} {
@@ -184,6 +197,10 @@ func (p *Picker) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(m.endpoints, prometheus.GaugeValue, float64(len(l.Endpoints)))
 	ch <- prometheus.MustNewConstMetric(m.retained, prometheus.GaugeValue, float64(len(l.Retained)))
 	ch <- prometheus.MustNewConstMetric(m.inFlight, prometheus.GaugeValue, float64(l.InFlight))
+	ch <- prometheus.MustNewConstMetric(m.detachedActive, prometheus.GaugeValue, float64(l.Detached))
+	for i, n := range l.DetachEnds {
+		ch <- prometheus.MustNewConstMetric(m.detachedEnd, prometheus.CounterValue, float64(n), detachEndNames[i])
+	}
 	m.collectPool(ch, l.Endpoints)
 	for _, c := range m.collectors() {
 		c.Collect(ch)

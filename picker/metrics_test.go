@@ -126,8 +126,9 @@ func TestPickerWithoutRegistererStillCollects(t *testing.T) {
 	// 4 gauges per endpoint, 3 pool gauges, 3 pick results, 3 counters, 1
 	// histogram; under upstream names, 2 histograms, 2 pool gauges and 1
 	// gauge per endpoint; of the engines' view, before any scrape, 2 gauges
-	// and 2 counters per endpoint and the shortfall counter.
-	if got, want := testutil.CollectAndCount(p), 4*2+3+3+3+1+2+2+2+4*2+1; got != want {
+	// and 2 counters per endpoint and the shortfall counter; detached
+	// reservations, a gauge, a counter and 3 ends.
+	if got, want := testutil.CollectAndCount(p), 4*2+3+3+3+1+2+2+2+4*2+1+5; got != want {
 		t.Errorf("collected %d metrics, want %d", got, want)
 	}
 }

@@ -80,6 +80,10 @@ type Request struct {
 	// endpoint's prefill rate from them). A non-streamed response's first
 	// bytes come when generation ends.
 	Stream bool
+	// MaxTokens is the request's output limit (max_tokens or its
+	// equivalent), 0 when it gives none: a detached reservation's decoding
+	// is modelled from it (detach.go).
+	MaxTokens int
 	// Subset holds the candidates named by the gateway's subset hint. An
 	// entry names the endpoint at its address; one with port 0 (a bare IP),
 	// or whose port no endpoint at its IP has, names every endpoint at its
@@ -97,6 +101,9 @@ type EndpointStats struct {
 	// PrefillTokens is the prefill the drain model says is still queued.
 	PrefillTokens int
 	Decoding      int // requests past their first byte or modelled prefill
+	// Detached counts the in-flight requests whose stream ended at the
+	// pick, held until the model says they are done (detach.go).
+	Detached int
 	// PrefillTokensPerSecond is the endpoint's prefill rate: learned from
 	// streamed first bytes, the configured starting value until then.
 	PrefillTokensPerSecond float64
@@ -120,8 +127,12 @@ type EndpointStats struct {
 
 // Ledger is one consistent view of the whole ledger.
 type Ledger struct {
-	// InFlight and PrefillTokens sum every row, retained ones included.
-	InFlight, PrefillTokens int
+	// InFlight, Detached and PrefillTokens sum every row, retained ones
+	// included.
+	InFlight, Detached, PrefillTokens int
+	// DetachEnds counts the detached reservations ended, by why: the model
+	// said done, an engine scrape said so, the sweeper.
+	DetachEnds [numDetachEnds]uint64
 	// Endpoints are the current endpoints, sorted by address.
 	Endpoints []EndpointStats
 	// Retained are endpoints that left the set and keep their row (in flight
@@ -166,6 +177,13 @@ type Picker struct {
 	// Reservations not yet released, oldest pick first (for the sweeper).
 	oldest, newest *Reservation
 
+	// Detached reservations past their prefill, by modelled end, and the
+	// pool's decode model they end by (detach.go); why they ended.
+	detachedDue      dueHeap
+	decodeNsPerToken float64
+	meanOutputTokens float64
+	detachEnds       [numDetachEnds]uint64
+
 	// Pick scratch, sized on Replace so picks do not grow it.
 	cand    []*row
 	candIDs []int
@@ -209,6 +227,8 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 		rand:                   opts.Rand,
 		// Until picks teach it: a guess at one request's prompt.
 		meanPromptTokens: defaultForeignRequestTokens,
+		decodeNsPerToken: defaultDecodeNsPerToken,
+		meanOutputTokens: defaultOutputTokens,
 	}
 	p.hashBufs.New = func() any {
 		b := make([]uint64, 0, 1024)
@@ -363,6 +383,8 @@ func (p *Picker) Pick(req Request) (*Reservation, error) {
 		promptChars:  chars,
 		promptTokens: p.tokens(chars),
 		stream:       req.Stream,
+		maxTokens:    max(req.MaxTokens, 0),
+		heapIdx:      -1,
 	}
 	if len(hashes) > 0 {
 		// Set before the lock: once linked, the sweeper may release r.
@@ -417,9 +439,13 @@ func (p *Picker) Snapshot() Ledger {
 	l := Ledger{Endpoints: make([]EndpointStats, 0, len(p.rows))}
 	for _, w := range p.byKey {
 		w.drain(now)
+	}
+	p.expireDetachedLocked(now)
+	l.DetachEnds = p.detachEnds
+	for _, w := range p.byKey {
 		e := &w.engine
 		s := EndpointStats{Endpoint: w.ep, InFlight: w.inFlight, PrefillTokens: w.queued(),
-			Decoding: w.decoding, PrefillTokensPerSecond: w.rate,
+			Decoding: w.decoding, Detached: w.detached, PrefillTokensPerSecond: w.rate,
 			Scraped: e.scraped, EngineRunning: e.running, EngineWaiting: e.waiting,
 			ForeignRequests: e.foreign, ForeignTokens: e.foreignCost(now), Unhealthy: e.unhealthy,
 			KVCacheUsage:          -1,
@@ -429,6 +455,7 @@ func (p *Picker) Snapshot() Ledger {
 			s.KVCacheUsage = e.kvUsage
 		}
 		l.InFlight += s.InFlight
+		l.Detached += s.Detached
 		l.PrefillTokens += s.PrefillTokens
 		if w.current {
 			l.Endpoints = append(l.Endpoints, s)
@@ -484,10 +511,17 @@ func (p *Picker) Sweep() int {
 	// lock, so a reservation may sit behind one a few microseconds younger:
 	// it is then swept on the next run.
 	for r := p.oldest; r != nil && r.pickedAt.Before(cutoff); r = p.oldest {
+		if r.detached {
+			p.detachEnds[detachEndSwept]++
+		}
 		p.releaseLocked(r, now)
 		p.swept++
 		n++
 	}
+	for _, w := range p.byKey {
+		w.drain(now)
+	}
+	p.expireDetachedLocked(now)
 	dropped := p.expireLocked(now)
 	p.mu.Unlock()
 	if dropped > 0 {

@@ -20,6 +20,7 @@ type Reservation struct {
 	cachedTokens int
 	cachedBlocks int // of the hashed blocks, those the chosen endpoint held
 	stream       bool
+	maxTokens    int // the request's max_tokens; 0 when it gives none
 	endpoints    [maxFallbackEndpoints]netip.AddrPort
 	nEndpoints   int
 
@@ -35,6 +36,15 @@ type Reservation struct {
 	tailOn       *row     // where its pick left a long prompt's tail to record
 	hashes       []uint64 // the prompt's blocks, kept for ServedBy
 	hashBuf      *[]uint64
+	firstByteNs  int64 // clock of its first response bytes
+
+	// Detached (detach.go): its row's list of detached reservations, and
+	// its modelled end and place in the picker's schedule once its prefill
+	// is done (heapIdx -1 while not scheduled).
+	detached     bool
+	dPrev, dNext *Reservation
+	doneAt       int64
+	heapIdx      int
 
 	// The drain model of its row, while in prefill: where its prefill ends
 	// in the row's queue, the work (tokens) from joining the queue to its
@@ -81,6 +91,7 @@ func (r *Reservation) FirstByte() {
 		return
 	}
 	r.sawFirstByte = true
+	r.firstByteNs = now
 	w := r.row
 	if r.stream {
 		// Also when the model ended the prefill before this first byte: the
@@ -112,6 +123,9 @@ func (r *Reservation) Release() {
 func (p *Picker) releaseLocked(r *Reservation, now int64) *[]uint64 {
 	if r.released {
 		return nil
+	}
+	if r.detached {
+		p.unlinkDetachedLocked(r)
 	}
 	r.row.drop(r, now)
 	r.prefill = 0
@@ -146,7 +160,7 @@ func (r *Reservation) ServedBy(addr netip.AddrPort) {
 func (r *Reservation) moveLocked(addr netip.AddrPort, now int64) bool {
 	p := r.p
 	to, ok := p.byAddr[key(addr)]
-	if r.released || !ok || to == r.row {
+	if r.released || r.detached || !ok || to == r.row {
 		return false
 	}
 	from := r.row

@@ -86,6 +86,8 @@ func parse(args []string, stderr io.Writer) (options, error) {
 	fs.Float64Var(&o.cfg.ErrorRate, "error-rate", 0, "fraction of completion requests answered 500 (0 to 1)")
 	fs.DurationVar(&o.cfg.AddedLatency, "added-latency", 0, "wall-clock delay before a completion request reaches the engine")
 	fs.Float64Var(&o.cfg.HangRate, "hang-rate", 0, "fraction of completion requests never answered until the client goes away (0 to 1)")
+	fs.Float64Var(&o.cfg.LateFirstByteFraction, "late-first-byte-fraction", 0,
+		"fraction of streamed responses held back whole until their last token, as a buffering proxy would (0 to 1); chosen per request by a hash of its X-Request-Id header, or of its prompt")
 	fs.Uint64Var(&o.cfg.Seed, "seed", 1, "seed of the fault draws; engine i uses seed+i")
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", defaultShutdownGrace, "on SIGTERM/SIGINT, how long requests in flight may finish before they are cut")
 	if err := fs.Parse(args); err != nil {
@@ -122,6 +124,9 @@ func parse(args []string, stderr io.Writer) (options, error) {
 	}
 	if !(c.HangRate >= 0 && c.HangRate <= 1) {
 		bad("hang-rate", c.HangRate, "must be from 0 to 1")
+	}
+	if !(c.LateFirstByteFraction >= 0 && c.LateFirstByteFraction <= 1) {
+		bad("late-first-byte-fraction", c.LateFirstByteFraction, "must be from 0 to 1")
 	}
 	if o.shutdownGrace < 0 {
 		bad("shutdown-grace", o.shutdownGrace, "must be 0 or more")

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"testing"
 
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
@@ -307,6 +308,14 @@ func TestLoadOnlyRoutingIsWarnedOnce(t *testing.T) {
 // well-formed request produces. Each gets an HTTP answer or, for a broken
 // ext_proc protocol, a gRPC InvalidArgument; none leaves a reservation.
 func TestMalformedStreamsAreAnsweredNotRouted(t *testing.T) {
+	// What NGINX Gateway Fabric's shim sends: the client's headers only.
+	shimHeaders := func() *extprocv3.ProcessingRequest {
+		return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
+			RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
+				{Key: "content-type", Value: "application/json"}, {Key: "x-request-id", Value: "abc"},
+			}}},
+		}}
+	}
 	bodiless := func(kv ...string) *extprocv3.ProcessingRequest {
 		return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
 			RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap(kv...), EndOfStream: true},
@@ -340,25 +349,38 @@ func TestMalformedStreamsAreAnsweredNotRouted(t *testing.T) {
 		{name: "bodiless POST to another path", msgs: msgs(bodiless(":path", "/v1/models", ":method", "POST")), wantRouted: true, picks: 1},
 		{name: "bodiless POST to embeddings under a prefix", msgs: msgs(bodiless(":path", "/openai/v1/embeddings/", ":method", "POST")),
 			wantStatus: 400, wantInMsg: "embeddings request needs a JSON body"},
-		{name: "no :path", msgs: msgs(bodiless(":method", "GET")), wantStatus: 400, wantInMsg: ":path"},
-		{name: "no :method", msgs: msgs(bodiless(":path", "/v1/models")), wantStatus: 400, wantInMsg: ":method"},
+		// A gateway that asks through a shim (NGINX Gateway Fabric) sends
+		// no pseudo-headers: routed on its body, or on load alone.
+		{name: "no :path, bodiless", msgs: msgs(bodiless(":method", "GET")), wantRouted: true, picks: 1},
+		{name: "no :method, bodiless", msgs: msgs(bodiless(":path", "/v1/models")), wantRouted: true, picks: 1},
 		{name: "no :method, body follows", msgs: msgs(
 			&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
 				RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap(":path", "/v1/completions")},
-			}}, bodyMessage(body, true)), wantStatus: 400, wantInMsg: ":method"},
-		{name: "body before the headers", msgs: msgs(bodyMessage(body, true)), wantCode: codes.InvalidArgument},
-		{name: "trailers before the headers", msgs: msgs(trailers), wantCode: codes.InvalidArgument},
+			}}, bodyMessage(body, true)), wantRouted: true, picks: 1},
+		{name: "no pseudo-headers, completions body", msgs: msgs(shimHeaders(), bodyMessage(body, true)), wantRouted: true, picks: 1},
+		{name: "no pseudo-headers, chat body", msgs: msgs(shimHeaders(),
+			bodyMessage([]byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`), true)), wantRouted: true, picks: 1},
+		{name: "no pseudo-headers, embeddings of token ids", msgs: msgs(shimHeaders(),
+			bodyMessage([]byte(`{"input":[[1,2,3]],"model":"m"}`), true)), wantRouted: true, picks: 1},
+		{name: "no pseudo-headers, a model and no prompt", msgs: msgs(shimHeaders(), bodyMessage([]byte(`{"model":"m"}`), true)),
+			wantStatus: 400, wantInMsg: `none of \"messages\", \"prompt\" or \"input\"`},
+		{name: "no pseudo-headers, malformed JSON", msgs: msgs(shimHeaders(), bodyMessage([]byte(`{"model":`), true)),
+			wantStatus: 400, wantInMsg: "JSON"},
+		// A broken ext_proc client: the stream ends InvalidArgument, with
+		// a 400 naming the violation while the request is undecided.
+		{name: "body before the headers", msgs: msgs(bodyMessage(body, true)), wantCode: codes.InvalidArgument, wantInMsg: "before the request headers"},
+		{name: "trailers before the headers", msgs: msgs(trailers), wantCode: codes.InvalidArgument, wantInMsg: "before the request headers"},
 		{name: "second headers while the body is awaited", msgs: msgs(postHeaders("/v1/completions"), postHeaders("/v1/completions")),
-			wantCode: codes.InvalidArgument},
+			wantCode: codes.InvalidArgument, wantInMsg: "second request headers"},
 		{name: "second headers after a bodiless route", msgs: msgs(bodiless(":path", "/v1/models", ":method", "GET"), postHeaders("/v1/completions")),
 			wantCode: codes.InvalidArgument, picks: 1},
 		{name: "second headers after the body", msgs: msgs(postHeaders("/v1/completions"), bodyMessage(body, true), postHeaders("/v1/completions")),
 			wantCode: codes.InvalidArgument, picks: 1},
-		{name: "response headers first", msgs: msgs(responseHeaders), wantCode: codes.InvalidArgument},
+		{name: "response headers first", msgs: msgs(responseHeaders), wantCode: codes.InvalidArgument, wantInMsg: "before the request was routed"},
 		{name: "response headers before the body ended", msgs: msgs(postHeaders("/v1/completions"), bodyMessage(body[:10], false), responseHeaders),
-			wantCode: codes.InvalidArgument},
+			wantCode: codes.InvalidArgument, wantInMsg: "before the request was routed"},
 		{name: "response body before the request was routed", msgs: msgs(postHeaders("/v1/completions"), responseBody),
-			wantCode: codes.InvalidArgument},
+			wantCode: codes.InvalidArgument, wantInMsg: "before the request was routed"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var picks *counting
@@ -406,18 +428,36 @@ func TestMalformedStreamsAreAnsweredNotRouted(t *testing.T) {
 						immediate.GetStatus().GetCode(), immediate.GetBody(), end, tc.wantStatus, tc.wantInMsg)
 				}
 			case tc.wantCode != codes.OK:
-				if status.Code(end) != tc.wantCode || immediate != nil {
-					t.Errorf("stream ended with %v (immediate %v), want %v", end, immediate, tc.wantCode)
+				if status.Code(end) != tc.wantCode {
+					t.Errorf("stream ended with %v, want %v", end, tc.wantCode)
+				}
+				if tc.wantInMsg == "" && immediate != nil {
+					t.Errorf("answered %s after the request was decided, want no answer", immediate.GetBody())
+				}
+				if tc.wantInMsg != "" && (immediate.GetStatus().GetCode() != 400 || !strings.Contains(string(immediate.GetBody()), tc.wantInMsg)) {
+					t.Errorf("answered %v %s, want 400 mentioning %q", immediate.GetStatus().GetCode(), immediate.GetBody(), tc.wantInMsg)
 				}
 			case tc.wantRouted:
 				if routedTo == "" || !errors.Is(end, io.EOF) {
 					t.Errorf("destination %q, stream end %v: want routed and a clean end", routedTo, end)
 				}
+				if shim := strings.HasPrefix(tc.name, "no :path") || strings.HasPrefix(tc.name, "no pseudo"); shim && strings.Contains(routedTo, ",") {
+					t.Errorf("destination %q: a stream without pseudo-headers gets one endpoint", routedTo)
+				}
 			}
 			if got := picks.ok.Load(); got != tc.picks {
 				t.Errorf("%d picks, want %d", got, tc.picks)
 			}
-			eventually(t, "nothing reserved", func() (bool, string) { return ledgerEmpty(f.picker) })
+			if tc.wantRouted {
+				// The stream ended at the pick, before any response: its
+				// reservation is detached, held until the model ends it.
+				eventually(t, "the routed request detached", func() (bool, string) {
+					l := f.picker.Snapshot()
+					return int64(l.Detached) == tc.picks && int64(l.InFlight) == tc.picks, fmt.Sprintf("in flight %d, detached %d", l.InFlight, l.Detached)
+				})
+			} else {
+				eventually(t, "nothing reserved", func() (bool, string) { return ledgerEmpty(f.picker) })
+			}
 			eventually(t, "the stream has ended", func() (bool, string) {
 				n := f.counter(t, "tally_streams_active", nil)
 				return n == 0, fmt.Sprintf("tally_streams_active = %v", n)

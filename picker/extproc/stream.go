@@ -49,8 +49,11 @@ type stream struct {
 	decided bool
 	// loadOnly: routed on its headers while its body passes by unread.
 	loadOnly  bool
-	res       *picker.Reservation // nil until routed
+	res       *picker.Reservation // nil until routed, and again once released or detached
 	firstByte bool
+	// responseSeen: a response phase message came. A stream that ends
+	// before one does was cut at the pick by the gateway (see halfClosed).
+	responseSeen bool
 	// up follows the request for the upstream picker's metrics.
 	up requestMetrics
 }
@@ -123,15 +126,11 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	if st.s.opts.ConformanceTestHooks {
 		st.testSelection(headers)
 	}
-	switch {
-	case st.path == "":
-		return st.reject(fmt.Errorf("%w: no :path", errBadHeaders))
-	case st.method == "":
-		return st.reject(fmt.Errorf("%w: no :method", errBadHeaders))
-	}
-
+	// A gateway that asks through a shim of its own (NGINX Gateway Fabric)
+	// sends the client's headers only: no :path or :method. The request is
+	// then routed on its body's shape (parse), or, without a body, on load.
 	if h.GetEndOfStream() {
-		if kind := request.KindOf(st.path); kind != request.KindOther && st.method == "POST" {
+		if kind := request.KindOf(st.path); kind != request.KindOther && st.method != "GET" {
 			// The model server would refuse it too, but only after it
 			// had been booked against an endpoint.
 			return st.reject(fmt.Errorf("%w: a %s request needs a JSON body", errEmptyBody, kind))
@@ -245,6 +244,7 @@ func (st *stream) requestTrailers() error {
 }
 
 func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) error {
+	st.responseSeen = true
 	if addr, ok := servedBy(md); ok && st.res != nil {
 		st.res.ServedBy(addr)
 	}
@@ -267,6 +267,7 @@ func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders)
 }
 
 func (st *stream) responseBody(b *extprocv3.HttpBody) error {
+	st.responseSeen = true
 	if !st.firstByte && len(b.GetBody()) > 0 {
 		st.firstByte = true
 		if st.res != nil {
@@ -284,6 +285,7 @@ func (st *stream) responseBody(b *extprocv3.HttpBody) error {
 }
 
 func (st *stream) responseTrailers() error {
+	st.responseSeen = true
 	st.up.responseEnd()
 	st.release()
 	return st.send(answerResponseTrailers)
@@ -328,7 +330,14 @@ func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 	st.s.metrics.requests.WithLabelValues("200").Inc()
 	st.up.routed(st.bodyLen())
 
-	answer := &routeAnswer{inBody: inBodyAnswer, destination: destinationValue(res.Endpoints())}
+	eps := res.Endpoints()
+	if st.path == "" {
+		// A gateway that sends no pseudo-headers is no Envoy: NGINX Gateway
+		// Fabric proxies to the header's value as one host:port, and a
+		// fallback list there fails every request.
+		eps = eps[:1]
+	}
+	answer := &routeAnswer{inBody: inBodyAnswer, destination: destinationValue(eps)}
 	if st.requestMode == fullDuplex && st.body != nil {
 		// Envoy drops content-length from a request whose body it streams
 		// in this mode, since a processor could change the body. This one
@@ -349,14 +358,27 @@ func (st *stream) parse() (picker.Request, error) {
 	if st.prompt == nil {
 		st.prompt = st.s.getBuffer()
 	}
-	parsed, err := request.Parse(st.path, body, *st.prompt)
+	kind := request.KindOf(st.path)
+	if st.path == "" {
+		var err error
+		if kind, err = request.KindOfBody(body); err != nil {
+			return picker.Request{}, fmt.Errorf("parsing the request body: %w", err)
+		}
+	}
+	parsed, err := request.ParseKind(kind, body, *st.prompt)
+	if err != nil && st.path == "" && kind == request.KindResponses {
+		// An "input" with no path to tell: an embeddings request, whose
+		// input (token ids, say) the Responses API does not take.
+		parsed, err = request.ParseKind(request.KindEmbeddings, body, parsed.Prompt)
+	}
 	// Prompt is always appended to the buffer given (never a view of the
 	// body): keeping it recycles the buffer at whatever size it grew to.
 	*st.prompt = parsed.Prompt
 	if err != nil {
 		return picker.Request{}, fmt.Errorf("parsing the request body: %w", err)
 	}
-	return picker.Request{Model: parsed.Model, CacheSalt: parsed.CacheSalt, Prompt: parsed.Prompt, Stream: parsed.Stream}, nil
+	return picker.Request{Model: parsed.Model, CacheSalt: parsed.CacheSalt, Prompt: parsed.Prompt,
+		Stream: parsed.Stream, MaxTokens: parsed.MaxTokens}, nil
 }
 
 // echoRequestBody sends the buffered body back unchanged, in chunks the
@@ -418,28 +440,59 @@ func (st *stream) recovered(r any) error {
 // violation ends the stream with InvalidArgument, for a message the gateway
 // should never have sent (see outOfOrder). The stream's deferred close
 // releases whatever it had reserved.
+//
+// Before it ends the stream, it answers 400 with the reason, unless the
+// request was already decided (answered or routed): a gateway that would
+// pass an answer on gets one that says what went wrong.
 func (st *stream) violation(what string) error {
 	st.s.metrics.protocolErrors.Inc()
 	err := status.Error(codes.InvalidArgument, "ext_proc protocol violation: "+what)
 	st.s.opts.Log.Error(err, "ending an ext_proc stream", "path", st.path)
+	if !st.decided {
+		st.decided = true
+		st.s.metrics.requests.WithLabelValues("400").Inc()
+		st.up.rejected(400)
+		httpStatus, body := answerFor(fmt.Errorf("%w: %s", errProtocol, what))
+		_ = st.send(immediateResponse(httpStatus, body)) // best effort: the stream ends either way
+	}
 	return err
+}
+
+// halfClosed runs when the gateway closes its side of the stream. Before
+// any response phase, that is a gateway that asked only where the request
+// goes (NGINX Gateway Fabric's shim; an Envoy that skips the response
+// phases): the request runs on the model server after the stream ends, so
+// its reservation is detached, not released (picker/detach.go).
+func (st *stream) halfClosed() {
+	if st.res != nil && !st.responseSeen {
+		st.res.Detach()
+		st.res = nil
+		st.s.metrics.detached.Inc()
+	}
 }
 
 func (st *stream) release() {
 	if st.res == nil {
 		return
 	}
+	res := st.res
+	st.res = nil // released once: close runs release again
 	u, ok := st.up.usage, st.up.hasUsage
-	if !ok && st.up.tail.buf != nil {
+	if !ok && st.up.tail.buf != nil && !st.up.tailRead {
 		// The stream ended before the response did (a client closing at
-		// "data: [DONE]"): the usage may be in what arrived.
+		// "data: [DONE]"): the usage may be in what arrived. The tail is
+		// read once: reading rotates it.
+		st.up.tailRead = true
 		u, ok = parseUsage(st.up.tail.bytes())
 	}
 	if ok && u.hasCached {
 		// What the engine really had cached corrects the prefix index.
-		st.res.Delivered(u.promptTokens, u.cachedTokens)
+		res.Delivered(u.promptTokens, u.cachedTokens)
 	}
-	st.res.Release()
+	if ok && st.responseSeen {
+		res.Completed(u.completionTokens)
+	}
+	res.Release()
 }
 
 // dropBody gives the body buffer back to the pool and its bytes back to the

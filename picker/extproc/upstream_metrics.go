@@ -248,6 +248,7 @@ type requestMetrics struct {
 	status     int // the model server's HTTP status; 0 before its headers
 	bytes      int // response body bytes
 	tail       usageTail
+	tailRead   bool // tail.bytes() has run: it rotates the ring, so once only
 	noUsage    bool // the body is encoded (compressed): usage cannot be read
 	ended      bool // the response was seen to its end
 	// usage is what the response's end reported, when hasUsage.
@@ -325,6 +326,7 @@ func (r *requestMetrics) responseEnd() {
 	if r.tail.buf == nil {
 		return
 	}
+	r.tailRead = true
 	u, ok := parseUsage(r.tail.bytes())
 	if !ok {
 		return

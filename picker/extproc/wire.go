@@ -47,7 +47,7 @@ const maxChunkBytes = 62_000
 var (
 	errBodyTooLarge = errors.New("request body too large")
 	errEmptyBody    = errors.New("the request body is empty")
-	errBadHeaders   = errors.New("malformed request headers")
+	errProtocol     = errors.New("ext_proc protocol violation")
 	errBufferBudget = errors.New("the picker is buffering too many request bytes")
 	errPanic        = errors.New("internal error while routing the request")
 	// errAnswered ends a stream cleanly once an ImmediateResponse is sent:
@@ -66,7 +66,7 @@ var errorAnswers = []struct {
 }{
 	{400, "invalid_request_error", requestErrorMessage},
 	{400, "invalid_request_error", is(errEmptyBody)},
-	{400, "invalid_request_error", is(errBadHeaders)},
+	{400, "invalid_request_error", is(errProtocol)},
 	{413, "invalid_request_error", is(errBodyTooLarge)},
 	{503, "service_unavailable", is(errBufferBudget)},
 	{503, "service_unavailable", is(picker.ErrNoEndpoint)},

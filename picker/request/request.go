@@ -158,7 +158,12 @@ const maxTokenLimit = math.MaxInt32
 // (json.loads keeps the last value): the request is routed for the model
 // the server will read.
 func Parse(path string, body []byte, dst []byte) (Parsed, error) {
-	kind := kindOf(path)
+	return ParseKind(kindOf(path), body, dst)
+}
+
+// ParseKind is Parse for a body whose API is known (from its path, or
+// KindOfBody), KindOther reading nothing.
+func ParseKind(kind Kind, body []byte, dst []byte) (Parsed, error) {
 	if kind == KindOther {
 		return Parsed{Kind: KindOther, Prompt: dst[:0]}, nil
 	}
@@ -169,6 +174,58 @@ func Parse(path string, body []byte, dst []byte) (Parsed, error) {
 	}
 	p.Kind, p.Prompt = kind, s.dst
 	return p, nil
+}
+
+// KindOfBody tells the API of a request whose path is not known (a gateway
+// that sends no :path) from the shape of its body: the first top-level
+// "messages" makes it chat, "prompt" completions, "input" the Responses API
+// (whose input may also be an embeddings request's: see the stream). It
+// reads the body up to that key. A JSON object with a "model" and none of
+// them is an error that says so; one with neither is KindOther, routed on
+// load alone.
+func KindOfBody(body []byte) (Kind, error) {
+	s := scanner{buf: body}
+	s.skipWS()
+	switch s.peek() {
+	case '{':
+	case 0:
+		if s.pos >= len(s.buf) {
+			return KindOther, &Error{Message: "request body is empty; a JSON object is required"}
+		}
+		fallthrough
+	default:
+		return KindOther, s.typeError(0, "request body must be a JSON object")
+	}
+	model := false
+	if !s.open('}') {
+		for more := true; more; {
+			f, err := s.key()
+			if err != nil {
+				return KindOther, err
+			}
+			switch f {
+			case fieldMessages:
+				return KindChat, nil
+			case fieldPrompt:
+				return KindCompletions, nil
+			case fieldInput:
+				return KindResponses, nil
+			case fieldModel:
+				model = true
+			}
+			if err := s.skipValue(depthTop); err != nil {
+				return KindOther, err
+			}
+			if more, err = s.next('}'); err != nil {
+				return KindOther, err
+			}
+		}
+	}
+	if model {
+		return KindOther, &Error{Message: `request body has none of "messages", "prompt" or "input", ` +
+			`and no :path header says which API it is for`}
+	}
+	return KindOther, nil
 }
 
 // kindOf matches the path by its suffix, after the query string and one

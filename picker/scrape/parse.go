@@ -27,6 +27,12 @@ type names struct {
 	// kvUsage (and kvUsageOld, a name older servers use) is a gauge of the
 	// share of the KV cache in use, 0 to 1.
 	kvUsage, kvUsageOld string
+	// prefillSeconds is the _sum series of a histogram of each request's
+	// prefill time (first scheduled to first token); promptTokens counts
+	// the prompt tokens prefilled, cached ones included, and cachedTokens
+	// those found in the prefix cache. All are cumulative; the picker reads
+	// the engine's prefill rate from their increase.
+	prefillSeconds, promptTokens, cachedTokens string
 }
 
 var engines = map[string]names{
@@ -34,7 +40,13 @@ var engines = map[string]names{
 		running: "vllm:num_requests_running", waiting: "vllm:num_requests_waiting",
 		cacheInfo: "vllm:cache_config_info", blockSizeLabel: "block_size", numBlocksLabel: "num_gpu_blocks",
 		kvUsage: "vllm:kv_cache_usage_perc", kvUsageOld: "vllm:gpu_cache_usage_perc",
+		prefillSeconds: "vllm:request_prefill_time_seconds_sum",
+		promptTokens:   "vllm:prompt_tokens_total",
+		cachedTokens:   "vllm:prefix_cache_hits_total",
 	},
+	// No prefill timing is read for SGLang or TRT-LLM: their time to
+	// first token includes the queue, and no family known to match
+	// vLLM's request_prefill_time_seconds is read yet.
 	EngineSGLang: {
 		running: "sglang:num_running_reqs", waiting: "sglang:num_queue_reqs",
 		// SGLang's token capacity is a gauge of its own; cache_config_info
@@ -57,9 +69,11 @@ func Known(engine string) bool {
 // parse reads the Prometheus text exposition in body for the families of
 // one engine and returns what the picker needs. Series of a family are
 // summed (an engine serving several models, or data-parallel ranks), except
-// KV cache usage, a share, which is averaged. It
-// looks at each line's name only up to the families it knows, so an engine
-// publishing hundreds of families costs a scan of its bytes, not a parse.
+// KV cache usage, a share, which is averaged. The prefill timing is set only
+// when both the prefill-time sum and the prompt-token counter are published.
+// It looks at each line's name only up to the families it knows, so an
+// engine publishing hundreds of families costs a scan of its bytes, not a
+// parse.
 func parse(body []byte, n names) (picker.EngineStats, bool) {
 	var st picker.EngineStats
 	var running, waiting float64
@@ -69,7 +83,7 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		sum float64
 		n   int
 	}
-	seen := false
+	seen, hasPrefill, hasPrompt := false, false, false
 	for len(body) > 0 {
 		line := body
 		if i := bytes.IndexByte(body, '\n'); i >= 0 {
@@ -87,13 +101,23 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		// Only the few families of this engine are parsed further. Each
 		// string(...) == s is a comparison, never a conversion: no allocation
 		// (a switch on string(...) would copy names over 32 bytes).
+		//
+		// which is the sum a sample adds to; found, if set, records that
+		// its family is published.
 		var which *float64
+		var found *bool
 		name := line[:end]
 		switch {
 		case string(name) == n.running:
-			which = &running
+			which, found = &running, &seen
 		case string(name) == n.waiting:
-			which = &waiting
+			which, found = &waiting, &seen
+		case string(name) == n.prefillSeconds:
+			which, found = &st.PrefillSecondsTotal, &hasPrefill
+		case string(name) == n.promptTokens:
+			which, found = &st.PromptTokensTotal, &hasPrompt
+		case string(name) == n.cachedTokens:
+			which = &st.CachedTokensTotal
 		case string(name) == n.cacheTokens, string(name) == n.cacheInfo,
 			string(name) == n.kvUsage, string(name) == n.kvUsageOld:
 		default:
@@ -106,7 +130,9 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		switch {
 		case which != nil:
 			*which += value
-			seen = true
+			if found != nil {
+				*found = true
+			}
 		case string(name) == n.cacheTokens:
 			st.CacheTokens += int(value)
 		case string(name) == n.kvUsage:
@@ -124,6 +150,10 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		}
 	}
 	st.Running, st.Waiting = int(running), int(waiting)
+	st.HasPrefillTiming = hasPrefill && hasPrompt
+	if !st.HasPrefillTiming {
+		st.PrefillSecondsTotal, st.PromptTokensTotal, st.CachedTokensTotal = 0, 0, 0
+	}
 	if usage.n == 0 {
 		usage = usageOld
 	}

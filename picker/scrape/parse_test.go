@@ -41,8 +41,56 @@ vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.9
 	}
 }
 
+func TestParseVLLMPrefillTiming(t *testing.T) {
+	// Two data-parallel engines; the histogram's buckets and count, the
+	// counters' _created gauges and the prefix cache's queries are
+	// neighbours that must not be read.
+	const full = `vllm:num_requests_running{engine="0",model_name="m"} 1
+# HELP vllm:request_prefill_time_seconds Histogram of time spent in PREFILL phase for request.
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{engine="0",le="0.3",model_name="m"} 7
+vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 9
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 9
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 1.25
+vllm:request_prefill_time_seconds_sum{engine="1",model_name="m"} 0.5
+vllm:request_prefill_time_seconds_created{engine="0",model_name="m"} 1.7e+09
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1.5e+06
+vllm:prompt_tokens_total{engine="1",model_name="m"} 4096
+vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e+09
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 9e+06
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1e+06
+vllm:prefix_cache_hits_total{engine="1",model_name="m"} 2048
+`
+	cases := []struct {
+		name, engine, body      string
+		has                     bool
+		seconds, prompt, cached float64
+	}{
+		{"full", EngineVLLM, full, true, 1.75, 1_504_096, 1_002_048},
+		{"no prefix cache counter", EngineVLLM, "vllm:num_requests_running 0\nvllm:request_prefill_time_seconds_sum 2\nvllm:prompt_tokens_total 10\n", true, 2, 10, 0},
+		{"no prefill histogram", EngineVLLM, "vllm:num_requests_running 0\nvllm:prompt_tokens_total 10\nvllm:prefix_cache_hits_total 5\n", false, 0, 0, 0},
+		{"no prompt counter", EngineVLLM, "vllm:num_requests_running 0\nvllm:request_prefill_time_seconds_sum 2\nvllm:prefix_cache_hits_total 5\n", false, 0, 0, 0},
+		{"only the histogram count", EngineVLLM, "vllm:num_requests_running 0\nvllm:request_prefill_time_seconds_count 2\nvllm:prompt_tokens_total 10\n", false, 0, 0, 0},
+		{"a fresh engine", EngineVLLM, "vllm:num_requests_running 0\nvllm:request_prefill_time_seconds_sum 0\nvllm:prompt_tokens_total 0\nvllm:prefix_cache_hits_total 0\n", true, 0, 0, 0},
+		{"sglang", EngineSGLang, "sglang:num_running_reqs 1\nsglang:prompt_tokens_total 10\nsglang:cached_tokens_total 5\nvllm:request_prefill_time_seconds_sum 2\nvllm:prompt_tokens_total 10\n", false, 0, 0, 0},
+	}
+	for _, c := range cases {
+		st, seen := parse([]byte(c.body), engines[c.engine])
+		if !seen || st.HasPrefillTiming != c.has || st.PrefillSecondsTotal != c.seconds || st.PromptTokensTotal != c.prompt || st.CachedTokensTotal != c.cached {
+			t.Errorf("%s: has %v, prefill %vs, prompt %v, cached %v (seen %v); want %v, %vs, %v, %v",
+				c.name, st.HasPrefillTiming, st.PrefillSecondsTotal, st.PromptTokensTotal, st.CachedTokensTotal, seen, c.has, c.seconds, c.prompt, c.cached)
+		}
+	}
+	// The timing alone is not a scrape: running or waiting must be there.
+	if _, seen := parse([]byte("vllm:request_prefill_time_seconds_sum 2\nvllm:prompt_tokens_total 10\n"), engines[EngineVLLM]); seen {
+		t.Error("an exposition with prefill timing but no running or waiting gauge counts as a scrape")
+	}
+}
+
 func FuzzParse(f *testing.F) {
 	f.Add([]byte("vllm:num_requests_running{a=\"1\"} 3\nvllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"2\"} 1\n"))
+	f.Add([]byte("vllm:request_prefill_time_seconds_sum{engine=\"0\"} 1.5\nvllm:prompt_tokens_total 1e3 1712345678000\nvllm:prefix_cache_hits_total{} NaN\n"))
 	f.Add([]byte("x{ 1\n{}\n =\"\n"))
 	f.Fuzz(func(t *testing.T, body []byte) {
 		for _, n := range engines {

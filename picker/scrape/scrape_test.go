@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"net/netip"
@@ -61,6 +62,53 @@ func TestScrapesSizeThePrefixIndexFromTheEngine(t *testing.T) {
 		if !st.Scraped || st.PrefixCapacityBlocks != want || st.EngineRunning != 0 {
 			t.Errorf("%s after a scrape: %+v, want scraped, capacity %d blocks", st.Endpoint.Address, st, want)
 		}
+	}
+}
+
+// The simulator publishes vLLM's prefill timing; a scrape reads it as the
+// engine counted it.
+func TestScrapeReadsTheSimulatorsPrefillTiming(t *testing.T) {
+	eps, sims := simulators(t, 1, 1000)
+	p := picker.New(v1alpha1.Default(), picker.Options{})
+	s := New(p, Options{})
+	target := picker.ScrapeTarget{Address: eps[0].Address, Engine: EngineVLLM}
+	st, _, err := s.fetch(t.Context(), target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !st.HasPrefillTiming || st.PrefillSecondsTotal != 0 || st.PromptTokensTotal != 0 || st.CachedTokensTotal != 0 {
+		t.Fatalf("a fresh simulator: %+v, want prefill timing at zero", st)
+	}
+
+	// The same 500-token prompt twice, one after the other on an idle
+	// engine: the second finds 31 blocks of 16 tokens cached.
+	body := fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, server.DefaultModel, strings.Repeat("0123456789", 200))
+	for range 2 {
+		resp, err := http.Post("http://"+eps[0].Address.String()+"/v1/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("completion: status %d", resp.StatusCode)
+		}
+	}
+	st, _, err = s.fetch(t.Context(), target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := server.DefaultConfig().Engine
+	step := func(tokens int) time.Duration {
+		return cfg.StepBaseDuration + time.Duration(tokens)*cfg.PrefillDurationPerToken
+	}
+	wantSeconds := (step(500) + step(500-31*16)).Seconds()
+	if !st.HasPrefillTiming || math.Abs(st.PrefillSecondsTotal-wantSeconds) > 1e-9 || st.PromptTokensTotal != 1000 || st.CachedTokensTotal != 31*16 {
+		t.Fatalf("after two requests: has %v, prefill %vs, prompt %v, cached %v; want true, %vs, 1000, %d",
+			st.HasPrefillTiming, st.PrefillSecondsTotal, st.PromptTokensTotal, st.CachedTokensTotal, wantSeconds, 31*16)
+	}
+	if eng := sims[0].Stats(); st.PromptTokensTotal != float64(eng.PromptTokens) || st.CachedTokensTotal != float64(eng.PrefixHitTokens) {
+		t.Fatalf("scraped prompt %v, cached %v; the engine counted %d and %d", st.PromptTokensTotal, st.CachedTokensTotal, eng.PromptTokens, eng.PrefixHitTokens)
 	}
 }
 

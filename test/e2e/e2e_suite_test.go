@@ -1,6 +1,8 @@
 // Package e2e runs Tally end to end: a real kube-apiserver and etcd, the
 // picker (cmd/epp) and the dev gateway (cmd/devgateway) as processes built
-// from this tree, and simulated vLLM servers on loopback pod IPs. It checks
+// from this tree, and simulated vLLM servers on loopback pod IPs; the NGINX
+// specs put a real NGINX and NGINX Gateway Fabric's shim (cmd/ngf-shim) in
+// front of a picker instead. It checks
 // what a user of the pool sees: where requests go as pods come and go, how a
 // burst is spread, that responses pass through whole, the failure modes,
 // and that the picker's ledger drains.
@@ -36,11 +38,12 @@ func TestE2E(t *testing.T) {
 
 var st *stack.Stack
 
-// binDir holds the epp and devgateway binaries every stack runs.
+// binDir holds the epp and devgateway binaries every stack runs, and the
+// ngf-shim that stacks with NGINX in front run.
 var binDir string
 
-// binDirEnv names a directory holding already built epp and devgateway
-// binaries; when it is unset the suite builds them from this tree.
+// binDirEnv names a directory holding already built epp, devgateway and
+// ngf-shim binaries; when it is unset the suite builds them from this tree.
 const binDirEnv = "TALLY_E2E_BIN_DIR"
 
 // pickerArgsEnv holds flags (space-separated) given to every picker after
@@ -59,10 +62,10 @@ var _ = BeforeSuite(func(ctx SpecContext) {
 		binDir = GinkgoT().TempDir()
 		// The same build settings as `make build`, so the build cache
 		// serves both.
-		build := exec.CommandContext(ctx, "go", "build", "-o", binDir+string(filepath.Separator), "./cmd/epp", "./cmd/devgateway")
+		build := exec.CommandContext(ctx, "go", "build", "-o", binDir+string(filepath.Separator), "./cmd/epp", "./cmd/devgateway", "./cmd/ngf-shim")
 		build.Dir = root
 		build.Stdout, build.Stderr = GinkgoWriter, GinkgoWriter
-		Expect(build.Run()).To(Succeed(), "building cmd/epp and cmd/devgateway")
+		Expect(build.Run()).To(Succeed(), "building cmd/epp, cmd/devgateway and cmd/ngf-shim")
 	}
 
 	st = startStack(ctx, stack.Options{

@@ -163,17 +163,24 @@ func parseSSE(body []byte) []completionResponse {
 // and the picker's ledger at that moment; then it lets them finish.
 func heldBurst(ctx context.Context, reqs []stack.Request, what string) (map[string]int, stack.Ledger, []stack.Result) {
 	GinkgoHelper()
+	return heldBurstVia(ctx, st, st.GatewayURL(), reqs, what)
+}
+
+// heldBurstVia is heldBurst on stack s, sent to baseURL: s's gateway, or
+// another front of s's picker (such as NGINX).
+func heldBurstVia(ctx context.Context, s *stack.Stack, baseURL string, reqs []stack.Request, what string) (map[string]int, stack.Ledger, []stack.Result) {
+	GinkgoHelper()
 	// Earlier traffic has left the ledger and the engines: none of it
 	// weighs on where the burst goes.
-	expectLedgerDrains(ctx, st)
-	before := served()
-	release := st.Hold()
+	expectLedgerDrains(ctx, s)
+	before := servedOn(s)
+	release := s.Hold()
 	defer release()
 	results := make([]stack.Result, len(reqs))
 	finished := make(chan int, len(reqs))
 	for i, r := range reqs {
 		go func() {
-			results[i] = send(ctx, r, what)
+			results[i] = stack.Send(ctx, s.HTTPClient(), baseURL, nextID(what), r)
 			finished <- i
 		}()
 	}
@@ -190,10 +197,10 @@ func heldBurst(ctx context.Context, reqs []stack.Request, what string) (map[stri
 			StopTrying(fmt.Sprintf("request %d finished while the pods held every request: status %d, %v", i, results[i].Status, results[i].Err)).Now()
 		default:
 		}
-		return total(delta(before, served()))
+		return total(delta(before, servedOn(s)))
 	}).WithTimeout(30*time.Second).Should(Equal(len(reqs)), "requests that reached a pod")
-	placed := delta(before, served())
-	ledger, err := st.Ledger(ctx)
+	placed := delta(before, servedOn(s))
+	ledger, err := s.Ledger(ctx)
 	Expect(err).NotTo(HaveOccurred())
 	release()
 	collect(len(reqs))

@@ -249,6 +249,10 @@ func (s *Stack) simulatorConfig() server.Config {
 	if s.opts.KVBlocks > 0 {
 		cfg.Engine.KVBlocks = s.opts.KVBlocks
 	}
+	cfg.LateFirstByteFraction = s.opts.LateFirstByteFraction
+	// The gateway names a request that comes without an x-request-id at
+	// random; the stack's own id is the same on every run.
+	cfg.RequestIDHeader = RequestIDHeader
 	return cfg
 }
 

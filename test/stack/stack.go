@@ -71,6 +71,12 @@ type Options struct {
 	// KVBlocks sizes each simulator's KV cache (16-token blocks); 0 keeps
 	// the engine's default.
 	KVBlocks int
+	// LateFirstByteFraction is the fraction of streamed responses each
+	// simulator holds back whole until their last token, as a buffering
+	// proxy would (server.Config's field of that name; 0 streams them all).
+	// A request's fate follows its id in RequestIDHeader, so a replay holds
+	// back the same requests on every run and whichever pod serves them.
+	LateFirstByteFraction float64
 	// FailureMode is the pool's endpointPickerRef.failureMode (default FailClose).
 	FailureMode infv1.EndpointPickerFailureMode
 	// GatewayListen is the dev gateway's listen address (default
@@ -143,6 +149,7 @@ type Stack struct {
 	gateway     *Process
 	gatewayAddr string
 	replicas    []*Replica
+	nginx       []*NGINX // StartNGINX's
 
 	http *http.Client
 
@@ -233,6 +240,10 @@ func (s *Stack) writeKubeconfig() error {
 // its temporary files. It is safe to call more than once.
 func (s *Stack) Stop() error {
 	var errs []error
+	for _, n := range s.nginx {
+		errs = append(errs, n.stop())
+	}
+	s.nginx = nil
 	for _, r := range s.replicas {
 		errs = append(errs, r.stop())
 	}

@@ -183,6 +183,11 @@ type Event struct {
 	// Arrived is when the request was added: At-Arrived of FirstToken is
 	// the time to first token.
 	Arrived time.Duration
+	// Scheduled is when the step that first scheduled the request (the one
+	// that admitted it) started. Of FirstToken, At-Scheduled is the prefill
+	// time, as vLLM's request_prefill_time_seconds measures it, and
+	// Scheduled-Arrived the time queued.
+	Scheduled time.Duration
 	// OutputTokens is the number of output tokens produced so far.
 	OutputTokens int
 	// CachedTokens is the number of prompt tokens found in the prefix cache.
@@ -222,6 +227,10 @@ type Stats struct {
 	PrefillTokens int64
 	OutputTokens  int64
 	Evictions     int64
+	// PromptTokens counts the whole prompts, cached tokens included, of
+	// the requests whose prefill finished (their first token was
+	// produced), as vLLM's prompt_tokens_total does.
+	PromptTokens int64
 	// BusyTime is the total duration of the steps started so far.
 	BusyTime time.Duration
 }
@@ -262,6 +271,8 @@ type request struct {
 	computed  int     // prompt tokens scheduled for prefill, cached ones included
 	hashed    int     // leading prompt blocks whose hash is registered
 	generated int
+	// scheduledAt is when the step that admitted it started.
+	scheduledAt time.Duration
 }
 
 type scheduled struct {
@@ -543,6 +554,7 @@ func (e *Engine) admit(r *request) bool {
 		r.blocks = append(r.blocks, e.allocate())
 	}
 	r.state = running
+	r.scheduledAt = e.now // admit runs as a step starts; a request is never preempted
 	r.cached = hits * bs
 	r.computed = r.cached
 	r.hashed = hits
@@ -604,6 +616,7 @@ func (e *Engine) finishStep() {
 			e.emit(Token, r)
 		case r.computed == r.PromptTokens:
 			r.generated = 1
+			e.stats.PromptTokens += int64(r.PromptTokens)
 			e.emit(FirstToken, r)
 		default:
 			continue // a chunk of a longer prompt
@@ -631,6 +644,7 @@ func (e *Engine) emit(kind EventKind, r *request) {
 		ID:           r.ID,
 		At:           e.now,
 		Arrived:      r.arrived,
+		Scheduled:    r.scheduledAt,
 		OutputTokens: r.generated,
 		CachedTokens: r.cached,
 	})

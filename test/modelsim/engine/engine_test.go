@@ -196,6 +196,52 @@ func TestRequestAddedDuringAStepWaitsForTheNext(t *testing.T) {
 	}
 }
 
+// The prefill time (first scheduled to first token) leaves out the time
+// queued; the prompt-token counter counts whole prompts, cached tokens
+// included, once their prefill ends.
+func TestPrefillTimeExcludesTheQueueAndPromptTokensCountAtTheFirstToken(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.MaxRunningRequests = 1
+	e := newEngine(t, cfg)
+	bs := cfg.BlockSizeTokens
+	hashes := chain(blocksOf(0, 20)...)
+	mustAdd(t, e, Request{ID: "a", PromptTokens: 20 * bs, OutputTokens: 5, BlockHashes: hashes})
+	mustAdd(t, e, Request{ID: "b", PromptTokens: 20 * bs, OutputTokens: 1, BlockHashes: hashes}) // waits for a
+	mustAdd(t, e, Request{ID: "gone", PromptTokens: 100, OutputTokens: 1})                       // cancelled while waiting
+
+	e.AdvanceTo(time.Microsecond) // a is admitted, its prefill step runs
+	if st := e.Stats(); st.RunningRequests != 1 || st.PromptTokens != 0 {
+		t.Fatalf("running %d, PromptTokens %d while a's prefill runs; want 1 and 0", st.RunningRequests, st.PromptTokens)
+	}
+	a := runUntil(t, e, FirstToken, "a")
+	if a.Scheduled != 0 || a.At-a.Scheduled != prefillTime(cfg, 20*bs) {
+		t.Fatalf("a scheduled at %v, prefilled in %v; want 0 and %v", a.Scheduled, a.At-a.Scheduled, prefillTime(cfg, 20*bs))
+	}
+	if got := e.Stats().PromptTokens; got != 20*int64(bs) {
+		t.Fatalf("PromptTokens = %d after a's first token, want %d", got, 20*bs)
+	}
+	aDone := runUntil(t, e, Finished, "a")
+	if !e.Cancel("gone") {
+		t.Fatal("Cancel(gone) of a waiting request returned false")
+	}
+	b := runUntil(t, e, FirstToken, "b")
+	// b reuses a's blocks but the one holding its last token.
+	if b.CachedTokens != 19*bs {
+		t.Fatalf("b CachedTokens = %d, want %d", b.CachedTokens, 19*bs)
+	}
+	if b.Arrived != 0 || b.Scheduled != aDone.At {
+		t.Fatalf("b arrived at %v, scheduled at %v; want 0 and when a finished, %v", b.Arrived, b.Scheduled, aDone.At)
+	}
+	if got, want := b.At-b.Scheduled, prefillTime(cfg, bs); got != want {
+		t.Fatalf("b prefill time = %v, want %v (its TTFT %v includes the queue)", got, want, b.At-b.Arrived)
+	}
+	// Cached tokens count, a cancelled request whose prefill never ended
+	// does not.
+	if got := e.Stats().PromptTokens; got != 40*int64(bs) {
+		t.Fatalf("PromptTokens = %d, want %d", got, 40*bs)
+	}
+}
+
 func TestQueueFormsWhenRunningRequestsAreFull(t *testing.T) {
 	cfg := DefaultConfig()
 	e := newEngine(t, cfg)
@@ -391,7 +437,7 @@ func TestStatsMatchStateUnderRandomLoad(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 
 	added, cancelled, finished := 0, 0, 0
-	var outputTokens, hitTokens, queryTokens int64
+	var outputTokens, hitTokens, queryTokens, promptTokens int64
 	cancelledBeforeFirstToken := map[string]bool{}
 	live := map[string]int{} // ID -> prompt tokens, while held
 	seen := map[string]bool{}
@@ -403,7 +449,11 @@ func TestStatsMatchStateUnderRandomLoad(t *testing.T) {
 				outputTokens++
 				hitTokens += int64(ev.CachedTokens)
 				queryTokens += int64(live[ev.ID])
+				promptTokens += int64(live[ev.ID])
 				seen[ev.ID] = true
+				if ev.Scheduled < ev.Arrived || ev.At <= ev.Scheduled {
+					t.Fatalf("first token of %s: arrived %v, scheduled %v, at %v; want arrived <= scheduled < at", ev.ID, ev.Arrived, ev.Scheduled, ev.At)
+				}
 			case Token:
 				outputTokens++
 			case Finished:
@@ -424,6 +474,9 @@ func TestStatsMatchStateUnderRandomLoad(t *testing.T) {
 		}
 		if st.OutputTokens != outputTokens {
 			t.Fatalf("OutputTokens = %d, events say %d", st.OutputTokens, outputTokens)
+		}
+		if st.PromptTokens != promptTokens {
+			t.Fatalf("PromptTokens = %d, first tokens say %d", st.PromptTokens, promptTokens)
 		}
 		if st.PrefixHitTokens > st.PrefixQueryTokens {
 			t.Fatalf("hits %d > queries %d", st.PrefixHitTokens, st.PrefixQueryTokens)

@@ -27,11 +27,31 @@ func newTTFTHistogram(model string) prometheus.Histogram {
 	})
 }
 
+// newPrefillTimeHistogram is vLLM v1's request_prefill_time_seconds: per
+// request, from the step that first scheduled it to its first token, so the
+// time queued before is left out. vLLM observes it when the request
+// finishes, not at its first token, and so does the simulator: a scrape
+// sees a request's prompt tokens (counted at the first token) before its
+// prefill time.
+func newPrefillTimeHistogram(model string) prometheus.Histogram {
+	return prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "vllm:request_prefill_time_seconds",
+		Help: "Histogram of time spent in PREFILL phase for request.",
+		// vLLM v1's request latency buckets.
+		Buckets: []float64{
+			0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+			40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+		},
+		ConstLabels: commonLabels(model),
+	})
+}
+
 // collector reads the engine's gauges and counters at scrape time, all from
 // one snapshot, so they agree with each other and with the engine's state.
 type collector struct {
 	s                                                    *Server
 	running, waiting, usage, queries, hits, info, finish *prometheus.Desc
+	promptTokens                                         *prometheus.Desc
 	// queuedPrefill is the simulator's own: vLLM exports no such gauge. It
 	// is the truth the picker's prefill estimate is tested against.
 	queuedPrefill *prometheus.Desc
@@ -51,13 +71,16 @@ func newCollector(s *Server) *collector {
 		hits:    prometheus.NewDesc("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", nil, l),
 		info:    prometheus.NewDesc("vllm:cache_config_info", "Information of the KV cache configuration.", nil, info),
 		finish:  prometheus.NewDesc("vllm:request_success_total", "Count of successfully processed requests.", []string{"finished_reason"}, l),
+		// vLLM counts a request's whole prompt, cached tokens included,
+		// when its prefill ends.
+		promptTokens: prometheus.NewDesc("vllm:prompt_tokens_total", "Number of prefill tokens processed.", nil, l),
 		queuedPrefill: prometheus.NewDesc("modelsim_queued_prefill_tokens",
 			"Prompt tokens not yet computed over waiting and running requests (simulator only; cached tokens excluded).", nil, l),
 	}
 }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.running, c.waiting, c.usage, c.queries, c.hits, c.info, c.finish, c.queuedPrefill} {
+	for _, d := range []*prometheus.Desc{c.running, c.waiting, c.usage, c.queries, c.hits, c.info, c.finish, c.promptTokens, c.queuedPrefill} {
 		ch <- d
 	}
 }
@@ -77,6 +100,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	gauge(c.queuedPrefill, float64(st.QueuedPrefillTokens))
 	counter(c.queries, float64(st.PrefixQueryTokens))
 	counter(c.hits, float64(st.PrefixHitTokens))
+	counter(c.promptTokens, float64(st.PromptTokens))
 	// The simulator never stops early ("stop"): it always generates the
 	// requested length. Aborted requests were cancelled by their client.
 	counter(c.finish, 0, "stop")

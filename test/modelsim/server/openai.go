@@ -37,6 +37,8 @@ type chatMessage struct {
 type prompt struct {
 	tokens int
 	hashes []uint64
+	// key hashes the whole prompt: it names a request that has no id.
+	key uint64
 }
 
 type apiError struct {
@@ -110,6 +112,11 @@ func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request, chat boo
 		promptTokens:  p.tokens,
 		maxTokens:     req.maxTokens(),
 	}
+	var requestID string
+	if h := s.cfg.RequestIDHeader; h != "" {
+		requestID = r.Header.Get(h)
+	}
+	late := req.Stream && s.lateFirstBytes(requestID, p.key)
 	pend, err := s.submit(engine.Request{ID: out.id, PromptTokens: p.tokens, OutputTokens: out.maxTokens, BlockHashes: p.hashes})
 	if err != nil {
 		writeError(w, badRequest("%v", err))
@@ -137,9 +144,10 @@ func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request, chat boo
 			}
 			continue
 		}
-		if tokens > written {
-			// Headers go out with the first token, so the first response
-			// byte marks the end of prefill, as the picker expects.
+		// Headers go out with the first token, so the first response byte
+		// marks the end of prefill, as the picker expects; a late response
+		// holds everything back, headers too, until the last token.
+		if tokens > written && (!late || finished) {
 			if written == 0 {
 				w.Header().Set("Content-Type", "text/event-stream")
 				w.Header().Set("Cache-Control", "no-cache")
@@ -273,7 +281,11 @@ func chatText(msgs []chatMessage) (string, *apiError) {
 // textPrompt counts tokens as the picker estimates them and hashes each
 // full block of text, chained to the blocks before it.
 func textPrompt(text string, charsPerToken, blockTokens int) prompt {
-	return prompt{tokens: max(len(text)/charsPerToken, 1), hashes: engine.TextBlockHashes(text, charsPerToken*blockTokens)}
+	return prompt{
+		tokens: max(len(text)/charsPerToken, 1),
+		hashes: engine.TextBlockHashes(text, charsPerToken*blockTokens),
+		key:    xxhash.Sum64String(text),
+	}
 }
 
 func idsPrompt(ids []int64, blockTokens int) prompt {
@@ -290,7 +302,12 @@ func idsPrompt(ids []int64, blockTokens int) prompt {
 		hashes[i] = d.Sum64()
 		binary.LittleEndian.PutUint64(prev[:], hashes[i])
 	}
-	return prompt{tokens: len(ids), hashes: hashes}
+	d.Reset()
+	for _, t := range ids {
+		binary.LittleEndian.PutUint64(id[:], uint64(t))
+		_, _ = d.Write(id[:])
+	}
+	return prompt{tokens: len(ids), hashes: hashes, key: d.Sum64()}
 }
 
 // output renders one request's response.

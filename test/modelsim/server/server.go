@@ -18,11 +18,14 @@
 // One goroutine drives the engine: it runs the engine's virtual clock at
 // TimeScale times the wall clock, sleeping until the next step ends while
 // there is work and waiting for a request when there is none. Times the
-// engine reports (the time-to-first-token histogram) are virtual: what a real
-// engine would measure. Fault injection (AddedLatency, ErrorRate, HangRate)
-// happens in wall time, before the request reaches the engine; FailMetrics
-// breaks GET /metrics alone, as an engine whose metrics exporter broke while
-// it still serves completions.
+// engine reports (the time-to-first-token and prefill-time histograms) are
+// virtual: what a real engine would measure. Fault injection (AddedLatency,
+// ErrorRate, HangRate) happens in wall time, before the request reaches the
+// engine; FailMetrics breaks GET /metrics alone, as an engine whose metrics
+// exporter broke while it still serves completions. LateFirstByteFraction
+// acts after the engine: it holds a streamed response's bytes back until its
+// last token, as a buffering proxy would, so the first byte no longer marks
+// the end of prefill.
 //
 // Invariant: the engine is touched only under Server.mu, and every request
 // added to it leaves exactly once: it finishes, or its handler cancels it
@@ -38,6 +41,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
@@ -50,6 +54,9 @@ const (
 	DefaultCharsPerToken = 4
 	// DefaultMaxTokens is the output length when a request names none.
 	DefaultMaxTokens = 16
+	// DefaultRequestIDHeader is the header Envoy and the dev gateway name
+	// each request by.
+	DefaultRequestIDHeader = "X-Request-Id"
 	// MaxTimeScale keeps virtual nanoseconds within int64 for over 100 days.
 	MaxTimeScale = 1000
 	// maxRequestBytes bounds a request body.
@@ -77,16 +84,30 @@ type Config struct {
 	HangRate float64
 	// Seed seeds the draws of ErrorRate and HangRate.
 	Seed uint64
+	// LateFirstByteFraction is the fraction of streamed responses whose
+	// bytes, status and headers included, are all held back until the
+	// last token and then written at once, as a buffering proxy or an
+	// engine whose first chunk comes at the end would send them. Which
+	// responses are late is drawn from a hash of the request's
+	// RequestIDHeader, or of its prompt when it has none: the same request
+	// is late on every run and every server, and 0.5 holds back half of
+	// any set of distinct requests.
+	LateFirstByteFraction float64
+	// RequestIDHeader names the header that identifies a request for the
+	// choices made per request (LateFirstByteFraction); "" tells requests
+	// apart by their prompts alone.
+	RequestIDHeader string
 }
 
 // DefaultConfig returns a configuration with the engine's default latency
 // model, running in real time, without faults.
 func DefaultConfig() Config {
 	return Config{
-		Model:         DefaultModel,
-		Engine:        engine.DefaultConfig(),
-		CharsPerToken: DefaultCharsPerToken,
-		TimeScale:     1,
+		Model:           DefaultModel,
+		Engine:          engine.DefaultConfig(),
+		CharsPerToken:   DefaultCharsPerToken,
+		TimeScale:       1,
+		RequestIDHeader: DefaultRequestIDHeader,
 	}
 }
 
@@ -114,6 +135,9 @@ func (c Config) Validate() error {
 	if !(c.HangRate >= 0 && c.HangRate <= 1) {
 		bad("HangRate", c.HangRate, "must be from 0 to 1")
 	}
+	if !(c.LateFirstByteFraction >= 0 && c.LateFirstByteFraction <= 1) {
+		bad("LateFirstByteFraction", c.LateFirstByteFraction, "must be from 0 to 1")
+	}
 	if err := c.Engine.Validate(); err != nil {
 		errs = append(errs, err)
 	}
@@ -132,6 +156,7 @@ type Server struct {
 	pending map[string]*pending // requests in the engine, by ID
 	rng     *rand.Rand
 	ttft    prometheus.Histogram
+	prefill prometheus.Histogram
 
 	nextID     atomic.Uint64
 	metricsOff atomic.Bool   // FailMetrics
@@ -147,6 +172,7 @@ type pending struct {
 	notify   chan struct{} // capacity 1: something changed
 	tokens   int           // output tokens produced so far
 	cached   int           // prompt tokens found in the prefix cache
+	prefill  time.Duration // first scheduled to first token, engine time
 	finished bool
 }
 
@@ -172,8 +198,11 @@ func New(cfg Config) (*Server, error) {
 	}
 	reg := prometheus.NewRegistry()
 	s.ttft = newTTFTHistogram(cfg.Model)
-	if err := reg.Register(s.ttft); err != nil {
-		return nil, fmt.Errorf("registering metrics: %w", err)
+	s.prefill = newPrefillTimeHistogram(cfg.Model)
+	for _, c := range []prometheus.Collector{s.ttft, s.prefill} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("registering metrics: %w", err)
+		}
 	}
 	if err := reg.Register(newCollector(s)); err != nil {
 		return nil, fmt.Errorf("registering metrics: %w", err)
@@ -250,11 +279,15 @@ func (s *Server) advanceLocked() {
 		switch ev.Kind {
 		case engine.FirstToken:
 			s.ttft.Observe((ev.At - ev.Arrived).Seconds())
+			p.prefill = ev.At - ev.Scheduled
 			p.cached = ev.CachedTokens
 			p.tokens = ev.OutputTokens
 		case engine.Token:
 			p.tokens = ev.OutputTokens
 		case engine.Finished:
+			// vLLM observes the prefill time of finished requests only:
+			// those their client cancelled are not counted.
+			s.prefill.Observe(p.prefill.Seconds())
 			p.finished = true
 			delete(s.pending, ev.ID)
 		}
@@ -337,6 +370,22 @@ func (s *Server) snapshot(p *pending) (tokens, cached int, finished bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return p.tokens, p.cached, p.finished
+}
+
+// lateFirstBytes reports whether a streamed response is held back until
+// its last token: a hash of the request's id (its RequestIDHeader), or of
+// its prompt (promptKey) when it has none, drawn against
+// LateFirstByteFraction.
+func (s *Server) lateFirstBytes(requestID string, promptKey uint64) bool {
+	f := s.cfg.LateFirstByteFraction
+	if f == 0 {
+		return false
+	}
+	h := promptKey
+	if requestID != "" {
+		h = xxhash.Sum64String(requestID)
+	}
+	return float64(h>>11)/(1<<53) < f // the top 53 bits, uniform in [0, 1)
 }
 
 // fault draws which injected fault, if any, hits a request.

@@ -18,6 +18,8 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+
+	"github.com/tallyepp/tally/test/modelsim/engine"
 )
 
 // startServer serves a simulator on 127.0.0.1:0 (httptest's loopback
@@ -219,7 +221,7 @@ func TestNonStreamingAnswersOneJSON(t *testing.T) {
 }
 
 func TestRepeatedPromptReportsCachedTokens(t *testing.T) {
-	_, url := startServer(t, nil)
+	srv, url := startServer(t, nil)
 	body := fmt.Sprintf(`{"prompt":%q,"max_tokens":2}`, strings.Repeat("0123456789", 200)) // 500 tokens
 	var first, second responseJSON
 	decodeJSON(t, post(t, t.Context(), url+"/v1/completions", body), &first)
@@ -241,6 +243,88 @@ func TestRepeatedPromptReportsCachedTokens(t *testing.T) {
 	if got := value(t, fams, "vllm:request_success_total", map[string]string{"finished_reason": "length"}); got != 2 {
 		t.Errorf("request_success_total{length} = %v, want 2", got)
 	}
+	// vLLM counts whole prompts, cached tokens included.
+	if got := value(t, fams, "vllm:prompt_tokens_total", nil); got != 1000 {
+		t.Errorf("prompt_tokens_total = %v, want 1000", got)
+	}
+	// Each request ran alone on an idle engine: one prefill step each, of
+	// 500 tokens, then of the 4 past the cached blocks.
+	cfg := srv.cfg.Engine
+	want := prefillStep(cfg, 500) + prefillStep(cfg, 500-31*16)
+	if h := histogram(t, fams, "vllm:request_prefill_time_seconds"); h.GetSampleCount() != 2 || math.Abs(h.GetSampleSum()-want.Seconds()) > 1e-9 {
+		t.Errorf("request_prefill_time_seconds count %d sum %v, want 2 and %v (engine time)", h.GetSampleCount(), h.GetSampleSum(), want.Seconds())
+	}
+}
+
+// TestPrefillTimeLeavesOutTheQueue queues a request behind a running one:
+// its time to first token includes the wait, its prefill time does not.
+// The running one is cancelled once its prefill is done: its prompt counts,
+// its prefill time does not (vLLM observes finished requests only).
+func TestPrefillTimeLeavesOutTheQueue(t *testing.T) {
+	srv, url := startServer(t, func(c *Config) { c.Engine.MaxRunningRequests = 1 })
+	cfg := srv.cfg.Engine
+	ctx, cancelFirst := context.WithCancel(t.Context())
+	defer cancelFirst()
+	first := post(t, ctx, url+"/v1/completions", fmt.Sprintf(`{"prompt":%q,"max_tokens":100000,"stream":true}`, strings.Repeat("a", 4*100)))
+	defer first.Body.Close()
+	if line, err := bufio.NewReader(first.Body).ReadString('\n'); err != nil || !strings.HasPrefix(line, "data: {") {
+		t.Fatalf("first line %q: %v", line, err)
+	}
+
+	queued := make(chan *http.Response, 1)
+	go func() {
+		resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(fmt.Sprintf(`{"prompt":%q,"max_tokens":1}`, strings.Repeat("b", 4*200))))
+		if err != nil {
+			t.Errorf("POST: %v", err)
+		}
+		queued <- resp
+	}()
+	var since time.Duration
+	eventually(t, 10*time.Second, func() error {
+		st := srv.Stats()
+		if st.WaitingRequests != 1 {
+			return fmt.Errorf("%d requests waiting, want 1", st.WaitingRequests)
+		}
+		since = st.Now
+		return nil
+	})
+	const minWait = time.Second // engine time: 10 ms of wall time
+	eventually(t, 10*time.Second, func() error {
+		if now := srv.Stats().Now; now < since+minWait {
+			return fmt.Errorf("engine clock at %v, want %v", now, since+minWait)
+		}
+		return nil
+	})
+	cancelFirst()
+	if resp := <-queued; resp != nil {
+		var c responseJSON
+		decodeJSON(t, resp, &c)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("queued request: status %d", resp.StatusCode)
+		}
+	}
+
+	fams := scrape(t, url)
+	prefill := histogram(t, fams, "vllm:request_prefill_time_seconds")
+	if want := prefillStep(cfg, 200); prefill.GetSampleCount() != 1 || math.Abs(prefill.GetSampleSum()-want.Seconds()) > 1e-9 {
+		t.Fatalf("request_prefill_time_seconds count %d sum %v, want 1 (the finished request) and %v", prefill.GetSampleCount(), prefill.GetSampleSum(), want.Seconds())
+	}
+	// The first request ran alone: its time to first token is its prefill.
+	ttft := histogram(t, fams, "vllm:time_to_first_token_seconds")
+	queuedTTFT := ttft.GetSampleSum() - prefillStep(cfg, 100).Seconds()
+	if ttft.GetSampleCount() != 2 || queuedTTFT < (prefillStep(cfg, 200)+minWait).Seconds() {
+		t.Fatalf("time_to_first_token_seconds count %d, queued request's %vs; want 2 and at least its prefill %v and the %v it waited",
+			ttft.GetSampleCount(), queuedTTFT, prefillStep(cfg, 200), minWait)
+	}
+	if got := value(t, fams, "vllm:prompt_tokens_total", nil); got != 300 {
+		t.Fatalf("prompt_tokens_total = %v, want 300 (both prefills ended)", got)
+	}
+}
+
+// prefillStep is the latency model's one step prefilling n tokens, n up to
+// the step budget.
+func prefillStep(cfg engine.Config, n int) time.Duration {
+	return cfg.StepBaseDuration + time.Duration(n)*cfg.PrefillDurationPerToken
 }
 
 func TestMetricsReflectInFlightRequestsAndCancellationFreesThem(t *testing.T) {
@@ -362,6 +446,100 @@ func TestTimeScaleRunsFasterButReportsEngineTime(t *testing.T) {
 	h := scrape(t, url)["vllm:time_to_first_token_seconds"].Metric[0].Histogram
 	if h.GetSampleCount() != 1 || math.Abs(h.GetSampleSum()-step.Seconds()) > 1e-9 {
 		t.Fatalf("TTFT histogram count %d sum %v, want 1 and %v (engine time)", h.GetSampleCount(), h.GetSampleSum(), step.Seconds())
+	}
+}
+
+func TestLateFirstBytesArriveOnlyWhenGenerationEnds(t *testing.T) {
+	srv, url := startServer(t, func(c *Config) { c.TimeScale = 10; c.LateFirstByteFraction = 0.5 })
+	cfg := srv.cfg.Engine
+	var lateID, onTimeID string
+	for i := 0; lateID == "" || onTimeID == ""; i++ {
+		id := fmt.Sprintf("req-%d", i)
+		if srv.lateFirstBytes(id, 0) {
+			lateID = id
+		} else {
+			onTimeID = id
+		}
+	}
+	send := func(ctx context.Context, id string, maxTokens int) *http.Response {
+		t.Helper()
+		body := fmt.Sprintf(`{"prompt":%q,"max_tokens":%d,"stream":true}`, strings.Repeat("c", 4*100), maxTokens)
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/completions", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set(srv.cfg.RequestIDHeader, id)
+		resp, err := http.DefaultClient.Do(req) // returns once the status and headers arrive
+		if err != nil {
+			t.Fatalf("POST %s: %v", id, err)
+		}
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("POST %s: status %d", id, resp.StatusCode)
+		}
+		return resp
+	}
+
+	// Late: nothing arrives before the engine has produced the last token.
+	const lateTokens = 50
+	generation := prefillStep(cfg, 100) + (lateTokens-1)*(cfg.StepBaseDuration+cfg.DecodeDurationPerSequence)
+	start := time.Now()
+	resp := send(t.Context(), lateID, lateTokens)
+	if took, finished := time.Since(start), srv.Stats().FinishedRequests; took < generation/10 || finished != 1 {
+		t.Fatalf("late response's first bytes after %v with %d requests finished; want at least %v (the generation, scaled) and 1", took, finished, generation/10)
+	}
+	chunks, done := readStream(t, resp.Body)
+	resp.Body.Close()
+	if !done || len(chunks) != lateTokens+1 {
+		t.Fatalf("late response: %d chunks, done %v; want %d tokens, a usage chunk and [DONE]", len(chunks), done, lateTokens)
+	}
+
+	// On time: the first token arrives while the engine still generates.
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	resp = send(ctx, onTimeID, 100_000)
+	defer resp.Body.Close()
+	if line, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil || !strings.HasPrefix(line, "data: {") {
+		t.Fatalf("first line %q: %v", line, err)
+	}
+	if st := srv.Stats(); st.RunningRequests != 1 || st.FinishedRequests != 1 {
+		t.Fatalf("running %d, finished %d at the first chunk of a response on time; want 1 and 1 (the late one)", st.RunningRequests, st.FinishedRequests)
+	}
+}
+
+func TestLateFirstByteFractionIsDrawnPerRequest(t *testing.T) {
+	s := &Server{cfg: Config{LateFirstByteFraction: 0.5}}
+	const n = 10_000
+	byID, byPrompt := 0, 0
+	for i := range n {
+		id := fmt.Sprintf("tally-burst-%d", i)
+		late := s.lateFirstBytes(id, 0)
+		if s.lateFirstBytes(id, 0) != late {
+			t.Fatalf("request %s is late on one call and not on the next", id)
+		}
+		if late {
+			byID++
+		}
+		// Without an id, the prompt decides.
+		if s.lateFirstBytes("", textPrompt(fmt.Sprintf("prompt %d", i), 4, 16).key) {
+			byPrompt++
+		}
+	}
+	for name, got := range map[string]int{"by id": byID, "by prompt": byPrompt} {
+		if math.Abs(float64(got)/n-0.5) > 0.02 {
+			t.Errorf("%s: %d of %d requests late, want about half", name, got, n)
+		}
+	}
+	p := textPrompt("the same prompt", 4, 16)
+	if s.lateFirstBytes("", p.key) != s.lateFirstBytes("", textPrompt("the same prompt", 4, 16).key) {
+		t.Error("the same prompt without an id is late once and not once")
+	}
+	for _, f := range []float64{0, 1} {
+		s := &Server{cfg: Config{LateFirstByteFraction: f}}
+		for i := range 100 {
+			if got := s.lateFirstBytes(fmt.Sprint(i), uint64(i)); got != (f == 1) {
+				t.Fatalf("fraction %v: request %d late = %v", f, i, got)
+			}
+		}
 	}
 }
 
@@ -514,9 +692,10 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.TimeScale = 0
 	cfg.ErrorRate = 2
+	cfg.LateFirstByteFraction = -0.5
 	cfg.Engine.KVBlocks = -1
 	_, err := New(cfg)
-	for _, want := range []string{"TimeScale: 0 is invalid", "ErrorRate: 2 is invalid", "KVBlocks: -1 is invalid"} {
+	for _, want := range []string{"TimeScale: 0 is invalid", "ErrorRate: 2 is invalid", "LateFirstByteFraction: -0.5 is invalid", "KVBlocks: -1 is invalid"} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("New: err = %v, want it to contain %q", err, want)
 		}
@@ -571,6 +750,16 @@ func scrape(t *testing.T, url string) map[string]*dto.MetricFamily {
 		t.Fatalf("parsing /metrics: %v\n%s", err, body)
 	}
 	return fams
+}
+
+// histogram returns the one series of the histogram name.
+func histogram(t *testing.T, fams map[string]*dto.MetricFamily, name string) *dto.Histogram {
+	t.Helper()
+	fam := fams[name]
+	if fam == nil || fam.GetType() != dto.MetricType_HISTOGRAM || len(fam.Metric) != 1 {
+		t.Fatalf("%s: %v, want one histogram series", name, fam)
+	}
+	return fam.Metric[0].Histogram
 }
 
 func labels(m *dto.Metric) map[string]string {

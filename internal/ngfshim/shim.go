@@ -1,0 +1,213 @@
+// Package ngfshim plays the endpoint-picker shim that NGINX Gateway Fabric
+// (NGF) runs beside NGINX (nginx/nginx-gateway-fabric,
+// cmd/gateway/endpoint_picker.go), so Tally can be tested behind a real
+// NGINX driven the way NGF drives it. NGINX cannot speak gRPC from NJS: for
+// each client request its NJS handler (see package
+// github.com/tallyepp/tally/internal/ngfshim/nginx) sends the client's
+// method, headers and body to this shim over plain HTTP, with X-EPP-Host and
+// X-EPP-Port naming the picker; the shim runs one ext_proc exchange with the
+// picker and answers with the chosen endpoint in a response header, and
+// NGINX proxies the request there itself.
+//
+// The exchange is NGF's, not Envoy's: a new gRPC connection per request; one
+// RequestHeaders message built from the HTTP headers the shim received
+// (lowercased keys, values in value, never raw_value, and no pseudo-headers:
+// no :path, :method or :authority), end_of_stream set when there is no
+// body; then the whole body in one RequestBody with end_of_stream; then a
+// half-close. It reads answers until the picker ends the stream. It never
+// sends protocol_config and never a response phase.
+//
+// The invariant: the shim speaks to the picker only as NGF does. A shim
+// that helped the picker (a :path, a protocol_config, a response phase)
+// would hide exactly the incompatibilities it exists to find.
+package ngfshim
+
+import (
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"maps"
+	"net"
+	"net/http"
+	"slices"
+	"strings"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+// The headers of NGF's NJS-to-shim exchange.
+const (
+	// PickerHostHeader and PickerPortHeader name the picker to ask.
+	PickerHostHeader = "X-EPP-Host"
+	PickerPortHeader = "X-EPP-Port"
+	// DestinationHeader carries the chosen endpoint: in the picker's header
+	// mutation (lowercase, as the protocol spells it), and in the shim's
+	// answer to NJS.
+	DestinationHeader = "x-gateway-destination-endpoint"
+)
+
+// Shim is an http.Handler that turns each request into one ext_proc
+// exchange with the picker its X-EPP-Host and X-EPP-Port headers name.
+// Like httputil.ReverseProxy it is a plain struct: set Dial, and Log if
+// wanted.
+//
+// Its answers to NJS are NGF's: 200 with the destination header when the
+// picker named an endpoint (200 without it when the picker's answers held
+// none); the ImmediateResponse's status and body when the picker sent one;
+// 400 without the picker headers; 500 or 502 when the exchange failed.
+type Shim struct {
+	// Dial opens a connection to the picker at target ("host:port"). The
+	// shim opens one per request and closes it when the request ends.
+	Dial func(target string) (*grpc.ClientConn, error)
+	// Log receives one line per request at debug level and the failures at
+	// warn; nil discards them.
+	Log *slog.Logger
+}
+
+// Dialer returns a Shim.Dial that connects with TLS (certificate not
+// verified: the picker serves a self-signed one by default, and NGF skips
+// verification unless it is given a CA) or in plaintext.
+func Dialer(useTLS bool) func(target string) (*grpc.ClientConn, error) {
+	creds := insecure.NewCredentials()
+	if useTLS {
+		creds = credentials.NewTLS(&tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS12}) //nolint:gosec // see above
+	}
+	return func(target string) (*grpc.ClientConn, error) {
+		return grpc.NewClient(target, grpc.WithTransportCredentials(creds))
+	}
+}
+
+func (s *Shim) log() *slog.Logger {
+	if s.Log == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return s.Log
+}
+
+// ServeHTTP runs one exchange with the picker for r.
+func (s *Shim) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	log := s.log()
+	host, port := r.Header.Get(PickerHostHeader), r.Header.Get(PickerPortHeader)
+	if host == "" || port == "" {
+		msg := fmt.Sprintf("missing header %s or %s: the NJS handler names the picker in both", PickerHostHeader, PickerPortHeader)
+		log.Warn(msg)
+		http.Error(w, msg, http.StatusBadRequest)
+		return
+	}
+	target := net.JoinHostPort(host, port)
+	conn, err := s.Dial(target)
+	if err != nil {
+		log.Warn("connecting to the picker", "picker", target, "err", err)
+		http.Error(w, fmt.Sprintf("connecting to the picker %s: %v", target, err), http.StatusInternalServerError)
+		return
+	}
+	defer conn.Close()
+	stream, err := extprocv3.NewExternalProcessorClient(conn).Process(r.Context())
+	if err != nil {
+		log.Warn("opening an ext_proc stream", "picker", target, "err", err)
+		http.Error(w, fmt.Sprintf("opening an ext_proc stream to %s: %v", target, err), http.StatusBadGateway)
+		return
+	}
+	// As NGF's does, a failed send ends the exchange: when the picker
+	// answered at the headers and ended the stream, the body's send fails
+	// with EOF and its ImmediateResponse is never read. NGINX gets no
+	// endpoint either way.
+	if status, err := send(stream, r); err != nil {
+		log.Warn("sending the request to the picker", "picker", target, "err", err)
+		http.Error(w, err.Error(), status)
+		return
+	}
+	var endpoint string
+	for {
+		resp, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			log.Warn("reading the picker's answer", "picker", target, "err", err)
+			http.Error(w, fmt.Sprintf("reading the picker's answer: %v", err), http.StatusBadGateway)
+			return
+		}
+		if ir := resp.GetImmediateResponse(); ir != nil {
+			status := int(ir.GetStatus().GetCode())
+			if status < 100 || status > 999 {
+				// NGF's shim would panic writing it, and NGINX would see the
+				// connection drop; either way NGINX gets no endpoint.
+				status = http.StatusBadGateway
+			}
+			log.Debug("immediate response", "path", r.URL.Path, "status", status, "body_bytes", len(ir.GetBody()))
+			http.Error(w, string(ir.GetBody()), status)
+			return
+		}
+		for _, h := range resp.GetRequestHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
+			if h.GetHeader().GetKey() != DestinationHeader {
+				continue
+			}
+			// NGF reads raw_value only: a picker that put the endpoint in
+			// value would leave NGINX without one.
+			endpoint = string(h.GetHeader().GetRawValue())
+			if endpoint == "" && h.GetHeader().GetValue() != "" {
+				log.Warn("the picker set the destination in value, not raw_value: NGF reads raw_value", "value", h.GetHeader().GetValue())
+			}
+			w.Header().Set(DestinationHeader, endpoint)
+		}
+	}
+	log.Debug("picked", "path", r.URL.Path, "endpoint", endpoint)
+	w.WriteHeader(http.StatusOK)
+}
+
+// send sends r's headers and body, then half-closes the stream. On failure
+// it returns the status to answer NJS with.
+func send(stream extprocv3.ExternalProcessor_ProcessClient, r *http.Request) (int, error) {
+	withBody := hasBody(r)
+	if err := stream.Send(requestHeaders(r.Header, !withBody)); err != nil {
+		return http.StatusBadGateway, fmt.Errorf("sending the request headers: %w", err)
+	}
+	if withBody {
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			return http.StatusInternalServerError, fmt.Errorf("reading the request body: %w", err)
+		}
+		if err := stream.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
+			RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: true},
+		}}); err != nil {
+			return http.StatusBadGateway, fmt.Errorf("sending the request body: %w", err)
+		}
+	}
+	if err := stream.CloseSend(); err != nil {
+		return http.StatusInternalServerError, fmt.Errorf("half-closing the stream: %w", err)
+	}
+	return 0, nil
+}
+
+// hasBody is NGF's test: a known length of zero is no body, an unknown
+// length (chunked) is one.
+func hasBody(r *http.Request) bool {
+	return r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0
+}
+
+// requestHeaders builds the RequestHeaders message from the HTTP headers as
+// Go's server holds them: without Host (Go moves it to r.Host, so NGF never
+// sends it) and with the X-EPP-* headers NJS added. Keys are lowercased,
+// values go in value. They are sorted only so that logs and tests read the
+// same each time; NGF sends them in map order.
+func requestHeaders(h http.Header, endOfStream bool) *extprocv3.ProcessingRequest {
+	list := make([]*corev3.HeaderValue, 0, len(h))
+	for _, key := range slices.Sorted(maps.Keys(h)) {
+		for _, v := range h[key] {
+			list = append(list, &corev3.HeaderValue{Key: strings.ToLower(key), Value: v})
+		}
+	}
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
+		RequestHeaders: &extprocv3.HttpHeaders{
+			Headers:     &corev3.HeaderMap{Headers: list},
+			EndOfStream: endOfStream,
+		},
+	}}
+}

@@ -1,0 +1,210 @@
+package picker
+
+import (
+	"container/heap"
+	"time"
+)
+
+// Detached reservations. Some gateways ask the picker only where a request
+// goes and never show it the response: NGINX Gateway Fabric's shim sends the
+// request, half-closes its stream and proxies the request itself; an Envoy
+// that skips the response phases does the same. The request is then still
+// running on the model server when its stream ends, and releasing its
+// reservation there would make the ledger forget it at once: a burst would
+// herd as with pickers that learn load from scrapes. A detached reservation
+// instead stays in the ledger and ends when the model says the request is
+// done: its prefill drains like any other's, then it decodes for its
+// expected output (max_tokens when the request gives one, else the mean
+// output the pool's responses have shown) at the pool's observed decode
+// speed. Engine scrapes shorten it when the engine reports fewer requests
+// than the ledger holds there (the request finished early), and a request
+// the model ended while the engine still runs it shows as foreign load: the
+// correction works both ways.
+
+const (
+	// Until responses teach them: the expected output of a request that
+	// gives no max_tokens, and the time one output token takes.
+	defaultOutputTokens       = 256
+	defaultDecodeNsPerToken   = float64(20 * time.Millisecond)
+	minDecodeNsPerToken       = float64(100 * time.Microsecond)
+	maxDecodeNsPerToken       = float64(time.Second)
+	decodeLearnWeight         = 0.05
+	outputLearnWeight         = 0.02
+	maxExpectedOutputTokens   = 1 << 20
+	decodeSampleSpreadAllowed = 4.0 // a sample counts within 1/4x..4x of the estimate
+	// detachGrace: an engine scrape may shorten only detached requests
+	// older than this, so that one the gateway is still forwarding is not
+	// taken for finished.
+	detachGrace = 2 * time.Second
+)
+
+// Detach ends the stream's hold on the reservation without releasing it:
+// the gateway will show no response (see above). The reservation ends on
+// its own when the model says the request is done, when an engine scrape
+// says so, or by the sweeper. Calls after the first, and after a release,
+// do nothing.
+func (r *Reservation) Detach() {
+	p := r.p
+	now := p.clock()
+	p.mu.Lock()
+	detached := false
+	if !r.released && !r.detached {
+		detached = true
+		r.detached = true
+		w := r.row
+		w.detached++
+		r.dPrev, r.dNext = w.dTail, nil
+		if w.dTail != nil {
+			w.dTail.dNext = r
+		} else {
+			w.dHead = r
+		}
+		w.dTail = r
+		if r.decoding {
+			p.scheduleDetachedLocked(r, now)
+		}
+	}
+	p.mu.Unlock()
+	if detached {
+		p.metrics.detached.Inc()
+	}
+}
+
+// expectedOutputTokens is how many tokens r is expected to generate.
+func (p *Picker) expectedOutputTokens(r *Reservation) float64 {
+	if r.maxTokens > 0 {
+		return float64(min(r.maxTokens, maxExpectedOutputTokens))
+	}
+	return p.meanOutputTokens
+}
+
+// scheduleDetachedLocked gives a detached reservation whose prefill ended at
+// end its modelled end.
+func (p *Picker) scheduleDetachedLocked(r *Reservation, end int64) {
+	r.doneAt = end + int64(p.expectedOutputTokens(r)*p.decodeNsPerToken)
+	if r.heapIdx >= 0 {
+		heap.Fix(&p.detachedDue, r.heapIdx)
+		return
+	}
+	heap.Push(&p.detachedDue, r)
+}
+
+// unlinkDetachedLocked takes a detached reservation off its row's list and
+// the schedule; releaseLocked calls it.
+func (p *Picker) unlinkDetachedLocked(r *Reservation) {
+	w := r.row
+	w.detached--
+	if r.dPrev != nil {
+		r.dPrev.dNext = r.dNext
+	} else {
+		w.dHead = r.dNext
+	}
+	if r.dNext != nil {
+		r.dNext.dPrev = r.dPrev
+	} else {
+		w.dTail = r.dPrev
+	}
+	r.dPrev, r.dNext = nil, nil
+	if r.heapIdx >= 0 {
+		heap.Remove(&p.detachedDue, r.heapIdx)
+	}
+}
+
+// expireDetachedLocked releases the detached reservations the model says
+// are done by now (rows drained first, so that every prefill the model has
+// ended is scheduled). It returns how many it released.
+func (p *Picker) expireDetachedLocked(now int64) (n int) {
+	for len(p.detachedDue) > 0 && p.detachedDue[0].doneAt <= now {
+		p.releaseLocked(p.detachedDue[0], now)
+		n++
+	}
+	p.detachEnds[detachEndModel] += uint64(n)
+	return n
+}
+
+// shortenDetachedLocked releases up to excess detached reservations of w,
+// oldest first, that the model has past their prefill and that are older
+// than detachGrace: the engine reports fewer requests than the ledger holds.
+func (p *Picker) shortenDetachedLocked(w *row, excess int, now int64) {
+	for r := w.dHead; r != nil && excess > 0; {
+		next := r.dNext
+		if now-r.pickedNs < int64(detachGrace) {
+			break // the list is in detach order, close to pick order
+		}
+		if r.decoding {
+			p.releaseLocked(r, now)
+			p.detachEnds[detachEndEngine]++
+			excess--
+		}
+		r = next
+	}
+}
+
+// Why detached reservations ended, indexing Picker.detachEnds.
+const (
+	detachEndModel = iota
+	detachEndEngine
+	detachEndSwept
+	numDetachEnds
+)
+
+var detachEndNames = [numDetachEnds]string{"model", "engine", "swept"}
+
+// learnResponseLocked learns the pool's decode speed and output length from
+// a response that ended at now after completionTokens tokens (0: unknown).
+func (p *Picker) learnResponseLocked(r *Reservation, completionTokens int, now int64) {
+	if completionTokens <= 0 {
+		return
+	}
+	p.meanOutputTokens += (float64(completionTokens) - p.meanOutputTokens) * outputLearnWeight
+	if !r.stream || !r.sawFirstByte || completionTokens < 2 || r.firstByteNs <= 0 {
+		return
+	}
+	sample := float64(now-r.firstByteNs) / float64(completionTokens-1)
+	if sample < p.decodeNsPerToken/(2*decodeSampleSpreadAllowed) {
+		// The response arrived at once (a buffering proxy, a late first
+		// byte): it says nothing of the decode speed.
+		return
+	}
+	// One odd response moves the estimate a little, not a lot.
+	sample = min(max(sample, p.decodeNsPerToken/decodeSampleSpreadAllowed), p.decodeNsPerToken*decodeSampleSpreadAllowed)
+	p.decodeNsPerToken += (sample - p.decodeNsPerToken) * decodeLearnWeight
+	p.decodeNsPerToken = min(max(p.decodeNsPerToken, minDecodeNsPerToken), maxDecodeNsPerToken)
+}
+
+// Completed reports that the request's response ended with
+// completionTokens output tokens (0 when the usage did not say): the pool
+// learns its decode speed and output length from it. Call it before
+// Release; it does nothing after.
+func (r *Reservation) Completed(completionTokens int) {
+	p := r.p
+	now := p.clock()
+	p.mu.Lock()
+	if !r.released {
+		p.learnResponseLocked(r, completionTokens, now)
+	}
+	p.mu.Unlock()
+}
+
+// dueHeap orders detached reservations by their modelled end.
+type dueHeap []*Reservation
+
+func (h dueHeap) Len() int           { return len(h) }
+func (h dueHeap) Less(i, j int) bool { return h[i].doneAt < h[j].doneAt }
+func (h dueHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].heapIdx, h[j].heapIdx = i, j
+}
+func (h *dueHeap) Push(x any) {
+	r := x.(*Reservation)
+	r.heapIdx = len(*h)
+	*h = append(*h, r)
+}
+func (h *dueHeap) Pop() any {
+	old := *h
+	r := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	r.heapIdx = -1
+	return r
+}

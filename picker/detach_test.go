@@ -1,0 +1,153 @@
+package picker
+
+import (
+	"fmt"
+	"testing"
+	"time"
+)
+
+// A detached reservation stays in the ledger through its modelled prefill
+// and decoding, then ends on its own.
+func TestDetachedReservationEndsWhenTheModelSaysDone(t *testing.T) {
+	clock := newFakeClock()
+	cfg := testConfig()
+	cfg.PrefillTokensPerSecond = 10_000
+	p := newPicker(t, 1, cfg, Options{Now: clock.Now})
+	// 40,000 characters: 10,000 tokens, one second of prefill.
+	req := on(addr(0), text("detached", 40_000))
+	req.MaxTokens = 100
+	r := mustPick(t, p, req)
+	r.Detach()
+	r.Detach() // harmless
+
+	decode := time.Duration(100 * defaultDecodeNsPerToken)
+	start := clock.ns.Load()
+	for _, step := range []struct {
+		at       time.Duration
+		inFlight int
+	}{
+		{0, 1}, {900 * time.Millisecond, 1}, {time.Second + decode - 10*time.Millisecond, 1}, {time.Second + decode + 10*time.Millisecond, 0},
+	} {
+		clock.ns.Store(start + int64(step.at))
+		l := p.Snapshot()
+		if l.InFlight != step.inFlight || l.Detached != step.inFlight {
+			t.Fatalf("at %v: in flight %d, detached %d, want %d", step.at, l.InFlight, l.Detached, step.inFlight)
+		}
+	}
+	if got := p.Snapshot().DetachEnds[detachEndModel]; got != 1 {
+		t.Errorf("ends by the model = %d, want 1", got)
+	}
+	r.Release() // after the model ended it: nothing
+	assertLedgerEmpty(t, p)
+}
+
+// A burst of detached requests spreads as evenly as held ones: each pick
+// sees the earlier ones.
+func TestDetachedBurstSpreads(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 3, testConfig(), Options{Now: clock.Now})
+	shared := text("system", 2048)
+	count := map[string]int{}
+	for i := range 128 {
+		r := mustPick(t, p, Request{Model: model, Prompt: join(shared, text(fmt.Sprint(i), 256)), MaxTokens: 64})
+		r.Detach()
+		clock.Advance(time.Millisecond)
+	}
+	for _, s := range p.Snapshot().Endpoints {
+		count[s.Endpoint.Pod] = s.InFlight
+		if s.Detached != s.InFlight {
+			t.Errorf("%s: %d detached of %d", s.Endpoint.Pod, s.Detached, s.InFlight)
+		}
+	}
+	for pod, n := range count {
+		if n < 42 || n > 43 {
+			t.Errorf("placement %v: %s has %d, want 42 or 43", count, pod, n)
+		}
+	}
+}
+
+// An engine that reports fewer requests than the ledger holds ends the
+// oldest detached ones past their prefill, never fresh ones nor attached
+// ones.
+func TestEngineScrapeShortensDetachedReservations(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+	var detached []*Reservation
+	for i := range 4 {
+		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint(i), 400), MaxTokens: 10_000})
+		r.Detach()
+		detached = append(detached, r)
+	}
+	attached := mustPick(t, p, Request{Model: model, Prompt: text("attached", 400), MaxTokens: 10_000})
+	clock.Advance(time.Second) // prefill done, well within decoding
+
+	// Within the grace period the engine may not have them yet.
+	p.ObserveEngine(addr(0), EngineStats{Running: 1})
+	if l := p.Snapshot(); l.InFlight != 5 {
+		t.Fatalf("in flight %d after a scrape within the grace, want 5", l.InFlight)
+	}
+	clock.Advance(detachGrace)
+	p.ObserveEngine(addr(0), EngineStats{Running: 3})
+	l := p.Snapshot()
+	if l.InFlight != 3 || l.Detached != 2 || l.DetachEnds[detachEndEngine] != 2 {
+		t.Fatalf("after the engine reported 3 of 5: in flight %d, detached %d, ended by the engine %d; want 3, 2, 2",
+			l.InFlight, l.Detached, l.DetachEnds[detachEndEngine])
+	}
+	p.mu.Lock()
+	oldestGone := detached[0].released && detached[1].released && !detached[2].released && !attached.released
+	p.mu.Unlock()
+	if !oldestGone {
+		t.Error("the engine's correction did not end the two oldest detached reservations")
+	}
+	// More requests than the ledger: foreign load, nothing ended.
+	p.ObserveEngine(addr(0), EngineStats{Running: 9})
+	if l := p.Snapshot(); l.InFlight != 3 || l.Endpoints[0].ForeignRequests != 6 {
+		t.Errorf("in flight %d, foreign %d; want 3 and 6", l.InFlight, l.Endpoints[0].ForeignRequests)
+	}
+	attached.Release()
+	for _, r := range detached {
+		r.Release()
+	}
+	assertLedgerEmpty(t, p)
+}
+
+// Responses teach the pool its decode speed and output length; a response
+// that arrived at once moves the speed only within bounds.
+func TestCompletedResponsesTeachTheDecodeModel(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+	for i := range 200 {
+		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint(i), 400), Stream: true})
+		clock.Advance(50 * time.Millisecond)
+		r.FirstByte()
+		clock.Advance(99 * 5 * time.Millisecond) // 100 tokens at 5 ms each
+		r.Completed(100)
+		r.Release()
+	}
+	p.mu.Lock()
+	decode, output := p.decodeNsPerToken, p.meanOutputTokens
+	p.mu.Unlock()
+	if decode < float64(4500*time.Microsecond) || decode > float64(5500*time.Microsecond) {
+		t.Errorf("decode %v per token, want about 5ms", time.Duration(decode))
+	}
+	if output < 95 || output > 105 {
+		t.Errorf("mean output %.0f tokens, want about 100", output)
+	}
+	// Half the responses now arrive at once: the estimate must not collapse.
+	for i := range 200 {
+		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("late", i), 400), Stream: true})
+		clock.Advance(50 * time.Millisecond)
+		r.FirstByte()
+		if i%2 == 0 {
+			clock.Advance(99 * 5 * time.Millisecond)
+		}
+		r.Completed(100)
+		r.Release()
+	}
+	p.mu.Lock()
+	decode = p.decodeNsPerToken
+	p.mu.Unlock()
+	if decode < float64(4500*time.Microsecond) || decode > float64(5500*time.Microsecond) {
+		t.Errorf("decode %v per token after late responses, want still about 5ms", time.Duration(decode))
+	}
+}
