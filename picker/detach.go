@@ -32,10 +32,13 @@ const (
 	outputLearnWeight         = 0.02
 	maxExpectedOutputTokens   = 1 << 20
 	decodeSampleSpreadAllowed = 4.0 // a sample counts within 1/4x..4x of the estimate
-	// detachGrace: an engine scrape may shorten only detached requests
-	// older than this, so that one the gateway is still forwarding is not
-	// taken for finished.
-	detachGrace = 2 * time.Second
+	// detachArrival: an engine scrape may end a detached request only once
+	// a scrape at least this long after its pick found the engine busy: by
+	// then the request has reached the engine, so an engine that counts
+	// fewer requests than the ledger has finished some. One the gateway is
+	// still forwarding, or one a pod holds before its engine sees it, is
+	// not taken for finished.
+	detachArrival = 100 * time.Millisecond
 )
 
 // Detach ends the stream's hold on the reservation without releasing it:
@@ -123,19 +126,18 @@ func (p *Picker) expireDetachedLocked(now int64) (n int) {
 }
 
 // shortenDetachedLocked releases up to excess detached reservations of w,
-// oldest first, that the model has past their prefill and that are older
-// than detachGrace: the engine reports fewer requests than the ledger holds.
+// oldest first, that have reached the engine (see detachArrival): the
+// engine reports fewer requests than the ledger holds.
 func (p *Picker) shortenDetachedLocked(w *row, excess int, now int64) {
+	busyAt := w.engine.busyAt
 	for r := w.dHead; r != nil && excess > 0; {
 		next := r.dNext
-		if now-r.pickedNs < int64(detachGrace) {
+		if r.pickedNs+int64(detachArrival) > busyAt {
 			break // the list is in detach order, close to pick order
 		}
-		if r.decoding {
-			p.releaseLocked(r, now)
-			p.detachEnds[detachEndEngine]++
-			excess--
-		}
+		p.releaseLocked(r, now)
+		p.detachEnds[detachEndEngine]++
+		excess--
 		r = next
 	}
 }

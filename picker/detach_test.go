@@ -67,8 +67,8 @@ func TestDetachedBurstSpreads(t *testing.T) {
 }
 
 // An engine that reports fewer requests than the ledger holds ends the
-// oldest detached ones past their prefill, never fresh ones nor attached
-// ones.
+// oldest detached ones that have reached it, never ones it has not yet
+// been seen busy with, nor attached ones.
 func TestEngineScrapeShortensDetachedReservations(t *testing.T) {
 	clock := newFakeClock()
 	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
@@ -79,14 +79,19 @@ func TestEngineScrapeShortensDetachedReservations(t *testing.T) {
 		detached = append(detached, r)
 	}
 	attached := mustPick(t, p, Request{Model: model, Prompt: text("attached", 400), MaxTokens: 10_000})
-	clock.Advance(time.Second) // prefill done, well within decoding
-
-	// Within the grace period the engine may not have them yet.
+	clock.Advance(10 * time.Millisecond)
+	// Too soon after the picks to have reached the engine.
 	p.ObserveEngine(addr(0), EngineStats{Running: 1})
 	if l := p.Snapshot(); l.InFlight != 5 {
-		t.Fatalf("in flight %d after a scrape within the grace, want 5", l.InFlight)
+		t.Fatalf("in flight %d after a scrape right after the picks, want 5", l.InFlight)
 	}
-	clock.Advance(detachGrace)
+	// An engine that never saw them (a pod holding them in front of it)
+	// ends none.
+	clock.Advance(time.Second)
+	p.ObserveEngine(addr(0), EngineStats{})
+	if l := p.Snapshot(); l.InFlight != 5 {
+		t.Fatalf("in flight %d after an idle engine's scrape, want 5", l.InFlight)
+	}
 	p.ObserveEngine(addr(0), EngineStats{Running: 3})
 	l := p.Snapshot()
 	if l.InFlight != 3 || l.Detached != 2 || l.DetachEnds[detachEndEngine] != 2 {

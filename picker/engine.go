@@ -82,6 +82,7 @@ type engineView struct {
 	foreign           int // requests beyond the ledger at the last scrape
 	foreignTokens     int // the prefill cost of one of them
 	at                int64
+	busyAt            int64 // the last scrape that found requests running or waiting
 	failures          int
 	unhealthy         bool
 	excluded          bool // unhealthy while another endpoint is healthy
@@ -137,6 +138,9 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 	e.kvUsage = -1
 	if s.HasKVCacheUsage {
 		e.kvUsage = s.KVCacheUsage
+	}
+	if s.Running+s.Waiting > 0 {
+		e.busyAt = now
 	}
 	if excess := w.inFlight - (s.Running + s.Waiting); excess > 0 && w.detached > 0 {
 		// Fewer requests than the ledger holds: some detached ones ended

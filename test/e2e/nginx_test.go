@@ -131,13 +131,30 @@ var _ = Describe("Through NGINX as NGINX Gateway Fabric drives it", Ordered, Con
 
 	It("does not herd a held burst of 48 requests sharing a new 512-token prefix onto one pod", func(ctx SpecContext) {
 		// Seed 11: a system prompt no other spec sends, so no pod holds it
-		// yet and every request is a first sight of the prefix.
-		reqs := stack.Burst{Requests: 48, SystemTokens: 512, UserTokens: 64, MaxTokens: 4, Model: stack.DefaultModel, Seed: 11}.Workload()
+		// yet and every request is a first sight of the prefix. 8,000
+		// tokens each, as the long prompts such bursts carry.
+		reqs := stack.Burst{Requests: 48, SystemTokens: 512, UserTokens: 8000, MaxTokens: 4, Model: stack.DefaultModel, Seed: 11}.Workload()
 		placed, ledger, results := heldBurstVia(ctx, ns, gw.URL(), reqs, "nginx-prefix")
 		expectAllOK(results)
 		By(fmt.Sprintf("placement %v", placed))
 		for _, name := range ns.PodNames() {
 			Expect(placed[name]).To(BeNumerically("~", 16, 1), "placement %v; ledger %+v", placed, ledger.Endpoints)
+		}
+	}, SpecTimeout(time.Minute))
+
+	It("keeps a held burst of 96 requests sharing a 30,000-token prefix one pod holds to at most half on that pod", func(ctx SpecContext) {
+		// 32,000 tokens each: the holder saves 30,000 of them per request,
+		// so it takes the first 15 or so alone, then the others hold the
+		// prefix too and the rest spreads.
+		reqs := stack.Burst{Requests: 97, SystemTokens: 30_000, UserTokens: 2000, MaxTokens: 4, Model: stack.DefaultModel, Seed: 12}.Workload()
+		// The first request puts the prefix on one pod, and finishes.
+		status, body := postVia(ctx, ns, gw.URL(), reqs[0].Path, reqs[0].Body, nextID("nginx-long-warm"))
+		Expect(status).To(Equal(http.StatusOK), "body: %.300s", body)
+		placed, ledger, results := heldBurstVia(ctx, ns, gw.URL(), reqs[1:], "nginx-long")
+		expectAllOK(results)
+		By(fmt.Sprintf("placement %v", placed))
+		for _, name := range ns.PodNames() {
+			Expect(placed[name]).To(BeNumerically("<=", 48), "placement %v; ledger %+v", placed, ledger.Endpoints)
 		}
 	}, SpecTimeout(time.Minute))
 
