@@ -175,14 +175,17 @@ func (p *Picker) learnResponseLocked(r *Reservation, completionTokens int, now i
 }
 
 // Completed reports that the request's response ended with
-// completionTokens output tokens (0 when the usage did not say): the pool
-// learns its decode speed and output length from it. Call it before
-// Release; it does nothing after.
+// completionTokens output tokens (from its usage, or counted events; 0 when
+// unknown): the pool learns its decode speed and output length from it,
+// and a streamed first byte that came with the whole response is not taken
+// for the end of prefill (ratefit.go). Call it before Release; it does
+// nothing after.
 func (r *Reservation) Completed(completionTokens int) {
 	p := r.p
 	now := p.clock()
 	p.mu.Lock()
 	if !r.released {
+		r.outputTokens = max(completionTokens, 0)
 		p.learnResponseLocked(r, completionTokens, now)
 	}
 	p.mu.Unlock()

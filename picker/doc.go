@@ -10,7 +10,9 @@
 // their own. The reservation is released exactly once: its prefill part at
 // the first response bytes or when the drain model says it is done (below),
 // the rest at the end of the stream, on error, on disconnect, or by the
-// sweeper as a backstop.
+// sweeper as a backstop. A stream the gateway ends at the pick (no response
+// phase will come) detaches its reservation instead: it ends when the model
+// says the request is done, or an engine scrape does (detach.go).
 //
 // # Endpoint identity
 //
@@ -37,12 +39,12 @@
 // The rate starts at the configured prefillTokensPerSecond and is learned
 // from streamed requests: a streamed first byte says the request's own
 // prefill and the prefill queued ahead of it took the time since it joined
-// the queue. The time includes fixed costs that are not prefill (the
-// gateway, the network, the engine's scheduling step), so the picker fits
-// seconds = overhead + tokens / rate by least squares over exponentially
-// decayed samples and drains at the fitted rate; first bytes after less than
-// 256 tokens of work are not used. Endpoints that see only non-streamed (or
-// only short) traffic keep the configured rate.
+// the queue. The pool's rate is one fit over every endpoint's samples; an
+// endpoint differs from it only by a bounded factor its own samples earn; a
+// first byte that came with the whole response, or long after the modelled
+// whole request, is not learned; an engine that publishes its prefill timing
+// floors its rate (ratefit.go). Endpoints that see only non-streamed (or
+// only short) traffic keep the pool's rate.
 //
 // Everything the model does under the lock is O(1) per candidate (amortised:
 // each reservation leaves its queue once) and allocates nothing.

@@ -148,6 +148,7 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 		w.drain(now)
 		p.shortenDetachedLocked(w, excess, now)
 	}
+	p.observePrefillTimingLocked(w, s, now)
 	e.foreign = max(s.Running+s.Waiting-w.inFlight, 0)
 	e.foreignTokens = int(p.meanPromptTokens)
 	if s.HasQueuedPromptTokens && s.Waiting > 0 {

@@ -38,8 +38,10 @@ type row struct {
 	rate          float64 // tokens per second
 	posIn, posOut float64
 	at            int64
-	// fit learns rate from streamed first bytes.
-	fit rateFit
+	// How this endpoint's prefill differs from the pool's, learned from
+	// its streamed first bytes, and the floor its engine's own prefill
+	// timing sets (ratefit.go).
+	rates endpointRate
 	// Reservations still in prefill, in the order they joined the queue.
 	qHead, qTail *Reservation
 	// Detached reservations (detach.go), in the order they were detached.
@@ -75,64 +77,6 @@ func identity(ep Endpoint) rowKey {
 // in IPv4-mapped IPv6 form by a gateway.
 func key(a netip.AddrPort) netip.AddrPort {
 	return netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
-}
-
-// Bounds on a learned prefill rate, in tokens per second, and how fast
-// learning forgets: each streamed first byte weighs the earlier ones by
-// rateDecay.
-const (
-	minPrefillRate = 1.0
-	maxPrefillRate = 1e8
-	rateDecay      = 0.9
-	// The configured starting rate enters the fit as one sample of
-	// ratePriorTokens tokens, which later samples outweigh; the origin is a
-	// fixed weak sample (no work, no time), so a workload whose prompts are
-	// all one size still gives a rate.
-	ratePriorTokens  = 4096
-	rateOriginWeight = 0.5
-	// minLearnTokens: a first byte teaches the rate only if at least this
-	// much prefill came before it; shorter ones say little but noise.
-	minLearnTokens = 256
-)
-
-// rateFit fits seconds = overhead + tokens/rate to streamed first bytes by
-// least squares over exponentially decayed sums: the time to a first byte
-// includes fixed costs (the gateway, the network, the engine's scheduling
-// step) that are not prefill, and the intercept takes them, so short
-// prompts do not drag the rate down.
-type rateFit struct{ n, t, s, tt, ts float64 }
-
-func newRateFit(rate float64) rateFit {
-	var f rateFit
-	f.add(ratePriorTokens, ratePriorTokens/rate, 1)
-	return f
-}
-
-func (f *rateFit) add(tokens, seconds, weight float64) {
-	f.n += weight
-	f.t += weight * tokens
-	f.s += weight * seconds
-	f.tt += weight * tokens * tokens
-	f.ts += weight * tokens * seconds
-}
-
-func (f *rateFit) decay(d float64) {
-	f.n, f.t, f.s, f.tt, f.ts = f.n*d, f.t*d, f.s*d, f.tt*d, f.ts*d
-}
-
-// rate is the fitted rate; ok is false when the samples cannot tell one.
-func (f *rateFit) rate() (rate float64, ok bool) {
-	// The origin sample, added here so that it never decays.
-	n, t, tt := f.n+rateOriginWeight, f.t, f.tt
-	den := n*tt - t*t
-	if den <= 1e-9*n*tt {
-		return 0, false
-	}
-	slope := (n*f.ts - t*f.s) / den
-	if slope <= 0 {
-		return maxPrefillRate, true // the time does not grow with the work
-	}
-	return min(max(1/slope, minPrefillRate), maxPrefillRate), true
 }
 
 // advance moves the drain model to now: the queue has drained at rate since
@@ -240,21 +184,6 @@ func (w *row) leaveQueue(r *Reservation, now int64) {
 	w.prefill -= r.prefill
 	if w.qHead == nil { // nothing in prefill: the model has nothing queued
 		w.posIn, w.posOut = 0, 0
-	}
-}
-
-// learn updates the rate from a streamed first byte: the request's own
-// prefill and the prefill the model had queued ahead of it took the time
-// since it joined the queue, plus fixed costs that the fit separates.
-func (w *row) learn(r *Reservation, now int64) {
-	seconds := float64(now-r.enqueuedAt) / 1e9
-	if seconds <= 0 || r.work < minLearnTokens {
-		return
-	}
-	w.fit.decay(rateDecay)
-	w.fit.add(float64(r.work), seconds, 1)
-	if rate, ok := w.fit.rate(); ok {
-		w.rate = rate
 	}
 }
 

@@ -25,6 +25,7 @@ type metrics struct {
 	// Detached reservations (detach.go): detached so far, held now, ended.
 	detached                    prometheus.Counter
 	detachedActive, detachedEnd *prometheus.Desc
+	rateSamples                 *prometheus.Desc
 
 	// The engines' view (engine.go), beside the ledger's, so drift shows.
 	engineRunning, engineWaiting, foreignRequests, foreignTokens, endpointHealthy *prometheus.Desc
@@ -90,6 +91,9 @@ func newMetrics(poolName string) *metrics {
 		Name: "tally_detached_reservations_total",
 		Help: "Reservations whose ext_proc stream ended at the pick (the gateway shows no response): kept until the model says the request is done.",
 	})
+	m.rateSamples = prometheus.NewDesc("tally_prefill_rate_samples_total",
+		"Streamed first bytes offered to the prefill rate, by result: learned, short (too little prefill before it), late (it came with the whole response), outlier (after twice the modelled whole request).",
+		[]string{"result"}, nil)
 	m.detachedActive = prometheus.NewDesc("tally_detached_reservations",
 		"Detached reservations held now (included in tally_inflight_requests).", nil, nil)
 	m.detachedEnd = prometheus.NewDesc("tally_detached_reservation_ends_total",
@@ -170,7 +174,7 @@ func (m *metrics) collectors() []prometheus.Collector {
 func (p *Picker) Describe(ch chan<- *prometheus.Desc) {
 	m := p.metrics
 	for _, d := range []*prometheus.Desc{m.endpointInFlight, m.endpointPrefill, m.endpointDecoding, m.endpointPrefillRate, m.endpoints, m.retained, m.inFlight,
-		m.detachedActive, m.detachedEnd,
+		m.detachedActive, m.detachedEnd, m.rateSamples,
 		m.poolReadyPods, m.poolAvgQueue, m.poolPerPodQueue, m.poolAvgRunning, m.poolAvgKVCache,
 		m.engineRunning, m.engineWaiting, m.foreignRequests, m.foreignTokens, m.endpointHealthy,
 		m.prefixCapacity, m.deliveredCached, m.predictedCached, m.deliveryRatio} {
@@ -200,6 +204,9 @@ func (p *Picker) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(m.detachedActive, prometheus.GaugeValue, float64(l.Detached))
 	for i, n := range l.DetachEnds {
 		ch <- prometheus.MustNewConstMetric(m.detachedEnd, prometheus.CounterValue, float64(n), detachEndNames[i])
+	}
+	for i, n := range l.RateSamples {
+		ch <- prometheus.MustNewConstMetric(m.rateSamples, prometheus.CounterValue, float64(n), rateSampleNames[i])
 	}
 	m.collectPool(ch, l.Endpoints)
 	for _, c := range m.collectors() {

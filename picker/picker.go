@@ -133,6 +133,9 @@ type Ledger struct {
 	// DetachEnds counts the detached reservations ended, by why: the model
 	// said done, an engine scrape said so, the sweeper.
 	DetachEnds [numDetachEnds]uint64
+	// RateSamples counts the streamed first bytes offered to the prefill
+	// rate, by what became of them (ratefit.go, rateSampleNames).
+	RateSamples [numRateSamples]uint64
 	// Endpoints are the current endpoints, sorted by address.
 	Endpoints []EndpointStats
 	// Retained are endpoints that left the set and keep their row (in flight
@@ -176,6 +179,11 @@ type Picker struct {
 
 	// Reservations not yet released, oldest pick first (for the sweeper).
 	oldest, newest *Reservation
+
+	// The pool's prefill rate, learned from every endpoint's streamed first
+	// bytes (ratefit.go), and the fate of those samples.
+	pool        poolRate
+	rateSamples [numRateSamples]uint64
 
 	// Detached reservations past their prefill, by modelled end, and the
 	// pool's decode model they end by (detach.go); why they ended.
@@ -227,6 +235,7 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 		rand:                   opts.Rand,
 		// Until picks teach it: a guess at one request's prompt.
 		meanPromptTokens: defaultForeignRequestTokens,
+		pool:             newPoolRate(float64(cfg.PrefillTokensPerSecond)),
 		decodeNsPerToken: defaultDecodeNsPerToken,
 		meanOutputTokens: defaultOutputTokens,
 	}
@@ -267,8 +276,7 @@ func (p *Picker) Replace(eps []Endpoint) {
 		w, ok := p.byKey[k]
 		switch {
 		case !ok:
-			w = &row{key: k, id: p.index.Add(), rate: float64(p.cfg.PrefillTokensPerSecond), at: now}
-			w.fit = newRateFit(w.rate)
+			w = &row{key: k, id: p.index.Add(), rate: p.pool.rate, at: now}
 			p.byKey[k] = w
 			added++
 		case !w.current:
@@ -442,6 +450,7 @@ func (p *Picker) Snapshot() Ledger {
 	}
 	p.expireDetachedLocked(now)
 	l.DetachEnds = p.detachEnds
+	l.RateSamples = p.rateSamples
 	for _, w := range p.byKey {
 		e := &w.engine
 		s := EndpointStats{Endpoint: w.ep, InFlight: w.inFlight, PrefillTokens: w.queued(),

@@ -37,6 +37,7 @@ type Reservation struct {
 	hashes       []uint64 // the prompt's blocks, kept for ServedBy
 	hashBuf      *[]uint64
 	firstByteNs  int64 // clock of its first response bytes
+	outputTokens int   // its response's output tokens, when Completed said
 
 	// Detached (detach.go): its row's list of detached reservations, and
 	// its modelled end and place in the picker's schedule once its prefill
@@ -93,11 +94,8 @@ func (r *Reservation) FirstByte() {
 	r.sawFirstByte = true
 	r.firstByteNs = now
 	w := r.row
-	if r.stream {
-		// Also when the model ended the prefill before this first byte: the
-		// model was too fast, and the sample corrects it.
-		w.learn(r, now)
-	}
+	// A streamed first byte teaches the prefill rate when the response
+	// ends (releaseLocked): only then can a late one be told apart.
 	if !r.decoding {
 		w.endPrefill(r, now)
 	}
@@ -126,6 +124,9 @@ func (p *Picker) releaseLocked(r *Reservation, now int64) *[]uint64 {
 	}
 	if r.detached {
 		p.unlinkDetachedLocked(r)
+	}
+	if r.stream && r.sawFirstByte {
+		p.learnPrefillLocked(r, now)
 	}
 	r.row.drop(r, now)
 	r.prefill = 0

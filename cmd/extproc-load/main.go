@@ -24,7 +24,8 @@
 //	churn   --n requests ending in turn complete, cancelled before the pick,
 //	        cancelled after it, answered 503 upstream, reset mid-response;
 //	        then reads Tally's /debug/ledger and reports whether it emptied
-//	        (skipped for the upstream picker, which has no ledger).
+//	        (skipped for the upstream picker, which has no ledger); with
+//	        --then-bursts K, then K bursts of 128 x 32,000 tokens of --kind.
 //	bench   every scenario, for Tally and the upstream picker side by side
 //	        in one run, at 3, 16, 128 and 1,000 endpoints; writes markdown
 //	        tables with ratios into --out between marker comments (--quick:
@@ -76,6 +77,7 @@ type options struct {
 	kind        string
 	tokens      int
 	concurrency int
+	thenBursts  int
 	duration    time.Duration
 	warmup      time.Duration
 	// bench.
@@ -109,6 +111,7 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	fs.StringVar(&o.kind, "kind", kindShared, "burst: prompt kind: "+strings.Join(burstKinds, ", "))
 	fs.IntVar(&o.tokens, "tokens", 0, "prompt tokens (default 32,000 for burst, 8,000 for load and churn)")
 	fs.IntVar(&o.concurrency, "concurrency", 16, "load and churn: concurrent clients")
+	fs.IntVar(&o.thenBursts, "then-bursts", 0, "churn: once the ledger is empty, this many bursts of 128 × 32,000 tokens of --kind, each placement printed")
 	fs.DurationVar(&o.duration, "duration", 10*time.Second, "load: the measured window")
 	fs.DurationVar(&o.warmup, "warmup", 2*time.Second, "load: run this long before the window")
 	fs.IntVar(&o.runs, "runs", 1, "bench: runs of the loads at 3 endpoints, alternating between the pickers; the tables give medians")
@@ -240,6 +243,13 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 		printChurn(stdout, r)
 		if r.checked && !r.empty {
 			return fmt.Errorf("the ledger did not empty within %v after churn: %s", ledgerEmptyTimeout, r.state)
+		}
+		for range o.thenBursts {
+			b, err := runBurst(ctx, t, o.kind, 128, 32_000)
+			if err != nil {
+				return err
+			}
+			printBurst(stdout, b)
 		}
 	}
 	return nil

@@ -1,6 +1,7 @@
 package extproc
 
 import (
+	"bytes"
 	"fmt"
 	"net/netip"
 	"runtime/debug"
@@ -54,6 +55,9 @@ type stream struct {
 	// responseSeen: a response phase message came. A stream that ends
 	// before one does was cut at the pick by the gateway (see halfClosed).
 	responseSeen bool
+	// events counts the response's SSE events ("data:" lines): its output
+	// tokens when its usage does not say.
+	events int
 	// up follows the request for the upstream picker's metrics.
 	up requestMetrics
 }
@@ -274,6 +278,7 @@ func (st *stream) responseBody(b *extprocv3.HttpBody) error {
 			st.res.FirstByte()
 		}
 	}
+	st.events += bytes.Count(b.GetBody(), dataPrefix)
 	st.up.responseBody(b.GetBody(), b.GetEndOfStream())
 	if b.GetEndOfStream() {
 		st.release()
@@ -489,10 +494,21 @@ func (st *stream) release() {
 		// What the engine really had cached corrects the prefix index.
 		res.Delivered(u.promptTokens, u.cachedTokens)
 	}
-	if ok && st.responseSeen {
-		res.Completed(u.completionTokens)
+	if out := st.outputTokens(u, ok); out > 0 && st.responseSeen {
+		res.Completed(out)
 	}
 	res.Release()
+}
+
+var dataPrefix = []byte("data:")
+
+// outputTokens is the response's output tokens: its usage's, else its SSE
+// events less the final [DONE], else 0 (unknown).
+func (st *stream) outputTokens(u usage, hasUsage bool) int {
+	if hasUsage && u.completionTokens > 0 {
+		return u.completionTokens
+	}
+	return max(st.events-1, 0)
 }
 
 // dropBody gives the body buffer back to the pool and its bytes back to the

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"math"
 	"net/http"
 	"net/netip"
 	"slices"
@@ -152,10 +153,12 @@ var _ = Describe("The ledger's prefill under a non-streaming workload", Ordered,
 		stop()
 		wg.Wait()
 		expectLedgerDrains(ctx, ps)
-		if l, err := ps.Ledger(ctx); err == nil {
-			for _, e := range l.Endpoints {
-				fmt.Fprintf(GinkgoWriter, "%s: learned prefill rate %.0f tokens/s\n", e.Pod, e.PrefillTokensPerSecond)
-			}
+		l, err := ps.Ledger(ctx)
+		Expect(err).NotTo(HaveOccurred())
+		lo, hi := math.Inf(1), 0.0
+		for _, e := range l.Endpoints {
+			fmt.Fprintf(GinkgoWriter, "%s: learned prefill rate %.0f tokens/s\n", e.Pod, e.PrefillTokensPerSecond)
+			lo, hi = min(lo, e.PrefillTokensPerSecond), max(hi, e.PrefillTokensPerSecond)
 		}
 
 		AddReportEntry("prefill averages", avg.String())
@@ -165,6 +168,9 @@ var _ = Describe("The ledger's prefill under a non-streaming workload", Ordered,
 			Expect(r.Status).To(Equal(http.StatusOK))
 		}
 		Expect(streams).To(BeNumerically(">", 0))
+		// Identical simulators: identical learned rates, within 15%.
+		Expect(len(results)).To(BeNumerically(">=", 250), "a run of at least 250 mixed requests")
+		Expect(hi/lo).To(BeNumerically("<=", 1.15), "learned rates of identical engines: %+v", l.Endpoints)
 		Expect(len(results) - streams).To(BeNumerically(">", 0))
 		for _, p := range ps.Pods() {
 			engine := avg.engine[p.Name] / float64(avg.samples)

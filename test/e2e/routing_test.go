@@ -267,7 +267,7 @@ var _ = Describe("Tally end to end", Ordered, ContinueOnFailure, func() {
 		for _, e := range ledger.Endpoints {
 			Expect(e.InFlight).To(Equal(placed[e.Pod]), "ledger row %+v, placement %v", e, placed)
 		}
-	}, SpecTimeout(time.Minute), FlakeAttempts(3)) // held requests drain at rates learned on a busy machine
+	}, SpecTimeout(time.Minute))
 
 	It("sends traffic to a new Ready pod within 2 s", func(ctx SpecContext) {
 		pod, err := st.AddPod(ctx, true)

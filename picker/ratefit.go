@@ -1,0 +1,245 @@
+package picker
+
+import "math"
+
+// Learning prefill rates that cannot collapse.
+//
+// A streamed first byte says the request's prefill, and the prefill queued
+// ahead of it, took the time since it joined its endpoint's queue (plus
+// fixed costs that are not prefill). Two things make that signal mislead:
+// noise (a busy machine, a short sample), and first bytes that are late for
+// reasons that are not prefill (a proxy that buffers responses, an engine
+// whose first chunk comes at the end). Learned per endpoint from a few
+// samples each, identical engines drifted apart by 4x, and late first bytes
+// dragged rates down until routing was worse than round-robin. So:
+//
+//   - The pool's rate is one fit, seconds = overhead + tokens/rate, by least
+//     squares over every endpoint's samples (rateFit); an endpoint differs
+//     from it only by a learned factor (its own samples' rate against the
+//     pool's), shrunk toward 1 while its samples are few, and bounded to
+//     1.25x either way (up to 4x with many samples).
+//   - A sample is taken when the response ends, not at the first byte: a
+//     first byte that came with the whole response (its events arriving in
+//     far less time than decoding them takes) is late, not prefill; one that
+//     came after twice what the model says the whole request takes is an
+//     outlier. Neither is learned.
+//   - Where the engine publishes its own prefill timing (vLLM's prefill time
+//     histogram and prompt token counters), uncached prompt tokens over
+//     prefill seconds is a floor on its rate: requests prefilled together
+//     each count the shared time, so it can only understate the rate, and
+//     no proxy can make it late.
+
+// Bounds and weights of the learning.
+const (
+	minPrefillRate = 1.0
+	maxPrefillRate = 1e8
+	// poolRateDecay weighs earlier samples in the pool's fit by this much
+	// at each new one: a memory of about 20 samples.
+	poolRateDecay = 0.95
+	// The configured starting rate enters the pool's fit as one sample of
+	// ratePriorTokens tokens, which later samples outweigh; the origin is a
+	// fixed weak sample (no work, no time), so a workload whose prompts are
+	// all one size still gives a rate.
+	ratePriorTokens  = 4096
+	rateOriginWeight = 0.5
+	// minLearnTokens: a first byte teaches the rate only if at least this
+	// much prefill came before it; shorter ones say little but noise.
+	minLearnTokens = 256
+	// An endpoint's factor, its own tokens over seconds against the pool's
+	// rate, is shrunk toward 1 by n/(n+ratioShrinkSamples) and bounded by a
+	// factor growing from minDriftFactor to maxDriftFactor as its decayed
+	// sample count n reaches driftEvidenceSamples (its most: 20).
+	ratioShrinkSamples   = 8
+	minDriftFactor       = 1.25
+	maxDriftFactor       = 4.0
+	driftEvidenceSamples = 20
+	// A first byte is late when the response's output arrived within
+	// lateSpreadShare of the time decoding it takes; an outlier when it
+	// came after outlierFactor times the modelled whole request, once the
+	// pool has outlierEvidence samples.
+	lateSpreadShare = 0.25
+	lateMinOutput   = 4
+	outlierFactor   = 2.0
+	outlierEvidence = 16
+	minFitSeconds   = 1e-3
+	// minSizeSpread: below this coefficient of variation of the samples'
+	// tokens, the fit does not separate an overhead.
+	minSizeSpread    = 0.2
+	engineRateWeight = 0.3
+	// The engine's counters are compared over windows of at least this
+	// much prefill time and these many uncached tokens: vLLM counts a
+	// request's prompt tokens at its first token and its prefill time when
+	// it finishes, so short windows do not line up.
+	minEngineWindowSeconds = 1.0
+	minEngineWindowTokens  = 4096
+)
+
+// What became of the streamed first bytes offered to the rate.
+const (
+	rateSampleLearned = iota
+	rateSampleShort   // less than minLearnTokens of work
+	rateSampleLate    // came with the whole response
+	rateSampleOutlier // after twice the modelled whole request
+	numRateSamples
+)
+
+var rateSampleNames = [numRateSamples]string{"learned", "short", "late", "outlier"}
+
+// rateFit fits seconds = overhead + tokens/rate by least squares over
+// exponentially decayed sums: the time to a first byte includes fixed
+// costs (the gateway, the network, the engine's scheduling step) that are
+// not prefill, and the intercept takes them, so short prompts do not drag
+// the rate down.
+type rateFit struct{ n, t, s, tt, ts float64 }
+
+func (f *rateFit) add(tokens, seconds, weight float64) {
+	f.n += weight
+	f.t += weight * tokens
+	f.s += weight * seconds
+	f.tt += weight * tokens * tokens
+	f.ts += weight * tokens * seconds
+}
+
+func (f *rateFit) decay(d float64) {
+	f.n, f.t, f.s, f.tt, f.ts = f.n*d, f.t*d, f.s*d, f.tt*d, f.ts*d
+}
+
+// fit returns the fitted rate and overhead; ok is false when the samples
+// cannot tell them. Samples of nearly one size cannot tell an overhead from
+// a slower rate: they give the rate through the origin, their tokens over
+// their seconds, and no overhead.
+func (f *rateFit) fit() (rate, overhead float64, ok bool) {
+	if f.n <= 0 || f.s <= 0 {
+		return 0, 0, false
+	}
+	if mean := f.t / f.n; f.tt/f.n-mean*mean < minSizeSpread*minSizeSpread*mean*mean {
+		return min(max(f.t/f.s, minPrefillRate), maxPrefillRate), 0, true
+	}
+	// The origin sample, added here so that it never decays.
+	n, t, tt := f.n+rateOriginWeight, f.t, f.tt
+	den := n*tt - t*t
+	if den <= 1e-9*n*tt {
+		return 0, 0, false
+	}
+	slope := (n*f.ts - t*f.s) / den
+	overhead = max((f.s-slope*t)/n, 0)
+	if slope <= 0 {
+		return maxPrefillRate, overhead, true // the time does not grow with the work
+	}
+	return min(max(1/slope, minPrefillRate), maxPrefillRate), overhead, true
+}
+
+// poolRate is the pool's prefill model.
+type poolRate struct {
+	fit      rateFit
+	rate     float64 // tokens per second
+	overhead float64 // seconds every first byte pays
+	samples  float64 // learned samples, decayed as the fit's
+}
+
+func newPoolRate(rate float64) poolRate {
+	p := poolRate{rate: rate}
+	p.fit.add(ratePriorTokens, ratePriorTokens/rate, 1)
+	return p
+}
+
+// endpointRate is how one endpoint's prefill differs from the pool's.
+type endpointRate struct {
+	// Its samples' tokens and seconds (less the pool's overhead), and how
+	// many, each decayed by poolRateDecay at each new one.
+	tokens, seconds, samples float64
+	// The engine's own timing: the floor it sets, and the counters at the
+	// start of the current window (engineBase false: no window yet).
+	engineFloor                         float64
+	engineBase                          bool
+	baseSeconds, basePrompt, baseCached float64
+}
+
+// rateOf is w's prefill rate: the pool's times its bounded factor, and at
+// least what its engine's timing says.
+func (p *Picker) rateOf(w *row) float64 {
+	e := &w.rates
+	var logRatio float64
+	if e.samples > 0 && e.seconds > 0 {
+		logRatio = math.Log(e.tokens / e.seconds / p.pool.rate)
+	}
+	shrunk := logRatio * e.samples / (e.samples + ratioShrinkSamples)
+	bound := math.Log(minDriftFactor + (maxDriftFactor-minDriftFactor)*min(e.samples/driftEvidenceSamples, 1))
+	rate := p.pool.rate * math.Exp(min(max(shrunk, -bound), bound))
+	return min(max(rate, e.engineFloor, minPrefillRate), maxPrefillRate)
+}
+
+// setRatesLocked moves every row's drain model to now at its old rate, then
+// gives it its current one.
+func (p *Picker) setRatesLocked(now int64) {
+	for _, w := range p.byKey {
+		w.advance(now)
+		w.rate = p.rateOf(w)
+	}
+}
+
+// learnPrefillLocked takes r's streamed first byte as a prefill sample, as
+// its response ends at now (see above).
+func (p *Picker) learnPrefillLocked(r *Reservation, now int64) {
+	seconds := float64(r.firstByteNs-r.enqueuedAt) / 1e9
+	if seconds <= 0 || r.work < minLearnTokens {
+		p.rateSamples[rateSampleShort]++
+		return
+	}
+	w := r.row
+	if out := r.outputTokens; out >= lateMinOutput {
+		spread := float64(now - r.firstByteNs)
+		if spread < lateSpreadShare*float64(out-1)*p.decodeNsPerToken {
+			p.rateSamples[rateSampleLate]++
+			return
+		}
+	}
+	if p.pool.samples >= outlierEvidence {
+		whole := p.pool.overhead + float64(r.work)/w.rate + p.expectedOutputTokens(r)*p.decodeNsPerToken/1e9
+		if seconds > outlierFactor*whole {
+			p.rateSamples[rateSampleOutlier]++
+			return
+		}
+	}
+	p.rateSamples[rateSampleLearned]++
+
+	pool := &p.pool
+	pool.fit.decay(poolRateDecay)
+	pool.fit.add(float64(r.work), seconds, 1)
+	pool.samples = pool.samples*poolRateDecay + 1
+	if rate, overhead, ok := pool.fit.fit(); ok {
+		pool.rate, pool.overhead = rate, overhead
+	}
+	e := &w.rates
+	e.tokens = e.tokens*poolRateDecay + float64(r.work)
+	e.seconds = e.seconds*poolRateDecay + max(seconds-pool.overhead, minFitSeconds)
+	e.samples = e.samples*poolRateDecay + 1
+	p.setRatesLocked(now)
+}
+
+// observePrefillTimingLocked updates w's engine floor from a scrape's
+// prefill counters.
+func (p *Picker) observePrefillTimingLocked(w *row, s EngineStats, now int64) {
+	e := &w.rates
+	if !s.HasPrefillTiming {
+		return
+	}
+	dSec := s.PrefillSecondsTotal - e.baseSeconds
+	dTok := (s.PromptTokensTotal - e.basePrompt) - (s.CachedTokensTotal - e.baseCached)
+	if e.engineBase && dSec >= 0 && dSec < minEngineWindowSeconds {
+		return // the window is still short
+	}
+	if e.engineBase && dSec >= minEngineWindowSeconds && dTok >= minEngineWindowTokens {
+		sample := dTok / dSec
+		if e.engineFloor == 0 {
+			e.engineFloor = sample
+		} else {
+			e.engineFloor *= math.Exp((math.Log(sample) - math.Log(e.engineFloor)) * engineRateWeight)
+		}
+		w.advance(now)
+		w.rate = p.rateOf(w)
+	}
+	// A new window (also after an engine restart reset its counters).
+	e.engineBase = true
+	e.baseSeconds, e.basePrompt, e.baseCached = s.PrefillSecondsTotal, s.PromptTokensTotal, s.CachedTokensTotal
+}

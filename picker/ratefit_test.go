@@ -1,0 +1,140 @@
+package picker
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+	"time"
+)
+
+// engineSim plays streamed requests against picker endpoints whose engines
+// prefill at the given rates (tokens/s), one at a time, with a fixed
+// overhead and noise; late says which responses come whole at the end.
+type engineSim struct {
+	t       *testing.T
+	p       *Picker
+	clock   *fakeClock
+	rng     *rand.Rand
+	rates   []float64
+	late    func(i int) bool
+	decode  time.Duration // per output token
+	outputs int
+}
+
+func (s *engineSim) run(n int) {
+	for i := range n {
+		ep := i % len(s.rates)
+		tokens := 500 + s.rng.IntN(8000)
+		req := on(addr(ep), text(fmt.Sprint("sim", i), tokens*4))
+		req.Stream = true
+		r := mustPick(s.t, s.p, req)
+		noise := math.Exp(s.rng.NormFloat64() * 0.3)
+		prefill := time.Duration(float64(tokens)/s.rates[ep]*noise*float64(time.Second)) + 20*time.Millisecond
+		decode := time.Duration(s.outputs-1) * s.decode
+		if s.late != nil && s.late(i) {
+			s.clock.Advance(prefill + decode)
+			r.FirstByte()
+		} else {
+			s.clock.Advance(prefill)
+			r.FirstByte()
+			s.clock.Advance(decode)
+		}
+		r.Completed(s.outputs)
+		r.Release()
+	}
+}
+
+func rates(p *Picker) []float64 {
+	var out []float64
+	for _, s := range p.Snapshot().Endpoints {
+		out = append(out, s.PrefillTokensPerSecond)
+	}
+	return out
+}
+
+func spread(rs []float64) float64 {
+	lo, hi := rs[0], rs[0]
+	for _, r := range rs {
+		lo, hi = min(lo, r), max(hi, r)
+	}
+	return hi / lo
+}
+
+func newSim(t *testing.T, engineRates []float64, seed uint64) *engineSim {
+	clock := newFakeClock()
+	p := newPicker(t, len(engineRates), testConfig(), Options{Now: clock.Now})
+	return &engineSim{t: t, p: p, clock: clock, rng: rand.New(rand.NewPCG(seed, 1)), rates: engineRates,
+		decode: 8 * time.Millisecond, outputs: 64}
+}
+
+// Identical engines measured with noise agree: each is shrunk toward the
+// pool and bounded near it.
+func TestIdenticalEnginesLearnRatesThatAgree(t *testing.T) {
+	for seed := range uint64(5) {
+		s := newSim(t, []float64{50_000, 50_000, 50_000, 50_000}, seed)
+		s.run(500)
+		rs := rates(s.p)
+		if sp := spread(rs); sp > 1.15 {
+			t.Errorf("seed %d: rates %.0f spread %.2fx, want within 15%%", seed, rs, sp)
+		}
+		for _, r := range rs {
+			if math.Abs(r-50_000) > 0.25*50_000 {
+				t.Errorf("seed %d: rate %.0f, want about 50000", seed, r)
+			}
+		}
+	}
+}
+
+// First bytes that come with the whole response are not prefill: half of
+// them late leaves the rate where all-streaming puts it.
+func TestLateFirstBytesDoNotTeachTheRate(t *testing.T) {
+	s := newSim(t, []float64{50_000, 50_000, 50_000}, 7)
+	s.late = func(i int) bool { return i%2 == 0 }
+	s.run(600)
+	for _, r := range rates(s.p) {
+		if math.Abs(r-50_000) > 0.2*50_000 {
+			t.Errorf("rates %.0f with half the first bytes late, want about 50000", rates(s.p))
+			break
+		}
+	}
+	l := s.p.Snapshot()
+	if got := l.RateSamples[rateSampleLate]; got < 250 {
+		t.Errorf("%d samples taken as late of 300, want nearly all", got)
+	}
+}
+
+// An engine that really is slower is learned as slower, once the evidence
+// is there.
+func TestASlowerEngineIsLearnedWithEvidence(t *testing.T) {
+	s := newSim(t, []float64{50_000, 50_000, 25_000}, 3)
+	s.run(600)
+	rs := rates(s.p)
+	if ratio := rs[0] / rs[2]; ratio < 1.6 {
+		t.Errorf("rates %.0f: the half-speed engine is learned only %.2fx slower, want at least 1.6x", rs, ratio)
+	}
+}
+
+// The engine's own prefill timing is a floor no late first byte goes under.
+func TestEnginePrefillTimingFloorsTheRate(t *testing.T) {
+	clock := newFakeClock()
+	cfg := testConfig()
+	cfg.PrefillTokensPerSecond = 1_000 // badly wrong
+	p := newPicker(t, 1, cfg, Options{Now: clock.Now})
+	a := addr(0)
+	var sec, prompt, cached float64
+	for range 5 {
+		clock.Advance(time.Second)
+		// 60,000 prompt tokens, 20,000 of them cached, in 1 s of prefill.
+		sec, prompt, cached = sec+1, prompt+60_000, cached+20_000
+		p.ObserveEngine(a, EngineStats{PrefillSecondsTotal: sec, PromptTokensTotal: prompt, CachedTokensTotal: cached, HasPrefillTiming: true})
+	}
+	if rate := statsOf(p, a).PrefillTokensPerSecond; math.Abs(rate-40_000) > 1_000 {
+		t.Errorf("rate %.0f, want the engine's 40000 uncached tokens per prefill second", rate)
+	}
+	// An engine restart resets its counters: a new window, no wild sample.
+	p.ObserveEngine(a, EngineStats{PrefillSecondsTotal: 0.1, PromptTokensTotal: 10, HasPrefillTiming: true})
+	if rate := statsOf(p, a).PrefillTokensPerSecond; math.Abs(rate-40_000) > 1_000 {
+		t.Errorf("rate %.0f after an engine restart, want still 40000", rate)
+	}
+}
