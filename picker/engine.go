@@ -77,12 +77,15 @@ const (
 
 // engineView is an endpoint's row's copy of its engine's last scrape.
 type engineView struct {
-	scraped           bool
-	running, waiting  int
-	foreign           int // requests beyond the ledger at the last scrape
-	foreignTokens     int // the prefill cost of one of them
-	at                int64
-	busyAt            int64 // the last scrape that found requests running or waiting
+	scraped          bool
+	running, waiting int
+	foreign          int // requests beyond the ledger at the last scrape
+	foreignTokens    int // the prefill cost of one of them
+	at               int64
+	busyAt           int64 // the last scrape that found requests running or waiting
+	// The most and fewest requests the ledger held here since the last
+	// scrape (see observeEngineLocked).
+	peak, trough      int
 	failures          int
 	unhealthy         bool
 	excluded          bool // unhealthy while another endpoint is healthy
@@ -142,14 +145,20 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 	if s.Running+s.Waiting > 0 {
 		e.busyAt = now
 	}
-	if excess := w.inFlight - (s.Running + s.Waiting); excess > 0 && w.detached > 0 {
+	// The engine's counts were read some time before now: compare them
+	// with the ledger at its fullest and emptiest since the last scrape,
+	// so that requests that ended (or were placed) in between are taken
+	// neither for foreign load nor for finished ones.
+	peak, trough := max(e.peak, w.inFlight), min(e.trough, w.inFlight)
+	if excess := trough - (s.Running + s.Waiting); excess > 0 && w.detached > 0 {
 		// Fewer requests than the ledger holds: some detached ones ended
 		// before the model says.
 		w.drain(now)
 		p.shortenDetachedLocked(w, excess, now)
 	}
 	p.observePrefillTimingLocked(w, s, now)
-	e.foreign = max(s.Running+s.Waiting-w.inFlight, 0)
+	e.foreign = max(s.Running+s.Waiting-peak, 0)
+	e.peak, e.trough = w.inFlight, w.inFlight
 	e.foreignTokens = int(p.meanPromptTokens)
 	if s.HasQueuedPromptTokens && s.Waiting > 0 {
 		e.foreignTokens = s.QueuedPromptTokens / s.Waiting

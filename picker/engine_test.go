@@ -1,6 +1,7 @@
 package picker
 
 import (
+	"fmt"
 	"testing"
 	"time"
 )
@@ -113,5 +114,30 @@ func TestADeliveredShortfallForgetsTheBlocks(t *testing.T) {
 	r2 := mustPick(t, p, on(a, prompt))
 	if n := r2.Delivered(1600, r2.CachedTokens()); n != 0 {
 		t.Errorf("a full delivery forgot %d blocks", n)
+	}
+}
+
+// A scrape read while requests were still in flight and observed after
+// they ended is not foreign load: the counts are compared with the ledger at
+// its fullest since the last scrape. Without that, a burst right after
+// churn avoided a pod for seconds.
+func TestAStaleScrapeOfEndedRequestsIsNotForeignLoad(t *testing.T) {
+	p := newPicker(t, 2, testConfig(), Options{})
+	var rs []*Reservation
+	for i := range 6 {
+		rs = append(rs, mustPick(t, p, on(addr(0), text(fmt.Sprint("stale", i), 400))))
+	}
+	p.ObserveEngine(addr(0), EngineStats{Running: 6})
+	for _, r := range rs {
+		r.Release()
+	}
+	p.ObserveEngine(addr(0), EngineStats{Waiting: 6}) // read before the releases
+	if s := statsOf(p, addr(0)); s.ForeignRequests != 0 {
+		t.Errorf("%d foreign requests from a scrape of requests the ledger held since the last one, want 0", s.ForeignRequests)
+	}
+	// The next scrape still saying 6 is foreign load.
+	p.ObserveEngine(addr(0), EngineStats{Waiting: 6})
+	if s := statsOf(p, addr(0)); s.ForeignRequests != 6 {
+		t.Errorf("%d foreign requests, want 6", s.ForeignRequests)
 	}
 }

@@ -118,6 +118,7 @@ func (w *row) queued() int {
 // queue (or its decoding).
 func (w *row) hold(r *Reservation, now int64) {
 	w.inFlight++
+	w.engine.peak = max(w.engine.peak, w.inFlight)
 	if r.decoding {
 		w.decoding++
 		return
@@ -141,6 +142,7 @@ func (w *row) hold(r *Reservation, now int64) {
 // drop takes r off the row, whatever it holds there.
 func (w *row) drop(r *Reservation, now int64) {
 	w.inFlight--
+	w.engine.trough = min(w.engine.trough, w.inFlight)
 	if r.decoding {
 		w.decoding--
 		return

@@ -245,6 +245,13 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 			return fmt.Errorf("the ledger did not empty within %v after churn: %s", ledgerEmptyTimeout, r.state)
 		}
 		for range o.thenBursts {
+			if t.ledger != nil {
+				if l, err := t.ledger(ctx); err == nil {
+					for _, e := range l.Endpoints {
+						fmt.Fprintf(stderr, "before the burst: %s rate %.0f tokens/s, in flight %d, engine %v\n", e.Endpoint, e.PrefillTokensPerSecond, e.InFlight, e.Engine)
+					}
+				}
+			}
 			b, err := runBurst(ctx, t, o.kind, 128, 32_000)
 			if err != nil {
 				return err
