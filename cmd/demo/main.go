@@ -110,6 +110,8 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 		GatewayListen: opts.gatewayListen,
 		Output:        procOut,
 		PickerArgs:    opts.pickerArgs,
+
+		LateFirstByteFraction: opts.lateFirstBytes,
 	})
 	if err != nil {
 		return err
@@ -359,6 +361,7 @@ type options struct {
 	tracePath      string
 	traceRequests  int
 	nonStreaming   float64
+	lateFirstBytes float64
 	direct         float64
 	pickerArgs     []string
 	burst          int
@@ -385,6 +388,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return nil
 	})
 	fs.Float64Var(&o.nonStreaming, "non-streaming", 0, "fraction (0 to 1) of the trace's requests sent with \"stream\": false")
+	fs.Float64Var(&o.lateFirstBytes, "late-first-byte-fraction", 0, "fraction (0 to 1) of streamed responses the simulators hold back whole until their last token, as a buffering proxy would")
 	fs.IntVar(&o.burst, "burst", 64, "requests in the burst")
 	fs.IntVar(&o.systemTokens, "system-tokens", 4096, "tokens of the burst's shared system prompt")
 	fs.IntVar(&o.userTokens, "user-tokens", 256, "tokens of each burst request's own user turn")
@@ -427,6 +431,9 @@ func (o options) validate() error {
 	}
 	if !(o.direct >= 0 && o.direct <= 1) {
 		errs = append(errs, fmt.Errorf("flag --direct: %g is invalid: must be from 0 to 1", o.direct))
+	}
+	if !(o.lateFirstBytes >= 0 && o.lateFirstBytes <= 1) {
+		errs = append(errs, fmt.Errorf("flag --late-first-byte-fraction: %g is invalid: must be from 0 to 1", o.lateFirstBytes))
 	}
 	if !(o.nonStreaming >= 0 && o.nonStreaming <= 1) {
 		errs = append(errs, fmt.Errorf("flag --non-streaming: %g is invalid: must be from 0 to 1", o.nonStreaming))
