@@ -216,9 +216,16 @@ func (st *stream) buffer(chunk []byte) error {
 		return fmt.Errorf("%w (budget %d bytes); retry later", errBufferBudget, st.s.opts.MaxBufferedRequestBytes)
 	}
 	st.charged += n
-	// Plain append: the buffer grows with the bytes that arrive, never with
-	// what content-length promises, so a stream that declares a large body
-	// and sends little holds little.
+	// The buffer grows with the bytes that arrive, never with what
+	// content-length promises, so a stream that declares a large body and
+	// sends little holds little. Past maxPooledBufferBytes it grows into
+	// pooled buffers, doubling, rather than by append's fresh ones.
+	if need := len(*st.body) + len(chunk); need > cap(*st.body) && need > maxPooledBufferBytes {
+		grown := st.s.getLarge(max(need, 2*cap(*st.body)))
+		*grown = append(*grown, *st.body...)
+		st.s.putBuffer(st.body)
+		st.body = grown
+	}
 	*st.body = append(*st.body, chunk...)
 	return nil
 }
@@ -362,6 +369,12 @@ func (st *stream) parse() (picker.Request, error) {
 	}
 	if st.prompt == nil {
 		st.prompt = st.s.getBuffer()
+		if n := len(body) + len(body)/8; n > maxPooledBufferBytes && cap(*st.prompt) < n {
+			// A huge prompt: a pooled buffer of about its size (the prompt
+			// is the body's text, plus a few bytes per message).
+			st.s.putBuffer(st.prompt)
+			st.prompt = st.s.getLarge(n)
+		}
 	}
 	kind := request.KindOf(st.path)
 	if st.path == "" {
