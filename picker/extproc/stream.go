@@ -134,7 +134,7 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	// sends the client's headers only: no :path or :method. The request is
 	// then routed on its body's shape (parse), or, without a body, on load.
 	if h.GetEndOfStream() {
-		if kind := request.KindOf(st.path); kind != request.KindOther && st.method != "GET" {
+		if kind := request.KindOf(st.path); kind != request.KindOther && (st.method == "POST" || st.method == "") {
 			// The model server would refuse it too, but only after it
 			// had been booked against an endpoint.
 			return st.reject(fmt.Errorf("%w: a %s request needs a JSON body", errEmptyBody, kind))
