@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"net/netip"
 	"strings"
-	"sync"
 	"time"
 
 	. "github.com/onsi/ginkgo/v2"
@@ -162,44 +161,6 @@ var _ = Describe("Through NGINX as NGINX Gateway Fabric drives it", Ordered, Con
 		// engines, the burst's prefill drains in the model meanwhile, and
 		// on a loaded machine the holder's faster drain can tip it past half.
 		FlakeAttempts(3))
-
-	It("keeps staggered traffic within 1.25x of even on every pod while the streams end at the pick", func(ctx SpecContext) {
-		// A request every 20 ms, each running about 2 s on its pod (2,000
-		// tokens at the simulators' x10 time scale): the detached
-		// reservations, and the scrapes that shorten them, keep the
-		// ledger true to what the pods run.
-		const n, every = 150, 20 * time.Millisecond
-		results := make([]int, n)
-		var wg sync.WaitGroup
-		worst, worstAt := 0.0, ""
-		for i := range n {
-			req := stack.Completion(stack.DefaultModel, fmt.Sprintf("staggered %d: %s", i, strings.Repeat("tell me more ", 100)), 2000, true)
-			wg.Go(func() {
-				results[i], _ = postVia(ctx, ns, gw.URL(), req.Path, req.Body, nextID("nginx-staggered"))
-			})
-			time.Sleep(every)
-			counts, total := []int{}, 0
-			for _, p := range ns.Pods() {
-				st, ok := p.Stats()
-				Expect(ok).To(BeTrue())
-				counts = append(counts, st.RunningRequests+st.WaitingRequests)
-				total += st.RunningRequests + st.WaitingRequests
-			}
-			if total >= 30 {
-				for _, c := range counts {
-					if r := float64(c) / (float64(total) / float64(len(counts))); r > worst {
-						worst, worstAt = r, fmt.Sprint(counts)
-					}
-				}
-			}
-		}
-		wg.Wait()
-		for i, code := range results {
-			Expect(code).To(Equal(http.StatusOK), "request %d", i)
-		}
-		By(fmt.Sprintf("busiest pod at %.2fx the even share (%s)", worst, worstAt))
-		Expect(worst).To(BeNumerically("<=", 1.25), "the busiest pod's share of what the pods ran at once: %s", worstAt)
-	}, SpecTimeout(time.Minute))
 
 	It("refuses malformed JSON at the picker without reaching a pod", func(ctx SpecContext) {
 		// NGF's NJS handler logs the shim's non-200 answer (the picker's
