@@ -288,7 +288,6 @@ type metrics struct {
 	streamsActive    prometheus.Gauge
 	streamPanics     prometheus.Counter
 	upstreamErrors   prometheus.Counter
-	detached         prometheus.Counter
 }
 
 // newMetrics builds the collectors unregistered: with no Registerer they still
@@ -329,10 +328,6 @@ func newMetrics(buffered *atomic.Int64) metrics {
 			Name: "tally_stream_panics_total",
 			Help: "ext_proc streams ended by a recovered panic.",
 		}),
-		detached: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "tally_streams_ended_at_pick_total",
-			Help: "ext_proc streams the gateway closed after the request phase, before any response phase: their reservations are detached (tally_detached_reservations).",
-		}),
 		upstreamErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "tally_upstream_errors_total",
 			Help: "Responses from model servers with a status of 500 or more.",
@@ -342,5 +337,5 @@ func newMetrics(buffered *atomic.Int64) metrics {
 
 func (m metrics) register(r prometheus.Registerer) {
 	r.MustRegister(m.requests, m.requestBytes, m.bufferedBytes, m.budgetRejections, m.loadOnlyRoutes,
-		m.protocolErrors, m.streamsActive, m.streamPanics, m.upstreamErrors, m.detached)
+		m.protocolErrors, m.streamsActive, m.streamPanics, m.upstreamErrors)
 }

@@ -485,7 +485,6 @@ func (st *stream) halfClosed() {
 	if st.res != nil && !st.responseSeen {
 		st.res.Detach()
 		st.res = nil
-		st.s.metrics.detached.Inc()
 	}
 }
 
