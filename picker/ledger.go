@@ -96,15 +96,13 @@ func (w *row) drain(now int64) {
 	fromAt, fromOut := w.at, w.posOut
 	w.advance(now)
 	for r := w.qHead; r != nil && (r.endPos <= w.posOut || w.posOut >= w.posIn); r = w.qHead {
-		if r.detached {
-			// When the model's position passed its end: its decoding
-			// started then, not at this (lazy) drain.
-			end := fromAt + int64(max(r.endPos-fromOut, 0)/w.rate*1e9)
-			w.endPrefill(r, now)
-			r.p.scheduleDetachedLocked(r, min(max(end, r.enqueuedAt), now))
-			continue
-		}
+		// When the model's position passed its end: its decoding started
+		// then, not at this (lazy) drain.
+		end := fromAt + int64(max(r.endPos-fromOut, 0)/w.rate*1e9)
 		w.endPrefill(r, now)
+		if r.detached {
+			r.p.scheduleDetachedLocked(r, min(max(end, r.enqueuedAt), now))
+		}
 	}
 }
 

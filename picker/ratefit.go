@@ -72,6 +72,10 @@ const (
 	// it finishes, so short windows do not line up.
 	minEngineWindowSeconds = 1.0
 	minEngineWindowTokens  = 4096
+	// rateReapply: a learned sample re-rates every row (a walk of the
+	// whole set under the lock) only once the pool's rate has moved this
+	// share since they were last re-rated; otherwise only the sample's row.
+	rateReapply = 0.01
 )
 
 // What became of the streamed first bytes offered to the rate.
@@ -135,10 +139,13 @@ type poolRate struct {
 	rate     float64 // tokens per second
 	overhead float64 // seconds every first byte pays
 	samples  float64 // learned samples, decayed as the fit's
+	// applied is the rate every row's drain model last took: rows are
+	// all given a new one only when the pool's moves past rateReapply.
+	applied float64
 }
 
 func newPoolRate(rate float64) poolRate {
-	p := poolRate{rate: rate}
+	p := poolRate{rate: rate, applied: rate}
 	p.fit.add(ratePriorTokens, ratePriorTokens/rate, 1)
 	return p
 }
@@ -214,7 +221,13 @@ func (p *Picker) learnPrefillLocked(r *Reservation, now int64) {
 	e.tokens = e.tokens*poolRateDecay + float64(r.work)
 	e.seconds = e.seconds*poolRateDecay + max(seconds-pool.overhead, minFitSeconds)
 	e.samples = e.samples*poolRateDecay + 1
-	p.setRatesLocked(now)
+	if math.Abs(pool.rate/pool.applied-1) > rateReapply {
+		pool.applied = pool.rate
+		p.setRatesLocked(now)
+		return
+	}
+	w.advance(now)
+	w.rate = p.rateOf(w)
 }
 
 // observePrefillTimingLocked updates w's engine floor from a scrape's
