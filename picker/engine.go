@@ -123,6 +123,7 @@ func (p *Picker) ObserveEngine(addr netip.AddrPort, s EngineStats) (recovered bo
 	now := p.clock()
 	p.mu.Lock()
 	recovered = p.observeEngineLocked(addr, s, now)
+	p.freedLocked(now) // the engine may have reported less load than was thought
 	p.mu.Unlock()
 	if recovered {
 		p.metrics.healthChanges.WithLabelValues("recovered").Inc()

@@ -264,20 +264,25 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 		p.expireDetachedLocked(r.pickedNs)
 	}
 
-	sat := p.cfg.Saturation
-	eligible := 0
+	eligible, free := 0, 0
 	for i, c := range cands {
 		queued := c.queued()
+		foreign := c.engine.foreignCost(r.pickedNs)
 		c.uncached = p.uncachedTokens(r.promptChars, matched[i])
-		c.cost = queued + c.engine.foreignCost(r.pickedNs) + c.uncached + p.cfg.DecodeWeightTokens*c.decoding
-		c.saturated = sat.MaxInFlightRequests > 0 && c.inFlight >= sat.MaxInFlightRequests ||
-			sat.MaxPrefillTokens > 0 && queued >= sat.MaxPrefillTokens
+		c.cost = queued + foreign + c.uncached + p.cfg.DecodeWeightTokens*c.decoding
+		c.saturated = p.overLimitLocked(c, queued)
 		c.taken = c.saturated
 		if !c.saturated {
 			eligible++
+			if !p.flowOn || !p.flowFullLocked(c, queued+foreign) {
+				free++
+			}
 		}
 	}
-	if eligible == 0 {
+	// Flow control's threshold decides whether the request may be placed
+	// now, not where: a saturated endpoint whose prefix saves more than
+	// its queue costs is still the cheapest place.
+	if free == 0 {
 		return ErrSaturated
 	}
 

@@ -42,6 +42,9 @@ type metrics struct {
 	poolReadyPods, poolAvgQueue, poolPerPodQueue *prometheus.Desc
 	poolAvgRunning, poolAvgKVCache               *prometheus.Desc
 	poolName                                     string
+
+	// Flow control's (flow_metrics.go); sent only with it on.
+	flow *flowMetrics
 }
 
 // Buckets of the upstream picker's histograms, kept identical so that
@@ -51,9 +54,10 @@ var (
 	upstreamRatioBuckets     = []float64{0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0}
 )
 
-func newMetrics(poolName string) *metrics {
+func newMetrics(poolName string, flowControl bool) *metrics {
 	m := &metrics{
 		poolName: poolName,
+		flow:     newFlowMetrics(flowControl),
 		picks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tally_picks_total",
 			Help: "Picks by result: ok, no_endpoint (answered 503) or saturated (answered 429).",
@@ -183,6 +187,7 @@ func (p *Picker) Describe(ch chan<- *prometheus.Desc) {
 	for _, c := range m.collectors() {
 		c.Describe(ch)
 	}
+	m.describeFlow(ch)
 }
 
 // Collect implements prometheus.Collector. It copies the ledger under the
@@ -212,6 +217,7 @@ func (p *Picker) Collect(ch chan<- prometheus.Metric) {
 	for _, c := range m.collectors() {
 		c.Collect(ch)
 	}
+	p.collectFlow(ch)
 }
 
 // collectPool sends the upstream picker's pool gauges. The queue is the

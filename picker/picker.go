@@ -92,6 +92,19 @@ type Request struct {
 	// HasSubset says the gateway sent a subset hint; an empty or
 	// non-matching one gives ErrNoEndpoint.
 	HasSubset bool
+	// Priority is the request's InferenceObjective priority (0 when it
+	// names none): with flow control, higher bands are dispatched first,
+	// and a request below 0 is sheddable, refused rather than queued.
+	Priority int
+	// FairnessID names the request's flow within its band (the
+	// x-gateway-inference-fairness-id header; "" is DefaultFairnessID).
+	FairnessID string
+	// Bytes is the request's size against the queue's byte limits (its
+	// body); at least its prompt's characters are counted.
+	Bytes int64
+	// Objective names the request's InferenceObjective, for the flow
+	// control metrics' labels.
+	Objective string
 }
 
 // EndpointStats is one endpoint's row of the ledger.
@@ -130,6 +143,8 @@ type Ledger struct {
 	// InFlight, Detached and PrefillTokens sum every row, retained ones
 	// included.
 	InFlight, Detached, PrefillTokens int
+	// Waiting counts the requests in the flow control queue.
+	Waiting int
 	// DetachEnds counts the detached reservations ended, by why: the model
 	// said done, an engine scrape said so, the sweeper.
 	DetachEnds [numDetachEnds]uint64
@@ -159,6 +174,8 @@ type Picker struct {
 
 	// afterPick, when set (tests only), runs right after Pick unlocks.
 	afterPick func()
+	// flowOn: cfg.FlowControl.Enabled (flow.go).
+	flowOn bool
 
 	// mu guards everything below. Inside it: no I/O, no logging, no channel
 	// operations, no allocation on the pick path in steady state.
@@ -192,6 +209,11 @@ type Picker struct {
 	meanOutputTokens float64
 	detachEnds       [numDetachEnds]uint64
 
+	// Requests waiting for capacity (flow control, flow.go), and the timer
+	// that runs a dispatch cycle the drain model makes due (set by Run).
+	queue         flowQueue
+	dispatchTimer *time.Timer
+
 	// Pick scratch, sized on Replace so picks do not grow it.
 	cand    []*row
 	candIDs []int
@@ -224,7 +246,7 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 	p := &Picker{
 		cfg:                    cfg,
 		opts:                   opts,
-		metrics:                newMetrics(opts.PoolName),
+		metrics:                newMetrics(opts.PoolName, cfg.FlowControl.Enabled),
 		epoch:                  opts.Now(),
 		retention:              time.Duration(cfg.EndpointRetentionSeconds) * time.Second,
 		blocks:                 newBlockLayout(cfg),
@@ -238,6 +260,7 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 		pool:             newPoolRate(float64(cfg.PrefillTokensPerSecond)),
 		decodeNsPerToken: defaultDecodeNsPerToken,
 		meanOutputTokens: defaultOutputTokens,
+		flowOn:           cfg.FlowControl.Enabled,
 	}
 	p.hashBufs.New = func() any {
 		b := make([]uint64, 0, 1024)
@@ -309,6 +332,7 @@ func (p *Picker) Replace(eps []Endpoint) {
 	}
 	dropped := p.expireLocked(now)
 	total := len(p.rows)
+	p.freedLocked(now) // new endpoints take waiting requests
 	p.mu.Unlock()
 	p.tidy()
 
@@ -369,16 +393,27 @@ func (p *Picker) Synced() bool { return p.synced.Load() }
 // Pick hashes req.Prompt outside any lock, then in one critical section
 // scores the candidates, chooses, reserves the cost in the ledger and records
 // the prompt's blocks on the chosen endpoint. The caller must Release the
-// reservation when the request ends.
+// reservation when the request ends. Pick never waits: with every candidate
+// saturated it returns ErrSaturated, flow control or not (see Admit).
 func (p *Picker) Pick(req Request) (*Reservation, error) {
 	start := time.Now()
+	r := p.prepare(req)
+	p.mu.Lock()
+	err := p.placeLocked(r, req)
+	untidy := p.index.Untidy()
+	p.mu.Unlock()
+	return p.placed(r, err, untidy, start)
+}
+
+// prepare hashes req's prompt (outside any lock) into a new reservation.
+// At most MaxPromptBlocks blocks are hashed and recorded, so that a huge
+// prompt holds the lock no longer than a long one: fine blocks for the
+// head, coarse ones for the tail (blocks.go).
+func (p *Picker) prepare(req Request) *Reservation {
 	chars := len(req.Prompt)
 	if chars == 0 {
 		chars = max(req.PromptChars, 0)
 	}
-	// At most MaxPromptBlocks blocks are hashed and recorded, so that a huge
-	// prompt holds the lock no longer than a long one: fine blocks for the
-	// head, coarse ones for the tail (blocks.go).
 	buf := p.hashBufs.Get().(*[]uint64)
 	hashes := prefix.HashTiered((*buf)[:0], req.Model, req.CacheSalt, req.Prompt,
 		p.cfg.BlockSizeChars, p.blocks.fine, p.blocks.coarseChars, p.cfg.MaxPromptBlocks)
@@ -393,6 +428,7 @@ func (p *Picker) Pick(req Request) (*Reservation, error) {
 		stream:       req.Stream,
 		maxTokens:    max(req.MaxTokens, 0),
 		heapIdx:      -1,
+		nHashes:      len(hashes),
 	}
 	if len(hashes) > 0 {
 		// Set before the lock: once linked, the sweeper may release r.
@@ -400,15 +436,16 @@ func (p *Picker) Pick(req Request) (*Reservation, error) {
 	} else {
 		p.hashBufs.Put(buf)
 	}
+	return r
+}
 
-	p.mu.Lock()
-	err := p.placeLocked(r, req)
-	untidy := p.index.Untidy()
-	p.mu.Unlock()
+// placed finishes a placement outside the lock: the long prompt's tail, the
+// evictions its records owe, and the metrics. It returns r, or nil and err.
+func (p *Picker) placed(r *Reservation, err error, untidy bool, start time.Time) (*Reservation, error) {
 	if p.afterPick != nil {
 		p.afterPick()
 	}
-	if err == nil && len(hashes) > p.blocks.inLock {
+	if err == nil && r.nHashes > p.blocks.inLock {
 		untidy = p.recordTail(r) || untidy
 	}
 	if untidy {
@@ -424,17 +461,19 @@ func (p *Picker) Pick(req Request) (*Reservation, error) {
 		m.picksOK.Inc()
 		m.promptTokens.Add(float64(r.promptTokens))
 		m.cachedTokens.Add(float64(r.cachedTokens))
-		if len(hashes) > 0 {
-			m.prefixHitRatioAll.Observe(float64(r.cachedBlocks) / float64(len(hashes)))
+		if r.nHashes > 0 {
+			m.prefixHitRatioAll.Observe(float64(r.cachedBlocks) / float64(r.nHashes))
 		}
 		return r, nil
 	case errors.Is(err, ErrSaturated):
 		m.picksSaturated.Inc()
-	default:
+	case errors.Is(err, ErrNoEndpoint):
 		m.picksNoEndpoint.Inc()
 	}
+	// Never placed, so never linked: nothing else can see r.
 	if r.hashBuf != nil {
 		p.hashBufs.Put(r.hashBuf)
+		r.hashes, r.hashBuf = nil, nil
 	}
 	return nil, err
 }
@@ -450,6 +489,7 @@ func (p *Picker) Snapshot() Ledger {
 	}
 	p.expireDetachedLocked(now)
 	l.DetachEnds = p.detachEnds
+	l.Waiting = p.queue.n
 	l.RateSamples = p.rateSamples
 	for _, w := range p.byKey {
 		e := &w.engine
@@ -493,6 +533,18 @@ func (p *Picker) Run(ctx context.Context) {
 	interval := min(max(p.opts.MaxRequestLifetime/10, minSweepInterval), maxSweepInterval)
 	t := time.NewTicker(interval)
 	defer t.Stop()
+	if p.flowOn {
+		p.mu.Lock()
+		p.dispatchTimer = time.AfterFunc(time.Hour, p.dispatchOnTimer)
+		p.armLocked(p.clock())
+		p.mu.Unlock()
+		defer func() {
+			p.mu.Lock()
+			p.dispatchTimer.Stop()
+			p.dispatchTimer = nil
+			p.mu.Unlock()
+		}()
+	}
 	for {
 		select {
 		case <-ctx.Done():
@@ -532,6 +584,7 @@ func (p *Picker) Sweep() int {
 	}
 	p.expireDetachedLocked(now)
 	dropped := p.expireLocked(now)
+	p.freedLocked(now)
 	p.mu.Unlock()
 	if dropped > 0 {
 		p.tidy()

@@ -19,6 +19,7 @@ type Reservation struct {
 	promptTokens int
 	cachedTokens int
 	cachedBlocks int // of the hashed blocks, those the chosen endpoint held
+	nHashes      int // the prompt's hashed blocks
 	stream       bool
 	maxTokens    int // the request's max_tokens; 0 when it gives none
 	endpoints    [maxFallbackEndpoints]netip.AddrPort
@@ -100,6 +101,7 @@ func (r *Reservation) FirstByte() {
 		w.endPrefill(r, now)
 	}
 	p.firstBytes++
+	p.freedLocked(now)
 }
 
 // Release releases everything the reservation still holds. Later calls,
@@ -109,6 +111,7 @@ func (r *Reservation) Release() {
 	now := p.clock()
 	p.mu.Lock()
 	buf := p.releaseLocked(r, now)
+	p.freedLocked(now)
 	p.mu.Unlock()
 	if buf != nil {
 		*buf = (*buf)[:0]

@@ -1,6 +1,7 @@
 package v1alpha1
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"strings"
@@ -46,6 +47,34 @@ const (
 	DefaultMaxPromptBlocks = 500
 )
 
+// Flow control defaults (flowControl), each with its unit in its name.
+const (
+	// DefaultHoldPrefillMilliseconds: an endpoint is saturated once the
+	// prefill queued on it would take a quarter of a second at its prefill
+	// rate (about 2,500 tokens at 10,000 tokens/s).
+	DefaultHoldPrefillMilliseconds = 250
+	// DefaultRequestTTLSeconds is how long a request may wait in the
+	// queue, as the upstream picker's queue TTL.
+	DefaultRequestTTLSeconds = 60
+	// DefaultMaxReorderMilliseconds bounds how long the cheapest-first
+	// order may pass over a request: older ones are served oldest first.
+	DefaultMaxReorderMilliseconds = 1000
+	// DefaultBandMaxRequests and DefaultBandMaxBytes are each priority
+	// band's limits, as upstream's defaults.
+	DefaultBandMaxRequests       = 5000
+	DefaultBandMaxBytes    int64 = 1_000_000_000
+)
+
+// Flow control orderings and fairness policies.
+const (
+	OrderingCheapest     = "cheapest"
+	OrderingFCFS         = "fcfs"
+	FairnessRoundRobin   = "round-robin"
+	FairnessGlobalStrict = "global-strict"
+	DefaultOrdering      = OrderingCheapest
+	DefaultFairness      = FairnessRoundRobin
+)
+
 // PickerConfig configures how the picker scores and places requests.
 // Every field is optional; Load fills in the defaults above.
 type PickerConfig struct {
@@ -89,6 +118,70 @@ type PickerConfig struct {
 	// Saturation, when set, answers 429 once every candidate endpoint is over
 	// a limit. Off by default: requests queue on the model servers instead.
 	Saturation Saturation `json:"saturation,omitempty"`
+	// FlowControl, when enabled, holds requests in the picker while every
+	// candidate endpoint is saturated, and dispatches them best first as
+	// capacity frees. Off by default.
+	FlowControl FlowControl `json:"flowControl,omitempty"`
+}
+
+// FlowControl is late binding: a request that arrives while every candidate
+// endpoint is saturated waits in the picker, its stream held open, and is
+// placed when an endpoint frees, by priority band (the InferenceObjective's
+// priority, highest first), fairness between flows in a band (the
+// x-gateway-inference-fairness-id header), and order inside a flow.
+type FlowControl struct {
+	Enabled bool `json:"enabled,omitempty"`
+	// HoldPrefillMilliseconds is the saturation threshold: an endpoint is
+	// saturated while the prefill queued on it (the ledger's drain model,
+	// plus load its engine reports beyond the ledger) would take this long
+	// at its learned prefill rate.
+	HoldPrefillMilliseconds int `json:"holdPrefillMilliseconds,omitempty"`
+	// MaxDecodingRequests saturates an endpoint once this many of its
+	// requests are decoding; 0 is no limit.
+	MaxDecodingRequests int `json:"maxDecodingRequests,omitempty"`
+	// RequestTTLSeconds is the longest wait; past it the request is
+	// answered 429.
+	RequestTTLSeconds int `json:"requestTTLSeconds,omitempty"`
+	// Ordering inside a flow: "cheapest" (the request with the least
+	// uncached prefill on the freed endpoint first, oldest first past
+	// maxReorderMilliseconds) or "fcfs".
+	Ordering string `json:"ordering,omitempty"`
+	// MaxReorderMilliseconds: a request that has waited this long is no
+	// longer passed over by cheaper ones (ordering "cheapest").
+	MaxReorderMilliseconds int `json:"maxReorderMilliseconds,omitempty"`
+	// Fairness between the flows of a band: "round-robin" (each flow in
+	// turn) or "global-strict" (the flow whose oldest request is oldest).
+	Fairness string `json:"fairness,omitempty"`
+	// MaxRequests and MaxBytes bound the whole queue; 0 is no bound.
+	MaxRequests int   `json:"maxRequests,omitempty"`
+	MaxBytes    int64 `json:"maxBytes,omitempty"`
+	// DefaultBand holds the limits of a priority not listed in bands.
+	DefaultBand Band `json:"defaultBand,omitempty"`
+	// Bands sets the limits of particular priorities; a zero limit takes
+	// defaultBand's.
+	Bands []Band `json:"bands,omitempty"`
+}
+
+// Band is the queue limit of one priority: requests waiting, and their
+// body bytes. A request past either is answered 429.
+type Band struct {
+	Priority    int   `json:"priority"`
+	MaxRequests int   `json:"maxRequests,omitempty"`
+	MaxBytes    int64 `json:"maxBytes,omitempty"`
+}
+
+// BandFor returns the limits of priority: its entry in Bands, or
+// DefaultBand, zero limits filled from DefaultBand.
+func (f FlowControl) BandFor(priority int) Band {
+	b := f.DefaultBand
+	for _, x := range f.Bands {
+		if x.Priority == priority {
+			b.MaxRequests, b.MaxBytes = cmp.Or(x.MaxRequests, b.MaxRequests), cmp.Or(x.MaxBytes, b.MaxBytes)
+			break
+		}
+	}
+	b.Priority = priority
+	return b
 }
 
 // Saturation limits per endpoint. Zero turns a limit off.
@@ -148,6 +241,14 @@ func (c *PickerConfig) setDefaults() {
 	if c.PrefillTokensPerSecond == 0 {
 		c.PrefillTokensPerSecond = DefaultPrefillTokensPerSecond
 	}
+	f := &c.FlowControl
+	f.HoldPrefillMilliseconds = cmp.Or(f.HoldPrefillMilliseconds, DefaultHoldPrefillMilliseconds)
+	f.RequestTTLSeconds = cmp.Or(f.RequestTTLSeconds, DefaultRequestTTLSeconds)
+	f.Ordering = cmp.Or(f.Ordering, DefaultOrdering)
+	f.MaxReorderMilliseconds = cmp.Or(f.MaxReorderMilliseconds, DefaultMaxReorderMilliseconds)
+	f.Fairness = cmp.Or(f.Fairness, DefaultFairness)
+	f.DefaultBand.MaxRequests = cmp.Or(f.DefaultBand.MaxRequests, DefaultBandMaxRequests)
+	f.DefaultBand.MaxBytes = cmp.Or(f.DefaultBand.MaxBytes, DefaultBandMaxBytes)
 }
 
 // Load decodes a PickerConfig strictly (an unknown field is an error),
@@ -212,6 +313,50 @@ func (c *PickerConfig) Validate() error {
 	}
 	if c.Saturation.MaxPrefillTokens < 0 {
 		bad("saturation.maxPrefillTokens", c.Saturation.MaxPrefillTokens, "must be 0 (off) or more")
+	}
+	f := c.FlowControl
+	if f.HoldPrefillMilliseconds < 1 || f.HoldPrefillMilliseconds > 600_000 {
+		bad("flowControl.holdPrefillMilliseconds", f.HoldPrefillMilliseconds, "must be from 1 to 600000")
+	}
+	if f.MaxDecodingRequests < 0 {
+		bad("flowControl.maxDecodingRequests", f.MaxDecodingRequests, "must be 0 (no limit) or more")
+	}
+	if f.RequestTTLSeconds < 1 || f.RequestTTLSeconds > 3600 {
+		bad("flowControl.requestTTLSeconds", f.RequestTTLSeconds, "must be from 1 to 3600")
+	}
+	if f.Ordering != OrderingCheapest && f.Ordering != OrderingFCFS {
+		bad("flowControl.ordering", fmt.Sprintf("%q", f.Ordering), fmt.Sprintf("must be %q or %q", OrderingCheapest, OrderingFCFS))
+	}
+	if f.MaxReorderMilliseconds < 1 || f.MaxReorderMilliseconds > 3_600_000 {
+		bad("flowControl.maxReorderMilliseconds", f.MaxReorderMilliseconds, "must be from 1 to 3600000")
+	}
+	if f.Fairness != FairnessRoundRobin && f.Fairness != FairnessGlobalStrict {
+		bad("flowControl.fairness", fmt.Sprintf("%q", f.Fairness), fmt.Sprintf("must be %q or %q", FairnessRoundRobin, FairnessGlobalStrict))
+	}
+	if f.MaxRequests < 0 {
+		bad("flowControl.maxRequests", f.MaxRequests, "must be 0 (no bound) or more")
+	}
+	if f.MaxBytes < 0 {
+		bad("flowControl.maxBytes", f.MaxBytes, "must be 0 (no bound) or more")
+	}
+	if f.DefaultBand.MaxRequests < 1 {
+		bad("flowControl.defaultBand.maxRequests", f.DefaultBand.MaxRequests, "must be 1 or more")
+	}
+	if f.DefaultBand.MaxBytes < 1 {
+		bad("flowControl.defaultBand.maxBytes", f.DefaultBand.MaxBytes, "must be 1 or more")
+	}
+	seen := map[int]bool{}
+	for i, b := range f.Bands {
+		if seen[b.Priority] {
+			bad(fmt.Sprintf("flowControl.bands[%d].priority", i), b.Priority, "must differ from every other band's")
+		}
+		seen[b.Priority] = true
+		if b.MaxRequests < 0 {
+			bad(fmt.Sprintf("flowControl.bands[%d].maxRequests", i), b.MaxRequests, "must be 0 (defaultBand's) or more")
+		}
+		if b.MaxBytes < 0 {
+			bad(fmt.Sprintf("flowControl.bands[%d].maxBytes", i), b.MaxBytes, "must be 0 (defaultBand's) or more")
+		}
 	}
 	return errors.Join(errs...)
 }
