@@ -1,6 +1,7 @@
 package v1alpha1
 
 import (
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -12,7 +13,7 @@ func TestLoadFillsDefaults(t *testing.T) {
 	}
 	want := Default()
 	want.FallbackEndpoints = 2
-	if c != want {
+	if !reflect.DeepEqual(c, want) {
 		t.Fatalf("got %+v, want %+v", c, want)
 	}
 }
@@ -22,7 +23,7 @@ func TestLoadAcceptsAnEmptyDocument(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c != Default() {
+	if !reflect.DeepEqual(c, Default()) {
 		t.Fatalf("got %+v", c)
 	}
 }
@@ -46,5 +47,33 @@ func TestLoadRejectsWithTheFieldNamed(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%q: error %v, want it to contain %q", tc.doc, err, tc.want)
 		}
+	}
+}
+
+func TestFlowControlErrorsNameTheField(t *testing.T) {
+	for doc, field := range map[string]string{
+		"flowControl: {enabled: true, ordering: lifo}":           "flowControl.ordering",
+		"flowControl: {fairness: random}":                        "flowControl.fairness",
+		"flowControl: {requestTTLSeconds: -5}":                   "flowControl.requestTTLSeconds",
+		"flowControl: {holdPrefillMilliseconds: -1}":             "flowControl.holdPrefillMilliseconds",
+		"flowControl: {bands: [{priority: 1}, {priority: 1}]}":   "flowControl.bands[1].priority",
+		"flowControl: {bands: [{priority: 1, maxRequests: -2}]}": "flowControl.bands[0].maxRequests",
+		"flowControl: {maxDecodingRequests: -1}":                 "flowControl.maxDecodingRequests",
+		"flowControl: {enabled: true, holdPrefillMillis: 5}":     "holdPrefillMillis",
+	} {
+		_, err := Load([]byte(doc))
+		if err == nil || !strings.Contains(err.Error(), field) {
+			t.Errorf("%q: error %v, want one naming %s", doc, err, field)
+		}
+	}
+	c, err := Load([]byte("flowControl: {enabled: true, bands: [{priority: 10, maxRequests: 3}]}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b := c.FlowControl.BandFor(10); b.MaxRequests != 3 || b.MaxBytes != DefaultBandMaxBytes {
+		t.Errorf("band 10 = %+v, want 3 requests and the default bytes", b)
+	}
+	if b := c.FlowControl.BandFor(-4); b.MaxRequests != DefaultBandMaxRequests || b.Priority != -4 {
+		t.Errorf("an unlisted band = %+v, want the default band's limits", b)
 	}
 }

@@ -121,14 +121,14 @@ var ignoredPluginTypes = map[string]string{
 	"prefix-cache-affinity-filter":         "Tally weighs prefix hits against queued prefill in its cost instead of filtering on affinity",
 	"request-attribute-reporter":           "Tally reports no request attributes",
 	"header-based-testing-filter":          "conformance test hooks are a flag in Tally (--conformance-test-hooks)",
-	"static-usage-limit-policy":            "Tally has no flow control layer",
-	"global-strict-fairness-policy":        "Tally has no flow control layer",
-	"round-robin-fairness-policy":          "Tally has no flow control layer",
-	"fcfs-ordering-policy":                 "Tally has no flow control layer",
-	"edf-ordering-policy":                  "Tally has no flow control layer",
-	"slo-deadline-ordering-policy":         "Tally has no flow control layer",
-	"eviction-priority-then-time-ordering": "Tally has no flow control layer",
-	"eviction-sheddable-filter":            "Tally has no flow control layer",
+	"static-usage-limit-policy":            "Tally's flow control saturates on queued prefill (flowControl.holdPrefillMilliseconds), from its ledger",
+	"global-strict-fairness-policy":        "a policy: mapped where flowControl's bands refer to it (fairnessPolicyRef)",
+	"round-robin-fairness-policy":          "a policy: mapped where flowControl's bands refer to it (fairnessPolicyRef)",
+	"fcfs-ordering-policy":                 "a policy: mapped where flowControl's bands refer to it (orderingPolicyRef)",
+	"edf-ordering-policy":                  "a policy: mapped where flowControl's bands refer to it (orderingPolicyRef)",
+	"slo-deadline-ordering-policy":         "Tally does not order on latency objectives",
+	"eviction-priority-then-time-ordering": "Tally's flow control never evicts a request it dispatched",
+	"eviction-sheddable-filter":            "Tally's flow control never evicts a request it dispatched; sheddable requests are refused while saturated",
 }
 
 // Pickers whose maxNumOfEndpoints sets how many endpoints the destination
@@ -167,15 +167,22 @@ func FromEndpointPickerConfig(data []byte) (PickerConfig, []Note, error) {
 		case "schedulingProfiles":
 			m.ignore(k, "Tally has one scheduling profile; scorer weights have no equivalent in its single cost")
 		case "featureGates":
-			m.ignore(k, "Tally has no experimental feature gates")
+			if err := m.featureGates(top[k]); err != nil {
+				return PickerConfig{}, nil, err
+			}
 		case "dataLayer":
 			m.ignore(k, "Tally's scrapes of the model servers are set by flags (--refresh-metrics-interval, --model-server-metrics-*)")
-		case "flowControl":
-			m.ignore(k, "Tally has no flow control layer (queueing in the picker); see saturation in a PickerConfig for 429s")
+		case "flowControl": // after featureGates, which turns it on
 		case "parser":
 			m.ignore(k, "Tally parses OpenAI requests itself")
 		default:
 			m.ignore(k, "not a field Tally knows")
+		}
+	}
+
+	if raw, ok := top["flowControl"]; ok {
+		if err := m.flowControl(raw, epc.Plugins, m.cfg.FlowControl.Enabled); err != nil {
+			return PickerConfig{}, nil, err
 		}
 	}
 

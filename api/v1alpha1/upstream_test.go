@@ -1,6 +1,7 @@
 package v1alpha1
 
 import (
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -43,7 +44,7 @@ func TestTheUpstreamChartsDefaultConfigIsTallysDefault(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c != Default() {
+	if !reflect.DeepEqual(c, Default()) {
 		t.Errorf("got %+v, want the defaults", c)
 	}
 	byField := notesByField(notes)
@@ -98,7 +99,8 @@ schedulingProfiles:
 	want.MaxPromptBlocks = 256
 	want.FallbackEndpoints = 2
 	want.Saturation.MaxInFlightRequests = 60
-	if c != want {
+	want.FlowControl.Enabled = true
+	if !reflect.DeepEqual(c, want) {
 		t.Errorf("got %+v\nwant %+v", c, want)
 	}
 	byField := notesByField(notes)
@@ -110,7 +112,7 @@ schedulingProfiles:
 		"plugins[2](limit).parameters.maxConcurrency":                       "saturation.maxInFlightRequests",
 		"plugins[0](prefix-cache-scorer).parameters.autoTune":               "",
 		"plugins[0](prefix-cache-scorer).parameters.somethingNew":           "",
-		"featureGates": "",
+		"featureGates[0](flowControl)":                                      "flowControl.enabled",
 	} {
 		n, ok := byField[field]
 		if !ok || n.Mapped != to {
@@ -187,7 +189,87 @@ func TestLoadAnyReadsTallysOwnKind(t *testing.T) {
 	if _, _, err := LoadAny([]byte("apiVersion: tally.tallyepp.io/v1alpha1\nkind: PickerConfig\nplugins: []\n")); err == nil || !strings.Contains(err.Error(), `unknown field "plugins"`) {
 		t.Errorf("a PickerConfig stays strict: error %v", err)
 	}
-	if c, _, err := LoadAny(nil); err != nil || c != Default() {
+	if c, _, err := LoadAny(nil); err != nil || !reflect.DeepEqual(c, Default()) {
 		t.Errorf("empty document: %+v, %v", c, err)
+	}
+}
+
+func TestUpstreamFlowControlIsMapped(t *testing.T) {
+	c, notes, err := LoadAny([]byte(`
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl, somethingElse]
+plugins:
+- name: strict
+  type: global-strict-fairness-policy
+- name: order
+  type: edf-ordering-policy
+flowControl:
+  maxBytes: 2Gi
+  maxRequests: 1k
+  defaultRequestTTL: 30500ms
+  usageLimitPolicyPluginRef: limits
+  defaultPriorityBand:
+    maxRequests: 100
+    fairnessPolicyRef: strict
+  priorityBands:
+  - priority: 10
+    maxBytes: 500M
+    orderingPolicyRef: order
+  - priority: -1
+    maxRequests: 7
+    fairnessPolicyRef: round-robin-fairness-policy
+  somethingNew: 1
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := c.FlowControl
+	want := Default().FlowControl
+	want.Enabled = true
+	want.MaxBytes, want.MaxRequests = 2<<30, 1000
+	want.RequestTTLSeconds = 31
+	want.DefaultBand = Band{MaxRequests: 100, MaxBytes: DefaultBandMaxBytes}
+	want.Bands = []Band{{Priority: 10, MaxBytes: 500_000_000}, {Priority: -1, MaxRequests: 7}}
+	want.Fairness, want.Ordering = FairnessGlobalStrict, OrderingFCFS
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("got %+v\nwant %+v", got, want)
+	}
+	if b := got.BandFor(10); b.MaxRequests != 100 || b.MaxBytes != 500_000_000 {
+		t.Errorf("band 10 = %+v, want 100 requests (defaultBand's) and 500M bytes", b)
+	}
+	byField := notesByField(notes)
+	for field, to := range map[string]string{
+		"featureGates[1](somethingElse)":                    "",
+		"flowControl.usageLimitPolicyPluginRef":             "",
+		"flowControl.somethingNew":                          "",
+		"flowControl.priorityBands[1].fairnessPolicyRef":    "",
+		"flowControl.defaultPriorityBand.fairnessPolicyRef": "flowControl.fairness",
+		"flowControl.priorityBands[0].orderingPolicyRef":    "flowControl.ordering",
+		"flowControl.defaultRequestTTL":                     "flowControl.requestTTLSeconds",
+	} {
+		n, ok := byField[field]
+		if !ok || n.Mapped != to {
+			t.Errorf("note for %s = %+v (found %v), want mapped to %q", field, n, ok, to)
+		}
+	}
+}
+
+func TestUpstreamFlowControlErrorsNameTheField(t *testing.T) {
+	for doc, field := range map[string]string{
+		"featureGates: [flowControl]\nflowControl:\n  maxRequests: 1.5":                                  "flowControl.maxRequests",
+		"featureGates: [flowControl]\nflowControl:\n  defaultRequestTTL: soon":                           "flowControl.defaultRequestTTL",
+		"featureGates: [flowControl]\nflowControl:\n  priorityBands:\n  - priority: 1\n    maxBytes: -1": "flowControl.priorityBands[0].maxBytes",
+		"featureGates: flowControl": "featureGates",
+	} {
+		_, _, err := LoadAny([]byte("apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n" + doc))
+		if err == nil || !strings.Contains(err.Error(), field) {
+			t.Errorf("%q: error %v, want one naming %s", doc, err, field)
+		}
+	}
+	// Without the gate the section changes nothing, as upstream.
+	c, _, err := LoadAny([]byte("apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nflowControl:\n  maxRequests: 10\n"))
+	if err != nil || c.FlowControl.Enabled || c.FlowControl.MaxRequests != 0 {
+		t.Errorf("flowControl without its gate: %+v, %v; want flow control off and unchanged", c.FlowControl, err)
 	}
 }

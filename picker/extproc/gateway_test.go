@@ -61,6 +61,10 @@ type fixtureOptions struct {
 	log                     *logr.Logger // nil: the test's log (or none if quiet)
 	// conformanceTestHooks turns on extproc.Options.ConformanceTestHooks.
 	conformanceTestHooks bool
+	// objectives gives requests their priority (flow control); nil: none.
+	objectives extproc.Objectives
+	// now is the picker's clock; nil: one that stands still.
+	now func() time.Time
 }
 
 type fixture struct {
@@ -94,8 +98,11 @@ func newFixture(t testing.TB, o fixtureOptions) *fixture {
 	// A clock that stands still: the picker's drain model then releases no
 	// prefill behind the tests' backs, so they can assert exact ledgers.
 	frozen := time.Now()
-	p := picker.New(cfg, picker.Options{Rand: rand.New(rand.NewPCG(1, 2)), Log: log, Registerer: reg,
-		Now: func() time.Time { return frozen }})
+	now := o.now
+	if now == nil {
+		now = func() time.Time { return frozen }
+	}
+	p := picker.New(cfg, picker.Options{Rand: rand.New(rand.NewPCG(1, 2)), Log: log, Registerer: reg, Now: now})
 	p.Replace(o.endpoints)
 	var routed extproc.Picker = p
 	if o.wrap != nil {
@@ -107,6 +114,7 @@ func newFixture(t testing.TB, o fixtureOptions) *fixture {
 		Log:                     log,
 		Registerer:              reg,
 		ConformanceTestHooks:    o.conformanceTestHooks,
+		Objectives:              o.objectives,
 	})
 	// WaitForHandlers: Stop returns only once every stream has ended, so no
 	// stream logs after its test is over.

@@ -18,8 +18,8 @@ type counting struct {
 	ok atomic.Int64
 }
 
-func (c *counting) Pick(req picker.Request) (*picker.Reservation, error) {
-	res, err := c.Picker.Pick(req)
+func (c *counting) Admit(ctx context.Context, req picker.Request) (*picker.Reservation, error) {
+	res, err := c.Picker.Admit(ctx, req)
 	if err == nil {
 		c.ok.Add(1)
 	}

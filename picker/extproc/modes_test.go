@@ -2,6 +2,7 @@ package extproc_test
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -39,11 +40,11 @@ type picked struct {
 	stream      bool
 }
 
-func (r *recording) Pick(req picker.Request) (*picker.Reservation, error) {
+func (r *recording) Admit(ctx context.Context, req picker.Request) (*picker.Reservation, error) {
 	r.mu.Lock()
 	r.reqs = append(r.reqs, picked{req.Model, len(req.Prompt), req.PromptChars, req.Stream})
 	r.mu.Unlock()
-	return r.Picker.Pick(req)
+	return r.Picker.Admit(ctx, req)
 }
 
 func (r *recording) all() []picked {

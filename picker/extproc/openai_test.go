@@ -1,6 +1,7 @@
 package extproc_test
 
 import (
+	"context"
 	"net/netip"
 	"slices"
 	"sync"
@@ -21,12 +22,12 @@ type requestLog struct {
 	reqs []picker.Request
 }
 
-func (l *requestLog) Pick(req picker.Request) (*picker.Reservation, error) {
+func (l *requestLog) Admit(ctx context.Context, req picker.Request) (*picker.Reservation, error) {
 	l.mu.Lock()
 	req.Prompt = slices.Clone(req.Prompt) // the stream recycles the buffer
 	l.reqs = append(l.reqs, req)
 	l.mu.Unlock()
-	return l.Picker.Pick(req)
+	return l.Picker.Admit(ctx, req)
 }
 
 func (l *requestLog) last(t *testing.T) picker.Request {

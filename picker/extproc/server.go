@@ -12,6 +12,7 @@
 package extproc
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -30,11 +31,18 @@ import (
 	"github.com/tallyepp/tally/picker"
 )
 
-// Picker chooses an endpoint for a request and reserves its cost;
-// *picker.Picker implements it. Pick must not keep req.Prompt after it
-// returns: the stream recycles the buffer as soon as the request is routed.
+// Picker chooses an endpoint for a request and reserves its cost, waiting
+// (with flow control) until one has room or ctx ends; *picker.Picker
+// implements it. Admit must not keep req.Prompt after it returns: the
+// stream recycles the buffer as soon as the request is routed.
 type Picker interface {
-	Pick(picker.Request) (*picker.Reservation, error)
+	Admit(ctx context.Context, req picker.Request) (*picker.Reservation, error)
+}
+
+// Objectives gives the priority of the InferenceObjective a request names;
+// *picker.Objectives implements it.
+type Objectives interface {
+	Priority(name string) (priority int, ok bool)
 }
 
 // Options are the server's settings and collaborators.
@@ -60,6 +68,9 @@ type Options struct {
 	// x-conformance-test-served-endpoint response header. Off in
 	// production: the header lets a client choose its endpoint.
 	ConformanceTestHooks bool
+	// Objectives maps the objective header to a priority (flow control);
+	// nil: every request has priority 0.
+	Objectives Objectives
 }
 
 // Server is the ext_proc service. It keeps no per-request state of its own:

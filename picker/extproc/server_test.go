@@ -517,11 +517,11 @@ func TestServedByMovesTheReservation(t *testing.T) {
 // panicky panics on requests for the model "boom".
 type panicky struct{ extproc.Picker }
 
-func (p panicky) Pick(req picker.Request) (*picker.Reservation, error) {
+func (p panicky) Admit(ctx context.Context, req picker.Request) (*picker.Reservation, error) {
 	if req.Model == "boom" {
 		panic("injected failure")
 	}
-	return p.Picker.Pick(req)
+	return p.Picker.Admit(ctx, req)
 }
 
 func TestPanicInOneStreamIsAnswered500(t *testing.T) {

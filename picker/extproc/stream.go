@@ -38,6 +38,9 @@ type stream struct {
 	contentLength int64 // from the content-length header; 0 when absent
 	subset        []netip.AddrPort
 	hasSubset     bool
+	// The request's InferenceObjective and flow (flow control's priority
+	// band and fairness), from the gateway's headers.
+	objective, fairnessID string
 
 	// body holds the request body while it arrives: nil before its first
 	// chunk, and again once the body has been passed on.
@@ -122,6 +125,7 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	if n, err := strconv.ParseInt(headerValue(headers, "content-length"), 10, 64); err == nil && n > 0 {
 		st.contentLength = n
 	}
+	st.objective, st.fairnessID = headerValue(headers, objectiveHeader), headerValue(headers, fairnessHeader)
 	var bad []string
 	st.subset, st.hasSubset, bad = subsetHint(md)
 	if len(bad) > 0 {
@@ -333,9 +337,19 @@ func (st *stream) routeBody(bodyEnds bool) error {
 // was complete) or, in BUFFERED mode, the request body.
 func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 	req.Subset, req.HasSubset = st.subset, st.hasSubset
+	req.Objective, req.FairnessID, req.Bytes = st.objective, st.fairnessID, int64(st.bodyLen())
+	if o := st.s.opts.Objectives; o != nil && st.objective != "" {
+		req.Priority, _ = o.Priority(st.objective) // unknown: 0
+	}
 	st.up.model = req.Model
-	res, err := st.s.picker.Pick(req)
+	ctx := st.srv.Context()
+	res, err := st.s.picker.Admit(ctx, req)
 	if err != nil {
+		if ctx.Err() != nil {
+			// The gateway gave up on the request while it waited: there
+			// is no one to answer, and nothing was left behind.
+			return errAnswered
+		}
 		return st.reject(err)
 	}
 	st.res, st.decided = res, true

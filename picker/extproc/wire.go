@@ -71,6 +71,10 @@ var errorAnswers = []struct {
 	{503, "service_unavailable", is(errBufferBudget)},
 	{503, "service_unavailable", is(picker.ErrNoEndpoint)},
 	{429, "rate_limit_exceeded", is(picker.ErrSaturated)},
+	{429, "rate_limit_exceeded", is(picker.ErrQueueFull)},
+	{429, "rate_limit_exceeded", is(picker.ErrQueueTimeout)},
+	{429, "rate_limit_exceeded", is(picker.ErrShed)},
+	{503, "service_unavailable", is(picker.ErrShuttingDown)},
 	{500, "internal_error", is(errPanic)},
 }
 
@@ -109,14 +113,24 @@ func answerFor(err error) (int, []byte) {
 func immediateResponse(httpStatus int, body []byte) *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
 		ImmediateResponse: &extprocv3.ImmediateResponse{
-			Status: &typev3.HttpStatus{Code: typev3.StatusCode(httpStatus)},
-			Headers: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-				headerOption("content-type", "application/json"),
-			}},
+			Status:  &typev3.HttpStatus{Code: typev3.StatusCode(httpStatus)},
+			Headers: &extprocv3.HeaderMutation{SetHeaders: answerHeaders(httpStatus)},
 			Body:    body,
 			Details: "tally_" + strconv.Itoa(httpStatus),
 		},
 	}}
+}
+
+// retryAfterSeconds is the retry-after of a 429 or 503: the picker's
+// queues and endpoint set change within a second.
+const retryAfterSeconds = "1"
+
+func answerHeaders(httpStatus int) []*corev3.HeaderValueOption {
+	h := []*corev3.HeaderValueOption{headerOption("content-type", "application/json")}
+	if httpStatus == 429 || httpStatus == 503 {
+		h = append(h, headerOption("retry-after", retryAfterSeconds))
+	}
+	return h
 }
 
 func headerOption(key, value string) *corev3.HeaderValueOption {
@@ -225,6 +239,16 @@ func servedBy(md *corev3.Metadata) (netip.AddrPort, bool) {
 	ap, err := netip.ParseAddrPort(strings.TrimSpace(v))
 	return ap, err == nil
 }
+
+// Headers a gateway sends for flow control, as the upstream picker reads
+// them (gateway-api-inference-extension v1.5.0, pkg/epp/metadata).
+const (
+	// objectiveHeader names the request's InferenceObjective: its
+	// priority band.
+	objectiveHeader = "x-gateway-inference-objective"
+	// fairnessHeader names the request's flow inside its band.
+	fairnessHeader = "x-gateway-inference-fairness-id"
+)
 
 // Names of the conformance test hooks (Options.ConformanceTestHooks), as the
 // Gateway API Inference Extension conformance suite spells them
