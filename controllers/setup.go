@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 
+	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
@@ -13,6 +15,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
+	"github.com/tallyepp/tally/api/v1alpha2"
 	"github.com/tallyepp/tally/picker"
 )
 
@@ -21,7 +24,8 @@ import (
 // +kubebuilder:rbac:groups=coordination.k8s.io,namespace=tally-system,resources=leases,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups="",namespace=tally-system,resources=events,verbs=create;patch
 
-// Scheme returns a scheme with the client-go core types and InferencePool v1.
+// Scheme returns a scheme with the client-go core types, InferencePool v1 and
+// InferenceObjective v1alpha2.
 func Scheme() *runtime.Scheme {
 	s := runtime.NewScheme()
 	// Registering compiled-in types fails only on a programming error
@@ -31,6 +35,9 @@ func Scheme() *runtime.Scheme {
 	}
 	if err := infv1.Install(s); err != nil {
 		panic(fmt.Sprintf("registering %s: %v", infv1.SchemeGroupVersion, err))
+	}
+	if err := v1alpha2.Install(s); err != nil {
+		panic(fmt.Sprintf("registering %s: %v", v1alpha2.SchemeGroupVersion, err))
 	}
 	return s
 }
@@ -65,9 +72,40 @@ func Setup(mgr ctrl.Manager, pool types.NamespacedName, set picker.EndpointSet) 
 	return podR.SetupWithManager(mgr)
 }
 
-// readOnlyController is the NeedLeaderElection option of both controllers:
+// SetupObjectives registers the InferenceObjective reconciler on mgr. It
+// keeps sink equal to the priorities of the objectives that reference the
+// pool named pool, in the namespace that the manager's cache covers.
+//
+// When the API server does not serve InferenceObjective v1alpha2 (its CRD is
+// not installed), objectives are off: SetupObjectives logs one info line
+// saying so through the manager's logger and returns nil, and the manager
+// runs without the reconciler; every request then has priority 0. The kind
+// is looked up once: a CRD installed later takes effect on the next start.
+// Any other failure to look it up is returned.
+func SetupObjectives(mgr ctrl.Manager, pool types.NamespacedName, sink ObjectiveSink) error {
+	if pool.Name == "" || pool.Namespace == "" {
+		return fmt.Errorf("InferencePool %q: both a name and a namespace are required", pool)
+	}
+	if sink == nil {
+		return errors.New("objective sink is nil: the reconciler needs an ObjectiveSink to feed")
+	}
+	gk := schema.GroupKind{Group: v1alpha2.GroupName, Kind: v1alpha2.KindInferenceObjective}
+	if _, err := mgr.GetRESTMapper().RESTMapping(gk, v1alpha2.SchemeGroupVersion.Version); err != nil {
+		if meta.IsNoMatchError(err) {
+			mgr.GetLogger().Info("InferenceObjectives are off: every request has priority 0",
+				"reason", "the API server does not serve "+gk.Kind+" "+v1alpha2.SchemeGroupVersion.String()+" (is its CRD installed?)",
+				"error", err.Error())
+			return nil
+		}
+		return fmt.Errorf("looking up whether the API server serves %s %s: %w", gk.Kind, v1alpha2.SchemeGroupVersion, err)
+	}
+	r := &InferenceObjectiveReconciler{Client: mgr.GetClient(), Pool: pool, Sink: sink}
+	return r.SetupWithManager(mgr)
+}
+
+// readOnlyController is the NeedLeaderElection option of every controller:
 // they write nothing to the cluster, so every replica runs them and a standby
-// holds a current endpoint set the moment it takes over.
+// holds a current endpoint set (and objectives) the moment it takes over.
 func readOnlyController() *bool {
 	return new(false)
 }

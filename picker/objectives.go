@@ -30,3 +30,11 @@ func (o *Objectives) Priority(name string) (int, bool) {
 	p, ok := (*m)[name]
 	return p, ok
 }
+
+// Len is how many objectives the pool has.
+func (o *Objectives) Len() int {
+	if m := o.m.Load(); m != nil {
+		return len(*m)
+	}
+	return 0
+}

@@ -103,6 +103,22 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 	if err := controllers.Setup(mgr, pool, pick); err != nil {
 		return fmt.Errorf("setting up the controllers: %w", err)
 	}
+	// The pool's InferenceObjectives: the priority a request's objective
+	// header selects (flow control's bands).
+	objectives := &picker.Objectives{}
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "tally_inference_objectives",
+		Help: "InferenceObjectives of the pool the picker knows: their priorities are flow control's bands.",
+	}, func() float64 { return float64(objectives.Len()) }))
+	if err := controllers.SetupObjectives(mgr, pool, objectives); err != nil {
+		return fmt.Errorf("setting up the InferenceObjective controller: %w", err)
+	}
+	if cfg.FlowControl.Enabled {
+		fc := cfg.FlowControl
+		log.Info("flow control on: requests wait in the picker while every endpoint is saturated",
+			"holdPrefillMilliseconds", fc.HoldPrefillMilliseconds, "maxDecodingRequests", fc.MaxDecodingRequests,
+			"requestTTLSeconds", fc.RequestTTLSeconds, "ordering", fc.Ordering, "fairness", fc.Fairness)
+	}
 
 	budget, budgetSource := bufferBudget(cfg, debug.SetMemoryLimit(-1))
 	log.Info("request buffering", "maxBufferedRequestBytes", budget, "from", budgetSource, "maxRequestBytes", cfg.MaxRequestBytes)
@@ -132,6 +148,7 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 		Registerer:              reg,
 		MaxModelNameLabels:      opts.maxModelNameLabels,
 		ConformanceTestHooks:    opts.conformanceTestHooks,
+		Objectives:              objectives,
 	}).Register(extprocServer)
 	health := extproc.NewHealth()
 	healthServer := grpc.NewServer()
@@ -211,6 +228,11 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 		select {
 		case <-time.After(opts.shutdownDelay):
 		case <-failed.Done():
+		}
+		// No new streams come now: requests still waiting for capacity
+		// are answered 503, for the gateway to retry elsewhere.
+		if n := pick.CloseQueue(); n > 0 {
+			log.Info("shutting down: answered the requests waiting in the flow control queue 503", "requests", n)
 		}
 		if !stopGRPC(extprocServer, opts.shutdownGrace, failed) {
 			log.Info("open streams were cut at the end of --shutdown-grace", "shutdownGrace", opts.shutdownGrace)

@@ -32,6 +32,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/discovery/cached/memory"
 	"k8s.io/client-go/dynamic"
@@ -98,12 +99,16 @@ networkPolicy: {create: true, extProcFrom: [{namespaceSelector: {matchLabels: {k
 		p.waitForEndpoint(t, "https", c.token(t, ns, reader), "127.0.0.2:8000")
 		c.checkMetricsAuth(t, p.metricsAddr, "https", ns, reader, true, true)
 
-		// The Role grants the picker its namespace's pods and pools and
-		// nothing more.
+		// The Role grants the picker its namespace's pods, pools and
+		// objectives and nothing more.
 		as := kubernetes.NewForConfigOrDie(user.Config())
 		ctx := t.Context()
 		if _, err := as.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{}); err != nil {
 			t.Errorf("%s cannot list pods in %s: %v", sa, ns, err)
+		}
+		objectives := schema.GroupVersionResource{Group: "inference.networking.x-k8s.io", Version: "v1alpha2", Resource: "inferenceobjectives"}
+		if _, err := dynamic.NewForConfigOrDie(user.Config()).Resource(objectives).Namespace(ns).List(ctx, metav1.ListOptions{}); err != nil {
+			t.Errorf("%s cannot list inferenceobjectives in %s: %v", sa, ns, err)
 		}
 		refused := map[string]error{}
 		_, refused["list secrets in "+ns] = as.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{})

@@ -227,6 +227,7 @@ func TestChartDefaults(t *testing.T) {
 	wantRules := []rbacv1.PolicyRule{
 		{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "watch"}},
 		{APIGroups: []string{"inference.networking.k8s.io"}, Resources: []string{"inferencepools"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{"inference.networking.x-k8s.io"}, Resources: []string{"inferenceobjectives"}, Verbs: []string{"get", "list", "watch"}},
 	}
 	if diff := cmp.Diff(wantRules, role.Rules); diff != "" {
 		t.Errorf("Role rules without leader election (-want +got):\n%s", diff)
@@ -262,8 +263,8 @@ func TestChartDefaults(t *testing.T) {
 		t.Errorf("InferencePool spec (-want +got):\n%s", diff)
 	}
 
-	if got := pickerConfig(t, r); got != v1alpha1.Default() {
-		t.Errorf("picker configuration = %+v, want the picker's defaults %+v", got, v1alpha1.Default())
+	if diff := cmp.Diff(v1alpha1.Default(), pickerConfig(t, r)); diff != "" {
+		t.Errorf("picker configuration differs from the picker's defaults (-want +got):\n%s", diff)
 	}
 
 	for _, want := range []string{"llama", "llama-epp", testNamespace, "rollout status deployment/llama-epp", "httpRoute.create=true"} {
@@ -551,8 +552,8 @@ picker:
 			want.BlockSizeChars = 128
 			want.FallbackEndpoints = 2
 			want.Saturation.MaxInFlightRequests = 64
-			if got := pickerConfig(t, r); got != want {
-				t.Errorf("picker configuration = %+v, want %+v", got, want)
+			if diff := cmp.Diff(want, pickerConfig(t, r)); diff != "" {
+				t.Errorf("picker configuration (-want +got):\n%s", diff)
 			}
 		},
 	}, {

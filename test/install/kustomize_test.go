@@ -71,7 +71,7 @@ func kustomizeBuild(t *testing.T, dir string) rendered {
 // picker container, Service and permissions, and a valid configuration.
 func TestKustomizeMatchesChart(t *testing.T) {
 	k := kustomizeBuild(t, "config/default")
-	wantKinds := []string{"ClusterRole", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "CustomResourceDefinition", "Deployment", "Namespace", "Role", "RoleBinding", "Service", "ServiceAccount"}
+	wantKinds := []string{"ClusterRole", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "CustomResourceDefinition", "CustomResourceDefinition", "Deployment", "Namespace", "Role", "RoleBinding", "Service", "ServiceAccount"}
 	if diff := cmp.Diff(wantKinds, k.kinds()); diff != "" {
 		t.Fatalf("config/default kinds (-want +got):\n%s", diff)
 	}
@@ -115,8 +115,8 @@ func TestKustomizeMatchesChart(t *testing.T) {
 	if diff := cmp.Diff(csvc.Spec.Ports, ksvc.Spec.Ports); diff != "" {
 		t.Errorf("Service ports (-chart +config/manager):\n%s", diff)
 	}
-	if got := pickerConfig(t, k); got != v1alpha1.Default() {
-		t.Errorf("config/manager/picker.yaml loads as %+v, want the defaults", got)
+	if diff := cmp.Diff(v1alpha1.Default(), pickerConfig(t, k)); diff != "" {
+		t.Errorf("config/manager/picker.yaml differs from the defaults (-want +got):\n%s", diff)
 	}
 
 	// config/rbac/role.yaml is generated from the controllers' markers; the
@@ -179,8 +179,8 @@ func TestKustomizeSamples(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the PickerConfig sample does not load: %v", err)
 	}
-	if cfg != v1alpha1.Default() {
-		t.Errorf("the PickerConfig sample = %+v, want the defaults %+v", cfg, v1alpha1.Default())
+	if diff := cmp.Diff(v1alpha1.Default(), cfg); diff != "" {
+		t.Errorf("the PickerConfig sample differs from the defaults (-want +got):\n%s", diff)
 	}
 	for _, field := range jsonFields(reflect.TypeFor[v1alpha1.PickerConfig]()) {
 		if !strings.Contains(string(data), "\n"+field+":") {

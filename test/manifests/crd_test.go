@@ -3,6 +3,7 @@ package manifests
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -17,6 +18,11 @@ import (
 const (
 	inferenceModule = "sigs.k8s.io/gateway-api-inference-extension"
 	poolCRDFile     = "inference.networking.k8s.io_inferencepools.yaml"
+	// objectiveVersion is the release whose InferenceObjective CRD Tally
+	// ships (api/v1alpha2 declares its types): the version go.mod pins no
+	// longer has it.
+	objectiveVersion = "v1.5.0"
+	objectiveCRDFile = "inference.networking.x-k8s.io_inferenceobjectives.yaml"
 )
 
 // TestInferencePoolCRDMatchesModule fails when a copy of the InferencePool CRD
@@ -57,6 +63,57 @@ func TestInferencePoolCRDMatchesModule(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestInferenceObjectiveCRDMatchesV150 fails when a copy of the
+// InferenceObjective CRD differs from upstream v1.5.0's below its first line,
+// or when that line does not name the source.
+func TestInferenceObjectiveCRDMatchesV150(t *testing.T) {
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	shipped := filepath.Join(downloadedModuleDir(t, root, inferenceModule+"@"+objectiveVersion), "config", "crd", "bases", objectiveCRDFile)
+	want, err := os.ReadFile(shipped)
+	if err != nil {
+		t.Fatalf("reading the CRD shipped in %s %s: %v", inferenceModule, objectiveVersion, err)
+	}
+	for _, path := range []string{
+		filepath.Join("config", "crd", "bases", objectiveCRDFile),
+		filepath.Join("charts", "tally", "crds", objectiveCRDFile),
+	} {
+		t.Run(path, func(t *testing.T) {
+			got, err := os.ReadFile(filepath.Join(root, path))
+			if err != nil {
+				t.Fatal(err)
+			}
+			header, body, _ := bytes.Cut(got, []byte("\n"))
+			if wantHeader := "# Source: gateway-api-inference-extension " + objectiveVersion; !bytes.HasPrefix(header, []byte(wantHeader)) {
+				t.Errorf("%s starts with %q, want a comment line starting %q", path, header, wantHeader)
+			}
+			if !bytes.Equal(body, want) {
+				t.Errorf("%s differs below its first line from %s; run hack/manifests.sh.\n%s",
+					path, shipped, firstDifference(body, want))
+			}
+		})
+	}
+}
+
+// downloadedModuleDir returns the module cache directory of module@version,
+// downloading it when it is not there yet.
+func downloadedModuleDir(t *testing.T, root, moduleAtVersion string) string {
+	t.Helper()
+	cmd := exec.Command("go", "mod", "download", "-json", moduleAtVersion)
+	cmd.Dir = root
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("go mod download %s: %v\n%s", moduleAtVersion, err, out)
+	}
+	var m struct{ Dir string }
+	if err := json.Unmarshal(out, &m); err != nil || m.Dir == "" {
+		t.Fatalf("go mod download -json %s gave no directory (%v):\n%s", moduleAtVersion, err, out)
+	}
+	return m.Dir
 }
 
 func moduleDir(t *testing.T, root, module string) string {

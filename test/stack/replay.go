@@ -37,6 +37,8 @@ type Result struct {
 	PromptTokens     int
 	CachedTokens     int
 	CompletionTokens int
+	// RetryAfter is the response's retry-after header ("" when none).
+	RetryAfter string
 	// Err is set for a transport error, a status other than 200, or a
 	// response that is cut short or malformed.
 	Err error
@@ -148,6 +150,9 @@ func send(ctx context.Context, client *http.Client, baseURL, id string, req Requ
 	}
 	httpReq.Header.Set("Content-Type", "application/json")
 	httpReq.Header.Set(RequestIDHeader, id)
+	for k, v := range req.Headers {
+		httpReq.Header.Set(k, v)
+	}
 	start := time.Now()
 	resp, err := client.Do(httpReq)
 	if err != nil {
@@ -156,6 +161,7 @@ func send(ctx context.Context, client *http.Client, baseURL, id string, req Requ
 	}
 	defer resp.Body.Close()
 	res.Status = resp.StatusCode
+	res.RetryAfter = resp.Header.Get("Retry-After")
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		res.Err = fmt.Errorf("request %s: HTTP %d: %s", id, resp.StatusCode, bytes.TrimSpace(msg))

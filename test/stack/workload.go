@@ -21,6 +21,9 @@ type Request struct {
 	PromptTokens int
 	// Stream asks for an SSE response.
 	Stream bool
+	// Headers are sent besides the content type and the request id (the
+	// flow control headers, for example).
+	Headers map[string]string
 }
 
 type completionBody struct {

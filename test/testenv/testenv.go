@@ -1,6 +1,6 @@
 // Package testenv starts the real kube-apiserver and etcd (envtest) that the
 // controllers suites, the e2e suite and the install tests run against, with
-// the InferencePool CRD installed.
+// the CRDs of config/crd/bases (InferencePool, InferenceObjective) installed.
 //
 // The invariant not to break: the binaries come from hack/envtest-assets.sh
 // (or $KUBEBUILDER_ASSETS), never from a download at test time; no binary
@@ -81,9 +81,9 @@ func AssetsDir() (string, error) {
 	return dir, nil
 }
 
-// Start starts an API server and etcd with the InferencePool CRD from
-// config/crd/bases and any CRDs in extraCRDPaths (files or directories)
-// installed. The caller stops the returned environment.
+// Start starts an API server and etcd with the CRDs from config/crd/bases
+// (InferencePool, InferenceObjective) and any CRDs in extraCRDPaths (files or
+// directories) installed. The caller stops the returned environment.
 func Start(extraCRDPaths ...string) (*envtest.Environment, *rest.Config, error) {
 	assets, err := AssetsDir()
 	if err != nil {

@@ -1,0 +1,30 @@
+package v1alpha2
+
+import (
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+)
+
+// GroupName is the API group of InferenceObjective.
+const GroupName = "inference.networking.x-k8s.io"
+
+// SchemeGroupVersion is the group and version these types are served as.
+var SchemeGroupVersion = schema.GroupVersion{Group: GroupName, Version: "v1alpha2"}
+
+// KindInferenceObjective is the kind of InferenceObjective.
+const KindInferenceObjective = "InferenceObjective"
+
+var schemeBuilder = runtime.NewSchemeBuilder(addKnownTypes)
+
+// AddToScheme registers InferenceObjective and InferenceObjectiveList.
+var AddToScheme = schemeBuilder.AddToScheme
+
+// Install is AddToScheme, under the name the upstream API packages use.
+var Install = schemeBuilder.AddToScheme
+
+func addKnownTypes(s *runtime.Scheme) error {
+	s.AddKnownTypes(SchemeGroupVersion, &InferenceObjective{}, &InferenceObjectiveList{})
+	metav1.AddToGroupVersion(s, SchemeGroupVersion)
+	return nil
+}

@@ -1,0 +1,102 @@
+package controllers
+
+import (
+	"context"
+	"fmt"
+
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/util/workqueue"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+	"sigs.k8s.io/controller-runtime/pkg/source"
+	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
+
+	"github.com/tallyepp/tally/api/v1alpha2"
+)
+
+// +kubebuilder:rbac:groups=inference.networking.x-k8s.io,namespace=tally-system,resources=inferenceobjectives,verbs=get;list;watch
+
+// ObjectiveSink is told the whole set of the pool's objectives: name -> priority (nil priority = 0).
+type ObjectiveSink interface{ ReplaceObjectives(map[string]int) }
+
+// InferenceObjectiveReconciler follows the InferenceObjectives of the pool's
+// namespace and tells Sink the priorities of those that name the pool.
+//
+// It writes nothing to the cluster: upstream's picker (v1.5.0) sets no
+// status on an InferenceObjective either, so an objective's status keeps the
+// CRD's default condition.
+type InferenceObjectiveReconciler struct {
+	// Client reads the manager's cache.
+	Client client.Reader
+	// Pool names the pool; objectives that reference another pool are left
+	// out.
+	Pool types.NamespacedName
+	// Sink receives the whole set on every reconcile.
+	Sink ObjectiveSink
+}
+
+// Reconcile lists every objective in the pool's namespace and replaces the
+// sink's whole set with those of the pool, whatever changed. Every event is
+// queued under one key, and the workqueue never hands one key to two workers
+// at once, so two Reconciles never race to call the sink.
+func (r *InferenceObjectiveReconciler) Reconcile(ctx context.Context, _ reconcile.Request) (reconcile.Result, error) {
+	var list v1alpha2.InferenceObjectiveList
+	if err := r.Client.List(ctx, &list, client.InNamespace(r.Pool.Namespace)); err != nil {
+		return reconcile.Result{}, fmt.Errorf("listing InferenceObjectives in namespace %s: %w", r.Pool.Namespace, err)
+	}
+	r.Sink.ReplaceObjectives(ObjectivesOf(r.Pool.Name, list.Items))
+	return reconcile.Result{}, nil
+}
+
+// ObjectivesOf maps the name of each objective whose spec.poolRef names the
+// InferencePool pool to its priority; an unset priority is 0, as upstream.
+// A poolRef with an empty group or kind counts as inference.networking.k8s.io
+// and InferencePool: the CRD defaults both, so only an object stored before
+// the defaults (or written around them) has them empty. Objectives being
+// deleted are left out. The caller passes one namespace's objectives.
+func ObjectivesOf(pool string, objectives []v1alpha2.InferenceObjective) map[string]int {
+	out := make(map[string]int, len(objectives))
+	for i := range objectives {
+		o := &objectives[i]
+		ref := o.Spec.PoolRef
+		if string(ref.Name) != pool || o.DeletionTimestamp != nil ||
+			(ref.Group != "" && ref.Group != infv1.GroupName) ||
+			(ref.Kind != "" && ref.Kind != "InferencePool") {
+			continue
+		}
+		var p int
+		if o.Spec.Priority != nil {
+			p = *o.Spec.Priority
+		}
+		out[o.Name] = p
+	}
+	return out
+}
+
+// SetupWithManager watches every objective in the cached namespace, including
+// those of other pools: an objective whose poolRef moves away must still
+// trigger a recompute. Every event is queued under the pool's key, so a burst
+// collapses into one recompute, and one reconcile is queued at start so the
+// sink learns the set even when the namespace holds no objective.
+func (r *InferenceObjectiveReconciler) SetupWithManager(mgr ctrl.Manager) error {
+	toPool := handler.EnqueueRequestsFromMapFunc(func(context.Context, client.Object) []reconcile.Request {
+		return []reconcile.Request{{NamespacedName: r.Pool}}
+	})
+	initial := source.Func(func(_ context.Context, q workqueue.TypedRateLimitingInterface[reconcile.Request]) error {
+		q.Add(reconcile.Request{NamespacedName: r.Pool})
+		return nil
+	})
+	err := ctrl.NewControllerManagedBy(mgr).
+		Named("inferenceobjective").
+		Watches(&v1alpha2.InferenceObjective{}, toPool).
+		WatchesRawSource(initial).
+		WithOptions(controller.Options{NeedLeaderElection: readOnlyController()}).
+		Complete(r)
+	if err != nil {
+		return fmt.Errorf("building the InferenceObjective controller: %w", err)
+	}
+	return nil
+}
