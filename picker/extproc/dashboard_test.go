@@ -170,8 +170,10 @@ func TestMetricsDocDocumentsEveryMetric(t *testing.T) {
 }
 
 // newServerOn builds a picker and an ext_proc server registered on r, as
-// cmd/epp does.
+// cmd/epp does, with flow control on so that its metrics are described too.
 func newServerOn(r prometheus.Registerer) {
-	p := picker.New(v1alpha1.Default(), picker.Options{Registerer: r, PoolName: "pool"})
+	cfg := v1alpha1.Default()
+	cfg.FlowControl.Enabled = true
+	p := picker.New(cfg, picker.Options{Registerer: r, PoolName: "pool"})
 	extproc.NewServer(p, extproc.Options{Registerer: r})
 }

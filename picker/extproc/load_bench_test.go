@@ -19,13 +19,29 @@ import (
 // streamed response and ended. It reports requests/s and the percentiles of
 // the routing time: from the first request message to the routed body being
 // back at the gateway. Client and server share the machine's cores.
+//
+// flow=on runs it with flow control on and a threshold no request reaches:
+// what the hold costs when nothing waits.
 func BenchmarkRequestCycles(b *testing.B) {
+	for _, flow := range []bool{false, true} {
+		name := "flow=off"
+		if flow {
+			name = "flow=on"
+		}
+		b.Run(name, func(b *testing.B) { requestCycles(b, flow) })
+	}
+}
+
+func requestCycles(b *testing.B, flow bool) {
 	const (
 		clients      = 16
 		promptTokens = 8_000
 		systemTokens = 1_000
 	)
-	f := newFixture(b, fixtureOptions{quiet: true})
+	cfg := v1alpha1.Default()
+	cfg.FlowControl.Enabled = flow
+	cfg.FlowControl.HoldPrefillMilliseconds = 600_000
+	f := newFixture(b, fixtureOptions{quiet: true, cfg: &cfg})
 	system := strings.Repeat("You are a helpful assistant. ", systemTokens*4/29+1)[:systemTokens*4]
 	prompt := func(i int) string {
 		unique := fmt.Sprintf("request %d: ", i)
