@@ -174,7 +174,13 @@ func (p *Picker) Enqueue(req Request) (*Reservation, *Ticket, error) {
 			return r, nil, err
 		}
 	}
-	t, err := p.enqueueLocked(r, req, now, start)
+	var t *Ticket
+	var err error
+	if len(p.candidatesLocked(req)) == 0 {
+		err = ErrNoEndpoint // no capacity will ever free for it
+	} else {
+		t, err = p.enqueueLocked(r, req, now, start)
+	}
 	if err != nil {
 		q.outcomes[outcomeOf(err)]++
 		p.mu.Unlock()
@@ -454,18 +460,17 @@ func (p *Picker) nextTicketLocked(free []*row, now int64) *Ticket {
 			continue
 		}
 		if strict {
-			var best *Ticket
-			f := b.cursor
-			for range b.activeFlows {
-				if t := p.chooseInFlowLocked(f, free, now); t != nil && (best == nil || t.seq < best.seq) {
-					best = t
+			// The flow whose oldest request is oldest; the others only if
+			// none of its may go on the free endpoints (a subset hint).
+			oldest := b.cursor
+			for f, k := b.cursor.next, 1; k < b.activeFlows; f, k = f.next, k+1 {
+				if f.head.seq < oldest.head.seq {
+					oldest = f
 				}
-				f = f.next
 			}
-			if best != nil {
-				return best
+			if t := p.chooseInFlowLocked(oldest, free, now); t != nil {
+				return t
 			}
-			continue
 		}
 		f := b.cursor
 		for range b.activeFlows {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net/netip"
 	"strings"
 	"sync"
 	"testing"
@@ -384,4 +385,21 @@ inference_extension_flow_control_pool_saturation{inference_pool="pool"} 1
 	if err != nil || n != 1 {
 		t.Errorf("queue duration series: %d (%v), want 1 (Dispatched)", n, err)
 	}
+}
+
+func TestARequestNoEndpointCanTakeIsNotQueued(t *testing.T) {
+	p := newPicker(t, 1, flowConfig(), Options{})
+	fill := saturate(t, p, 1)
+	tk := mustWait(t, p, big("w"))
+	req := big("nowhere")
+	req.Subset, req.HasSubset = []netip.AddrPort{addr(7)}, true
+	if _, _, err := p.Enqueue(req); !errors.Is(err, ErrNoEndpoint) {
+		t.Fatalf("a subset hint naming no endpoint while requests wait: %v, want ErrNoEndpoint", err)
+	}
+	if l := p.Snapshot(); l.Waiting != 1 {
+		t.Fatalf("waiting %d, want 1", l.Waiting)
+	}
+	tk.Cancel()
+	fill[0].Release()
+	assertLedgerEmpty(t, p)
 }
