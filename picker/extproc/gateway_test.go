@@ -63,6 +63,8 @@ type fixtureOptions struct {
 	conformanceTestHooks bool
 	// objectives gives requests their priority (flow control); nil: none.
 	objectives extproc.Objectives
+	// rewrites rewrites requests' models; nil: none.
+	rewrites extproc.Rewrites
 	// now is the picker's clock; nil: one that stands still.
 	now func() time.Time
 }
@@ -115,6 +117,7 @@ func newFixture(t testing.TB, o fixtureOptions) *fixture {
 		Registerer:              reg,
 		ConformanceTestHooks:    o.conformanceTestHooks,
 		Objectives:              o.objectives,
+		Rewrites:                o.rewrites,
 	})
 	// WaitForHandlers: Stop returns only once every stream has ended, so no
 	// stream logs after its test is over.
@@ -279,6 +282,9 @@ func (x *exchange) sendRequest(req httpRequest) (routed, error) {
 			r.metadata = metadataDestination(resp)
 		}
 		r.body = req.body // the body passes on unless mutated
+		if bm, ok := common.GetBodyMutation().GetMutation().(*extprocv3.BodyMutation_Body); ok {
+			r.body = bm.Body
+		}
 		return r, nil
 	}
 

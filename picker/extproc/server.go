@@ -71,6 +71,15 @@ type Options struct {
 	// Objectives maps the objective header to a priority (flow control);
 	// nil: every request has priority 0.
 	Objectives Objectives
+	// Rewrites rewrites the model of requests the pool's
+	// InferenceModelRewrites match; nil: none.
+	Rewrites Rewrites
+}
+
+// Rewrites draws the model a request for model is sent to; *picker.Rewrites
+// implements it.
+type Rewrites interface {
+	Rewrite(model string, draw func(n int) int) (target, rewrite string, ok bool)
 }
 
 // Server is the ext_proc service. It keeps no per-request state of its own:

@@ -2,7 +2,9 @@ package extproc
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"net/netip"
 	"runtime/debug"
 	"strconv"
@@ -49,6 +51,10 @@ type stream struct {
 	charged int64
 	// prompt is the parsed prompt, until the request is routed (see Picker).
 	prompt *[]byte
+	// Where the parsed body's "model" value is (request.Parsed), and whether
+	// a model rewrite replaced it in body.
+	modelStart, modelEnd int
+	rewritten            bool
 	// decided: the request phase is over (routed, or left to the gateway).
 	decided bool
 	// loadOnly: routed on its headers while its body passes by unread.
@@ -317,6 +323,7 @@ func (st *stream) routeBody(bodyEnds bool) error {
 	if err != nil {
 		return st.reject(err)
 	}
+	st.rewriteModel(&req)
 	if st.requestMode != fullDuplex {
 		// BUFFERED: the headers were answered before the body came, and
 		// Envoy passes on the body it holds.
@@ -341,7 +348,10 @@ func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 	if o := st.s.opts.Objectives; o != nil && st.objective != "" {
 		req.Priority, _ = o.Priority(st.objective) // unknown: 0
 	}
-	st.up.model = req.Model
+	if st.up.model == "" {
+		st.up.model = req.Model // else the model before a rewrite
+	}
+	st.up.priority = req.Priority
 	ctx := st.srv.Context()
 	res, err := st.s.picker.Admit(ctx, req)
 	if err != nil {
@@ -364,6 +374,15 @@ func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 		eps = eps[:1]
 	}
 	answer := &routeAnswer{inBody: inBodyAnswer, destination: destinationValue(eps)}
+	if inBodyAnswer && st.rewritten {
+		// BUFFERED: Envoy passes on the body it holds unless the answer
+		// replaces it, and its content-length with it.
+		resp := answer.message()
+		common := resp.GetRequestBody().GetResponse()
+		common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: *st.body}}
+		common.HeaderMutation.SetHeaders = append(common.HeaderMutation.SetHeaders, headerOption("content-length", strconv.Itoa(len(*st.body))))
+		return st.send(resp)
+	}
 	if st.requestMode == fullDuplex && st.body != nil {
 		// Envoy drops content-length from a request whose body it streams
 		// in this mode, since a processor could change the body. This one
@@ -409,8 +428,40 @@ func (st *stream) parse() (picker.Request, error) {
 	if err != nil {
 		return picker.Request{}, fmt.Errorf("parsing the request body: %w", err)
 	}
+	st.modelStart, st.modelEnd = parsed.ModelStart, parsed.ModelEnd
 	return picker.Request{Model: parsed.Model, CacheSalt: parsed.CacheSalt, Prompt: parsed.Prompt,
 		Stream: parsed.Stream, MaxTokens: parsed.MaxTokens}, nil
+}
+
+// rewriteModel applies the pool's model rewrites to a parsed request: the
+// model the picker scores and the body sent on name the target, and the
+// body is otherwise passed on byte for byte.
+func (st *stream) rewriteModel(req *picker.Request) {
+	rw := st.s.opts.Rewrites
+	if rw == nil || st.body == nil {
+		return
+	}
+	target, rule, ok := rw.Rewrite(req.Model, rand.IntN)
+	if !ok {
+		return
+	}
+	st.s.upstream.rewrite(rule, req.Model, target)
+	st.up.model, st.up.target = req.Model, target
+	if target == req.Model {
+		return
+	}
+	quoted, _ := json.Marshal(target) // cannot fail: a string
+	body := *st.body
+	nb := st.s.getBuffer()
+	if n := len(body) - (st.modelEnd - st.modelStart) + len(quoted); n > maxPooledBufferBytes && cap(*nb) < n {
+		st.s.putBuffer(nb)
+		nb = st.s.getLarge(n)
+	}
+	*nb = append(append(append((*nb)[:0], body[:st.modelStart]...), quoted...), body[st.modelEnd:]...)
+	st.s.putBuffer(st.body)
+	st.body = nb
+	st.rewritten = true
+	req.Model = target
 }
 
 // echoRequestBody sends the buffered body back unchanged, in chunks the

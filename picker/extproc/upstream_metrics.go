@@ -90,7 +90,8 @@ type objectiveMetrics struct {
 	outputTokens  *prometheus.HistogramVec
 	cachedTokens  *prometheus.HistogramVec
 	ntpot         *prometheus.HistogramVec
-	info          *prometheus.GaugeVec // commit, build_ref
+	info          *prometheus.GaugeVec   // commit, build_ref
+	rewrites      *prometheus.CounterVec // model_rewrite_name, model_name, target_model
 
 	maxModels int
 	mu        sync.RWMutex
@@ -102,7 +103,7 @@ type objectiveMetrics struct {
 // modelSeries are one model_name's series, resolved once so that a request
 // costs one map lookup, not one per metric.
 type modelSeries struct {
-	label                            string
+	label, target                    string
 	requests                         prometheus.Counter
 	running                          prometheus.Gauge
 	duration, ttft                   prometheus.Observer
@@ -122,7 +123,7 @@ func newObjectiveMetrics(maxModels int) *objectiveMetrics {
 	m := &objectiveMetrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inference_objective_request_total",
-			Help: "Requests routed to an endpoint, by model (target_model_name: the same, Tally rewrites no model) and priority (always 0).",
+			Help: "Requests routed to an endpoint, by model (target_model_name: the model an InferenceModelRewrite sent it to, else the same) and priority (its InferenceObjective's).",
 		}, []string{"model_name", "target_model_name", "priority"}),
 		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inference_objective_request_error_total",
@@ -152,6 +153,10 @@ func newObjectiveMetrics(maxModels int) *objectiveMetrics {
 			Name: "inference_extension_info",
 			Help: "The picker's build: 1, with the commit and the module version it was built from.",
 		}, []string{"commit", "build_ref"}),
+		rewrites: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "inference_extension_model_rewrite_decisions_total",
+			Help: "Requests an InferenceModelRewrite rule matched, by the rewrite, the request's model and the target drawn.",
+		}, []string{"model_rewrite_name", "model_name", "target_model"}),
 		maxModels: maxModels,
 		models:    make(map[string]*modelSeries),
 	}
@@ -162,16 +167,23 @@ func newObjectiveMetrics(maxModels int) *objectiveMetrics {
 
 func (m *objectiveMetrics) register(r prometheus.Registerer) {
 	r.MustRegister(m.requests, m.errors, m.running, m.duration, m.ttft, m.requestSizes, m.responseSizes,
-		m.inputTokens, m.outputTokens, m.cachedTokens, m.ntpot, m.info)
+		m.inputTokens, m.outputTokens, m.cachedTokens, m.ntpot, m.info, m.rewrites)
 }
 
-// series returns model's series: its own among the first maxModels names
-// seen, the shared "other" ones after that. Past the cap, a new name finds
-// "other" under the read lock: a flood of distinct names does not
-// serialise requests on the write lock.
-func (m *objectiveMetrics) series(model string) *modelSeries {
+// series returns the series of model sent on as target ("" or model: not
+// rewritten): their own among the first maxModels pairs seen, the shared
+// "other" ones after that. Past the cap, a new pair finds "other" under the
+// read lock: a flood of distinct names does not serialise requests on the
+// write lock.
+func (m *objectiveMetrics) series(model, target string) *modelSeries {
+	key := model
+	if target != "" && target != model {
+		key = model + "\x00" + target
+	} else {
+		target = model
+	}
 	m.mu.RLock()
-	s, ok := m.models[model]
+	s, ok := m.models[key]
 	if !ok && len(m.models) >= m.maxModels {
 		s, ok = m.models[otherModelLabel]
 	}
@@ -181,33 +193,40 @@ func (m *objectiveMetrics) series(model string) *modelSeries {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if s, ok := m.models[model]; ok {
+	if s, ok := m.models[key]; ok {
 		return s
 	}
-	label := model
+	label, tlabel := model, target
 	if len(m.models) >= m.maxModels {
 		if s, ok := m.models[otherModelLabel]; ok {
 			return s
 		}
-		label = otherModelLabel
+		key, label, tlabel = otherModelLabel, otherModelLabel, otherModelLabel
 	}
 	s = &modelSeries{
 		label:        label,
-		requests:     m.requests.WithLabelValues(label, label, defaultPriority),
+		target:       tlabel,
+		requests:     m.requests.WithLabelValues(label, tlabel, defaultPriority),
 		running:      m.running.WithLabelValues(label),
-		duration:     m.duration.WithLabelValues(label, label),
-		ttft:         m.ttft.WithLabelValues(label, label),
-		requestSize:  m.requestSizes.WithLabelValues(label, label),
-		responseSize: m.responseSizes.WithLabelValues(label, label),
-		inputTokens:  m.inputTokens.WithLabelValues(label, label),
-		outputTokens: m.outputTokens.WithLabelValues(label, label),
-		cachedTokens: m.cachedTokens.WithLabelValues(label, label),
-		ntpot:        m.ntpot.WithLabelValues(label, label),
+		duration:     m.duration.WithLabelValues(label, tlabel),
+		ttft:         m.ttft.WithLabelValues(label, tlabel),
+		requestSize:  m.requestSizes.WithLabelValues(label, tlabel),
+		responseSize: m.responseSizes.WithLabelValues(label, tlabel),
+		inputTokens:  m.inputTokens.WithLabelValues(label, tlabel),
+		outputTokens: m.outputTokens.WithLabelValues(label, tlabel),
+		cachedTokens: m.cachedTokens.WithLabelValues(label, tlabel),
+		ntpot:        m.ntpot.WithLabelValues(label, tlabel),
 	}
-	// "other" is stored under its own key, past the cap: every later model
+	// "other" is stored under its own key, past the cap: every later pair
 	// finds it there.
-	m.models[label] = s
+	m.models[key] = s
 	return s
+}
+
+// rewrite counts a rewrite decision, under the capped model labels.
+func (m *objectiveMetrics) rewrite(rule, model, target string) {
+	s := m.series(model, target)
+	m.rewrites.WithLabelValues(rule, s.label, s.target).Inc()
 }
 
 // buildInfo names the binary's build: the VCS revision Go stamped into it
@@ -242,6 +261,8 @@ func buildInfo() (commit, buildRef string) {
 type requestMetrics struct {
 	m          *objectiveMetrics
 	model      string       // the request's model, once its body is parsed
+	target     string       // the model a rewrite sent it to ("": none)
+	priority   int          // its InferenceObjective's
 	series     *modelSeries // set once routed
 	receivedAt time.Time
 	firstByte  time.Time
@@ -262,8 +283,12 @@ func (r *requestMetrics) requestHeaders() { r.receivedAt = time.Now() }
 // routed counts a request the picker sent to an endpoint; bodyBytes < 0
 // means its body was not buffered (no size to record).
 func (r *requestMetrics) routed(bodyBytes int) {
-	r.series = r.m.series(r.model)
-	r.series.requests.Inc()
+	r.series = r.m.series(r.model, r.target)
+	if r.priority == 0 {
+		r.series.requests.Inc()
+	} else {
+		r.m.requests.WithLabelValues(r.series.label, r.series.target, strconv.Itoa(r.priority)).Inc()
+	}
 	r.series.running.Inc()
 	if bodyBytes >= 0 {
 		r.series.requestSize.Observe(float64(bodyBytes))
@@ -272,8 +297,8 @@ func (r *requestMetrics) routed(bodyBytes int) {
 
 // rejected counts a request the picker answered itself with httpStatus.
 func (r *requestMetrics) rejected(httpStatus int) {
-	label := r.m.series(r.model).label
-	r.m.errors.WithLabelValues(label, label, errorCode(httpStatus)).Inc()
+	s := r.m.series(r.model, r.target)
+	r.m.errors.WithLabelValues(s.label, s.target, errorCode(httpStatus)).Inc()
 }
 
 func (r *requestMetrics) responseHeaders(h *corev3.HeaderMap, endOfStream bool) {

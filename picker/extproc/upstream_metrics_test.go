@@ -120,7 +120,7 @@ func TestUpstreamRequestMetrics(t *testing.T) {
 	}
 	play(t, f, completion("llama-json", letters(5, 2000)), httpResponse{status: 500, chunks: []string{`{"error":"engine died"}`}})
 
-	want := `# HELP inference_objective_request_total Requests routed to an endpoint, by model (target_model_name: the same, Tally rewrites no model) and priority (always 0).
+	want := `# HELP inference_objective_request_total Requests routed to an endpoint, by model (target_model_name: the model an InferenceModelRewrite sent it to, else the same) and priority (its InferenceObjective's).
 # TYPE inference_objective_request_total counter
 inference_objective_request_total{model_name="",priority="0",target_model_name=""} 0
 inference_objective_request_total{model_name="llama-json",priority="0",target_model_name="llama-json"} 3
@@ -285,7 +285,7 @@ func TestModelNameLabelsAreCapped(t *testing.T) {
 	for _, model := range []string{"a", "b", "c", "d", "a", "c"} {
 		play(t, f, completion(model, letters(uint64(len(model)), 1000)), okResponse)
 	}
-	want := `# HELP inference_objective_request_total Requests routed to an endpoint, by model (target_model_name: the same, Tally rewrites no model) and priority (always 0).
+	want := `# HELP inference_objective_request_total Requests routed to an endpoint, by model (target_model_name: the model an InferenceModelRewrite sent it to, else the same) and priority (its InferenceObjective's).
 # TYPE inference_objective_request_total counter
 inference_objective_request_total{model_name="a",priority="0",target_model_name="a"} 2
 inference_objective_request_total{model_name="b",priority="0",target_model_name="b"} 1

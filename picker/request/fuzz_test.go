@@ -81,6 +81,18 @@ func FuzzParse(f *testing.F) {
 				t.Fatalf("%s %q, want %q", str.name, decoded, str.want)
 			}
 		}
+		// The model's span holds exactly its JSON string, and a rewrite of
+		// just those bytes changes the model and nothing else.
+		var span string
+		if err := json.Unmarshal(body[got.ModelStart:got.ModelEnd], &span); err != nil || (valid && span != got.Model) {
+			t.Fatalf("body[%d:%d] = %q (%v), want the model %q as a JSON string", got.ModelStart, got.ModelEnd, body[got.ModelStart:got.ModelEnd], err, got.Model)
+		}
+		rewritten := slices.Concat(body[:got.ModelStart], []byte(`"rewritten\u00e9"`), body[got.ModelEnd:])
+		again, err := Parse(path, rewritten, nil)
+		if err != nil || again.Model != "rewritten\u00e9" || !bytes.Equal(again.Prompt, got.Prompt) ||
+			again.Stream != got.Stream || again.MaxTokens != got.MaxTokens || again.CacheSalt != got.CacheSalt {
+			t.Fatalf("with the model's span rewritten: %+v, %v; want model %q and the rest as %+v", again, err, "rewritten\u00e9", got)
+		}
 		if got.Kind != k || got.Stream != want.Stream || got.MaxTokens != want.MaxTokens {
 			t.Fatalf("kind %v stream %v max %d, want %v %v %d", got.Kind, got.Stream, got.MaxTokens, k, want.Stream, want.MaxTokens)
 		}

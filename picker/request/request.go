@@ -114,9 +114,13 @@ func (k Kind) String() string {
 
 // Parsed is what the picker needs from one request.
 type Parsed struct {
-	Kind   Kind
-	Model  string
-	Stream bool
+	Kind  Kind
+	Model string
+	// ModelStart and ModelEnd are where the "model" value (a JSON string,
+	// its quotes included) is in the body: body[ModelStart:ModelEnd]. A
+	// rewrite of the model replaces just those bytes.
+	ModelStart, ModelEnd int
+	Stream               bool
 	// MaxTokens is max_completion_tokens if present, else max_tokens, else 0
 	// (for the Responses API: max_output_tokens).
 	MaxTokens int
@@ -526,7 +530,9 @@ func (s *scanner) model(p *Parsed) error {
 	// Decoded into scratch space past the end of dst: the one allocation is
 	// the string itself.
 	mark := len(s.dst)
+	p.ModelStart = s.pos
 	err := s.appendString(false)
+	p.ModelEnd = s.pos
 	p.Model = string(s.dst[mark:])
 	s.dst = s.dst[:mark]
 	if err != nil {

@@ -1,0 +1,63 @@
+package extproc_test
+
+import (
+	"bytes"
+	"strconv"
+	"testing"
+
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+
+	"github.com/tallyepp/tally/picker"
+)
+
+func TestModelRewriteRewritesTheBodyAndWhatIsScored(t *testing.T) {
+	rw := &picker.Rewrites{}
+	rw.ReplaceRewrites([]picker.RewriteRule{{Name: "canary", Models: []string{"llama"},
+		Targets: []picker.RewriteTarget{{Model: "llama-v2\u00e9", Weight: 1}}}})
+	body := []byte(`{"stream":false,"model" : "llama","prompt":"` + letters(5, 3000) + `","max_tokens":7,"extra":{"model":"keep"}}`)
+	want := []byte(`{"stream":false,"model" : "llama-v2é","prompt":"` + letters(5, 3000) + `","max_tokens":7,"extra":{"model":"keep"}}`)
+	for _, mode := range []filterv3.ProcessingMode_BodySendMode{0, filterv3.ProcessingMode_BUFFERED} {
+		t.Run(mode.String(), func(t *testing.T) {
+			f, log := logged(t, fixtureOptions{rewrites: rw})
+			x, err := f.gw.open(t.Context())
+			if err != nil {
+				t.Fatal(err)
+			}
+			r, err := x.sendRequest(httpRequest{path: "/v1/completions", method: "POST", body: body, mode: mode})
+			if err != nil || r.immediate != nil {
+				t.Fatalf("err %v, immediate %v", err, r.immediate)
+			}
+			if !bytes.Equal(r.body, want) {
+				t.Errorf("body sent on:\n %s\nwant\n %s", r.body, want)
+			}
+			answer := r.headersAnswer
+			if mode == filterv3.ProcessingMode_BUFFERED {
+				answer = r.bodyAnswer
+			}
+			if cl, _ := headerOf(answer, "content-length"); cl != strconv.Itoa(len(want)) {
+				t.Errorf("content-length %q, want %d", cl, len(want))
+			}
+			if got := log.last(t).Model; got != "llama-v2é" {
+				t.Errorf("the picker scored model %q, want the target llama-v2é", got)
+			}
+			if err := x.respond(okResponse); err != nil {
+				t.Fatal(err)
+			}
+			if got := f.counter(t, "inference_extension_model_rewrite_decisions_total",
+				map[string]string{"model_rewrite_name": "canary", "model_name": "llama", "target_model": "llama-v2é"}); got != 1 {
+				t.Errorf("rewrite decisions = %v, want 1", got)
+			}
+			if got := f.counter(t, "inference_objective_request_total",
+				map[string]string{"model_name": "llama", "target_model_name": "llama-v2é", "priority": "0"}); got != 1 {
+				t.Errorf("inference_objective_request_total{llama -> llama-v2é} = %v, want 1", got)
+			}
+		})
+	}
+	// A model no rule matches passes byte for byte.
+	f, log := logged(t, fixtureOptions{rewrites: rw})
+	other := completion("mistral", letters(6, 400))
+	r, err := f.gw.roundTrip(t.Context(), other)
+	if err != nil || !bytes.Equal(r.body, other.body) || log.last(t).Model != "mistral" {
+		t.Errorf("an unmatched model: err %v, body changed %v, scored %q", err, !bytes.Equal(r.body, other.body), log.last(t).Model)
+	}
+}
