@@ -51,6 +51,15 @@ type EngineStats struct {
 	PromptTokensTotal   float64
 	CachedTokensTotal   float64
 	HasPrefillTiming    bool
+	// Model is the base model the engine serves (the model_name label of
+	// its request gauges); "" when it publishes none.
+	Model string
+	// LoRA adapters, when HasLoRA (vLLM's vllm:lora_requests_info): the
+	// adapters of the engine's running and waiting requests, and how many
+	// adapters it runs at once (its --max-loras; 0 when not said).
+	RunningAdapters, WaitingAdapters []string
+	MaxLoRAs                         int
+	HasLoRA                          bool
 }
 
 // ScrapeTarget is one endpoint to scrape.
@@ -92,6 +101,13 @@ type engineView struct {
 	cacheTokens       int
 	kvUsage           float64 // -1: not published
 	delivered, predic int64   // cached prompt tokens delivered by the engine, and predicted
+	// LoRA (adapters.go): whether the engine publishes its adapters, its
+	// base model, the adapters of its running and waiting requests, and
+	// how many it runs at once.
+	lora                             bool
+	model                            string
+	runningAdapters, waitingAdapters []string
+	maxLoRAs                         int
 }
 
 // foreignCost is the foreign load's share of the endpoint's cost at now.
@@ -139,6 +155,12 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 	e := &w.engine
 	e.scraped, e.at, e.failures = true, now, 0
 	e.running, e.waiting = s.Running, s.Waiting
+	e.lora, e.maxLoRAs = s.HasLoRA, s.MaxLoRAs
+	e.runningAdapters, e.waitingAdapters = s.RunningAdapters, s.WaitingAdapters
+	if s.Model != "" {
+		e.model = s.Model
+	}
+	p.loraSeen = p.loraSeen || s.HasLoRA
 	e.kvUsage = -1
 	if s.HasKVCacheUsage {
 		e.kvUsage = s.KVCacheUsage

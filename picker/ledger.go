@@ -50,12 +50,16 @@ type row struct {
 
 	// What the engine's metrics say (see engine.go).
 	engine engineView
+	// adapterRefs counts the requests in flight here by LoRA adapter
+	// (adapters.go).
+	adapterRefs map[string]int
 
 	// Scratch of the pick in progress (under the lock).
 	mark      uint64
 	uncached  int // this request's uncached prompt tokens here
 	cost      int
 	saturated bool
+	loraFull  bool // runs max_lora other adapters
 	taken     bool // chosen already, or not eligible
 }
 
@@ -116,6 +120,7 @@ func (w *row) queued() int {
 // queue (or its decoding).
 func (w *row) hold(r *Reservation, now int64) {
 	w.inFlight++
+	w.holdAdapter(r)
 	w.engine.peak = max(w.engine.peak, w.inFlight)
 	if r.decoding {
 		w.decoding++
@@ -140,6 +145,7 @@ func (w *row) hold(r *Reservation, now int64) {
 // drop takes r off the row, whatever it holds there.
 func (w *row) drop(r *Reservation, now int64) {
 	w.inFlight--
+	w.dropAdapter(r)
 	w.engine.trough = min(w.engine.trough, w.inFlight)
 	if r.decoding {
 		w.decoding--
@@ -285,6 +291,9 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	if free == 0 {
 		return ErrSaturated
 	}
+	if p.loraSeen {
+		eligible -= p.adapterCostLocked(cands, req.Model)
+	}
 
 	first := p.bestLocked(cands)
 	cands[first].taken = true
@@ -297,6 +306,9 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	}
 
 	c := cands[first]
+	if p.loraSeen && c.isAdapter(req.Model) {
+		r.adapter = req.Model
+	}
 	p.owners++
 	r.owner = p.owners
 	r.row = c

@@ -176,6 +176,9 @@ type Picker struct {
 	afterPick func()
 	// flowOn: cfg.FlowControl.Enabled (flow.go).
 	flowOn bool
+	// loraSeen: some engine has published its LoRA adapters (adapters.go);
+	// guarded by mu.
+	loraSeen bool
 
 	// mu guards everything below. Inside it: no I/O, no logging, no channel
 	// operations, no allocation on the pick path in steady state.

@@ -21,7 +21,8 @@ type Reservation struct {
 	cachedBlocks int // of the hashed blocks, those the chosen endpoint held
 	nHashes      int // the prompt's hashed blocks
 	stream       bool
-	maxTokens    int // the request's max_tokens; 0 when it gives none
+	maxTokens    int    // the request's max_tokens; 0 when it gives none
+	adapter      string // its LoRA adapter on its row's engine; "" for the base model
 	endpoints    [maxFallbackEndpoints]netip.AddrPort
 	nEndpoints   int
 

@@ -45,6 +45,9 @@ const (
 	// blockSizeChars (about 48,000 tokens), then 125 of 16 times that
 	// (about 256,000 tokens more).
 	DefaultMaxPromptBlocks = 500
+	// DefaultLoRALoadMilliseconds is what loading a LoRA adapter costs
+	// an engine before its request's prefill starts.
+	DefaultLoRALoadMilliseconds = 200
 )
 
 // Flow control defaults (flowControl), each with its unit in its name.
@@ -115,6 +118,10 @@ type PickerConfig struct {
 	// PrefillTokensPerSecond is the starting estimate of each endpoint's
 	// prefill rate; the picker learns the real rate from streamed responses.
 	PrefillTokensPerSecond int `json:"prefillTokensPerSecond,omitempty"`
+	// LoRALoadMilliseconds is what a request for a LoRA adapter costs more
+	// on an endpoint whose engine has not loaded it (an engine that
+	// publishes vLLM's lora_requests_info): about the time to load it.
+	LoRALoadMilliseconds int `json:"loraLoadMilliseconds,omitempty"`
 	// Saturation, when set, answers 429 once every candidate endpoint is over
 	// a limit. Off by default: requests queue on the model servers instead.
 	Saturation Saturation `json:"saturation,omitempty"`
@@ -241,6 +248,9 @@ func (c *PickerConfig) setDefaults() {
 	if c.PrefillTokensPerSecond == 0 {
 		c.PrefillTokensPerSecond = DefaultPrefillTokensPerSecond
 	}
+	if c.LoRALoadMilliseconds == 0 {
+		c.LoRALoadMilliseconds = DefaultLoRALoadMilliseconds
+	}
 	f := &c.FlowControl
 	f.HoldPrefillMilliseconds = cmp.Or(f.HoldPrefillMilliseconds, DefaultHoldPrefillMilliseconds)
 	f.RequestTTLSeconds = cmp.Or(f.RequestTTLSeconds, DefaultRequestTTLSeconds)
@@ -307,6 +317,9 @@ func (c *PickerConfig) Validate() error {
 	}
 	if c.PrefillTokensPerSecond < 1 || c.PrefillTokensPerSecond > 100_000_000 {
 		bad("prefillTokensPerSecond", c.PrefillTokensPerSecond, "must be from 1 to 100000000")
+	}
+	if c.LoRALoadMilliseconds < 1 || c.LoRALoadMilliseconds > 600_000 {
+		bad("loraLoadMilliseconds", c.LoRALoadMilliseconds, "must be from 1 to 600000")
 	}
 	if c.Saturation.MaxInFlightRequests < 0 {
 		bad("saturation.maxInFlightRequests", c.Saturation.MaxInFlightRequests, "must be 0 (off) or more")

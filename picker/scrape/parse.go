@@ -3,6 +3,7 @@ package scrape
 import (
 	"bytes"
 	"strconv"
+	"strings"
 
 	"github.com/tallyepp/tally/picker"
 )
@@ -33,6 +34,13 @@ type names struct {
 	// those found in the prefix cache. All are cumulative; the picker reads
 	// the engine's prefill rate from their increase.
 	prefillSeconds, promptTokens, cachedTokens string
+	// loraInfo is an info gauge of the LoRA adapters in use: labels of
+	// the running and waiting requests' adapters (comma-separated) and
+	// the most adapters run at once; its value is the time it was set,
+	// and the latest series is read.
+	loraInfo, loraRunningLabel, loraWaitingLabel, maxLoRALabel string
+	// modelLabel names the base model on the request gauges.
+	modelLabel string
 }
 
 var engines = map[string]names{
@@ -43,10 +51,14 @@ var engines = map[string]names{
 		prefillSeconds: "vllm:request_prefill_time_seconds_sum",
 		promptTokens:   "vllm:prompt_tokens_total",
 		cachedTokens:   "vllm:prefix_cache_hits_total",
+		loraInfo:       "vllm:lora_requests_info", loraRunningLabel: "running_lora_adapters",
+		loraWaitingLabel: "waiting_lora_adapters", maxLoRALabel: "max_lora",
+		modelLabel: "model_name",
 	},
 	// No prefill timing is read for SGLang or TRT-LLM: their time to
 	// first token includes the queue, and no family known to match
-	// vLLM's request_prefill_time_seconds is read yet.
+	// vLLM's request_prefill_time_seconds is read yet. Neither publishes
+	// the adapters it has loaded, as vLLM's lora_requests_info does.
 	EngineSGLang: {
 		running: "sglang:num_running_reqs", waiting: "sglang:num_queue_reqs",
 		// SGLang's token capacity is a gauge of its own; cache_config_info
@@ -84,6 +96,8 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		n   int
 	}
 	seen, hasPrefill, hasPrompt := false, false, false
+	var lora []byte // the labels of the latest lora_requests_info series
+	loraAt := 0.0
 	for len(body) > 0 {
 		line := body
 		if i := bytes.IndexByte(body, '\n'); i >= 0 {
@@ -119,7 +133,7 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		case string(name) == n.cachedTokens:
 			which = &st.CachedTokensTotal
 		case string(name) == n.cacheTokens, string(name) == n.cacheInfo,
-			string(name) == n.kvUsage, string(name) == n.kvUsageOld:
+			string(name) == n.kvUsage, string(name) == n.kvUsageOld, string(name) == n.loraInfo:
 		default:
 			continue
 		}
@@ -132,6 +146,13 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 			*which += value
 			if found != nil {
 				*found = true
+			}
+			if which == &running && st.Model == "" && n.modelLabel != "" {
+				st.Model = labelString(labels, n.modelLabel)
+			}
+		case string(name) == n.loraInfo:
+			if lora == nil || value >= loraAt {
+				lora, loraAt = labels, value
 			}
 		case string(name) == n.cacheTokens:
 			st.CacheTokens += int(value)
@@ -150,6 +171,12 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		}
 	}
 	st.Running, st.Waiting = int(running), int(waiting)
+	if lora != nil {
+		st.HasLoRA = true
+		st.RunningAdapters = splitNames(labelString(lora, n.loraRunningLabel))
+		st.WaitingAdapters = splitNames(labelString(lora, n.loraWaitingLabel))
+		st.MaxLoRAs, _ = labelInt(lora, n.maxLoRALabel)
+	}
 	st.HasPrefillTiming = hasPrefill && hasPrompt
 	if !st.HasPrefillTiming {
 		st.PrefillSecondsTotal, st.PromptTokensTotal, st.CachedTokensTotal = 0, 0, 0
@@ -209,4 +236,51 @@ func labelInt(labels []byte, key string) (int, bool) {
 		labels = bytes.TrimLeft(v[closeQuote+1:], ", ")
 	}
 	return 0, false
+}
+
+// labelString finds key="value" among labels and returns value, its
+// escapes (\\, \", \n) decoded; "" when absent.
+func labelString(labels []byte, key string) string {
+	for len(labels) > 0 {
+		eq := bytes.IndexByte(labels, '=')
+		if eq < 0 || eq+1 >= len(labels) || labels[eq+1] != '"' {
+			return ""
+		}
+		k := bytes.TrimSpace(labels[:eq])
+		v := labels[eq+2:]
+		var out []byte
+		i := 0
+		for ; i < len(v) && v[i] != '"'; i++ {
+			if v[i] == '\\' && i+1 < len(v) {
+				i++
+				switch v[i] {
+				case 'n':
+					out = append(out, '\n')
+				default:
+					out = append(out, v[i])
+				}
+				continue
+			}
+			out = append(out, v[i])
+		}
+		if i >= len(v) {
+			return ""
+		}
+		if string(k) == key {
+			return string(out)
+		}
+		labels = bytes.TrimLeft(v[i+1:], ", ")
+	}
+	return ""
+}
+
+// splitNames splits a comma-separated list of adapter names; nil for none.
+func splitNames(s string) []string {
+	var out []string
+	for _, name := range strings.Split(s, ",") {
+		if name = strings.TrimSpace(name); name != "" {
+			out = append(out, name)
+		}
+	}
+	return out
 }

@@ -1,6 +1,7 @@
 package scrape
 
 import (
+	"slices"
 	"testing"
 )
 
@@ -97,4 +98,25 @@ func FuzzParse(f *testing.F) {
 			parse(body, n) // must not panic
 		}
 	})
+}
+
+func TestParseReadsLoRAAdaptersAndTheBaseModel(t *testing.T) {
+	body := `vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B"} 2
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql-lora,chat\"x",waiting_lora_adapters="tool-lora"} 1.7000000005e+09
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B"} 1
+`
+	st, seen := parse([]byte(body), engines[EngineVLLM])
+	if !seen || !st.HasLoRA || st.MaxLoRAs != 2 || st.Model != "meta-llama/Llama-3.1-8B" {
+		t.Fatalf("%+v (seen %v), want LoRA info with max_lora 2 and the base model", st, seen)
+	}
+	if !slices.Equal(st.RunningAdapters, []string{"sql-lora", `chat"x`}) || !slices.Equal(st.WaitingAdapters, []string{"tool-lora"}) {
+		t.Errorf("running %q, waiting %q; want the latest series' adapters", st.RunningAdapters, st.WaitingAdapters)
+	}
+	st, _ = parse([]byte("vllm:num_requests_running 1\n"), engines[EngineVLLM])
+	if st.HasLoRA || st.Model != "" {
+		t.Errorf("without lora_requests_info or labels: %+v, want no LoRA and no model", st)
+	}
 }

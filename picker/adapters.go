@@ -1,0 +1,103 @@
+package picker
+
+import "slices"
+
+// LoRA adapters. On an engine that publishes vLLM's lora_requests_info, a
+// request whose model is not the engine's base model is for an adapter
+// (vLLM serves each adapter under its own model name). Placing it where the
+// adapter is not loaded costs the adapter's load time first, and where the
+// engine already runs max_lora other adapters it waits for one of them to
+// drain, so:
+//
+//   - an endpoint where the adapter is neither running nor waiting (its
+//     engine's last scrape) nor held by a request in flight (the ledger,
+//     updated at pick time) costs loraLoadMilliseconds of its prefill rate
+//     more: a burst for a new adapter stays on the endpoints that load it
+//     until their queues cost more than another load;
+//   - an endpoint running max_lora other adapters is not a candidate,
+//     unless every candidate is such an endpoint.
+//
+// Base-model requests, and engines that publish no adapters, are scored as
+// before.
+
+// isAdapterLocked reports whether model is an adapter on c's engine.
+func (c *row) isAdapter(model string) bool {
+	e := &c.engine
+	if !e.lora || model == "" || model == e.model {
+		return false
+	}
+	// An engine that names no base model: only the adapters it or the
+	// ledger names.
+	return e.model != "" || c.adapterRefs[model] > 0 ||
+		slices.Contains(e.runningAdapters, model) || slices.Contains(e.waitingAdapters, model)
+}
+
+// adapterResident reports whether model is loaded or about to be on c.
+func (c *row) adapterResident(model string) bool {
+	e := &c.engine
+	return c.adapterRefs[model] > 0 || slices.Contains(e.runningAdapters, model) || slices.Contains(e.waitingAdapters, model)
+}
+
+// activeAdapters counts the distinct adapters c runs: its engine's, and
+// those of requests in flight there the engine had not reported.
+func (c *row) activeAdapters() int {
+	n := len(c.engine.runningAdapters)
+	for a, refs := range c.adapterRefs {
+		if refs > 0 && !slices.Contains(c.engine.runningAdapters, a) {
+			n++
+		}
+	}
+	return n
+}
+
+// adapterCostLocked adds what model's adapter costs on each candidate and
+// takes out those with no room for it, unless every candidate is full. It
+// returns how many candidates it took out.
+func (p *Picker) adapterCostLocked(cands []*row, model string) (full int) {
+	open := 0
+	for _, c := range cands {
+		c.loraFull = false
+		if c.taken || !c.isAdapter(model) || c.adapterResident(model) {
+			if !c.taken {
+				open++
+			}
+			continue
+		}
+		c.cost += int(float64(p.cfg.LoRALoadMilliseconds) * c.rate / 1000)
+		if m := c.engine.maxLoRAs; m > 0 && c.activeAdapters() >= m {
+			c.loraFull = true
+			continue
+		}
+		open++
+	}
+	if open == 0 {
+		return 0 // every candidate is full: the cost decides
+	}
+	for _, c := range cands {
+		if c.loraFull {
+			c.taken = true
+			full++
+		}
+	}
+	return full
+}
+
+// holdAdapter and dropAdapter count r's adapter on its row.
+func (w *row) holdAdapter(r *Reservation) {
+	if r.adapter == "" {
+		return
+	}
+	if w.adapterRefs == nil {
+		w.adapterRefs = make(map[string]int)
+	}
+	w.adapterRefs[r.adapter]++
+}
+
+func (w *row) dropAdapter(r *Reservation) {
+	if r.adapter == "" {
+		return
+	}
+	if w.adapterRefs[r.adapter]--; w.adapterRefs[r.adapter] <= 0 {
+		delete(w.adapterRefs, r.adapter)
+	}
+}

@@ -1,0 +1,96 @@
+package picker
+
+import (
+	"fmt"
+	"testing"
+)
+
+const baseModel = "base"
+
+// observeLoRA reports each endpoint's engine as vLLM with adapters: idle,
+// running the adapters given for it, max_lora maxLoRAs.
+func observeLoRA(p *Picker, maxLoRAs int, running map[int][]string) {
+	for i := range len(p.Stats()) {
+		p.ObserveEngine(addr(i), EngineStats{Model: baseModel, HasLoRA: true, MaxLoRAs: maxLoRAs,
+			RunningAdapters: running[i]})
+	}
+}
+
+func placements(t *testing.T, p *Picker, n int, model string, prompt func(i int) []byte) (map[int]int, []*Reservation) {
+	t.Helper()
+	where := map[int]int{}
+	var rs []*Reservation
+	for i := range n {
+		r := mustPick(t, p, Request{Model: model, Prompt: prompt(i)})
+		rs = append(rs, r)
+		for e := range 16 {
+			if r.Endpoints()[0] == addr(e) {
+				where[e]++
+			}
+		}
+	}
+	return where, rs
+}
+
+func TestBaseModelRequestsIgnoreAdapters(t *testing.T) {
+	p := newPicker(t, 4, testConfig(), Options{})
+	observeLoRA(p, 2, map[int][]string{0: {"a", "b"}, 1: {"c"}})
+	where, _ := placements(t, p, 8, baseModel, func(i int) []byte { return text(fmt.Sprint("base", i), 4000) })
+	for e := range 4 {
+		if where[e] != 2 {
+			t.Fatalf("base-model requests landed %v, want 2 on each of 4 endpoints", where)
+		}
+	}
+}
+
+func TestAnAdapterGoesWhereItIsLoaded(t *testing.T) {
+	p := newPicker(t, 4, testConfig(), Options{})
+	observeLoRA(p, 2, map[int][]string{2: {"sql"}})
+	// 200 ms at 10,000 tokens/s: a load costs 2,000 tokens, so requests of
+	// 500 tokens stay on endpoint 2 until its queue passes that.
+	where, _ := placements(t, p, 4, "sql", func(i int) []byte { return text(fmt.Sprint("sql", i), 2000) })
+	if where[2] != 4 {
+		t.Fatalf("requests for an adapter endpoint 2 runs landed %v, want all 4 there", where)
+	}
+}
+
+func TestAFullEndpointIsAvoidedUnlessAllAre(t *testing.T) {
+	p := newPicker(t, 3, testConfig(), Options{})
+	observeLoRA(p, 2, map[int][]string{0: {"a", "b"}, 1: {"c", "d"}})
+	where, _ := placements(t, p, 6, "new", func(i int) []byte { return text(fmt.Sprint("new", i), 400) })
+	if where[2] != 6 {
+		t.Fatalf("requests for a new adapter landed %v, want all on endpoint 2, the only one with a free slot", where)
+	}
+	// Once every endpoint is full, the cost decides.
+	observeLoRA(p, 2, map[int][]string{0: {"a", "b"}, 1: {"c", "d"}, 2: {"e", "f"}})
+	if _, err := p.Pick(Request{Model: "other", Prompt: text("x", 400)}); err != nil {
+		t.Fatalf("with every endpoint full: %v, want placed", err)
+	}
+}
+
+// The ledger counts adapters at pick time: a burst for an adapter no engine
+// has loaded stays on the endpoints that took its first requests, up to
+// what a load elsewhere costs, instead of every endpoint loading it.
+func TestABurstForANewAdapterLoadsItOnFewEndpoints(t *testing.T) {
+	p := newPicker(t, 4, testConfig(), Options{})
+	observeLoRA(p, 2, nil)
+	where, rs := placements(t, p, 16, "fresh", func(i int) []byte { return text(fmt.Sprint("fresh", i), 1600) })
+	// A load costs 2,000 tokens: an endpoint that has the adapter takes
+	// requests of 400 tokens until 2,000 are queued on it, 6 of them, so
+	// 16 take 3 endpoints (base-model requests would take all 4).
+	most := 0
+	for _, n := range where {
+		most = max(most, n)
+	}
+	if len(where) != 3 || most > 6 {
+		t.Errorf("16 requests of 400 tokens for a new adapter landed %v, want 3 endpoints, at most 6 on one", where)
+	}
+	for _, r := range rs {
+		r.Release()
+	}
+	for _, s := range p.Stats() {
+		if n := len(p.byAddr[s.Endpoint.Address].adapterRefs); n != 0 {
+			t.Errorf("%v still counts %d adapters after every release", s.Endpoint.Address, n)
+		}
+	}
+}
