@@ -3,6 +3,7 @@ package picker
 import (
 	"context"
 	"errors"
+	"maps"
 	"math/rand/v2"
 	"net/netip"
 	"slices"
@@ -136,6 +137,12 @@ type EndpointStats struct {
 	// Cached prompt tokens its engine delivered, and the picker predicted,
 	// over the responses that reported usage.
 	DeliveredCachedTokens, PredictedCachedTokens int64
+	// Adapters counts its requests in flight by LoRA adapter (nil: none);
+	// RunningAdapters, WaitingAdapters and MaxLoRAs are what its engine
+	// last said of its adapters (adapters.go).
+	Adapters                         map[string]int
+	RunningAdapters, WaitingAdapters []string
+	MaxLoRAs                         int
 }
 
 // Ledger is one consistent view of the whole ledger.
@@ -502,7 +509,9 @@ func (p *Picker) Snapshot() Ledger {
 			ForeignRequests: e.foreign, ForeignTokens: e.foreignCost(now), Unhealthy: e.unhealthy,
 			KVCacheUsage:          -1,
 			PrefixCapacityBlocks:  p.index.Capacity(w.id),
-			DeliveredCachedTokens: e.delivered, PredictedCachedTokens: e.predic}
+			DeliveredCachedTokens: e.delivered, PredictedCachedTokens: e.predic,
+			Adapters: maps.Clone(w.adapterRefs), RunningAdapters: e.runningAdapters,
+			WaitingAdapters: e.waitingAdapters, MaxLoRAs: e.maxLoRAs}
 		if e.scraped {
 			s.KVCacheUsage = e.kvUsage
 		}

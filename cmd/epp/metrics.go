@@ -147,6 +147,8 @@ type ledgerRow struct {
 	PrefixCapacityBlocks  int   `json:"prefixCapacityBlocks"`
 	DeliveredCachedTokens int64 `json:"deliveredCachedTokens"`
 	PredictedCachedTokens int64 `json:"predictedCachedTokens"`
+	// Adapters counts the requests in flight by LoRA adapter.
+	Adapters map[string]int `json:"adapters,omitempty"`
 }
 
 // ledgerEngine is what an endpoint's last successful scrape said.
@@ -156,6 +158,11 @@ type ledgerEngine struct {
 	ForeignRequests int `json:"foreignRequests"`
 	// ForeignTokens is what the foreign requests add to the cost now.
 	ForeignTokens int `json:"foreignTokens"`
+	// The LoRA adapters of its running and waiting requests, and the most
+	// it runs at once, for an engine that publishes them.
+	RunningAdapters []string `json:"runningAdapters,omitempty"`
+	WaitingAdapters []string `json:"waitingAdapters,omitempty"`
+	MaxLoRAs        int      `json:"maxLoras,omitempty"`
 }
 
 // ledger is /debug/ledger: one snapshot of the picker's ledger, its totals
@@ -180,10 +187,12 @@ func ledgerJSON(l picker.Ledger) ledger {
 				PrefixCapacityBlocks:   s.PrefixCapacityBlocks,
 				DeliveredCachedTokens:  s.DeliveredCachedTokens,
 				PredictedCachedTokens:  s.PredictedCachedTokens,
+				Adapters:               s.Adapters,
 			}
 			if s.Scraped {
 				row.Engine = &ledgerEngine{Running: s.EngineRunning, Waiting: s.EngineWaiting,
-					ForeignRequests: s.ForeignRequests, ForeignTokens: s.ForeignTokens}
+					ForeignRequests: s.ForeignRequests, ForeignTokens: s.ForeignTokens,
+					RunningAdapters: s.RunningAdapters, WaitingAdapters: s.WaitingAdapters, MaxLoRAs: s.MaxLoRAs}
 			}
 			out = append(out, row)
 		}
