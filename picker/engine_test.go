@@ -2,6 +2,7 @@ package picker
 
 import (
 	"fmt"
+	"net/netip"
 	"testing"
 	"time"
 )
@@ -68,8 +69,14 @@ func TestFailingScrapesExcludeAnEndpointUntilOneSucceeds(t *testing.T) {
 		}
 		t.Fatal("an endpoint failing its scrapes was picked")
 	}
-	if _, err := p.Pick(on(a, nil)); err == nil {
-		t.Error("a subset naming only the failing endpoint was routed; want ErrNoEndpoint")
+	// The gateway's hint names only the failing endpoint: it can serve,
+	// its scrapes only correct the ledger.
+	if r, err := p.Pick(on(a, nil)); err != nil || r.Endpoint() != a {
+		t.Errorf("a subset naming only the failing endpoint: %v; want it routed there", err)
+	}
+	r, err := p.Pick(Request{Model: model, Subset: []netip.AddrPort{a, b}, HasSubset: true})
+	if err != nil || r.Endpoint() != b {
+		t.Errorf("a subset naming the failing endpoint and a healthy one: %v; want the healthy one", err)
 	}
 	// Every endpoint failing: none is excluded.
 	for range 3 {

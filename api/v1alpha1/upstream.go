@@ -459,8 +459,10 @@ func (m *mapper) concurrency(ps *params) error {
 			return err
 		}
 		m.ignore(ps.path+".parameters.maxTokenConcurrency", "Tally limits prefill tokens still queued (saturation.maxPrefillTokens), not the tokens of requests in flight")
-		if _, _, err := ps.int("maxConcurrency"); err != nil {
+		if _, ok, err := ps.int("maxConcurrency"); err != nil {
 			return err
+		} else if ok {
+			m.ignore(ps.path+".parameters.maxConcurrency", "concurrencyMode is tokens, so upstream does not limit requests either")
 		}
 		return nil
 	}

@@ -273,3 +273,29 @@ func TestUpstreamFlowControlErrorsNameTheField(t *testing.T) {
 		t.Errorf("flowControl without its gate: %+v, %v; want flow control off and unchanged", c.FlowControl, err)
 	}
 }
+
+func TestTokensModeNotesItsMaxConcurrency(t *testing.T) {
+	c, notes, err := LoadAny([]byte(`
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- name: limit
+  type: concurrency-detector
+  parameters:
+    concurrencyMode: tokens
+    maxConcurrency: 40
+    maxTokenConcurrency: 100000
+saturationDetector:
+  pluginRef: limit
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Saturation.MaxInFlightRequests != 0 {
+		t.Errorf("saturation.maxInFlightRequests = %d, want 0: upstream does not limit requests in tokens mode", c.Saturation.MaxInFlightRequests)
+	}
+	n, ok := notesByField(notes)["plugins[0](limit).parameters.maxConcurrency"]
+	if !ok || n.Mapped != "" || n.Reason == "" {
+		t.Errorf("maxConcurrency in tokens mode: note %+v (found %v), want it noted as ignored with a reason", n, ok)
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -585,4 +586,43 @@ func postHeaders(path string) *extprocv3.ProcessingRequest {
 	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
 		RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap(":path", path, ":method", "POST")},
 	}}
+}
+
+// A declared length past maxRequestBytes is refused on the headers, before
+// the gateway sends a byte of the body.
+func TestDeclaredLengthIsRefusedOnTheHeaders(t *testing.T) {
+	f := newFixture(t, fixtureOptions{maxRequestBytes: 4096})
+	// Without the check the server would wait for the body: bounded.
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	x, err := f.gw.open(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.cancel()
+	if err := x.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
+		RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap(":path", "/v1/completions", ":method", "POST", "content-length", "4097")},
+	}}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := x.stream.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if im := resp.GetImmediateResponse(); im == nil || im.GetStatus().GetCode() != 413 {
+		t.Fatalf("answer to headers declaring 4,097 bytes: %v, want an immediate 413", resp)
+	}
+}
+
+// A content-length that is not a length is ignored, as upstream: the body
+// is counted as it comes and routed.
+func TestMalformedContentLengthIsIgnored(t *testing.T) {
+	f := newFixture(t, fixtureOptions{})
+	req := completion("m", letters(3, 400))
+	req.chunked = true
+	req.headers = map[string]string{"content-length": "12abc"}
+	r, err := f.gw.roundTrip(t.Context(), req)
+	if err != nil || r.immediate != nil || !bytes.Equal(r.body, req.body) {
+		t.Fatalf("err %v, immediate %v, body intact %v; want routed", err, r.immediate, bytes.Equal(r.body, req.body))
+	}
 }

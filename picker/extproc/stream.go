@@ -128,8 +128,16 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	st.up.requestHeaders()
 	headers := h.GetHeaders()
 	st.path, st.method = headerValue(headers, ":path"), headerValue(headers, ":method")
-	if n, err := strconv.ParseInt(headerValue(headers, "content-length"), 10, 64); err == nil && n > 0 {
-		st.contentLength = n
+	if cl := headerValue(headers, "content-length"); cl != "" {
+		n, err := strconv.ParseInt(cl, 10, 64)
+		switch {
+		case err != nil || n < 0:
+			// The upstream picker reads no content-length, so neither is a
+			// bad one refused here: the body is counted as it comes.
+			st.s.opts.Log.V(1).Info("ignoring a content-length header that is not a length", "contentLength", cl, "path", st.path)
+		default:
+			st.contentLength = n
+		}
 	}
 	st.objective, st.fairnessID = headerValue(headers, objectiveHeader), headerValue(headers, fairnessHeader)
 	var bad []string
