@@ -199,10 +199,14 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 }
 
 // ObserveScrapeFailure records a failed scrape of the endpoint at addr. It
-// reports whether the endpoint just turned unhealthy.
+// reports whether the endpoint just turned unhealthy. Only an endpoint whose
+// metrics have been read before can: one whose metrics were never read (on
+// another port or path, an engine the scraper cannot read) serves on the
+// ledger alone, since scrapes correct the ledger and do not decide who may
+// serve.
 func (p *Picker) ObserveScrapeFailure(addr netip.AddrPort) (failed bool) {
 	p.mu.Lock()
-	if w, ok := p.byAddr[key(addr)]; ok {
+	if w, ok := p.byAddr[key(addr)]; ok && w.engine.scraped {
 		e := &w.engine
 		e.failures++
 		if !e.unhealthy && e.failures >= p.scrapeFailureThreshold {

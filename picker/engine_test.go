@@ -58,6 +58,15 @@ func TestPrefixCapacityComesFromTheEngine(t *testing.T) {
 func TestFailingScrapesExcludeAnEndpointUntilOneSucceeds(t *testing.T) {
 	p := newPicker(t, 2, testConfig(), Options{ScrapeFailureThreshold: 3})
 	a, b := addr(0), addr(1)
+	// Never read, failures do not count: the metrics may live elsewhere.
+	for range 5 {
+		if p.ObserveScrapeFailure(a) {
+			t.Fatal("an endpoint whose metrics were never read turned unhealthy")
+		}
+	}
+	// Read once, then failing: suspect.
+	p.ObserveEngine(a, EngineStats{})
+	p.ObserveEngine(b, EngineStats{})
 	for i := range 3 {
 		if turned := p.ObserveScrapeFailure(a); turned != (i == 2) {
 			t.Fatalf("failure %d: turned unhealthy = %v", i+1, turned)

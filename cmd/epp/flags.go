@@ -83,8 +83,11 @@ type options struct {
 	scrapeFailureThreshold int
 	scrapeScheme           string
 	scrapePath             string
-	scrapePort             int
-	scrapeInsecure         bool
+	// The upstream picker's metric-name flags: the names vLLM engines
+	// (and engines of unknown types) are read by.
+	metricNames    scrape.MetricNames
+	scrapePort     int
+	scrapeInsecure bool
 }
 
 const inferencePoolGroup = "inference.networking.k8s.io"
@@ -126,6 +129,19 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	fs.IntVar(&o.scrapeFailureThreshold, "model-server-metrics-failure-threshold", picker.DefaultScrapeFailureThreshold, "failed scrapes in a row after which an endpoint is not picked until one succeeds")
 	fs.StringVar(&o.scrapeScheme, "model-server-metrics-scheme", "http", "scheme of the model servers' metrics: http or https")
 	fs.StringVar(&o.scrapePath, "model-server-metrics-path", scrape.DefaultPath, "path of the model servers' metrics")
+	metricFlags := []struct {
+		name, def string
+		into      *string
+	}{
+		{"total-queued-requests-metric", "vllm:num_requests_waiting", &o.metricNames.Waiting},
+		{"total-running-requests-metric", "vllm:num_requests_running", &o.metricNames.Running},
+		{"kv-cache-usage-percentage-metric", "vllm:kv_cache_usage_perc", &o.metricNames.KVCacheUsage},
+		{"lora-info-metric", "vllm:lora_requests_info", &o.metricNames.LoRAInfo},
+		{"cache-info-metric", "vllm:cache_config_info", &o.metricNames.CacheInfo},
+	}
+	for _, m := range metricFlags {
+		fs.StringVar(m.into, m.name, m.def, "the metric vLLM engines (and engines of a type the picker does not know) are read by, as the upstream picker's flag (empty: not read); a {label=value} filter is not applied")
+	}
 	fs.IntVar(&o.scrapePort, "model-server-metrics-port", 0, "port of the model servers' metrics (0: the endpoint's target port)")
 	fs.BoolVar(&o.scrapeInsecure, "model-server-metrics-https-insecure-skip-verify", true, "skip verifying the model servers' certificates over https")
 	fs.IntVar(&o.maxModelNameLabels, "max-model-name-labels", extproc.DefaultMaxModelNameLabels, "distinct model_name label values of the inference_objective_* metrics; later models share the value \"other\"")
@@ -171,7 +187,18 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	// The upstream chart passes trtllm-serve's path with its quotes:
 	// --model-server-metrics-path="/prometheus/metrics".
 	o.scrapePath = strings.Trim(o.scrapePath, `"'`)
-	return o, ignored, o.validate()
+	var metricErrs []error
+	for _, m := range metricFlags {
+		name, err := metricName(strings.Trim(*m.into, `"'`))
+		if err != nil {
+			metricErrs = append(metricErrs, fmt.Errorf("flag --%s: %w", m.name, err))
+		}
+		*m.into = name // "": not read, as upstream
+	}
+	if err := errors.Join(append(metricErrs, o.validate())...); err != nil {
+		return o, ignored, err
+	}
+	return o, ignored, nil
 }
 
 func (o options) validate() error {
@@ -268,4 +295,19 @@ func (o options) readConfig() ([]byte, error) {
 		return data, nil
 	}
 	return nil, nil
+}
+
+// metricName reads an upstream metric specification, name{label=value,...},
+// for its name: Tally reads a family's series whatever their labels.
+func metricName(spec string) (string, error) {
+	spec = strings.TrimSpace(spec)
+	name, labels, hasLabels := strings.Cut(spec, "{")
+	name = strings.TrimSpace(name)
+	if hasLabels && !strings.HasSuffix(labels, "}") || strings.ContainsAny(name, "}= ") {
+		return "", fmt.Errorf("%q is invalid: must be a metric name, optionally followed by {label=value,...}", spec)
+	}
+	if name == "" && spec != "" {
+		return "", fmt.Errorf("%q is invalid: the metric name is empty", spec)
+	}
+	return name, nil
 }

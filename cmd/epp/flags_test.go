@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"github.com/tallyepp/tally/picker/scrape"
 	"math"
 	"strings"
 	"testing"
@@ -85,6 +86,7 @@ func TestInvalidFlagValuesNameTheFlag(t *testing.T) {
 		{[]string{"--model-server-metrics-scheme", "ftp"}, "--model-server-metrics-scheme"},
 		{[]string{"--model-server-metrics-port", "70000"}, "--model-server-metrics-port"},
 		{[]string{"--model-server-metrics-path", "metrics"}, "--model-server-metrics-path"},
+		{[]string{"--total-running-requests-metric", "running{model"}, "--total-running-requests-metric"},
 		{[]string{"--model-server-metrics-failure-threshold", "0"}, "--model-server-metrics-failure-threshold"},
 		{[]string{"--ha-lease-duration", "10s"}, "--ha-lease-duration"},
 		{[]string{"--ha-renew-deadline", "2400ms"}, "--ha-renew-deadline"},
@@ -99,10 +101,18 @@ func TestInvalidFlagValuesNameTheFlag(t *testing.T) {
 }
 
 func TestUpstreamOnlyFlagsAreAcceptedAndReported(t *testing.T) {
-	_, ignored, err := parseFlags([]string{"--pool-name", "p", "--zap-encoder=json", "--tracing=false",
-		"--total-queued-requests-metric", `"sglang:num_queue_reqs"`, "--lora-info-metric", "", "--metrics-endpoint-auth=false"}, env(nil), &bytes.Buffer{})
+	o, ignored, err := parseFlags([]string{"--pool-name", "p", "--zap-encoder=json", "--tracing=false",
+		"--total-queued-requests-metric", `"sglang:num_queue_reqs"`, "--lora-info-metric", "",
+		"--kv-cache-usage-percentage-metric", `my:kv{model="x"}`, "--metrics-endpoint-auth=false"}, env(nil), &bytes.Buffer{})
 	if err != nil {
 		t.Fatal(err)
+	}
+	// The metric names are honoured: quotes and label filters dropped, an
+	// empty one not read.
+	want := scrape.MetricNames{Waiting: "sglang:num_queue_reqs", Running: "vllm:num_requests_running",
+		KVCacheUsage: "my:kv", LoRAInfo: "", CacheInfo: "vllm:cache_config_info"}
+	if o.metricNames != want {
+		t.Errorf("metric names %+v, want %+v", o.metricNames, want)
 	}
 	var names []string
 	for _, s := range ignored {
@@ -112,7 +122,7 @@ func TestUpstreamOnlyFlagsAreAcceptedAndReported(t *testing.T) {
 		names = append(names, s.flag)
 	}
 	// --zap-encoder and --metrics-endpoint-auth are honoured, not ignored.
-	if strings.Join(names, ",") != "--lora-info-metric,--total-queued-requests-metric,--tracing" {
+	if strings.Join(names, ",") != "--tracing" {
 		t.Fatalf("ignored = %v", ignored)
 	}
 }

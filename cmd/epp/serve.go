@@ -305,6 +305,7 @@ func scrapeOptions(opts options, reg prometheus.Registerer, log logr.Logger) scr
 		Scheme:   opts.scrapeScheme,
 		Client:   &http.Client{Transport: scrape.NewTransport(tlsConfig)},
 		Log:      log,
+		VLLM:     &opts.metricNames,
 		// The scraper's metrics are served with the picker's.
 		Registerer: reg,
 	}

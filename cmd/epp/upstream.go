@@ -22,11 +22,6 @@ const (
 var ignoredUpstreamFlags = []ignoredFlag{
 	{name: "refresh-prometheus-metrics-interval", reason: "Tally's gauges are computed when scraped"},
 	{name: "metrics-staleness-threshold", reason: reasonNoScraping},
-	{name: "total-queued-requests-metric", reason: reasonNoScraping},
-	{name: "total-running-requests-metric", reason: reasonNoScraping},
-	{name: "kv-cache-usage-percentage-metric", reason: reasonNoScraping},
-	{name: "lora-info-metric", reason: reasonNoScraping},
-	{name: "cache-info-metric", reason: reasonNoScraping},
 	{name: "tracing", isBool: true, reason: "Tally emits no traces"},
 	{name: "disable-endpoint-subset-filter", isBool: true, reason: "Tally always keeps to the gateway's subset hint"},
 }

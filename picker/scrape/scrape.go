@@ -56,6 +56,16 @@ type Options struct {
 	Log    logr.Logger
 	// Registerer receives the scraper's metrics; nil registers none.
 	Registerer prometheus.Registerer
+	// VLLM, when set, names the metric families read from vLLM engines,
+	// and from engines of a type the scraper does not know (the upstream
+	// picker's --total-queued-requests-metric and friends); an empty name
+	// is not read. Nil: vLLM's own names.
+	VLLM *MetricNames
+}
+
+// MetricNames are the names of the metric families an engine is read by.
+type MetricNames struct {
+	Running, Waiting, KVCacheUsage, LoRAInfo, CacheInfo string
 }
 
 // Scraper scrapes every endpoint the picker knows, every Interval.
@@ -63,6 +73,13 @@ type Scraper struct {
 	p    Picker
 	opts Options
 	bufs sync.Pool // *bytes.Buffer
+	// vllm are vLLM's names with Options.VLLM applied.
+	vllm names
+
+	// warned holds the endpoints, and engine types, already warned about:
+	// a warning is one line, not one per scrape.
+	mu     sync.Mutex
+	warned map[string]bool
 
 	duration prometheus.Histogram
 	failures *prometheus.CounterVec
@@ -88,9 +105,19 @@ func New(p Picker, opts Options) *Scraper {
 	if opts.Client == nil {
 		opts.Client = &http.Client{Transport: NewTransport(nil)}
 	}
+	vllm := engines[EngineVLLM]
+	if o := opts.VLLM; o != nil {
+		if o.KVCacheUsage != vllm.kvUsage {
+			vllm.kvUsageOld = "" // older servers' name, read only beside vLLM's own
+		}
+		vllm.running, vllm.waiting, vllm.kvUsage = o.Running, o.Waiting, o.KVCacheUsage
+		vllm.loraInfo, vllm.cacheInfo = o.LoRAInfo, o.CacheInfo
+	}
 	s := &Scraper{
-		p:    p,
-		opts: opts,
+		p:      p,
+		opts:   opts,
+		vllm:   vllm,
+		warned: map[string]bool{},
 		duration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "tally_engine_scrape_duration_seconds",
 			Help:    "Time to scrape and parse one endpoint's model-server metrics.",
@@ -155,9 +182,13 @@ func (s *Scraper) scrapeOne(ctx context.Context, t picker.ScrapeTarget) {
 		s.failures.WithLabelValues(reason).Inc()
 		if s.p.ObserveScrapeFailure(t.Address) {
 			s.opts.Log.Info("endpoint left the candidates: its metrics scrapes keep failing", "endpoint", t.Address.String(), "error", err.Error())
+		} else if s.once("read:" + t.Address.String()) {
+			s.opts.Log.Info("WARNING: cannot read an endpoint's metrics; it serves on the picker's ledger alone, and leaves the candidates only if its metrics stop answering after they have answered",
+				"endpoint", t.Address.String(), "error", err.Error())
 		}
 		return
 	}
+	s.forget("read:" + t.Address.String())
 	if s.p.ObserveEngine(t.Address, stats) {
 		s.opts.Log.Info("endpoint is a candidate again: its metrics scrape succeeded", "endpoint", t.Address.String())
 	}
@@ -165,12 +196,18 @@ func (s *Scraper) scrapeOne(ctx context.Context, t picker.ScrapeTarget) {
 
 func (s *Scraper) fetch(ctx context.Context, t picker.ScrapeTarget) (picker.EngineStats, string, error) {
 	engine := t.Engine
-	if engine == "" {
-		engine = EngineVLLM
-	}
 	n, ok := engines[engine]
-	if !ok {
-		return picker.EngineStats{}, "parse", fmt.Errorf("engine type %q is not one of vllm, sglang, trtllm-serve", engine)
+	switch {
+	case engine == "" || engine == EngineVLLM:
+		engine, n = EngineVLLM, s.vllm
+	case !ok:
+		// Read as vLLM, as the upstream picker reads an engine it does not
+		// know.
+		if s.once("engine:" + engine) {
+			s.opts.Log.Info("WARNING: an engine type the picker does not know; its metrics are read by vLLM's names",
+				"engineType", engine, "known", []string{EngineVLLM, EngineSGLang, EngineTRTLLM})
+		}
+		n = s.vllm
 	}
 	addr := t.Address
 	if s.opts.Port != 0 {
@@ -208,6 +245,24 @@ func (s *Scraper) fetch(ctx context.Context, t picker.ScrapeTarget) (picker.Engi
 		return picker.EngineStats{}, "parse", fmt.Errorf("GET %s: no %s or %s in the %s metrics", req.URL, n.running, n.waiting, engine)
 	}
 	return stats, "", nil
+}
+
+// once reports whether key is warned about for the first time.
+func (s *Scraper) once(key string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.warned[key] {
+		return false
+	}
+	s.warned[key] = true
+	return true
+}
+
+// forget lets key be warned about again.
+func (s *Scraper) forget(key string) {
+	s.mu.Lock()
+	delete(s.warned, key)
+	s.mu.Unlock()
 }
 
 // NewTransport returns the HTTP transport scrapes need (tlsConfig for

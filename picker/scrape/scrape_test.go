@@ -129,13 +129,15 @@ func (f *flaky) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 func TestAnEndpointWhoseScrapesFailLeavesTheCandidatesAndComesBack(t *testing.T) {
 	eps, sims := simulators(t, 1, 1000)
 	f := &flaky{next: sims[0]}
-	f.failing.Store(true)
 	bad, stop := serve(t, netip.MustParseAddr("127.0.45.20"), f)
 	defer stop()
 	eps = append(eps, picker.Endpoint{Pod: "flaky", UID: "uid-flaky", Address: bad})
 	p := picker.New(v1alpha1.Default(), picker.Options{ScrapeFailureThreshold: 3})
 	p.Replace(eps)
 	s := New(p, Options{})
+	// Its metrics answered once, then stop: it is suspect.
+	s.Round(t.Context(), p.ScrapeTargets(nil))
+	f.failing.Store(true)
 	for range 3 {
 		s.Round(t.Context(), p.ScrapeTargets(nil))
 	}
@@ -241,5 +243,60 @@ func TestScrapesReuseEachEndpointsConnection(t *testing.T) {
 	}
 	if got := opened.Load(); got != endpoints {
 		t.Errorf("%d rounds over %d endpoints opened %d connections, want one per endpoint", rounds, endpoints, got)
+	}
+}
+
+// An endpoint whose metrics were never read (another port or path, an
+// engine type or metric names the scraper does not know) keeps serving on
+// the ledger: scrapes correct the ledger, they do not decide who serves.
+func TestAnEndpointWhoseMetricsWereNeverReadKeepsServing(t *testing.T) {
+	eps, sims := simulators(t, 1, 1000)
+	f := &flaky{next: sims[0]}
+	f.failing.Store(true)
+	bad, stop := serve(t, netip.MustParseAddr("127.0.45.21"), f)
+	defer stop()
+	odd, stopOdd := serve(t, netip.MustParseAddr("127.0.45.22"), sims[0])
+	defer stopOdd()
+	eps = append(eps, picker.Endpoint{Pod: "unreadable", UID: "uid-unreadable", Address: bad},
+		picker.Endpoint{Pod: "odd-engine", UID: "uid-odd", Address: odd, Engine: "my-engine"})
+	p := picker.New(v1alpha1.Default(), picker.Options{ScrapeFailureThreshold: 3})
+	p.Replace(eps)
+	s := New(p, Options{})
+	for range 5 {
+		s.Round(t.Context(), p.ScrapeTargets(nil))
+	}
+	seen := map[netip.AddrPort]int{}
+	for i := range 30 {
+		r, err := p.Pick(picker.Request{Model: "m", Prompt: fmt.Appendf(nil, "request %d %0800d", i, 0)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		seen[r.Endpoint()]++
+	}
+	if seen[bad] == 0 || seen[odd] == 0 {
+		t.Errorf("placements %v: the endpoint never read (%v) and the one of an unknown engine type (%v) must both serve", seen, bad, odd)
+	}
+	// The unknown engine type is read by vLLM's names, as upstream.
+	for _, st := range p.Snapshot().Endpoints {
+		if st.Endpoint.Address == odd && !st.Scraped {
+			t.Errorf("the endpoint of engine type my-engine was not read by vLLM's names")
+		}
+	}
+}
+
+func TestMetricNameOverridesAreRead(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/metrics", func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprint(w, "custom_running 3\ncustom_waiting 4\nvllm:num_requests_running 100\n")
+	})
+	a, stop := serve(t, netip.MustParseAddr("127.0.45.23"), mux)
+	defer stop()
+	p := picker.New(v1alpha1.Default(), picker.Options{})
+	p.Replace([]picker.Endpoint{{Pod: "custom", Address: a}})
+	s := New(p, Options{VLLM: &MetricNames{Running: "custom_running", Waiting: "custom_waiting"}})
+	s.Round(t.Context(), p.ScrapeTargets(nil))
+	st := p.Snapshot().Endpoints[0]
+	if st.EngineRunning != 3 || st.EngineWaiting != 4 {
+		t.Errorf("running %d, waiting %d; want 3 and 4 from the overriding names", st.EngineRunning, st.EngineWaiting)
 	}
 }
