@@ -30,10 +30,6 @@ import (
 type EngineStats struct {
 	// Running and Waiting are the engine's running and queued requests.
 	Running, Waiting int
-	// QueuedPromptTokens is the prompt tokens the engine says wait to be
-	// prefilled, when HasQueuedPromptTokens.
-	QueuedPromptTokens    int
-	HasQueuedPromptTokens bool
 	// CacheTokens is the KV cache's size in tokens; 0 when not published.
 	CacheTokens int
 	// KVCacheUsage is the share of the KV cache in use (0 to 1), when
@@ -182,10 +178,9 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 	p.observePrefillTimingLocked(w, s, now)
 	e.foreign = max(s.Running+s.Waiting-peak, 0)
 	e.peak, e.trough = w.inFlight, w.inFlight
+	// No engine the scraper reads says how many prompt tokens its queue
+	// holds: a foreign request is sized as the mean prompt placed here.
 	e.foreignTokens = int(p.meanPromptTokens)
-	if s.HasQueuedPromptTokens && s.Waiting > 0 {
-		e.foreignTokens = s.QueuedPromptTokens / s.Waiting
-	}
 	if s.CacheTokens > 0 && s.CacheTokens != e.cacheTokens {
 		e.cacheTokens = s.CacheTokens
 		p.index.SetCapacity(w.id, max(int(int64(s.CacheTokens)*int64(p.cfg.CharsPerToken)/int64(p.cfg.BlockSizeChars)), 1))

@@ -31,14 +31,6 @@ func TestForeignLoadSteersPicksAway(t *testing.T) {
 	}
 }
 
-func TestQueuedTokensSizeForeignRequests(t *testing.T) {
-	p := newPicker(t, 1, testConfig(), Options{})
-	p.ObserveEngine(addr(0), EngineStats{Running: 0, Waiting: 4, QueuedPromptTokens: 40_000, HasQueuedPromptTokens: true})
-	if s := statsOf(p, addr(0)); s.ForeignTokens != 40_000 {
-		t.Errorf("4 foreign requests with 40,000 queued tokens cost %d, want 40000", s.ForeignTokens)
-	}
-}
-
 func TestPrefixCapacityComesFromTheEngine(t *testing.T) {
 	p := newPicker(t, 1, testConfig(), Options{})
 	a := addr(0)
