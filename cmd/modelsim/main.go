@@ -4,6 +4,13 @@
 // metrics. See package test/modelsim/server for what is served.
 //
 //	modelsim --addr 127.0.0.2:8000,127.0.0.3:8000 --time-scale 10
+//	modelsim --lora-modules sql=/adapters/sql,chat --max-loras 2 --lora-load-time 150ms
+//
+// LoRA adapters are off unless --lora-modules names some, as vLLM serves
+// them with --enable-lora --lora-modules name=path ...: here the entries are
+// comma-separated or the flag repeated, and an entry without "=path" is a
+// name alone. --max-loras (default 1, as vLLM's) bounds the adapters running
+// at once; --lora-load-time is what loading one into a slot costs.
 //
 // It logs one "serving" line per address, with the address actually bound
 // (useful with port 0), and shuts down on SIGTERM or SIGINT: it stops
@@ -65,6 +72,36 @@ func (a *addrList) Set(v string) error {
 	return nil
 }
 
+// loraModules is --lora-modules: name or name=path entries, repeatable and
+// comma-separated.
+type loraModules []server.LoRAModule
+
+func (l *loraModules) String() string {
+	parts := make([]string, len(*l))
+	for i, m := range *l {
+		parts[i] = m.Name
+		if m.Path != "" {
+			parts[i] += "=" + m.Path
+		}
+	}
+	return strings.Join(parts, ",")
+}
+
+func (l *loraModules) Set(v string) error {
+	for part := range strings.SplitSeq(v, ",") {
+		part = strings.TrimSpace(part)
+		if part == "" {
+			continue
+		}
+		name, path, _ := strings.Cut(part, "=")
+		if name == "" {
+			return fmt.Errorf("%q has no adapter name: want name or name=path", part)
+		}
+		*l = append(*l, server.LoRAModule{Name: name, Path: path})
+	}
+	return nil
+}
+
 type options struct {
 	addrs         addrList
 	cfg           server.Config
@@ -90,6 +127,10 @@ func parse(args []string, stderr io.Writer) (options, error) {
 		"fraction of streamed responses held back whole until their last token, as a buffering proxy would (0 to 1); chosen per request by a hash of its X-Request-Id header, or of its prompt")
 	fs.Uint64Var(&o.cfg.Seed, "seed", 1, "seed of the fault draws; engine i uses seed+i")
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", defaultShutdownGrace, "on SIGTERM/SIGINT, how long requests in flight may finish before they are cut")
+	var lora loraModules
+	fs.Var(&lora, "lora-modules", "LoRA adapters served besides --model, as name or name=path (path is the root /v1/models reports); repeat or comma-separate (default none: LoRA off)")
+	maxLoRAs := fs.Int("max-loras", server.DefaultMaxLoRAs, "with --lora-modules, how many adapters may run at once (the engine's adapter slots)")
+	loraLoadTime := fs.Duration("lora-load-time", o.cfg.Engine.LoRALoadTime, "with --lora-modules, engine time a step takes longer for each adapter it loads into a slot")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -130,6 +171,34 @@ func parse(args []string, stderr io.Writer) (options, error) {
 	}
 	if o.shutdownGrace < 0 {
 		bad("shutdown-grace", o.shutdownGrace, "must be 0 or more")
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	switch {
+	case len(lora) > 0:
+		o.cfg.LoRAModules = lora
+		o.cfg.Engine.MaxLoRAs = *maxLoRAs
+		o.cfg.Engine.LoRALoadTime = *loraLoadTime
+		if *maxLoRAs < 1 {
+			bad("max-loras", *maxLoRAs, "must be 1 or more")
+		}
+		if *loraLoadTime < 0 {
+			bad("lora-load-time", *loraLoadTime, "must be 0 or more")
+		}
+		names := map[string]bool{}
+		for _, m := range lora {
+			switch {
+			case m.Name == c.Model:
+				bad("lora-modules", m.Name, "names the base model (--model); an adapter needs a name of its own")
+			case names[m.Name]:
+				bad("lora-modules", m.Name, "is given twice")
+			}
+			names[m.Name] = true
+		}
+	case set["max-loras"]:
+		bad("max-loras", *maxLoRAs, "needs --lora-modules: without adapters LoRA is off")
+	case set["lora-load-time"]:
+		bad("lora-load-time", *loraLoadTime, "needs --lora-modules: without adapters LoRA is off")
 	}
 	seen := map[string]bool{}
 	for _, a := range o.addrs {
@@ -196,8 +265,11 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	serveErr := make(chan error, len(servers))
 	var wg sync.WaitGroup
 	for _, s := range servers {
-		log.Info("serving", "addr", s.ln.Addr().String(), "model", o.cfg.Model,
-			"kv_blocks", o.cfg.Engine.KVBlocks, "time_scale", o.cfg.TimeScale)
+		attrs := []any{"addr", s.ln.Addr().String(), "model", o.cfg.Model, "kv_blocks", o.cfg.Engine.KVBlocks, "time_scale", o.cfg.TimeScale}
+		if lora := o.cfg.LoRAModules; len(lora) > 0 {
+			attrs = append(attrs, "lora_modules", (*loraModules)(&lora).String(), "max_loras", o.cfg.Engine.MaxLoRAs)
+		}
+		log.Info("serving", attrs...)
 		wg.Go(func() {
 			if err := s.http.Serve(s.ln); !errors.Is(err, http.ErrServerClosed) {
 				serveErr <- fmt.Errorf("serving %s: %w", s.ln.Addr(), err)

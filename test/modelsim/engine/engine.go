@@ -41,11 +41,29 @@
 // is always computed. Freed blocks that hold a hash stay cached and are
 // evicted least recently used first, a request's last blocks before its first.
 //
+// LoRA adapters (MaxLoRAs above 0), as vLLM v1 schedules them: a request
+// names its adapter (Request.Adapter; "" is the base model). At most
+// MaxLoRAs distinct adapters run at once; a waiting request whose adapter
+// would be one more is skipped, and the requests behind it may be admitted
+// (vLLM skips it too; only a request the KV cache cannot hold stops the
+// queue). The engine has MaxLoRAs adapter slots: a running adapter holds
+// one; an adapter none of whose requests run stays in its slot until
+// another adapter needs a slot and it is the least recently used. A step
+// that admits a request whose adapter is not in a slot loads it, taking
+// LoRALoadTime longer (vLLM loads adapters in the forward pass, so the
+// whole batch waits), and counts it in AdapterLoads. Prefix cache entries
+// are keyed by adapter as vLLM keys block hashes by the adapter's name: the
+// same prompt under two adapters, or under an adapter and the base model,
+// shares no block. (vLLM also keeps up to --max-cpu-loras adapters in host
+// memory, which makes a reload cheaper; the engine has one tier.)
+//
 // Invariant: every block is in exactly one place: the free list, held by
 // running requests (ref > 0), or cached and unreferenced on the LRU list; a
 // request's blocks are taken at admission and given back exactly once, when
-// it finishes or is cancelled. Stats are read from that state, never counted
-// beside it.
+// it finishes or is cancelled. Likewise every running request with an
+// adapter holds its adapter's slot from admission until it leaves, so the
+// running adapters are at most MaxLoRAs and all in slots. Stats are read
+// from that state, never counted beside it.
 package engine
 
 import (
@@ -67,6 +85,9 @@ const (
 	DefaultStepBaseDuration          = 6500 * time.Microsecond
 	DefaultPrefillDurationPerToken   = 19800 * time.Nanosecond
 	DefaultDecodeDurationPerSequence = 25 * time.Microsecond
+	// DefaultLoRALoadTime is the cost of loading a LoRA adapter into a
+	// slot; it matters only with MaxLoRAs above 0.
+	DefaultLoRALoadTime = 200 * time.Millisecond
 )
 
 // Config sizes the engine and sets its latency model.
@@ -85,6 +106,13 @@ type Config struct {
 	PrefillDurationPerToken time.Duration
 	// DecodeDurationPerSequence is added per sequence decoding in a step.
 	DecodeDurationPerSequence time.Duration
+	// MaxLoRAs is how many distinct LoRA adapters may run at once, and
+	// how many adapter slots the engine has (vLLM's --max-loras); 0 serves
+	// the base model alone and refuses requests that name an adapter.
+	MaxLoRAs int
+	// LoRALoadTime is added to a step for each adapter it loads into a
+	// slot.
+	LoRALoadTime time.Duration
 }
 
 // DefaultConfig returns the configuration of the latency model described in
@@ -98,6 +126,7 @@ func DefaultConfig() Config {
 		StepBaseDuration:          DefaultStepBaseDuration,
 		PrefillDurationPerToken:   DefaultPrefillDurationPerToken,
 		DecodeDurationPerSequence: DefaultDecodeDurationPerSequence,
+		LoRALoadTime:              DefaultLoRALoadTime,
 	}
 }
 
@@ -129,6 +158,12 @@ func (c Config) Validate() error {
 	if c.DecodeDurationPerSequence < 0 {
 		bad("DecodeDurationPerSequence", c.DecodeDurationPerSequence, "must be 0 or more")
 	}
+	if c.MaxLoRAs < 0 {
+		bad("MaxLoRAs", c.MaxLoRAs, "must be 0 (no adapters) or more")
+	}
+	if c.LoRALoadTime < 0 {
+		bad("LoRALoadTime", c.LoRALoadTime, "must be 0 or more")
+	}
 	return errors.Join(errs...)
 }
 
@@ -145,8 +180,12 @@ type Request struct {
 	// order, each hash covering its block and every block before it (a
 	// chain), so equal hashes mean equal prefixes. At most one per block of
 	// the prompt (a last, partial block may have one); fewer is fine. The
-	// engine keeps the slice: do not modify it afterwards.
+	// engine keeps the slice: do not modify it afterwards. The caller need
+	// not mix the adapter in: the engine keys the cache by Adapter itself.
 	BlockHashes []uint64
+	// Adapter names the LoRA adapter the request runs with; "" is the
+	// base model. Only an engine with MaxLoRAs above 0 takes adapters.
+	Adapter string
 }
 
 // EventKind says what happened to a request.
@@ -233,6 +272,11 @@ type Stats struct {
 	PromptTokens int64
 	// BusyTime is the total duration of the steps started so far.
 	BusyTime time.Duration
+	// RunningAdapters is how many distinct LoRA adapters the running
+	// requests use (at most MaxLoRAs). AdapterLoads counts adapters loaded
+	// into a slot, a free one or one whose adapter was evicted: the swaps.
+	RunningAdapters int
+	AdapterLoads    int64
 }
 
 // KVCacheUsage is the fraction of blocks held by running requests, as vLLM's
@@ -275,6 +319,12 @@ type request struct {
 	scheduledAt time.Duration
 }
 
+// loraSlot holds one adapter's weights. An adapter is in at most one slot.
+type loraSlot struct {
+	adapter  string // "" while the slot is free
+	lastUsed int64  // Engine.loraTick when a request of the adapter last joined or left the batch
+}
+
 type scheduled struct {
 	r       *request
 	prefill int // prompt tokens in this step; 0 means a decode
@@ -294,6 +344,12 @@ type Engine struct {
 	requests map[string]*request
 	waiting  []*request // FIFO
 	running  []*request // in admission order
+
+	// LoRA state, used only with MaxLoRAs above 0.
+	slots       []loraSlot     // MaxLoRAs of them
+	slotOf      map[string]int // resident adapter -> its slot
+	loraRunning map[string]int // adapter -> running requests; absent at 0
+	loraTick    int64
 
 	inFlight  bool
 	stepStart time.Duration
@@ -317,6 +373,11 @@ func New(cfg Config) (*Engine, error) {
 		lruTail:  noBlock,
 		byHash:   make(map[uint64]int32),
 		requests: make(map[string]*request),
+	}
+	if cfg.MaxLoRAs > 0 {
+		e.slots = make([]loraSlot, cfg.MaxLoRAs)
+		e.slotOf = make(map[string]int, cfg.MaxLoRAs)
+		e.loraRunning = make(map[string]int, cfg.MaxLoRAs)
 	}
 	// Pop order from the end: block 0 first.
 	for i := range e.free {
@@ -356,6 +417,8 @@ func (e *Engine) Add(r Request) error {
 		return fmt.Errorf("engine: request %q: PromptTokens %d is invalid: must be 1 or more", r.ID, r.PromptTokens)
 	case r.OutputTokens < 1:
 		return fmt.Errorf("engine: request %q: OutputTokens %d is invalid: must be 1 or more", r.ID, r.OutputTokens)
+	case r.Adapter != "" && e.cfg.MaxLoRAs == 0:
+		return fmt.Errorf("engine: request %q: Adapter %q is invalid: the engine serves no adapters (MaxLoRAs is 0)", r.ID, r.Adapter)
 	}
 	promptBlocks := (r.PromptTokens + e.cfg.BlockSizeTokens - 1) / e.cfg.BlockSizeTokens
 	if len(r.BlockHashes) > promptBlocks {
@@ -365,6 +428,9 @@ func (e *Engine) Add(r Request) error {
 	if need := e.BlocksNeeded(r.PromptTokens, r.OutputTokens); need > e.cfg.KVBlocks {
 		return fmt.Errorf("engine: request %q: %d prompt + %d output tokens need %d KV blocks; the cache holds %d (%d tokens)",
 			r.ID, r.PromptTokens, r.OutputTokens, need, e.cfg.KVBlocks, e.cfg.KVBlocks*e.cfg.BlockSizeTokens)
+	}
+	if r.Adapter != "" {
+		r.BlockHashes = adapterBlockHashes(r.BlockHashes, r.Adapter)
 	}
 	req := &request{Request: r, state: waiting, arrived: e.now}
 	e.requests[r.ID] = req
@@ -459,6 +525,7 @@ func (e *Engine) Stats() Stats {
 	s.KVBlocksCached = e.lruLen
 	s.KVBlocksInUse = e.cfg.KVBlocks - len(e.free) - e.lruLen
 	s.QueuedPrefillTokens = e.queuedPrefillTokens()
+	s.RunningAdapters = len(e.loraRunning)
 	return s
 }
 
@@ -487,7 +554,7 @@ func (e *Engine) queuedPrefillTokens() int {
 }
 
 // startStep schedules a step at Now: running requests first, then admits
-// waiting ones in FIFO order.
+// waiting ones in FIFO order, skipping those whose adapter cannot run yet.
 func (e *Engine) startStep() {
 	budget := e.cfg.StepBudgetTokens
 	prefillTokens, decodes := 0, 0
@@ -507,14 +574,26 @@ func (e *Engine) startStep() {
 		budget--
 		decodes++
 	}
-	for len(e.waiting) > 0 && len(e.running) < e.cfg.MaxRunningRequests && budget > 0 {
-		r := e.waiting[0]
-		if !e.admit(r) {
-			break // first come, first served: nobody overtakes the head
+	loads := 0
+	for i := 0; i < len(e.waiting) && len(e.running) < e.cfg.MaxRunningRequests && budget > 0; {
+		r := e.waiting[i]
+		if !e.adapterFits(r.Adapter) {
+			i++ // as vLLM: skipped for this step, keeping its place
+			continue
 		}
-		e.waiting[0] = nil
-		e.waiting = e.waiting[1:]
+		if !e.admit(r) {
+			break // first come, first served: nobody overtakes for memory
+		}
+		if i == 0 {
+			e.waiting[0] = nil
+			e.waiting = e.waiting[1:]
+		} else {
+			e.waiting = slices.Delete(e.waiting, i, i+1)
+		}
 		e.running = append(e.running, r)
+		if e.holdAdapter(r.Adapter) {
+			loads++
+		}
 		n := min(r.PromptTokens-r.computed, budget)
 		e.schedulePrefill(r, n)
 		budget -= n
@@ -522,7 +601,8 @@ func (e *Engine) startStep() {
 	}
 	d := e.cfg.StepBaseDuration +
 		time.Duration(prefillTokens)*e.cfg.PrefillDurationPerToken +
-		time.Duration(decodes)*e.cfg.DecodeDurationPerSequence
+		time.Duration(decodes)*e.cfg.DecodeDurationPerSequence +
+		time.Duration(loads)*e.cfg.LoRALoadTime
 	e.inFlight = true
 	e.stepStart = e.now
 	e.stepEnd = e.now + d
@@ -650,9 +730,70 @@ func (e *Engine) emit(kind EventKind, r *request) {
 	})
 }
 
+// adapterFits reports whether a request of adapter may join the batch: the
+// base model always may; an adapter if it runs already or fewer than
+// MaxLoRAs adapters run.
+func (e *Engine) adapterFits(adapter string) bool {
+	return adapter == "" || e.loraRunning[adapter] > 0 || len(e.loraRunning) < e.cfg.MaxLoRAs
+}
+
+// holdAdapter counts a request of adapter joining the batch, loading the
+// adapter into a slot if it is in none. It reports whether it loaded.
+func (e *Engine) holdAdapter(adapter string) (loaded bool) {
+	if adapter == "" {
+		return false
+	}
+	e.loraRunning[adapter]++
+	e.loraTick++
+	if i, ok := e.slotOf[adapter]; ok {
+		e.slots[i].lastUsed = e.loraTick
+		return false
+	}
+	// adapterFits let fewer than MaxLoRAs adapters run, and every running
+	// adapter is in a slot: a slot is free or holds an adapter none of
+	// whose requests run. Take a free one, or the least recently used.
+	victim := -1
+	for i, s := range e.slots {
+		if s.adapter == "" {
+			victim = i
+			break
+		}
+		if e.loraRunning[s.adapter] == 0 && (victim < 0 || s.lastUsed < e.slots[victim].lastUsed) {
+			victim = i
+		}
+	}
+	if victim < 0 {
+		panic("engine: no adapter slot to load into; adapterFits checked there was one")
+	}
+	if old := e.slots[victim].adapter; old != "" {
+		delete(e.slotOf, old)
+	}
+	e.slots[victim] = loraSlot{adapter: adapter, lastUsed: e.loraTick}
+	e.slotOf[adapter] = victim
+	e.stats.AdapterLoads++
+	return true
+}
+
+// dropAdapter counts a request of adapter leaving the batch; the adapter
+// stays in its slot.
+func (e *Engine) dropAdapter(adapter string) {
+	if adapter == "" {
+		return
+	}
+	if n := e.loraRunning[adapter] - 1; n > 0 {
+		e.loraRunning[adapter] = n
+	} else {
+		delete(e.loraRunning, adapter)
+	}
+	e.loraTick++
+	e.slots[e.slotOf[adapter]].lastUsed = e.loraTick
+}
+
 // release gives back r's blocks, last first, so that a prompt's tail is
-// evicted before its head (the head is the part other prompts share).
+// evicted before its head (the head is the part other prompts share), and
+// its hold on its adapter.
 func (e *Engine) release(r *request) {
+	e.dropAdapter(r.Adapter)
 	for i := len(r.blocks) - 1; i >= 0; i-- {
 		idx := r.blocks[i]
 		b := &e.blocks[idx]

@@ -55,6 +55,11 @@ type collector struct {
 	// queuedPrefill is the simulator's own: vLLM exports no such gauge. It
 	// is the truth the picker's prefill estimate is tested against.
 	queuedPrefill *prometheus.Desc
+	// loraInfo and adapterLoads are nil without LoRA adapters, as vLLM
+	// writes lora_requests_info only with LoRA enabled. adapterLoads is
+	// the simulator's own: the swaps a benchmark reports.
+	loraInfo, adapterLoads *prometheus.Desc
+	maxLoRA                string
 }
 
 func newCollector(s *Server) *collector {
@@ -62,7 +67,7 @@ func newCollector(s *Server) *collector {
 	info := commonLabels(s.cfg.Model)
 	info["block_size"] = strconv.Itoa(s.cfg.Engine.BlockSizeTokens)
 	info["num_gpu_blocks"] = strconv.Itoa(s.cfg.Engine.KVBlocks)
-	return &collector{
+	c := &collector{
 		s:       s,
 		running: prometheus.NewDesc("vllm:num_requests_running", "Number of requests in model execution batches.", nil, l),
 		waiting: prometheus.NewDesc("vllm:num_requests_waiting", "Number of requests waiting to be processed.", nil, l),
@@ -77,16 +82,28 @@ func newCollector(s *Server) *collector {
 		queuedPrefill: prometheus.NewDesc("modelsim_queued_prefill_tokens",
 			"Prompt tokens not yet computed over waiting and running requests (simulator only; cached tokens excluded).", nil, l),
 	}
+	if len(s.cfg.LoRAModules) > 0 {
+		// vLLM gives this gauge its three labels and no others: not
+		// model_name, not engine.
+		c.loraInfo = prometheus.NewDesc("vllm:lora_requests_info", "Running stats on lora requests.",
+			[]string{"max_lora", "waiting_lora_adapters", "running_lora_adapters"}, nil)
+		c.maxLoRA = strconv.Itoa(s.cfg.Engine.MaxLoRAs)
+		c.adapterLoads = prometheus.NewDesc("modelsim_lora_adapter_loads_total",
+			"LoRA adapters loaded into a slot, free or evicted (simulator only).", nil, l)
+	}
+	return c
 }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.running, c.waiting, c.usage, c.queries, c.hits, c.info, c.finish, c.promptTokens, c.queuedPrefill} {
-		ch <- d
+	for _, d := range []*prometheus.Desc{c.running, c.waiting, c.usage, c.queries, c.hits, c.info, c.finish, c.promptTokens, c.queuedPrefill, c.loraInfo, c.adapterLoads} {
+		if d != nil {
+			ch <- d
+		}
 	}
 }
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
-	st := c.s.Stats()
+	st, lora := c.s.metricsSnapshot()
 	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
 	}
@@ -106,4 +123,10 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(c.finish, 0, "stop")
 	counter(c.finish, float64(st.FinishedRequests), "length")
 	counter(c.finish, float64(st.AbortedRequests), "abort")
+	if c.loraInfo != nil {
+		for _, l := range lora {
+			gauge(c.loraInfo, l.at, c.maxLoRA, l.labels.waiting, l.labels.running)
+		}
+		counter(c.adapterLoads, float64(st.AdapterLoads))
+	}
 }

@@ -2,6 +2,7 @@ package server
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -26,6 +27,8 @@ type generateRequest struct {
 	Stream              bool            `json:"stream"`
 	MaxTokens           *int            `json:"max_tokens"`
 	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	// adapter is the LoRA adapter Model names; "" is the base model.
+	adapter string
 }
 
 type chatMessage struct {
@@ -106,7 +109,7 @@ func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request, chat boo
 	out := &output{
 		id:            prefix + strconv.FormatUint(s.nextID.Add(1), 10),
 		chat:          chat,
-		model:         s.cfg.Model,
+		model:         cmp.Or(req.adapter, s.cfg.Model), // vLLM answers with the adapter's name
 		created:       time.Now().Unix(),
 		charsPerToken: s.cfg.CharsPerToken,
 		promptTokens:  p.tokens,
@@ -117,7 +120,7 @@ func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request, chat boo
 		requestID = r.Header.Get(h)
 	}
 	late := req.Stream && s.lateFirstBytes(requestID, p.key)
-	pend, err := s.submit(engine.Request{ID: out.id, PromptTokens: p.tokens, OutputTokens: out.maxTokens, BlockHashes: p.hashes})
+	pend, err := s.submit(engine.Request{ID: out.id, PromptTokens: p.tokens, OutputTokens: out.maxTokens, BlockHashes: p.hashes, Adapter: req.adapter})
 	if err != nil {
 		writeError(w, badRequest("%v", err))
 		return
@@ -184,7 +187,10 @@ func (s *Server) parse(w http.ResponseWriter, r *http.Request, chat bool) (gener
 		return req, prompt{}, badRequest("invalid JSON body: %v", err)
 	}
 	if req.Model != "" && req.Model != s.cfg.Model {
-		return req, prompt{}, &apiError{http.StatusNotFound, "NotFoundError", fmt.Sprintf("The model `%s` does not exist; this server serves %q.", req.Model, s.cfg.Model)}
+		if _, ok := s.adapters[req.Model]; !ok {
+			return req, prompt{}, &apiError{http.StatusNotFound, "NotFoundError", fmt.Sprintf("The model `%s` does not exist; this server serves %s.", req.Model, s.servedModels())}
+		}
+		req.adapter = req.Model
 	}
 	for _, f := range []struct {
 		name string
@@ -438,19 +444,44 @@ func (o *output) writeJSON(w http.ResponseWriter, cached int) {
 	_ = json.NewEncoder(w).Encode(o.response(object, []choice{c}, o.usage(cached)))
 }
 
+// servedModels names the base model and the adapters for an error message.
+func (s *Server) servedModels() string {
+	served := strconv.Quote(s.cfg.Model)
+	if len(s.cfg.LoRAModules) == 0 {
+		return served
+	}
+	names := make([]string, len(s.cfg.LoRAModules))
+	for i, m := range s.cfg.LoRAModules {
+		names[i] = strconv.Quote(m.Name)
+	}
+	return served + " and the LoRA adapters " + strings.Join(names, ", ")
+}
+
+// modelCard is an entry of GET /v1/models as vLLM writes it (its ModelCard,
+// less the permission list): the base model has no parent; an adapter has
+// the base model as parent, its path as root and no max_model_len.
+type modelCard struct {
+	ID          string  `json:"id"`
+	Object      string  `json:"object"`
+	Created     int64   `json:"created"`
+	OwnedBy     string  `json:"owned_by"`
+	Root        string  `json:"root"`
+	Parent      *string `json:"parent"`
+	MaxModelLen *int    `json:"max_model_len"`
+}
+
 func (s *Server) handleModels(w http.ResponseWriter, _ *http.Request) {
+	maxLen := s.cfg.Engine.KVBlocks * s.cfg.Engine.BlockSizeTokens
+	base := s.cfg.Model
+	cards := []modelCard{{ID: base, Object: "model", Created: s.start.Unix(), OwnedBy: "vllm", Root: base, MaxModelLen: &maxLen}}
+	for _, m := range s.cfg.LoRAModules {
+		cards = append(cards, modelCard{
+			ID: m.Name, Object: "model", Created: s.start.Unix(), OwnedBy: "vllm",
+			Root: cmp.Or(m.Path, m.Name), Parent: &base,
+		})
+	}
 	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(map[string]any{
-		"object": "list",
-		"data": []map[string]any{{
-			"id":            s.cfg.Model,
-			"object":        "model",
-			"created":       s.start.Unix(),
-			"owned_by":      "vllm",
-			"root":          s.cfg.Model,
-			"max_model_len": s.cfg.Engine.KVBlocks * s.cfg.Engine.BlockSizeTokens,
-		}},
-	})
+	_ = json.NewEncoder(w).Encode(map[string]any{"object": "list", "data": cards})
 }
 
 func (s *Server) handleHealth(w http.ResponseWriter, _ *http.Request) {

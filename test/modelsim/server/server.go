@@ -27,6 +27,13 @@
 // last token, as a buffering proxy would, so the first byte no longer marks
 // the end of prefill.
 //
+// LoRA adapters (LoRAModules, off by default) are served as vLLM serves
+// --lora-modules: a request whose model names an adapter runs with it (the
+// engine schedules at most Engine.MaxLoRAs adapters at once, loads them
+// into slots and keeps their prefix cache apart), /v1/models lists them
+// with the base model as parent, and /metrics adds vllm:lora_requests_info
+// and the simulator's own modelsim_lora_adapter_loads_total.
+//
 // Invariant: the engine is touched only under Server.mu, and every request
 // added to it leaves exactly once: it finishes, or its handler cancels it
 // when the client goes away.
@@ -57,6 +64,9 @@ const (
 	// DefaultRequestIDHeader is the header Envoy and the dev gateway name
 	// each request by.
 	DefaultRequestIDHeader = "X-Request-Id"
+	// DefaultMaxLoRAs is vLLM's default --max-loras, for a configuration
+	// that serves LoRAModules (one that serves none has Engine.MaxLoRAs 0).
+	DefaultMaxLoRAs = 1
 	// MaxTimeScale keeps virtual nanoseconds within int64 for over 100 days.
 	MaxTimeScale = 1000
 	// maxRequestBytes bounds a request body.
@@ -97,6 +107,11 @@ type Config struct {
 	// choices made per request (LateFirstByteFraction); "" tells requests
 	// apart by their prompts alone.
 	RequestIDHeader string
+	// LoRAModules are the LoRA adapters served besides Model; empty (the
+	// default) serves the base model alone. With adapters,
+	// Engine.MaxLoRAs must be 1 or more (vLLM's default --max-loras is 1);
+	// without, it must be 0.
+	LoRAModules []LoRAModule
 }
 
 // DefaultConfig returns a configuration with the engine's default latency
@@ -138,6 +153,7 @@ func (c Config) Validate() error {
 	if !(c.LateFirstByteFraction >= 0 && c.LateFirstByteFraction <= 1) {
 		bad("LateFirstByteFraction", c.LateFirstByteFraction, "must be from 0 to 1")
 	}
+	c.validateLoRA(bad)
 	if err := c.Engine.Validate(); err != nil {
 		errs = append(errs, err)
 	}
@@ -157,6 +173,9 @@ type Server struct {
 	rng     *rand.Rand
 	ttft    prometheus.Histogram
 	prefill prometheus.Histogram
+	lora    *loraRequests // nil without LoRAModules
+
+	adapters map[string]LoRAModule // by name; read-only
 
 	nextID     atomic.Uint64
 	metricsOff atomic.Bool   // FailMetrics
@@ -170,6 +189,7 @@ type Server struct {
 // Server.mu.
 type pending struct {
 	notify   chan struct{} // capacity 1: something changed
+	adapter  string        // "" for the base model
 	tokens   int           // output tokens produced so far
 	cached   int           // prompt tokens found in the prefix cache
 	prefill  time.Duration // first scheduled to first token, engine time
@@ -195,6 +215,13 @@ func New(cfg Config) (*Server, error) {
 		wake:       make(chan struct{}, 1),
 		done:       make(chan struct{}),
 		driverDone: make(chan struct{}),
+		adapters:   make(map[string]LoRAModule, len(cfg.LoRAModules)),
+	}
+	for _, m := range cfg.LoRAModules {
+		s.adapters[m.Name] = m
+	}
+	if len(cfg.LoRAModules) > 0 {
+		s.lora = newLoRARequests()
 	}
 	reg := prometheus.NewRegistry()
 	s.ttft = newTTFTHistogram(cfg.Model)
@@ -245,10 +272,29 @@ func (s *Server) FailMetrics(failing bool) { s.metricsOff.Store(failing) }
 
 // Stats returns the engine's gauges and counters at the current time.
 func (s *Server) Stats() engine.Stats {
+	st, _ := s.metricsSnapshot()
+	return st
+}
+
+// loraInfoSeries is one series of vllm:lora_requests_info.
+type loraInfoSeries struct {
+	labels loraInfoLabels
+	at     float64 // unix seconds of its last write
+}
+
+// metricsSnapshot reads the engine and the LoRA gauge's series at once.
+func (s *Server) metricsSnapshot() (engine.Stats, []loraInfoSeries) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.advanceLocked()
-	return s.eng.Stats()
+	var series []loraInfoSeries
+	if s.lora != nil {
+		series = make([]loraInfoSeries, 0, len(s.lora.series))
+		for l, at := range s.lora.series {
+			series = append(series, loraInfoSeries{l, at})
+		}
+	}
+	return s.eng.Stats(), series
 }
 
 func (s *Server) closed() bool {
@@ -271,7 +317,8 @@ func (s *Server) advanceLocked() {
 	if s.closed() {
 		return
 	}
-	for _, ev := range s.eng.AdvanceTo(s.virtualNow()) {
+	events := s.eng.AdvanceTo(s.virtualNow())
+	for _, ev := range events {
 		p := s.pending[ev.ID]
 		if p == nil {
 			continue
@@ -282,6 +329,9 @@ func (s *Server) advanceLocked() {
 			p.prefill = ev.At - ev.Scheduled
 			p.cached = ev.CachedTokens
 			p.tokens = ev.OutputTokens
+			if s.lora != nil {
+				s.lora.started(p.adapter)
+			}
 		case engine.Token:
 			p.tokens = ev.OutputTokens
 		case engine.Finished:
@@ -290,11 +340,19 @@ func (s *Server) advanceLocked() {
 			s.prefill.Observe(p.prefill.Seconds())
 			p.finished = true
 			delete(s.pending, ev.ID)
+			if s.lora != nil {
+				s.lora.left(p.adapter, true)
+			}
 		}
 		select {
 		case p.notify <- struct{}{}:
 		default: // a notification is already waiting; the handler reads the latest state
 		}
+	}
+	// vLLM writes the LoRA gauge as it processes a step's outputs; a step
+	// with none (a prefill chunk) changes nothing it reports.
+	if s.lora != nil && len(events) > 0 {
+		s.lora.record(time.Now())
 	}
 }
 
@@ -336,12 +394,15 @@ func (s *Server) wakeDriver() {
 
 // submit adds r to the engine at the current time.
 func (s *Server) submit(r engine.Request) (*pending, error) {
-	p := &pending{notify: make(chan struct{}, 1)}
+	p := &pending{notify: make(chan struct{}, 1), adapter: r.Adapter}
 	s.mu.Lock()
 	s.advanceLocked()
 	err := s.eng.Add(r)
 	if err == nil {
 		s.pending[r.ID] = p
+		if s.lora != nil {
+			s.lora.add(r.Adapter)
+		}
 	}
 	s.mu.Unlock()
 	if err != nil {
@@ -359,9 +420,13 @@ func (s *Server) cancel(id string) {
 		return
 	}
 	s.advanceLocked()
-	if _, ok := s.pending[id]; ok {
+	if p, ok := s.pending[id]; ok {
 		delete(s.pending, id)
 		s.eng.Cancel(id)
+		if s.lora != nil {
+			// As vLLM aborts: the gauge shows it at the next step's record.
+			s.lora.left(p.adapter, p.tokens > 0)
+		}
 	}
 }
 
