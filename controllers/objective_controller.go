@@ -26,8 +26,9 @@ type ObjectiveSink interface{ ReplaceObjectives(map[string]int) }
 // namespace and tells Sink the priorities of those that name the pool.
 //
 // It writes nothing to the cluster: upstream's picker (v1.5.0) sets no
-// status on an InferenceObjective either, so an objective's status keeps the
-// CRD's default condition.
+// status on an InferenceObjective either, so an objective's status stays
+// empty (the CRD's default condition is applied only to a status someone
+// writes).
 type InferenceObjectiveReconciler struct {
 	// Client reads the manager's cache.
 	Client client.Reader
@@ -61,10 +62,7 @@ func ObjectivesOf(pool string, objectives []v1alpha2.InferenceObjective) map[str
 	out := make(map[string]int, len(objectives))
 	for i := range objectives {
 		o := &objectives[i]
-		ref := o.Spec.PoolRef
-		if string(ref.Name) != pool || o.DeletionTimestamp != nil ||
-			(ref.Group != "" && ref.Group != infv1.GroupName) ||
-			(ref.Kind != "" && ref.Kind != "InferencePool") {
+		if o.DeletionTimestamp != nil || !refersToPool(o.Spec.PoolRef, pool) {
 			continue
 		}
 		var p int
@@ -74,6 +72,15 @@ func ObjectivesOf(pool string, objectives []v1alpha2.InferenceObjective) map[str
 		out[o.Name] = p
 	}
 	return out
+}
+
+// refersToPool says whether ref names the InferencePool pool. An empty
+// group or kind counts as inference.networking.k8s.io and InferencePool: the
+// CRDs default both.
+func refersToPool(ref v1alpha2.PoolObjectReference, pool string) bool {
+	return string(ref.Name) == pool &&
+		(ref.Group == "" || ref.Group == infv1.GroupName) &&
+		(ref.Kind == "" || ref.Kind == "InferencePool")
 }
 
 // SetupWithManager watches every objective in the cached namespace, including

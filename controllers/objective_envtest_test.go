@@ -34,7 +34,7 @@ var _ = Describe("The picker's objectives", func() {
 	BeforeEach(func() {
 		ns = newNamespace()
 		sink = &recordingSink{}
-		mgr := newObjectivesManager(ns, nil)
+		mgr := newManager(ns, nil)
 		Expect(controllers.SetupObjectives(mgr, types.NamespacedName{Namespace: ns, Name: poolName}, sink)).To(Succeed())
 		run(mgr)
 	})
@@ -101,7 +101,7 @@ var _ = DescribeTable("Without InferenceObjective served, objectives are off and
 	func(instead schema.GroupVersion) {
 		ns := newNamespace()
 		log := &logLines{}
-		mgr := newObjectivesManager(ns, func(o *ctrl.Options) {
+		mgr := newManager(ns, func(o *ctrl.Options) {
 			o.Logger = funcr.New(log.add, funcr.Options{})
 			o.MapperProvider = func(c *rest.Config, h *http.Client) (meta.RESTMapper, error) {
 				m, err := apiutil.NewDynamicRESTMapper(c, h)
@@ -123,7 +123,8 @@ var _ = DescribeTable("Without InferenceObjective served, objectives are off and
 	Entry("when the group and version are served without the kind", schema.GroupVersion{Group: "inference.networking.k8s.io", Version: "v1"}),
 )
 
-// notServing looks InferenceObjective up in another group and version.
+// notServing looks the v1alpha2 kinds (InferenceObjective,
+// InferenceModelRewrite) up in another group and version.
 type notServing struct {
 	meta.RESTMapper
 	instead schema.GroupVersion
@@ -185,9 +186,9 @@ func (l *logLines) matching(substr string) []string {
 	return out
 }
 
-// newObjectivesManager builds a manager as the picker binary does (Scheme,
+// newManager builds a manager as the picker binary does (Scheme,
 // CacheOptions) for namespace ns; configure, when set, changes its options.
-func newObjectivesManager(ns string, configure func(*ctrl.Options)) ctrl.Manager {
+func newManager(ns string, configure func(*ctrl.Options)) ctrl.Manager {
 	opts := ctrl.Options{
 		Scheme:     controllers.Scheme(),
 		Cache:      controllers.CacheOptions(ns),

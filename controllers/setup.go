@@ -24,8 +24,8 @@ import (
 // +kubebuilder:rbac:groups=coordination.k8s.io,namespace=tally-system,resources=leases,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups="",namespace=tally-system,resources=events,verbs=create;patch
 
-// Scheme returns a scheme with the client-go core types, InferencePool v1 and
-// InferenceObjective v1alpha2.
+// Scheme returns a scheme with the client-go core types, InferencePool v1,
+// and InferenceObjective and InferenceModelRewrite v1alpha2.
 func Scheme() *runtime.Scheme {
 	s := runtime.NewScheme()
 	// Registering compiled-in types fails only on a programming error
@@ -89,23 +89,58 @@ func SetupObjectives(mgr ctrl.Manager, pool types.NamespacedName, sink Objective
 	if sink == nil {
 		return errors.New("objective sink is nil: the reconciler needs an ObjectiveSink to feed")
 	}
-	gk := schema.GroupKind{Group: v1alpha2.GroupName, Kind: v1alpha2.KindInferenceObjective}
-	if _, err := mgr.GetRESTMapper().RESTMapping(gk, v1alpha2.SchemeGroupVersion.Version); err != nil {
-		if meta.IsNoMatchError(err) {
-			mgr.GetLogger().Info("InferenceObjectives are off: every request has priority 0",
-				"reason", "the API server does not serve "+gk.Kind+" "+v1alpha2.SchemeGroupVersion.String()+" (is its CRD installed?)",
-				"error", err.Error())
-			return nil
-		}
-		return fmt.Errorf("looking up whether the API server serves %s %s: %w", gk.Kind, v1alpha2.SchemeGroupVersion, err)
+	served, err := v1alpha2Served(mgr, v1alpha2.KindInferenceObjective, "InferenceObjectives are off: every request has priority 0")
+	if err != nil || !served {
+		return err
 	}
 	r := &InferenceObjectiveReconciler{Client: mgr.GetClient(), Pool: pool, Sink: sink}
 	return r.SetupWithManager(mgr)
 }
 
+// SetupRewrites registers the InferenceModelRewrite reconciler on mgr. It
+// keeps sink equal to the rules of the rewrites that reference the pool
+// named pool, in the namespace that the manager's cache covers.
+//
+// When the API server does not serve InferenceModelRewrite v1alpha2, rewrites
+// are off, as objectives are in SetupObjectives: one info line, nil, and
+// every request keeps its model.
+func SetupRewrites(mgr ctrl.Manager, pool types.NamespacedName, sink RewriteSink) error {
+	if pool.Name == "" || pool.Namespace == "" {
+		return fmt.Errorf("InferencePool %q: both a name and a namespace are required", pool)
+	}
+	if sink == nil {
+		return errors.New("rewrite sink is nil: the reconciler needs a RewriteSink to feed")
+	}
+	served, err := v1alpha2Served(mgr, v1alpha2.KindInferenceModelRewrite, "InferenceModelRewrites are off: no request's model is rewritten")
+	if err != nil || !served {
+		return err
+	}
+	r := &InferenceModelRewriteReconciler{Client: mgr.GetClient(), Pool: pool, Sink: sink}
+	return r.SetupWithManager(mgr)
+}
+
+// v1alpha2Served looks up once whether the API server serves kind in
+// v1alpha2. When it does not (its CRD is not installed), it logs off, the
+// consequence, as one info line through the manager's logger and returns
+// false; any other failure to look it up is returned.
+func v1alpha2Served(mgr ctrl.Manager, kind, off string) (bool, error) {
+	gk := schema.GroupKind{Group: v1alpha2.GroupName, Kind: kind}
+	if _, err := mgr.GetRESTMapper().RESTMapping(gk, v1alpha2.SchemeGroupVersion.Version); err != nil {
+		if meta.IsNoMatchError(err) {
+			mgr.GetLogger().Info(off,
+				"reason", "the API server does not serve "+gk.Kind+" "+v1alpha2.SchemeGroupVersion.String()+" (is its CRD installed?)",
+				"error", err.Error())
+			return false, nil
+		}
+		return false, fmt.Errorf("looking up whether the API server serves %s %s: %w", gk.Kind, v1alpha2.SchemeGroupVersion, err)
+	}
+	return true, nil
+}
+
 // readOnlyController is the NeedLeaderElection option of every controller:
 // they write nothing to the cluster, so every replica runs them and a standby
-// holds a current endpoint set (and objectives) the moment it takes over.
+// holds a current endpoint set (and objectives and rewrites) the moment it
+// takes over.
 func readOnlyController() *bool {
 	return new(false)
 }

@@ -5,9 +5,9 @@
 #     (the namespaced Role) and cmd/epp (the ClusterRole for metrics auth),
 #   - the InferencePool CRD in config/crd/bases and charts/tally/crds, copied
 #     unchanged from the gateway-api-inference-extension module go.mod pins,
-#   - the InferenceObjective CRD beside it, from that module's v1.5.0 (v1.6.0
-#     no longer has it; api/v1alpha2 declares its types), under
-#     one comment line naming its source.
+#   - the InferenceObjective and InferenceModelRewrite CRDs beside it, from
+#     that module's v1.5.0 (v1.6.0 no longer has them; api/v1alpha2 declares
+#     their types), each under one comment line naming its source.
 # Run from anywhere; it works from the repository root.
 set -euo pipefail
 
@@ -27,15 +27,17 @@ for dir in config/crd/bases charts/tally/crds; do
   chmod 644 "${dir}/${crd}"
 done
 
-# Pinned apart from go.mod: v1.6.0, which go.mod pins, no longer has InferenceObjective
-# (test/manifests checks the copies against it).
-objective_version="v1.5.0"
-objective_crd="inference.networking.x-k8s.io_inferenceobjectives.yaml"
-objective_dir="$(go mod download -json "sigs.k8s.io/gateway-api-inference-extension@${objective_version}" |
+# Pinned apart from go.mod: v1.6.0, which go.mod pins, no longer has
+# InferenceObjective or InferenceModelRewrite (test/manifests checks the
+# copies against v1.5.0).
+v1alpha2_version="v1.5.0"
+v1alpha2_dir="$(go mod download -json "sigs.k8s.io/gateway-api-inference-extension@${v1alpha2_version}" |
   sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
-for dir in config/crd/bases charts/tally/crds; do
-  {
-    echo "# Source: gateway-api-inference-extension ${objective_version} config/crd/bases/${objective_crd} (Apache-2.0), unchanged below this line; copied by hack/manifests.sh."
-    cat "${objective_dir}/config/crd/bases/${objective_crd}"
-  } >"${dir}/${objective_crd}"
+for v1alpha2_crd in inference.networking.x-k8s.io_inferenceobjectives.yaml inference.networking.x-k8s.io_inferencemodelrewrites.yaml; do
+  for dir in config/crd/bases charts/tally/crds; do
+    {
+      echo "# Source: gateway-api-inference-extension ${v1alpha2_version} config/crd/bases/${v1alpha2_crd} (Apache-2.0), unchanged below this line; copied by hack/manifests.sh."
+      cat "${v1alpha2_dir}/config/crd/bases/${v1alpha2_crd}"
+    } >"${dir}/${v1alpha2_crd}"
+  done
 done

@@ -17,9 +17,28 @@ import (
 	"github.com/tallyepp/tally/api/v1alpha2"
 )
 
-// crdFile is the CRD Tally ships, copied from upstream v1.5.0
-// (test/manifests checks the copy).
-var crdFile = filepath.Join("..", "..", "config", "crd", "bases", "inference.networking.x-k8s.io_inferenceobjectives.yaml")
+// crdDir holds the CRDs Tally ships, copied from upstream v1.5.0
+// (test/manifests checks the copies).
+var crdDir = filepath.Join("..", "..", "config", "crd", "bases")
+
+// kinds are the types this package declares, each with its CRD file.
+var kinds = []struct {
+	file       string
+	kind       string
+	obj, list  runtime.Object
+	objectType reflect.Type
+}{
+	{
+		file: "inference.networking.x-k8s.io_inferenceobjectives.yaml", kind: v1alpha2.KindInferenceObjective,
+		obj: &v1alpha2.InferenceObjective{}, list: &v1alpha2.InferenceObjectiveList{},
+		objectType: reflect.TypeFor[v1alpha2.InferenceObjective](),
+	},
+	{
+		file: "inference.networking.x-k8s.io_inferencemodelrewrites.yaml", kind: v1alpha2.KindInferenceModelRewrite,
+		obj: &v1alpha2.InferenceModelRewrite{}, list: &v1alpha2.InferenceModelRewriteList{},
+		objectType: reflect.TypeFor[v1alpha2.InferenceModelRewrite](),
+	},
+}
 
 // schemaProps is the part of an OpenAPI v3 schema the comparison reads.
 type schemaProps struct {
@@ -47,65 +66,74 @@ type crd struct {
 	} `json:"spec"`
 }
 
-func readCRD(t *testing.T) crd {
+func readCRD(t *testing.T, file string) crd {
 	t.Helper()
-	data, err := os.ReadFile(crdFile)
+	path := filepath.Join(crdDir, file)
+	data, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}
 	var c crd
 	if err := yaml.Unmarshal(data, &c); err != nil {
-		t.Fatalf("parsing %s: %v", crdFile, err)
+		t.Fatalf("parsing %s: %v", path, err)
 	}
 	return c
 }
 
 func TestSchemeMatchesCRDNames(t *testing.T) {
-	c := readCRD(t)
 	s := runtime.NewScheme()
 	if err := v1alpha2.Install(s); err != nil {
 		t.Fatal(err)
 	}
-	for obj, kind := range map[runtime.Object]string{
-		&v1alpha2.InferenceObjective{}:     c.Spec.Names.Kind,
-		&v1alpha2.InferenceObjectiveList{}: c.Spec.Names.ListKind,
-	} {
-		gvks, _, err := s.ObjectKinds(obj)
-		if err != nil {
-			t.Fatal(err)
-		}
-		want := v1alpha2.SchemeGroupVersion.WithKind(kind)
-		if len(gvks) != 1 || gvks[0] != want {
-			t.Errorf("%T registers as %v, want %v (the CRD's)", obj, gvks, want)
-		}
-	}
-	if c.Spec.Names.Kind != v1alpha2.KindInferenceObjective {
-		t.Errorf("KindInferenceObjective = %q, the CRD says %q", v1alpha2.KindInferenceObjective, c.Spec.Names.Kind)
-	}
-	if c.Spec.Group != v1alpha2.GroupName {
-		t.Errorf("GroupName = %q, the CRD says %q", v1alpha2.GroupName, c.Spec.Group)
+	for _, k := range kinds {
+		t.Run(k.kind, func(t *testing.T) {
+			c := readCRD(t, k.file)
+			for obj, kind := range map[runtime.Object]string{
+				k.obj:  c.Spec.Names.Kind,
+				k.list: c.Spec.Names.ListKind,
+			} {
+				gvks, _, err := s.ObjectKinds(obj)
+				if err != nil {
+					t.Fatal(err)
+				}
+				want := v1alpha2.SchemeGroupVersion.WithKind(kind)
+				if len(gvks) != 1 || gvks[0] != want {
+					t.Errorf("%T registers as %v, want %v (the CRD's)", obj, gvks, want)
+				}
+			}
+			if c.Spec.Names.Kind != k.kind {
+				t.Errorf("the Kind constant is %q, the CRD says %q", k.kind, c.Spec.Names.Kind)
+			}
+			if c.Spec.Group != v1alpha2.GroupName {
+				t.Errorf("GroupName = %q, the CRD says %q", v1alpha2.GroupName, c.Spec.Group)
+			}
+		})
 	}
 }
 
-// TestTypesMatchCRDSchema walks the CRD's schema and our Go types side by
+// TestTypesMatchCRDSchema walks each CRD's schema and our Go types side by
 // side: every property has a field with that json name and a matching type,
 // every field has a property (else the API server prunes it silently), and
 // the CRD's required properties are exactly the fields without omitempty.
 func TestTypesMatchCRDSchema(t *testing.T) {
-	c := readCRD(t)
-	var found bool
-	for _, v := range c.Spec.Versions {
-		if v.Name != v1alpha2.SchemeGroupVersion.Version {
-			continue
-		}
-		found = true
-		if !v.Served || !v.Storage {
-			t.Errorf("version %s: served=%v storage=%v, want both", v.Name, v.Served, v.Storage)
-		}
-		compare(t, "", reflect.TypeFor[v1alpha2.InferenceObjective](), v.Schema.OpenAPIV3Schema)
-	}
-	if !found {
-		t.Fatalf("%s has no version %s", crdFile, v1alpha2.SchemeGroupVersion.Version)
+	for _, k := range kinds {
+		t.Run(k.kind, func(t *testing.T) {
+			c := readCRD(t, k.file)
+			var found bool
+			for _, v := range c.Spec.Versions {
+				if v.Name != v1alpha2.SchemeGroupVersion.Version {
+					continue
+				}
+				found = true
+				if !v.Served || !v.Storage {
+					t.Errorf("version %s: served=%v storage=%v, want both", v.Name, v.Served, v.Storage)
+				}
+				compare(t, "", k.objectType, v.Schema.OpenAPIV3Schema)
+			}
+			if !found {
+				t.Fatalf("%s has no version %s", k.file, v1alpha2.SchemeGroupVersion.Version)
+			}
+		})
 	}
 }
 

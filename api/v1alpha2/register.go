@@ -6,7 +6,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 )
 
-// GroupName is the API group of InferenceObjective.
+// GroupName is the API group of InferenceObjective and InferenceModelRewrite.
 const GroupName = "inference.networking.x-k8s.io"
 
 // SchemeGroupVersion is the group and version these types are served as.
@@ -15,16 +15,22 @@ var SchemeGroupVersion = schema.GroupVersion{Group: GroupName, Version: "v1alpha
 // KindInferenceObjective is the kind of InferenceObjective.
 const KindInferenceObjective = "InferenceObjective"
 
+// KindInferenceModelRewrite is the kind of InferenceModelRewrite.
+const KindInferenceModelRewrite = "InferenceModelRewrite"
+
 var schemeBuilder = runtime.NewSchemeBuilder(addKnownTypes)
 
-// AddToScheme registers InferenceObjective and InferenceObjectiveList.
+// AddToScheme registers InferenceObjective, InferenceModelRewrite and their
+// lists.
 var AddToScheme = schemeBuilder.AddToScheme
 
 // Install is AddToScheme, under the name the upstream API packages use.
 var Install = schemeBuilder.AddToScheme
 
 func addKnownTypes(s *runtime.Scheme) error {
-	s.AddKnownTypes(SchemeGroupVersion, &InferenceObjective{}, &InferenceObjectiveList{})
+	s.AddKnownTypes(SchemeGroupVersion,
+		&InferenceObjective{}, &InferenceObjectiveList{},
+		&InferenceModelRewrite{}, &InferenceModelRewriteList{})
 	metav1.AddToGroupVersion(s, SchemeGroupVersion)
 	return nil
 }

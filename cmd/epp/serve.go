@@ -113,6 +113,12 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 	if err := controllers.SetupObjectives(mgr, pool, objectives); err != nil {
 		return fmt.Errorf("setting up the InferenceObjective controller: %w", err)
 	}
+	// The pool's InferenceModelRewrites: a matching request's model is
+	// rewritten in the body sent on, and the picker scores the target.
+	rewrites := &picker.Rewrites{}
+	if err := controllers.SetupRewrites(mgr, pool, rewrites); err != nil {
+		return fmt.Errorf("setting up the InferenceModelRewrite controller: %w", err)
+	}
 	if cfg.FlowControl.Enabled {
 		fc := cfg.FlowControl
 		log.Info("flow control on: requests wait in the picker while every endpoint is saturated",
@@ -149,6 +155,7 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 		MaxModelNameLabels:      opts.maxModelNameLabels,
 		ConformanceTestHooks:    opts.conformanceTestHooks,
 		Objectives:              objectives,
+		Rewrites:                rewrites,
 	}).Register(extprocServer)
 	health := extproc.NewHealth()
 	healthServer := grpc.NewServer()

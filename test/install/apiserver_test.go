@@ -99,22 +99,28 @@ networkPolicy: {create: true, extProcFrom: [{namespaceSelector: {matchLabels: {k
 		p.waitForEndpoint(t, "https", c.token(t, ns, reader), "127.0.0.2:8000")
 		c.checkMetricsAuth(t, p.metricsAddr, "https", ns, reader, true, true)
 
-		// The Role grants the picker its namespace's pods, pools and
-		// objectives and nothing more.
+		// The Role grants the picker its namespace's pods, pools,
+		// objectives and rewrites and nothing more.
 		as := kubernetes.NewForConfigOrDie(user.Config())
 		ctx := t.Context()
 		if _, err := as.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{}); err != nil {
 			t.Errorf("%s cannot list pods in %s: %v", sa, ns, err)
 		}
-		objectives := schema.GroupVersionResource{Group: "inference.networking.x-k8s.io", Version: "v1alpha2", Resource: "inferenceobjectives"}
-		if _, err := dynamic.NewForConfigOrDie(user.Config()).Resource(objectives).Namespace(ns).List(ctx, metav1.ListOptions{}); err != nil {
-			t.Errorf("%s cannot list inferenceobjectives in %s: %v", sa, ns, err)
+		for _, resource := range []string{"inferenceobjectives", "inferencemodelrewrites"} {
+			gvr := schema.GroupVersionResource{Group: "inference.networking.x-k8s.io", Version: "v1alpha2", Resource: resource}
+			if _, err := dynamic.NewForConfigOrDie(user.Config()).Resource(gvr).Namespace(ns).List(ctx, metav1.ListOptions{}); err != nil {
+				t.Errorf("%s cannot list %s in %s: %v", sa, resource, ns, err)
+			}
 		}
 		refused := map[string]error{}
 		_, refused["list secrets in "+ns] = as.CoreV1().Secrets(ns).List(ctx, metav1.ListOptions{})
 		_, refused["list pods in all namespaces"] = as.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
 		_, refused["list pods in default"] = as.CoreV1().Pods("default").List(ctx, metav1.ListOptions{})
 		_, refused["create leases in "+ns] = as.CoordinationV1().Leases(ns).Create(ctx, leaseNamed("probe"), metav1.CreateOptions{})
+		// The picker sets no status on rewrites (nor does upstream's).
+		rewrites := schema.GroupVersionResource{Group: "inference.networking.x-k8s.io", Version: "v1alpha2", Resource: "inferencemodelrewrites"}
+		_, refused["patch inferencemodelrewrites/status in "+ns] = dynamic.NewForConfigOrDie(user.Config()).Resource(rewrites).Namespace(ns).
+			Patch(ctx, "probe", types.MergePatchType, []byte(`{}`), metav1.PatchOptions{}, "status")
 		for what, err := range refused {
 			if !apierrors.IsForbidden(err) {
 				t.Errorf("%s can %s (error: %v), want Forbidden", sa, what, err)

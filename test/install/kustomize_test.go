@@ -71,7 +71,7 @@ func kustomizeBuild(t *testing.T, dir string) rendered {
 // picker container, Service and permissions, and a valid configuration.
 func TestKustomizeMatchesChart(t *testing.T) {
 	k := kustomizeBuild(t, "config/default")
-	wantKinds := []string{"ClusterRole", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "CustomResourceDefinition", "CustomResourceDefinition", "Deployment", "Namespace", "Role", "RoleBinding", "Service", "ServiceAccount"}
+	wantKinds := []string{"ClusterRole", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "CustomResourceDefinition", "CustomResourceDefinition", "CustomResourceDefinition", "Deployment", "Namespace", "Role", "RoleBinding", "Service", "ServiceAccount"}
 	if diff := cmp.Diff(wantKinds, k.kinds()); diff != "" {
 		t.Fatalf("config/default kinds (-want +got):\n%s", diff)
 	}

@@ -18,12 +18,17 @@ import (
 const (
 	inferenceModule = "sigs.k8s.io/gateway-api-inference-extension"
 	poolCRDFile     = "inference.networking.k8s.io_inferencepools.yaml"
-	// objectiveVersion is the release whose InferenceObjective CRD Tally
-	// ships (api/v1alpha2 declares its types): the version go.mod pins no
-	// longer has it.
-	objectiveVersion = "v1.5.0"
-	objectiveCRDFile = "inference.networking.x-k8s.io_inferenceobjectives.yaml"
+	// v1alpha2Version is the release whose InferenceObjective and
+	// InferenceModelRewrite CRDs Tally ships (api/v1alpha2 declares their
+	// types): the version go.mod pins no longer has them.
+	v1alpha2Version = "v1.5.0"
 )
+
+// v1alpha2CRDFiles are the CRDs copied from v1alpha2Version.
+var v1alpha2CRDFiles = []string{
+	"inference.networking.x-k8s.io_inferenceobjectives.yaml",
+	"inference.networking.x-k8s.io_inferencemodelrewrites.yaml",
+}
 
 // TestInferencePoolCRDMatchesModule fails when a copy of the InferencePool CRD
 // in this repository differs from the one shipped in the module version that
@@ -65,37 +70,40 @@ func TestInferencePoolCRDMatchesModule(t *testing.T) {
 	}
 }
 
-// TestInferenceObjectiveCRDMatchesV150 fails when a copy of the
-// InferenceObjective CRD differs from upstream v1.5.0's below its first line,
-// or when that line does not name the source.
-func TestInferenceObjectiveCRDMatchesV150(t *testing.T) {
+// TestV1alpha2CRDsMatchV150 fails when a copy of the InferenceObjective or
+// InferenceModelRewrite CRD differs from upstream v1.5.0's below its first
+// line, or when that line does not name the source.
+func TestV1alpha2CRDsMatchV150(t *testing.T) {
 	root, err := testenv.RepoRoot()
 	if err != nil {
 		t.Fatal(err)
 	}
-	shipped := filepath.Join(downloadedModuleDir(t, root, inferenceModule+"@"+objectiveVersion), "config", "crd", "bases", objectiveCRDFile)
-	want, err := os.ReadFile(shipped)
-	if err != nil {
-		t.Fatalf("reading the CRD shipped in %s %s: %v", inferenceModule, objectiveVersion, err)
-	}
-	for _, path := range []string{
-		filepath.Join("config", "crd", "bases", objectiveCRDFile),
-		filepath.Join("charts", "tally", "crds", objectiveCRDFile),
-	} {
-		t.Run(path, func(t *testing.T) {
-			got, err := os.ReadFile(filepath.Join(root, path))
-			if err != nil {
-				t.Fatal(err)
-			}
-			header, body, _ := bytes.Cut(got, []byte("\n"))
-			if wantHeader := "# Source: gateway-api-inference-extension " + objectiveVersion; !bytes.HasPrefix(header, []byte(wantHeader)) {
-				t.Errorf("%s starts with %q, want a comment line starting %q", path, header, wantHeader)
-			}
-			if !bytes.Equal(body, want) {
-				t.Errorf("%s differs below its first line from %s; run hack/manifests.sh.\n%s",
-					path, shipped, firstDifference(body, want))
-			}
-		})
+	modDir := downloadedModuleDir(t, root, inferenceModule+"@"+v1alpha2Version)
+	for _, file := range v1alpha2CRDFiles {
+		shipped := filepath.Join(modDir, "config", "crd", "bases", file)
+		want, err := os.ReadFile(shipped)
+		if err != nil {
+			t.Fatalf("reading the CRD shipped in %s %s: %v", inferenceModule, v1alpha2Version, err)
+		}
+		for _, path := range []string{
+			filepath.Join("config", "crd", "bases", file),
+			filepath.Join("charts", "tally", "crds", file),
+		} {
+			t.Run(path, func(t *testing.T) {
+				got, err := os.ReadFile(filepath.Join(root, path))
+				if err != nil {
+					t.Fatal(err)
+				}
+				header, body, _ := bytes.Cut(got, []byte("\n"))
+				if wantHeader := "# Source: gateway-api-inference-extension " + v1alpha2Version + " config/crd/bases/" + file; !bytes.HasPrefix(header, []byte(wantHeader)) {
+					t.Errorf("%s starts with %q, want a comment line starting %q", path, header, wantHeader)
+				}
+				if !bytes.Equal(body, want) {
+					t.Errorf("%s differs below its first line from %s; run hack/manifests.sh.\n%s",
+						path, shipped, firstDifference(body, want))
+				}
+			})
+		}
 	}
 }
 

@@ -1,6 +1,7 @@
 // Package testenv starts the real kube-apiserver and etcd (envtest) that the
 // controllers suites, the e2e suite and the install tests run against, with
-// the CRDs of config/crd/bases (InferencePool, InferenceObjective) installed.
+// the CRDs of config/crd/bases (InferencePool, InferenceObjective,
+// InferenceModelRewrite) installed.
 //
 // The invariant not to break: the binaries come from hack/envtest-assets.sh
 // (or $KUBEBUILDER_ASSETS), never from a download at test time; no binary
@@ -82,8 +83,9 @@ func AssetsDir() (string, error) {
 }
 
 // Start starts an API server and etcd with the CRDs from config/crd/bases
-// (InferencePool, InferenceObjective) and any CRDs in extraCRDPaths (files or
-// directories) installed. The caller stops the returned environment.
+// (InferencePool, InferenceObjective, InferenceModelRewrite) and any CRDs in
+// extraCRDPaths (files or directories) installed. The caller stops the
+// returned environment.
 func Start(extraCRDPaths ...string) (*envtest.Environment, *rest.Config, error) {
 	assets, err := AssetsDir()
 	if err != nil {
