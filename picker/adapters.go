@@ -20,16 +20,17 @@ import "slices"
 // Base-model requests, and engines that publish no adapters, are scored as
 // before.
 
-// isAdapterLocked reports whether model is an adapter on c's engine.
-func (c *row) isAdapter(model string) bool {
+// isAdapter reports whether model is an adapter on c's engine. An engine
+// that has not said (it publishes lora_requests_info only once it has run
+// requests, as vLLM) is judged by the pool: in a pool where some engine
+// publishes adapters, a model that is no engine's base model, or that an
+// engine has run as an adapter, is an adapter everywhere.
+func (p *Picker) isAdapter(c *row, model string) bool {
 	e := &c.engine
-	if !e.lora || model == "" || model == e.model {
+	if model == "" || !p.loraSeen || model == e.model || p.baseModels[model] {
 		return false
 	}
-	// An engine that names no base model: only the adapters it or the
-	// ledger names.
-	return e.model != "" || c.adapterRefs[model] > 0 ||
-		slices.Contains(e.runningAdapters, model) || slices.Contains(e.waitingAdapters, model)
+	return e.model != "" || p.knownAdapters[model] || c.adapterRefs[model] > 0
 }
 
 // adapterResident reports whether model is loaded or about to be on c.
@@ -57,7 +58,7 @@ func (p *Picker) adapterCostLocked(cands []*row, model string) (full int) {
 	open := 0
 	for _, c := range cands {
 		c.loraFull = false
-		if c.taken || !c.isAdapter(model) || c.adapterResident(model) {
+		if c.taken || !p.isAdapter(c, model) || c.adapterResident(model) {
 			if !c.taken {
 				open++
 			}
@@ -99,5 +100,30 @@ func (w *row) dropAdapter(r *Reservation) {
 	}
 	if w.adapterRefs[r.adapter]--; w.adapterRefs[r.adapter] <= 0 {
 		delete(w.adapterRefs, r.adapter)
+	}
+}
+
+// maxKnownModels bounds the models remembered as adapters or base models:
+// names come from engines, but a pool's are few.
+const maxKnownModels = 4096
+
+// learnModelsLocked remembers the base model and the adapters an engine
+// reports.
+func (p *Picker) learnModelsLocked(s EngineStats) {
+	if s.Model != "" && !p.baseModels[s.Model] && len(p.baseModels) < maxKnownModels {
+		if p.baseModels == nil {
+			p.baseModels = map[string]bool{}
+		}
+		p.baseModels[s.Model] = true
+	}
+	for _, list := range [][]string{s.RunningAdapters, s.WaitingAdapters} {
+		for _, a := range list {
+			if !p.knownAdapters[a] && len(p.knownAdapters) < maxKnownModels {
+				if p.knownAdapters == nil {
+					p.knownAdapters = map[string]bool{}
+				}
+				p.knownAdapters[a] = true
+			}
+		}
 	}
 }

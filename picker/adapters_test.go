@@ -94,3 +94,19 @@ func TestABurstForANewAdapterLoadsItOnFewEndpoints(t *testing.T) {
 		}
 	}
 }
+
+// vLLM publishes lora_requests_info only once it has run requests: an idle
+// engine that has said nothing is judged by what the pool's others said.
+func TestAnEngineThatHasNotSaidIsJudgedByThePool(t *testing.T) {
+	p := newPicker(t, 2, testConfig(), Options{})
+	p.ObserveEngine(addr(0), EngineStats{Running: 1, Model: baseModel, HasLoRA: true, MaxLoRAs: 1, RunningAdapters: []string{"sql"}})
+	p.ObserveEngine(addr(1), EngineStats{Model: baseModel})
+	where, _ := placements(t, p, 3, "sql", func(i int) []byte { return text(fmt.Sprint("q", i), 400) })
+	if where[0] != 3 {
+		t.Fatalf("requests for the adapter endpoint 0 runs landed %v, want all on it: endpoint 1 has not loaded it", where)
+	}
+	where, _ = placements(t, p, 4, baseModel, func(i int) []byte { return text(fmt.Sprint("b", i), 400) })
+	if where[1] < 2 {
+		t.Fatalf("base-model requests landed %v, want endpoint 1 used", where)
+	}
+}

@@ -157,6 +157,7 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 		e.model = s.Model
 	}
 	p.loraSeen = p.loraSeen || s.HasLoRA
+	p.learnModelsLocked(s)
 	e.kvUsage = -1
 	if s.HasKVCacheUsage {
 		e.kvUsage = s.KVCacheUsage

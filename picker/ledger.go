@@ -320,7 +320,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	}
 
 	c := cands[first]
-	if p.loraSeen && c.isAdapter(req.Model) {
+	if p.isAdapter(c, req.Model) {
 		r.adapter = req.Model
 	}
 	p.owners++

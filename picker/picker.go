@@ -183,9 +183,10 @@ type Picker struct {
 	afterPick func()
 	// flowOn: cfg.FlowControl.Enabled (flow.go).
 	flowOn bool
-	// loraSeen: some engine has published its LoRA adapters (adapters.go);
-	// guarded by mu.
-	loraSeen bool
+	// loraSeen: some engine has published its LoRA adapters; the base
+	// models and adapters engines have named (adapters.go). Guarded by mu.
+	loraSeen                  bool
+	baseModels, knownAdapters map[string]bool
 
 	// mu guards everything below. Inside it: no I/O, no logging, no channel
 	// operations, no allocation on the pick path in steady state.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"net/netip"
 	"strings"
 	"sync"
 	"time"
@@ -33,6 +34,9 @@ flowControl:
   - priority: 5
     maxRequests: 1
 `
+
+// flowFirstPodIP keeps this pool's pods off the other specs' addresses.
+var flowFirstPodIP = netip.MustParseAddr("127.0.48.2")
 
 // flowRequest is a small streamed completion with the flow control headers.
 func flowRequest(what string, headers map[string]string) stack.Request {
@@ -76,6 +80,8 @@ var _ = Describe("Flow control", Ordered, func() {
 
 	BeforeAll(func(ctx SpecContext) {
 		fs = startStack(ctx, stack.Options{
+			Namespace:  "e2e-flow",
+			FirstPodIP: flowFirstPodIP,
 			Pods:       1,
 			PickerArgs: []string{"--config-text=" + flowPickerConfig, "--shutdown-delay=500ms", "--shutdown-grace=2s"},
 		})

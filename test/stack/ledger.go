@@ -54,6 +54,9 @@ type LedgerEngine struct {
 	// ForeignTokens is what they add to the endpoint's cost now.
 	ForeignRequests int `json:"foreignRequests"`
 	ForeignTokens   int `json:"foreignTokens"`
+	// The LoRA adapters of its running and waiting requests.
+	RunningAdapters []string `json:"runningAdapters"`
+	WaitingAdapters []string `json:"waitingAdapters"`
 }
 
 // String prints the fields, so that a row printed with %+v shows them.

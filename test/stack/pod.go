@@ -250,6 +250,17 @@ func (s *Stack) simulatorConfig() server.Config {
 		cfg.Engine.KVBlocks = s.opts.KVBlocks
 	}
 	cfg.LateFirstByteFraction = s.opts.LateFirstByteFraction
+	for _, a := range s.opts.LoRAAdapters {
+		cfg.LoRAModules = append(cfg.LoRAModules, server.LoRAModule{Name: a})
+	}
+	// Left 0 without adapters, so that a MaxLoRAs given alone is refused.
+	cfg.Engine.MaxLoRAs = s.opts.MaxLoRAs
+	if len(cfg.LoRAModules) > 0 && cfg.Engine.MaxLoRAs == 0 {
+		cfg.Engine.MaxLoRAs = server.DefaultMaxLoRAs
+	}
+	if s.opts.LoRALoadTime != 0 {
+		cfg.Engine.LoRALoadTime = s.opts.LoRALoadTime
+	}
 	// The gateway names a request that comes without an x-request-id at
 	// random; the stack's own id is the same on every run.
 	cfg.RequestIDHeader = RequestIDHeader

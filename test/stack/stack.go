@@ -77,6 +77,16 @@ type Options struct {
 	// A request's fate follows its id in RequestIDHeader, so a replay holds
 	// back the same requests on every run and whichever pod serves them.
 	LateFirstByteFraction float64
+	// LoRAAdapters are LoRA adapter names each simulator serves besides
+	// Model (server.Config.LoRAModules); none leaves LoRA off. MaxLoRAs is
+	// how many may run at once on one simulator (0: vLLM's default,
+	// server.DefaultMaxLoRAs; refused without LoRAAdapters). LoRALoadTime
+	// is what loading one into a slot costs, in engine time (0:
+	// engine.DefaultLoRALoadTime). Pod.Stats reports the loads
+	// (AdapterLoads).
+	LoRAAdapters []string
+	MaxLoRAs     int
+	LoRALoadTime time.Duration
 	// FailureMode is the pool's endpointPickerRef.failureMode (default FailClose).
 	FailureMode infv1.EndpointPickerFailureMode
 	// GatewayListen is the dev gateway's listen address (default
@@ -366,8 +376,9 @@ func (s *Stack) StartPicker(ctx context.Context) error {
 	})
 }
 
-// startPickerProcess starts a picker of the stack's pool on ports.
-func (s *Stack) startPickerProcess(name string, ports pickerPorts) (*Process, error) {
+// startPickerProcess starts a picker of the stack's pool on ports, with
+// Options.PickerArgs and then extraArgs.
+func (s *Stack) startPickerProcess(name string, ports pickerPorts, extraArgs ...string) (*Process, error) {
 	args := append([]string{
 		"--pool-name=" + s.opts.PoolName,
 		"--pool-namespace=" + s.opts.Namespace,
@@ -381,6 +392,7 @@ func (s *Stack) startPickerProcess(name string, ports pickerPorts) (*Process, er
 		// Stopping the stack need not wait for gateways to notice.
 		"--shutdown-delay=0s",
 	}, s.opts.PickerArgs...)
+	args = append(args, extraArgs...)
 	return startProcess(name, filepath.Join(s.opts.BinDir, "epp"), args, s.opts.Output, nil)
 }
 

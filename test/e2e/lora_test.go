@@ -1,0 +1,122 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/netip"
+	"sync"
+	"time"
+
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+
+	"github.com/tallyepp/tally/test/stack"
+)
+
+// loraFirstPodIP keeps this pool's pods off the other specs' addresses.
+var loraFirstPodIP = netip.MustParseAddr("127.0.49.2")
+
+// adapterRequest is a short streamed completion for model (an adapter or
+// the base model).
+func adapterRequest(model, what string, maxTokens int) stack.Request {
+	return stack.Completion(model, fmt.Sprintf("%s %s please answer briefly.", what, nextID(what)), maxTokens, true)
+}
+
+// sendAllVia sends reqs concurrently through s's gateway.
+func sendAllVia(ctx context.Context, s *stack.Stack, reqs []stack.Request, what string) []stack.Result {
+	results := make([]stack.Result, len(reqs))
+	var wg sync.WaitGroup
+	for i, r := range reqs {
+		wg.Go(func() { results[i] = stack.Send(ctx, s.HTTPClient(), s.GatewayURL(), nextID(what), r) })
+	}
+	wg.Wait()
+	return results
+}
+
+// busyWith keeps a long request for model running on pod p, sent to the pod
+// directly (past the picker, as traffic that bypasses it would), until the
+// returned stop is called.
+func busyWith(s *stack.Stack, p *stack.Pod, model string) (stop func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		stack.Send(ctx, s.HTTPClient(), p.URL(), nextID("busy"), adapterRequest(model, "busy", 100_000))
+	})
+	return func() { cancel(); wg.Wait() }
+}
+
+var _ = Describe("LoRA adapters", Ordered, func() {
+	var ls *stack.Stack
+
+	BeforeAll(func(ctx SpecContext) {
+		ls = startStack(ctx, stack.Options{
+			Namespace:    "e2e-lora",
+			FirstPodIP:   loraFirstPodIP,
+			Pods:         3,
+			LoRAAdapters: []string{"sql", "chat", "tools"},
+			MaxLoRAs:     1,
+			LoRALoadTime: 2 * time.Second,
+			// Scrape often, so the engines' adapters reach the picker soon.
+			PickerArgs: []string{"--refresh-metrics-interval=50ms"},
+		})
+	})
+
+	// served is how many completions each pod of ls has received.
+	served := func() map[string]int { return servedOn(ls) }
+
+	It("sends an adapter's requests where it is loaded, and keeps them off a pod whose one slot holds another", func(ctx SpecContext) {
+		pods := ls.Pods()
+		stopSQL := busyWith(ls, pods[0], "sql")
+		defer stopSQL()
+		stopChat := busyWith(ls, pods[1], "chat")
+		defer stopChat()
+		// The picker has seen each engine's adapter (a request counts as
+		// waiting until its first token, as in vLLM).
+		eventually(ctx, func(g Gomega) {
+			l, err := ls.Ledger(ctx)
+			g.Expect(err).NotTo(HaveOccurred())
+			want := map[string]string{pods[0].Name: "sql", pods[1].Name: "chat"}
+			for _, e := range l.Endpoints {
+				g.Expect(e.Engine).NotTo(BeNil())
+				if a := want[e.Pod]; a != "" {
+					g.Expect(e.Engine.RunningAdapters).To(ConsistOf(a), "%s", e.Pod)
+				}
+			}
+		}).WithTimeout(30 * time.Second).Should(Succeed())
+
+		// sql is loaded on pod 0 alone: a load elsewhere costs 2 s, more
+		// than queueing these there.
+		before := served()
+		results := sendAllVia(ctx, ls, []stack.Request{adapterRequest("sql", "q1", 4), adapterRequest("sql", "q2", 4),
+			adapterRequest("sql", "q3", 4), adapterRequest("sql", "q4", 4)}, "sql")
+		expectAllOK(results)
+		got := delta(before, served())
+		Expect(got[pods[0].Name]).To(Equal(4), "sql requests: %v", got)
+
+		// tools is loaded nowhere; pod 1's one slot holds chat, so it is
+		// no candidate for tools while another pod has room.
+		before = served()
+		results = sendAllVia(ctx, ls, []stack.Request{adapterRequest("tools", "t1", 4), adapterRequest("tools", "t2", 4),
+			adapterRequest("tools", "t3", 4)}, "tools")
+		expectAllOK(results)
+		got = delta(before, served())
+		Expect(got[pods[1].Name]).To(BeZero(), "tools requests on the pod whose one slot holds chat: %v", got)
+		Expect(total(got)).To(Equal(3))
+	})
+
+	It("routes base-model requests on load alone, wherever adapters run", func(ctx SpecContext) {
+		before := served()
+		var reqs []stack.Request
+		for i := range 9 {
+			reqs = append(reqs, adapterRequest(ls.Options().Model, fmt.Sprint("base", i), 4))
+		}
+		results := sendAllVia(ctx, ls, reqs, "base")
+		expectAllOK(results)
+		Expect(total(delta(before, served()))).To(Equal(9))
+		for _, r := range results {
+			Expect(r.Status).To(Equal(http.StatusOK))
+		}
+		expectLedgerDrains(ctx, ls)
+	})
+})
