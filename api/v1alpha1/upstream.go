@@ -102,7 +102,7 @@ var ignoredPluginTypes = map[string]string{
 	"kv-cache-utilization-scorer":          "Tally scores one cost in tokens, from its own ledger of requests in flight, instead of weighted scorers",
 	"running-requests-size-scorer":         "Tally scores one cost in tokens, from its own ledger of requests in flight, instead of weighted scorers",
 	"token-load-scorer":                    "Tally scores one cost in tokens, from its own ledger of requests in flight, instead of weighted scorers",
-	"lora-affinity-scorer":                 "Tally does not route on LoRA adapters",
+	"lora-affinity-scorer":                 "Tally reads the engines' LoRA adapters itself and costs a load where an adapter is not loaded (loraLoadMilliseconds)",
 	"metrics-data-source":                  "Tally's scrapes of the model servers are set by flags (--refresh-metrics-interval, --model-server-metrics-*)",
 	"core-metrics-extractor":               "Tally reads the engine metrics it knows by engine type (the pod label inference.networking.k8s.io/engine-type)",
 	"k8s-notification-source":              "Tally watches the pool and its pods itself",
