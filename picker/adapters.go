@@ -14,6 +14,11 @@ import "slices"
 //     updated at pick time) costs loraLoadMilliseconds of its prefill rate
 //     more: a burst for a new adapter stays on the endpoints that load it
 //     until their queues cost more than another load;
+//   - while an endpoint that has the adapter can take the request with its
+//     queued prefill within twice the pool's even share, only such
+//     endpoints are candidates: a burst for an adapter loads it on as few
+//     endpoints as its size needs, not on every one (the load cost alone
+//     would spread a large burst everywhere);
 //   - an endpoint running max_lora other adapters is not a candidate,
 //     unless every candidate is such an endpoint.
 //
@@ -54,14 +59,33 @@ func (c *row) activeAdapters() int {
 // adapterCostLocked adds what model's adapter costs on each candidate and
 // takes out those with no room for it, unless every candidate is full. It
 // returns how many candidates it took out.
-func (p *Picker) adapterCostLocked(cands []*row, model string) (full int) {
+func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int) (full int) {
 	open := 0
+	// The pool's even share of queued prefill, this request included, and
+	// whether an endpoint with the adapter takes it within twice that.
+	total, n := promptTokens, 0
+	for _, c := range cands {
+		if !c.taken {
+			total += c.queued()
+			n++
+		}
+	}
+	affine := false
+	for _, c := range cands {
+		if !c.taken && p.isAdapter(c, model) && c.adapterResident(model) && (c.queued()+c.uncached)*n <= 2*total {
+			affine = true
+		}
+	}
 	for _, c := range cands {
 		c.loraFull = false
 		if c.taken || !p.isAdapter(c, model) || c.adapterResident(model) {
 			if !c.taken {
 				open++
 			}
+			continue
+		}
+		if affine {
+			c.loraFull = true // not full, but not needed: taken out below
 			continue
 		}
 		c.cost += int(float64(p.cfg.LoRALoadMilliseconds) * c.rate / 1000)

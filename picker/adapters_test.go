@@ -69,28 +69,34 @@ func TestAFullEndpointIsAvoidedUnlessAllAre(t *testing.T) {
 }
 
 // The ledger counts adapters at pick time: a burst for an adapter no engine
-// has loaded stays on the endpoints that took its first requests, up to
-// what a load elsewhere costs, instead of every endpoint loading it.
+// has loaded loads it on as few endpoints as keep each one's queued prefill
+// within twice the even share, instead of on every endpoint.
 func TestABurstForANewAdapterLoadsItOnFewEndpoints(t *testing.T) {
-	p := newPicker(t, 4, testConfig(), Options{})
-	observeLoRA(p, 2, nil)
-	where, rs := placements(t, p, 16, "fresh", func(i int) []byte { return text(fmt.Sprint("fresh", i), 1600) })
-	// A load costs 2,000 tokens: an endpoint that has the adapter takes
-	// requests of 400 tokens until 2,000 are queued on it, 6 of them, so
-	// 16 take 3 endpoints (base-model requests would take all 4).
-	most := 0
-	for _, n := range where {
-		most = max(most, n)
-	}
-	if len(where) != 3 || most > 6 {
-		t.Errorf("16 requests of 400 tokens for a new adapter landed %v, want 3 endpoints, at most 6 on one", where)
-	}
-	for _, r := range rs {
-		r.Release()
-	}
-	for _, s := range p.Stats() {
-		if n := len(p.byAddr[s.Endpoint.Address].adapterRefs); n != 0 {
-			t.Errorf("%v still counts %d adapters after every release", s.Endpoint.Address, n)
+	for _, c := range []struct{ n, tokens int }{{16, 400}, {128, 1000}, {128, 250}} {
+		p := newPicker(t, 4, testConfig(), Options{})
+		observeLoRA(p, 2, nil)
+		where, rs := placements(t, p, c.n, "fresh", func(i int) []byte { return text(fmt.Sprint("fresh", i), c.tokens*4) })
+		total := 0
+		for _, s := range p.Stats() {
+			total += s.PrefillTokens
+		}
+		for _, s := range p.Stats() {
+			if s.PrefillTokens*4 > 2*total {
+				t.Errorf("%d x %d tokens: %v queues %d tokens, more than twice the even share %d (placements %v)",
+					c.n, c.tokens, s.Endpoint.Address, s.PrefillTokens, total/4, where)
+			}
+		}
+		if len(where) >= 4 {
+			t.Errorf("%d x %d tokens for a new adapter landed on every endpoint: %v", c.n, c.tokens, where)
+		}
+		t.Logf("%d x %d tokens: %v", c.n, c.tokens, where)
+		for _, r := range rs {
+			r.Release()
+		}
+		for _, s := range p.Stats() {
+			if n := len(p.byAddr[s.Endpoint.Address].adapterRefs); n != 0 {
+				t.Errorf("%v still counts %d adapters after every release", s.Endpoint.Address, n)
+			}
 		}
 	}
 }

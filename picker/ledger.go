@@ -306,7 +306,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 		return ErrSaturated
 	}
 	if p.loraSeen {
-		eligible -= p.adapterCostLocked(cands, req.Model)
+		eligible -= p.adapterCostLocked(cands, req.Model, r.promptTokens)
 	}
 
 	first := p.bestLocked(cands)
