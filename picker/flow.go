@@ -79,7 +79,6 @@ type Ticket struct {
 	flow  *flow
 	// Clock (ns) of its arrival and of its TTL's end.
 	enqueued, deadline int64
-	start              time.Time
 	seq                uint64 // arrival order
 
 	// Guarded by p.mu.
@@ -179,7 +178,7 @@ func (p *Picker) Enqueue(req Request) (*Reservation, *Ticket, error) {
 	if len(p.candidatesLocked(req)) == 0 {
 		err = ErrNoEndpoint // no capacity will ever free for it
 	} else {
-		t, err = p.enqueueLocked(r, req, now, start)
+		t, err = p.enqueueLocked(r, req, now)
 	}
 	if err != nil {
 		q.outcomes[outcomeOf(err)]++
@@ -213,7 +212,7 @@ func outcomeOf(err error) int {
 }
 
 // enqueueLocked adds r to its band and flow, or says why it may not wait.
-func (p *Picker) enqueueLocked(r *Reservation, req Request, now int64, start time.Time) (*Ticket, error) {
+func (p *Picker) enqueueLocked(r *Reservation, req Request, now int64) (*Ticket, error) {
 	q := &p.queue
 	fc := p.cfg.FlowControl
 	bytes := max(req.Bytes, int64(r.promptChars))
@@ -238,8 +237,8 @@ func (p *Picker) enqueueLocked(r *Reservation, req Request, now int64, start tim
 	}
 	req.Prompt = nil
 	t := &Ticket{p: p, r: r, req: req, bytes: bytes, flow: f, enqueued: now,
-		deadline: now + int64(time.Duration(fc.RequestTTLSeconds)*time.Second), start: start,
-		ready: make(chan struct{})}
+		deadline: now + int64(time.Duration(fc.RequestTTLSeconds)*time.Second),
+		ready:    make(chan struct{})}
 	q.seq++
 	t.seq = q.seq
 	if f.n == 0 {
@@ -427,7 +426,7 @@ func (p *Picker) freeRowsLocked(now int64) []*row {
 // saturatedLocked reports whether c may take no request now: over a static
 // limit (overLimitLocked) or, with flow control, over its threshold.
 func (p *Picker) saturatedLocked(c *row, queued int, now int64) bool {
-	return p.overLimitLocked(c, queued) || p.flowOn && p.flowFullLocked(c, queued+c.engine.foreignCost(now))
+	return p.overLimitLocked(c, queued) || p.flowOn && p.flowFullLocked(c, queued+c.engine.foreignCost(now), now)
 }
 
 // overLimitLocked reports whether c is over a static saturation limit
@@ -441,10 +440,16 @@ func (p *Picker) overLimitLocked(c *row, queued int) bool {
 // flowFullLocked reports whether c is over flow control's threshold: its
 // queued prefill (the ledger's drain model, plus the load its engine
 // reports beyond the ledger) would take holdPrefillMilliseconds at its
-// rate, or its decoding slots are full.
-func (p *Picker) flowFullLocked(c *row, work int) bool {
+// rate, or its decoding slots are full. A fresh scrape corrects the model
+// where it runs ahead of the engine: an engine with more requests waiting
+// than the ledger has still in prefill there has a queue the model has
+// already drained.
+func (p *Picker) flowFullLocked(c *row, work int, now int64) bool {
 	fc := &p.cfg.FlowControl
 	if fc.MaxDecodingRequests > 0 && c.decoding >= fc.MaxDecodingRequests {
+		return true
+	}
+	if e := &c.engine; e.scraped && e.waiting > c.inFlight-c.decoding && time.Duration(now-e.at) <= foreignFresh {
 		return true
 	}
 	return work > 0 && float64(work)*1000 >= float64(fc.HoldPrefillMilliseconds)*c.rate
@@ -495,7 +500,7 @@ func (p *Picker) chooseInFlowLocked(f *flow, free []*row, now int64) *Ticket {
 	k := 0
 	for t := f.head; t != nil && k < cheapestWindow; t = t.next {
 		k++
-		cost, ok := p.costOnFreeLocked(t, free)
+		cost, ok := p.costOnFreeLocked(t, free, now)
 		if !ok {
 			continue
 		}
@@ -512,7 +517,7 @@ func (p *Picker) chooseInFlowLocked(f *flow, free []*row, now int64) *Ticket {
 // costOnFreeLocked is t's least cost over the free rows it may go to: the
 // prefill queued there plus its uncached prompt tokens there. ok is false
 // when it may go on none of them (a subset hint).
-func (p *Picker) costOnFreeLocked(t *Ticket, free []*row) (cost int, ok bool) {
+func (p *Picker) costOnFreeLocked(t *Ticket, free []*row, now int64) (cost int, ok bool) {
 	rows := free
 	if t.req.HasSubset {
 		cands := p.candidatesLocked(t.req)
@@ -534,7 +539,9 @@ func (p *Picker) costOnFreeLocked(t *Ticket, free []*row) (cost int, ok bool) {
 	}
 	p.index.Match(t.r.hashes, ids, matched)
 	for i, c := range rows {
-		x := c.queued() + p.uncachedTokens(t.r.promptChars, matched[i])
+		// The cost placeLocked will weigh.
+		x := c.queued() + c.engine.foreignCost(now) + p.uncachedTokens(t.r.promptChars, matched[i]) +
+			p.cfg.DecodeWeightTokens*c.decoding
 		if i == 0 || x < cost {
 			cost = x
 		}
@@ -652,7 +659,8 @@ func (t *Ticket) result() (*Reservation, error) {
 	t.once.Do(func() {
 		p := t.p
 		p.metrics.observeQueue(t, time.Duration(p.clock()-t.enqueued))
-		t.res, t.resErr = p.placed(t.r, t.err, t.err == nil, t.start)
+		// The pick's duration is its own, not its wait (observed above).
+		t.res, t.resErr = p.placed(t.r, t.err, t.err == nil, time.Now())
 	})
 	return t.res, t.resErr
 }

@@ -61,7 +61,7 @@ const (
 	DefaultRequestTTLSeconds = 60
 	// DefaultMaxReorderMilliseconds bounds how long the cheapest-first
 	// order may pass over a request: older ones are served oldest first.
-	DefaultMaxReorderMilliseconds = 1000
+	DefaultMaxReorderMilliseconds = 4000
 	// DefaultBandMaxRequests and DefaultBandMaxBytes are each priority
 	// band's limits, as upstream's defaults.
 	DefaultBandMaxRequests       = 5000

@@ -14,9 +14,16 @@
 //     compressed by --time-scale.
 //
 // Policy "tally" sends the requests through the gateway; "round-robin" sends
-// the same requests straight to the pods in rotation. The simulators run
-// --time-scale times faster than real time, so every time in the table is
-// the measured wall time multiplied back by --time-scale.
+// the same requests straight to the pods in rotation. With --flow (the
+// default), "tally-flow" replays the trace through a second picker with
+// flow control on (flowControl: {enabled: true}) and a gateway of its own:
+// a request that finds every pod saturated waits in that picker, its stream
+// open, until a pod frees, and a refused one is answered 429 (counted in the
+// table's 429 column, not as a failure). The simulators run --time-scale
+// times faster than real time, so every time in the table is the measured
+// wall time multiplied back by --time-scale; the flow control picker's
+// times (its saturation threshold and reordering bound) are divided by it,
+// so that they mean in simulated time what the defaults mean in real time.
 //
 // With --keep the stack stays up after the table until Ctrl-C. Whatever
 // happens, everything the demo started is stopped before it exits; a failure
@@ -33,12 +40,14 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"syscall"
 	"time"
 
 	"github.com/go-logr/logr"
 	logf "sigs.k8s.io/controller-runtime/pkg/log"
 
+	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/test/stack"
 	"github.com/tallyepp/tally/test/testenv"
 )
@@ -125,7 +134,18 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 	fmt.Fprintf(stdout, "Stack up in %.1fs: API server %s, gateway %s, pods %v\n",
 		time.Since(started).Seconds(), s.APIServerURL(), s.GatewayURL(), s.PodNames())
 
-	summaries, streamTimes, err := runPolicies(ctx, s, workloads, opts, stdout)
+	pols := []policy{tallyPolicy(s), roundRobinPolicy(s)}
+	if opts.flow {
+		cfg := flowPickerConfig(opts.timeScale)
+		r, err := s.StartReplica(ctx, "--config-text="+cfg)
+		if err != nil {
+			return fmt.Errorf("starting the flow control picker: %w", err)
+		}
+		fmt.Fprintf(stdout, "Flow control picker %s up, gateway %s, config %s\n", r.Name(), r.GatewayURL(), cfg)
+		pols = slices.Insert(pols, 1, flowPolicy(r))
+	}
+
+	summaries, streamTimes, err := runPolicies(ctx, s, pols, workloads, opts, stdout)
 	if err != nil {
 		return err
 	}
@@ -134,6 +154,9 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 		return err
 	}
 	fmt.Fprintln(stdout, "tally: through the dev gateway and the picker; round-robin: the same requests straight to the pods in turn.")
+	if opts.flow {
+		fmt.Fprintln(stdout, "tally-flow: through a second picker with flow control on (and its gateway), the trace only; 429: requests it refused.")
+	}
 	if opts.nonStreaming > 0 {
 		fmt.Fprintln(stdout)
 		writeStreamingTable(stdout, summaries, streamTimes)
@@ -163,16 +186,36 @@ type workload struct {
 type policy struct {
 	name string
 	// baseURL says where request i goes.
-	baseURL func(s *stack.Stack, pods []*stack.Pod) func(i int) string
+	baseURL func(i int) string
+	// ledger reads the picker's ledger; nil for no picker.
+	ledger func(ctx context.Context) (stack.Ledger, error)
+	// traceOnly: the policy replays the trace, not the burst.
+	traceOnly bool
 }
 
-var policies = []policy{
-	{name: "tally", baseURL: func(s *stack.Stack, _ []*stack.Pod) func(int) string {
-		return func(int) string { return s.GatewayURL() }
-	}},
-	{name: "round-robin", baseURL: func(_ *stack.Stack, pods []*stack.Pod) func(int) string {
-		return func(i int) string { return pods[i%len(pods)].URL() }
-	}},
+func tallyPolicy(s *stack.Stack) policy {
+	return policy{name: "tally", baseURL: func(int) string { return s.GatewayURL() }, ledger: s.Ledger}
+}
+
+func roundRobinPolicy(s *stack.Stack) policy {
+	pods := s.Pods()
+	return policy{name: "round-robin", baseURL: func(i int) string { return pods[i%len(pods)].URL() }}
+}
+
+// flowPolicy sends the trace through r, a picker with flow control on.
+func flowPolicy(r *stack.Replica) policy {
+	return policy{name: "tally-flow", baseURL: func(int) string { return r.GatewayURL() }, ledger: r.Ledger, traceOnly: true}
+}
+
+// flowPickerConfig is the flow control picker's configuration: flow control
+// on, its times divided by the time scale, so that the hold threshold and
+// the reordering bound are the defaults in simulated time. Its TTL is the
+// default in real time: longer in simulated time, so the trace sees no
+// 429 that a real-time run would not.
+func flowPickerConfig(timeScale float64) string {
+	scaled := func(ms int) int { return max(int(math.Round(float64(ms)/timeScale)), 1) }
+	return fmt.Sprintf("{flowControl: {enabled: true, holdPrefillMilliseconds: %d, maxReorderMilliseconds: %d}}",
+		scaled(v1alpha1.DefaultHoldPrefillMilliseconds), scaled(v1alpha1.DefaultMaxReorderMilliseconds))
 }
 
 // ledgerIdleTimeout bounds the wait for the picker's ledger to drain after
@@ -180,24 +223,27 @@ var policies = []policy{
 // response bytes pass, so it is at zero almost at once.
 const ledgerIdleTimeout = 10 * time.Second
 
-func runPolicies(ctx context.Context, s *stack.Stack, workloads []workload, opts options, stdout io.Writer) ([]stack.Summary, []streamingTimes, error) {
+func runPolicies(ctx context.Context, s *stack.Stack, policies []policy, workloads []workload, opts options, stdout io.Writer) ([]stack.Summary, []streamingTimes, error) {
 	pods := s.Pods()
 	var summaries []stack.Summary
 	var times []streamingTimes
 	for _, pol := range policies {
 		for _, w := range workloads {
+			if pol.traceOnly && w.name == "burst" {
+				continue
+			}
 			// Every policy and workload starts from cold simulators: empty
 			// prefix caches.
 			if err := s.ResetSimulators(w.timeScale); err != nil {
 				return nil, nil, err
 			}
-			if err := warmUp(ctx, s, pol.baseURL(s, pods), len(pods)); err != nil {
+			if err := warmUp(ctx, s, pol.baseURL, len(pods)); err != nil {
 				return nil, nil, fmt.Errorf("warming up %s: %w", pol.name, err)
 			}
 			label := pol.name + "/" + w.name
 			fmt.Fprintf(stdout, "%s: replaying %d requests\n", label, len(w.requests))
-			baseURL := pol.baseURL(s, pods)
-			if pol.name == "tally" && w.name != "burst" && opts.direct > 0 {
+			baseURL := pol.baseURL
+			if pol.ledger != nil && w.name != "burst" && opts.direct > 0 {
 				baseURL = bypassing(baseURL, pods, opts.direct)
 			}
 			replay := &stack.Replayer{
@@ -217,8 +263,8 @@ func runPolicies(ctx context.Context, s *stack.Stack, workloads []workload, opts
 			sum := stack.Summarize(pol.name, w.name, results, s.PodNames(), s.ServedBy, wall, w.timeScale)
 			summaries = append(summaries, sum)
 			times = append(times, splitByStreaming(w.requests, results, w.timeScale))
-			if pol.name == "tally" {
-				if err := waitLedgerIdle(ctx, s); err != nil {
+			if pol.ledger != nil {
+				if err := waitLedgerIdle(ctx, pol.ledger); err != nil {
 					return nil, nil, fmt.Errorf("after %s: %w", label, err)
 				}
 			}
@@ -318,10 +364,10 @@ func warmUp(ctx context.Context, s *stack.Stack, baseURL func(int) string, n int
 }
 
 // waitLedgerIdle checks that the picker released every reservation.
-func waitLedgerIdle(ctx context.Context, s *stack.Stack) error {
+func waitLedgerIdle(ctx context.Context, ledger func(context.Context) (stack.Ledger, error)) error {
 	deadline := time.Now().Add(ledgerIdleTimeout)
 	for {
-		l, err := s.Ledger(ctx)
+		l, err := ledger(ctx)
 		if err == nil && l.Idle() {
 			return nil
 		}
@@ -363,6 +409,7 @@ type options struct {
 	nonStreaming   float64
 	lateFirstBytes float64
 	direct         float64
+	flow           bool
 	pickerArgs     []string
 	burst          int
 	systemTokens   int
@@ -383,6 +430,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.tracePath, "trace", "", "Mooncake-format trace to replay (default: <repo>/test/data/mooncake_sample.jsonl)")
 	fs.IntVar(&o.traceRequests, "trace-requests", 0, "replay only the first N requests of the trace (0: all)")
 	fs.Float64Var(&o.direct, "direct", 0, "fraction (0 to 1) of the trace's requests the tally policy sends straight to the pods, round robin, bypassing the picker (as a second gateway or a batch job would)")
+	fs.BoolVar(&o.flow, "flow", true, "also replay the trace through a second picker with flow control on (row tally-flow); it gets the --picker-arg flags too, then its own --config-text")
 	fs.Func("picker-arg", "an extra flag for the picker, e.g. --picker-arg=--refresh-metrics-interval=0 (repeatable)", func(v string) error {
 		o.pickerArgs = append(o.pickerArgs, v)
 		return nil
@@ -404,10 +452,11 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 }
 
 // defaultTimeScale runs the simulators five times faster than real time: the
-// demo takes under a minute once built. The gateway and the picker run in
-// real time, so their own cost per request (about a millisecond of CPU on
-// this path) is multiplied by the scale in the table's simulated times; a
-// larger scale is faster but inflates the "tally" rows' times by that much.
+// demo takes about a minute once built (70 s on two cores; 50 s with
+// --flow=false). The gateway and the picker run in real time, so their own
+// cost per request (about a millisecond of CPU on this path) is multiplied
+// by the scale in the table's simulated times; a larger scale is faster but
+// inflates the "tally" rows' times by that much.
 const defaultTimeScale = 5
 
 // maxPods keeps pod IPs within 127.0.0.0/8 and the demo within what two

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/test/stack"
 )
 
@@ -101,5 +102,26 @@ func TestBypassingSendsTheFractionStraightToThePods(t *testing.T) {
 	}
 	if _, err := parseFlags([]string{"--direct=-0.1"}, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "--direct") {
 		t.Errorf("--direct=-0.1: err = %v, want one naming the flag", err)
+	}
+}
+
+// The flow control picker's configuration is valid and means the defaults
+// in simulated time.
+func TestFlowPickerConfigScalesTheDefaults(t *testing.T) {
+	for _, tc := range []struct {
+		timeScale      float64
+		hold, maxReord int
+	}{{1, 250, 4000}, {5, 50, 800}, {100, 3, 40}} {
+		cfg, err := v1alpha1.Load([]byte(flowPickerConfig(tc.timeScale)))
+		if err != nil {
+			t.Fatalf("time scale %g: %v", tc.timeScale, err)
+		}
+		fc := cfg.FlowControl
+		if !fc.Enabled || fc.HoldPrefillMilliseconds != tc.hold || fc.MaxReorderMilliseconds != tc.maxReord {
+			t.Errorf("time scale %g: %+v, want enabled, hold %d ms, reordering %d ms", tc.timeScale, fc, tc.hold, tc.maxReord)
+		}
+	}
+	if o, err := parseFlags([]string{"--flow=false"}, &bytes.Buffer{}); err != nil || o.flow {
+		t.Errorf("--flow=false: %+v, %v", o, err)
 	}
 }

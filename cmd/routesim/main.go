@@ -5,6 +5,7 @@
 // bound. See package test/bench/routesim.
 //
 //	routesim --trace test/data/mooncake_sample.jsonl --engines 4
+//	routesim --trace test/data/mooncake_sample.jsonl --policies tally,tally-flow --load-factor 3.4 --priorities 10=0.2,-1=0.8
 //	routesim --azure AzureLLMInferenceTrace_conv.csv --requests 5000 --out docs/bench
 //
 // The tables go to stdout, progress to stderr; with --out DIR it also
@@ -33,6 +34,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
@@ -51,6 +53,8 @@ type options struct {
 	burst                 routesim.Burst
 	tenants, systemPrompt int
 	out, tallyConfig      string
+	tallyConfigText       string
+	priorities, flows     string
 	name, doc             string
 	parallel              int
 	quiet                 bool
@@ -70,14 +74,18 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.cfg.Bypass, "bypass", 0, "fraction of requests sent round-robin straight to the engines, past the policy")
 	fs.Uint64Var(&o.cfg.Seed, "seed", 1, "seed of every random choice")
 	fs.IntVar(&o.requests, "requests", 0, "replay the first N requests of the trace (0: all)")
-	fs.StringVar(&o.policies, "policies", strings.Join(routesim.Policies(), ","), "comma-separated policies to run")
+	fs.StringVar(&o.policies, "policies", strings.Join(routesim.Policies(), ","), "comma-separated policies to run, of "+strings.Join(routesim.KnownPolicies(), ", ")+
+		" (tally-flow: tally with flow control on)")
 	fs.IntVar(&o.burst.Requests, "burst", db.Requests, "requests of the burst scenario (0: no burst)")
 	fs.IntVar(&o.burst.PromptTokens, "burst-prompt-tokens", db.PromptTokens, "prompt of each burst request, in tokens")
 	fs.IntVar(&o.burst.SharedTokens, "burst-shared-tokens", db.SharedTokens, "leading prompt tokens the burst shares (whole 512-token blocks), held by one engine before it")
 	fs.IntVar(&o.burst.OutputTokens, "burst-output-tokens", db.OutputTokens, "output of each burst request, in tokens")
 	fs.IntVar(&o.tenants, "tenants", 16, "with --azure: tenants, each with its own system prompt (drawn Zipf-like)")
 	fs.IntVar(&o.systemPrompt, "system-prompt-tokens", 1024, "with --azure: each tenant's system prompt, in tokens")
-	fs.StringVar(&o.tallyConfig, "tally-config", "", "PickerConfig file (YAML or JSON) for the tally policy's picker; default: the production defaults")
+	fs.StringVar(&o.tallyConfig, "tally-config", "", "PickerConfig file (YAML or JSON) for the tally policies' picker; default: the production defaults")
+	fs.StringVar(&o.tallyConfigText, "tally-config-text", "", "a PickerConfig given inline (instead of --tally-config), e.g. '{flowControl: {holdPrefillMilliseconds: 100}}'")
+	fs.StringVar(&o.priorities, "priorities", "", "priorities of a share of the requests, as PRIORITY=FRACTION,... (e.g. 10=0.2,-1=0.8; the rest 0): flow control's bands, below 0 sheddable")
+	fs.StringVar(&o.flows, "flows", "", "spread the requests over fairness ids flow-0, flow-1... in proportion to these comma-separated weights (e.g. 10,1)")
 	fs.StringVar(&o.out, "out", "", "directory for routesim.md, its SVG charts and routesim.json (none when empty)")
 	fs.StringVar(&o.name, "name", routesim.DefaultName, "names the files in --out (NAME.md, NAME-ttft-cdf.svg...) and the section of --doc")
 	fs.StringVar(&o.doc, "doc", "", "markdown file whose section named by --name gets the tables, with links to the charts; --out, required then, gets only the charts")
@@ -104,11 +112,21 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, errors.New("--doc needs --out: the directory for the charts it links")
 	}
 	for _, p := range splitList(o.policies) {
-		if !slices.Contains(routesim.Policies(), p) {
-			return nil, fmt.Errorf("--policies: %q is not a policy: accepted are %s", p, strings.Join(routesim.Policies(), ", "))
+		if !slices.Contains(routesim.KnownPolicies(), p) {
+			return nil, fmt.Errorf("--policies: %q is not a policy: accepted are %s", p, strings.Join(routesim.KnownPolicies(), ", "))
 		}
 	}
-	if o.tallyConfig != "" {
+	var err error
+	if o.cfg.Priorities, err = parsePriorities(o.priorities); err != nil {
+		return nil, fmt.Errorf("--priorities: %w", err)
+	}
+	if o.cfg.FlowWeights, err = parseWeights(o.flows); err != nil {
+		return nil, fmt.Errorf("--flows: %w", err)
+	}
+	switch {
+	case o.tallyConfig != "" && o.tallyConfigText != "":
+		return nil, errors.New("--tally-config and --tally-config-text: give at most one")
+	case o.tallyConfig != "":
 		data, err := os.ReadFile(o.tallyConfig)
 		if err != nil {
 			return nil, fmt.Errorf("--tally-config: %w", err)
@@ -116,9 +134,13 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		if o.cfg.Picker, err = v1alpha1.Load(data); err != nil {
 			return nil, fmt.Errorf("--tally-config %s: %w", o.tallyConfig, err)
 		}
+	case o.tallyConfigText != "":
+		if o.cfg.Picker, err = v1alpha1.Load([]byte(o.tallyConfigText)); err != nil {
+			return nil, fmt.Errorf("--tally-config-text: %w", err)
+		}
 	}
 	if err := o.cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("%w (flags --engines, --kv-blocks, --load-factor, --non-streaming, --bypass)", err)
+		return nil, fmt.Errorf("%w (flags --engines, --kv-blocks, --load-factor, --non-streaming, --bypass, --priorities, --flows)", err)
 	}
 	if o.burst.Requests > 0 {
 		if err := o.burst.Validate(); err != nil {
@@ -220,6 +242,34 @@ func writeDoc(doc, out, name string, rep *routesim.Report) error {
 		return err
 	}
 	return docsection.WriteFile(doc, name, b.String())
+}
+
+// parsePriorities reads --priorities: PRIORITY=FRACTION, comma-separated.
+func parsePriorities(v string) ([]routesim.PriorityShare, error) {
+	var shares []routesim.PriorityShare
+	for _, part := range splitList(v) {
+		p, f, ok := strings.Cut(part, "=")
+		prio, perr := strconv.Atoi(strings.TrimSpace(p))
+		frac, ferr := strconv.ParseFloat(strings.TrimSpace(f), 64)
+		if !ok || perr != nil || ferr != nil {
+			return nil, fmt.Errorf("%q is invalid: want PRIORITY=FRACTION, e.g. 10=0.2", part)
+		}
+		shares = append(shares, routesim.PriorityShare{Priority: prio, Fraction: frac})
+	}
+	return shares, nil
+}
+
+// parseWeights reads --flows: positive numbers, comma-separated.
+func parseWeights(v string) ([]float64, error) {
+	var weights []float64
+	for _, part := range splitList(v) {
+		w, err := strconv.ParseFloat(part, 64)
+		if err != nil {
+			return nil, fmt.Errorf("%q is invalid: want a positive number", part)
+		}
+		weights = append(weights, w)
+	}
+	return weights, nil
 }
 
 func validName(s string) bool {

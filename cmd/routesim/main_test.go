@@ -48,6 +48,11 @@ func TestBadFlagsExit2NamingTheFlag(t *testing.T) {
 		{[]string{"--trace", sampleTrace, "--policies", "tally,random"}, "--policies"},
 		{[]string{"--trace", sampleTrace, "--name", "a/b"}, "--name"},
 		{[]string{"--trace", sampleTrace, "--doc", "x.md"}, "--doc needs --out"},
+		{[]string{"--trace", sampleTrace, "--priorities", "10:0.2"}, "--priorities"},
+		{[]string{"--trace", sampleTrace, "--priorities", "10=0.7,-1=0.7"}, "at most 1"},
+		{[]string{"--trace", sampleTrace, "--flows", "10,x"}, "--flows"},
+		{[]string{"--trace", sampleTrace, "--flows", "10,0"}, "flow weights"},
+		{[]string{"--trace", sampleTrace, "--tally-config-text", "{flowControl: {ordering: random}}"}, "flowControl.ordering"},
 	} {
 		var stdout, stderr bytes.Buffer
 		code := run(tc.args, &stdout, &stderr)
@@ -75,6 +80,28 @@ func TestTallyConfig(t *testing.T) {
 	}
 	if code := run([]string{"--trace", sampleTrace, "--tally-config", cfg}, &stdout, &stderr); code != 2 || !strings.Contains(stderr.String(), "--tally-config") {
 		t.Errorf("a misspelt field: exit %d, %q", code, stderr.String())
+	}
+}
+
+// tally-flow with priorities and flows: the report counts the held and
+// refused requests, per priority and per flow, and names the picker
+// configuration given inline.
+func TestFlowControlReport(t *testing.T) {
+	var stdout, stderr bytes.Buffer
+	args := []string{"--trace", sampleTrace, "--requests", "60", "--engines", "2", "--burst", "0", "--load-factor", "8",
+		"--policies", "tally,tally-flow", "--priorities", "10=0.2,-1=0.5", "--flows", "3,1",
+		"--tally-config-text", "{flowControl: {holdPrefillMilliseconds: 100}}", "--quiet"}
+	if code := run(args, &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	out := stdout.String()
+	for _, want := range []string{
+		"priorities 10=0.2,-1=0.5 (the rest 0); flows weighted 3,1.", "`flowControl.holdPrefillMilliseconds: 100`",
+		"| tally-flow | 60 |", "| shed | queue full | TTL |", "Per priority (", "| tally-flow | -1 |", "| tally-flow | flow-1 | 1 |",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("stdout lacks %q:\n%s", want, out)
+		}
 	}
 }
 

@@ -242,12 +242,13 @@ func TestSummarizeAndTable(t *testing.T) {
 		{ID: "x-1", TTFT: 30 * time.Millisecond, PromptTokens: 100, CachedTokens: 0},
 		{ID: "x-2", TTFT: 20 * time.Millisecond, PromptTokens: 200, CachedTokens: 150},
 		{ID: "x-3", Status: 503, Err: errors.New("request x-3: HTTP 503"), PromptTokens: 999, CachedTokens: 999},
+		{ID: "x-4", Status: 429, Err: errors.New("request x-4: HTTP 429"), PromptTokens: 999, CachedTokens: 999},
 	}
 	served := map[string]string{"x-0": "sim-0", "x-1": "sim-1", "x-2": "sim-1"}
 	s := Summarize("tally", "burst", results, []string{"sim-0", "sim-1", "sim-2"},
 		func(id string) string { return served[id] }, 2*time.Second, 10)
-	if s.Requests != 4 || s.Errors != 1 || s.FirstError != results[3].Err {
-		t.Fatalf("summary %+v: want 4 requests, 1 error", s)
+	if s.Requests != 5 || s.Errors != 1 || s.Refused != 1 || s.FirstError != results[3].Err {
+		t.Fatalf("summary %+v: want 5 requests, 1 error, 1 refused (429)", s)
 	}
 	if s.Placement["sim-0"] != 1 || s.Placement["sim-1"] != 2 || s.Placement["sim-2"] != 0 {
 		t.Fatalf("placement %v", s.Placement)
@@ -256,8 +257,8 @@ func TestSummarizeAndTable(t *testing.T) {
 	if s.PromptTokens != 400 || s.CachedTokens != 200 || s.HitRate() != 0.5 {
 		t.Fatalf("tokens %d/%d, hit rate %v: want 200/400 = 0.5", s.CachedTokens, s.PromptTokens, s.HitRate())
 	}
-	if s.TTFTP50 != 200*time.Millisecond || s.TTFTP99 != 300*time.Millisecond || s.Wall != 20*time.Second {
-		t.Fatalf("p50 %v p99 %v wall %v: want the times x10", s.TTFTP50, s.TTFTP99, s.Wall)
+	if s.TTFTP50 != 200*time.Millisecond || s.TTFTP90 != 300*time.Millisecond || s.TTFTP99 != 300*time.Millisecond || s.Wall != 20*time.Second {
+		t.Fatalf("p50 %v p90 %v p99 %v wall %v: want the times x10", s.TTFTP50, s.TTFTP90, s.TTFTP99, s.Wall)
 	}
 
 	var buf bytes.Buffer
@@ -272,8 +273,8 @@ func TestSummarizeAndTable(t *testing.T) {
 	}
 	// Each row carries its own time scale and its times are multiplied by it.
 	wantRows := [][]string{
-		{"tally", "burst", "x10", "4", "1/2/0", "50.0%", "0.200s", "0.300s", "1", "20.0s"},
-		{"round-robin", "burst", "x1", "3", "0/0/3", "50.0%", "0.020s", "0.030s", "0", "1.0s"},
+		{"tally", "burst", "x10", "5", "1/2/0", "50.0%", "0.200s", "0.300s", "0.300s", "1", "1", "20.0s"},
+		{"round-robin", "burst", "x1", "3", "0/0/3", "50.0%", "0.020s", "0.030s", "0.030s", "0", "0", "1.0s"},
 	}
 	for i, want := range wantRows {
 		if got := strings.Fields(lines[2+i]); !slices.Equal(got, want) {

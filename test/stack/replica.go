@@ -8,7 +8,8 @@ import (
 )
 
 // Replica is one more picker process of the stack's pool, run with the same
-// flags as the first on ports of its own, and a dev gateway of its own in
+// flags as the first (and any given to StartReplica) on ports of its own,
+// and a dev gateway of its own in
 // front of it: where a cluster's gateway would route to whichever picker
 // replica is ready, a test sends through the replica's gateway once the
 // replica reports ready. With --ha-enable-leader-election in
@@ -25,7 +26,10 @@ type Replica struct {
 // StartReplica starts another picker and its gateway, and waits until the
 // picker's endpoint set holds every pod of the stack (a standby watches the
 // pool too). It does not wait for readiness: a standby is not ready.
-func (s *Stack) StartReplica(ctx context.Context) (_ *Replica, err error) {
+// extraArgs follow Options.PickerArgs, so that they win over them: a
+// replica with a picker configuration of its own (--config-text) is
+// another picker beside the first.
+func (s *Stack) StartReplica(ctx context.Context, extraArgs ...string) (_ *Replica, err error) {
 	taken := []pickerPorts{s.pickerPorts}
 	for _, r := range s.replicas {
 		taken = append(taken, r.ports)
@@ -36,7 +40,7 @@ func (s *Stack) StartReplica(ctx context.Context) (_ *Replica, err error) {
 	}
 	r := &Replica{stack: s, name: "epp-" + strconv.Itoa(len(s.replicas)+1), ports: ports}
 	s.replicas = append(s.replicas, r)
-	if r.picker, err = s.startPickerProcess(r.name, ports); err != nil {
+	if r.picker, err = s.startPickerProcess(r.name, ports, extraArgs...); err != nil {
 		return nil, err
 	}
 	if err := r.WaitForEndpoints(ctx, s.PodNames()...); err != nil {

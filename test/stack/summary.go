@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net/http"
 	"slices"
 	"strings"
 	"text/tabwriter"
@@ -38,7 +39,12 @@ type Summary struct {
 	CachedTokens int
 	// TTFT percentiles of successful requests, in simulated time.
 	TTFTP50 time.Duration
+	TTFTP90 time.Duration
 	TTFTP99 time.Duration
+	// Refused counts the requests answered 429 (flow control refused
+	// them: a full queue, a shed request, a wait past its TTL); Errors
+	// every other failure.
+	Refused int
 	Errors  int
 	// FirstError is one error, to explain a non-zero Errors.
 	FirstError error
@@ -71,6 +77,10 @@ func Summarize(policy, workload string, results []Result, pods []string, servedB
 		if pod := servedBy(r.ID); pod != "" {
 			s.Placement[pod]++
 		}
+		if r.Status == http.StatusTooManyRequests {
+			s.Refused++
+			continue
+		}
 		if r.Err != nil {
 			s.Errors++
 			if s.FirstError == nil {
@@ -83,6 +93,7 @@ func Summarize(policy, workload string, results []Result, pods []string, servedB
 		ttfts = append(ttfts, scale(r.TTFT, timeScale))
 	}
 	s.TTFTP50 = Percentile(ttfts, 50)
+	s.TTFTP90 = Percentile(ttfts, 90)
 	s.TTFTP99 = Percentile(ttfts, 99)
 	return s
 }
@@ -101,15 +112,15 @@ func WriteTable(w io.Writer, sums []Summary) error {
 	if _, err := fmt.Fprintln(w, "Times in simulated seconds: measured wall time x the row's time scale (how much faster than real time the simulators ran)."); err != nil {
 		return err
 	}
-	fmt.Fprintln(tw, "policy\tworkload\ttime scale\trequests\tplacement\tcache hit\tTTFT p50\tTTFT p99\terrors\tduration\t")
+	fmt.Fprintln(tw, "policy\tworkload\ttime scale\trequests\tplacement\tcache hit\tTTFT p50\tTTFT p90\tTTFT p99\t429\terrors\tduration\t")
 	for _, s := range sums {
 		placement := make([]string, len(s.Pods))
 		for i, p := range s.Pods {
 			placement[i] = fmt.Sprint(s.Placement[p])
 		}
-		fmt.Fprintf(tw, "%s\t%s\tx%g\t%d\t%s\t%.1f%%\t%.3fs\t%.3fs\t%d\t%.1fs\t\n",
+		fmt.Fprintf(tw, "%s\t%s\tx%g\t%d\t%s\t%.1f%%\t%.3fs\t%.3fs\t%.3fs\t%d\t%d\t%.1fs\t\n",
 			s.Policy, s.Workload, s.TimeScale, s.Requests, strings.Join(placement, "/"),
-			100*s.HitRate(), s.TTFTP50.Seconds(), s.TTFTP99.Seconds(), s.Errors, s.Wall.Seconds())
+			100*s.HitRate(), s.TTFTP50.Seconds(), s.TTFTP90.Seconds(), s.TTFTP99.Seconds(), s.Refused, s.Errors, s.Wall.Seconds())
 	}
 	if err := tw.Flush(); err != nil {
 		return err

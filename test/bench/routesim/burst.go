@@ -79,6 +79,8 @@ type BurstRun struct {
 	TTFT   Dist
 	// Drained is when the last burst request finished, after the burst.
 	Drained time.Duration
+	// Refused counts the burst's requests answered 429 (flow control).
+	Refused int `json:",omitempty"`
 	// Samples are for the chart, not the JSON report.
 	Samples []Sample `json:"-"`
 }
@@ -98,6 +100,7 @@ func PrepareBurst(b Burst, cfg Config) (*Workload, error) {
 		return nil, err
 	}
 	cfg.LoadFactor, cfg.NonStreaming, cfg.Bypass = 1, 0, 0
+	cfg.Priorities, cfg.FlowWeights = nil, nil
 	cfg.SampleEvery = burstSampleEvery
 	return Prepare(b.Trace(), cfg)
 }
@@ -107,6 +110,10 @@ func SummarizeBurst(r *Result) BurstRun {
 	br := BurstRun{Policy: r.Policy, WarmEngine: r.Outcomes[0].Engine, Placed: make([]int, len(r.Placed)), Samples: r.Samples}
 	ttft := make([]time.Duration, 0, len(r.Outcomes)-1)
 	for _, o := range r.Outcomes[1:] {
+		if o.Refused != "" {
+			br.Refused++
+			continue
+		}
 		br.Placed[o.Engine]++
 		ttft = append(ttft, o.TTFT)
 		br.Drained = max(br.Drained, o.E2E)
@@ -129,7 +136,11 @@ func (r *BurstReport) writeMarkdown(b *strings.Builder) {
 				placed[i] += "*"
 			}
 		}
-		fmt.Fprintf(b, "| %s | %s | %s | %s | %s | %s | %s |\n", run.Policy, strings.Join(placed, " / "),
+		placedList := strings.Join(placed, " / ")
+		if run.Refused > 0 {
+			placedList += fmt.Sprintf(" (+%d refused, 429)", run.Refused)
+		}
+		fmt.Fprintf(b, "| %s | %s | %s | %s | %s | %s | %s |\n", run.Policy, placedList,
 			secs(run.TTFT.P50), secs(run.TTFT.P90), secs(run.TTFT.P99), secs(run.TTFT.Mean), secs(run.Drained))
 	}
 	b.WriteString("\nSeconds from the burst's arrival.\n")

@@ -22,6 +22,16 @@
 // foreign load. Not modelled: the network and the gateway (no latency, no
 // failures), and scrapes take no time.
 //
+// Tally with flow control (policy tally-flow, or flowControl enabled in the
+// picker's configuration) is the picker's non-blocking Enqueue: a request it
+// holds reaches no engine until its ticket says it was placed, and then the
+// engine its reservation names, at that virtual instant. The picker runs its
+// dispatch cycles inside the calls the simulation makes (first bytes,
+// releases, scrapes, arrivals); the simulation runs the others at
+// NextDispatch, as the picker's timer would in real time. Requests can carry
+// priorities and fairness ids (Config.Priorities, Config.FlowWeights), and
+// the requests it refuses (429) are counted apart, in no latency figure.
+//
 // The prompts: each 512-token Mooncake hash_id expands into the same text
 // as test/stack's (32 chunks of 64 characters), and the engines' block
 // hashes are the model server's (chained xxhash of each 64-character,

@@ -1,6 +1,7 @@
 package routesim
 
 import (
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
@@ -23,11 +24,22 @@ const (
 	UpstreamLike = "upstream-like"
 	// Tally is the real picker package: pick, reserve, first byte,
 	// delivered usage, release, and each engine's scrape every 250 ms.
+	// With flow control on in Config.Picker it is TallyFlow.
 	Tally = "tally"
+	// TallyFlow is Tally with flow control on (Config.Picker's
+	// flowControl, enabled): a request that finds every engine saturated
+	// waits in the picker's queue, sent to no engine, until a dispatch
+	// cycle places it, or is refused (HTTP 429).
+	TallyFlow = "tally-flow"
 )
 
-// Policies returns the policies in report order.
+// Policies returns the policies a suite runs unless told otherwise, in
+// report order.
 func Policies() []string { return []string{RoundRobin, LeastRequest, UpstreamLike, Tally} }
+
+// KnownPolicies returns every policy, in report order: Policies and
+// TallyFlow.
+func KnownPolicies() []string { return append(Policies(), TallyFlow) }
 
 // policy is how the simulation drives a router. Calls come in virtual-time
 // order from one goroutine.
@@ -44,6 +56,62 @@ type policy interface {
 	// for never.
 	observeEvery() time.Duration
 	observe(stats []engine.Stats)
+}
+
+// queueing is a policy that may hold a request instead of placing it at
+// once (flow control). The simulation sends a held request to no engine
+// until dispatched hands it back placed, at the instant it was placed.
+type queueing interface {
+	// admit places request i at once, holds it, or refuses it.
+	admit(i int, j *job) (admission, error)
+	// dispatched appends the held requests that left the queue (placed,
+	// or refused there) since the last call, in arrival order. An error
+	// is a request that left it in a way no client is answered 429.
+	dispatched(dst []admission) ([]admission, error)
+	// nextDispatch is when the next dispatch cycle is due that no event
+	// the simulation delivers will run (the drain model frees capacity,
+	// a wait ends); false when nothing waits.
+	nextDispatch() (time.Duration, bool)
+	// dispatch runs that cycle now.
+	dispatch()
+}
+
+// admission is what became of a request a queueing policy admitted: placed
+// on engine, held, or refused (refused says why).
+type admission struct {
+	i       int
+	engine  int
+	held    bool
+	refused string
+}
+
+// Why a queueing policy refused a request (an HTTP 429 in the ext_proc
+// server); Outcome.Refused.
+const (
+	// RefusedShed: every engine was saturated and it was sheddable
+	// (priority below 0).
+	RefusedShed = "shed"
+	// RefusedQueueFull: its band, or the queue, was at its limit.
+	RefusedQueueFull = "queue full"
+	// RefusedTTL: it waited its whole time to live.
+	RefusedTTL = "ttl"
+)
+
+// rateLearner is a policy that learns the engines' prefill rates.
+type rateLearner interface {
+	learnedRates() RateRange
+}
+
+// RateRange is the lowest and highest of the prefill rates (tokens per
+// second) a policy had learned at its scrapes; zero when it learned none.
+type RateRange struct{ Min, Max float64 }
+
+func (r *RateRange) add(rate float64) {
+	if r.Max == 0 {
+		r.Min, r.Max = rate, rate
+		return
+	}
+	r.Min, r.Max = min(r.Min, rate), max(r.Max, rate)
 }
 
 // countObserver is a policy that needs only each engine's running and
@@ -63,10 +131,17 @@ func newPolicy(name string, cfg Config, now *time.Duration, texts *idText) (poli
 		return &leastRequest{load: make([]int, cfg.Engines), rng: rng}, nil
 	case UpstreamLike:
 		return newUpstreamLike(cfg.Engines, rng, now), nil
-	case Tally:
-		return newTally(cfg, now, rng, texts), nil
+	case Tally, TallyFlow:
+		if name == TallyFlow {
+			cfg.Picker.FlowControl.Enabled = true
+		}
+		t := newTally(cfg, now, rng, texts)
+		if cfg.Picker.FlowControl.Enabled {
+			return &tallyFlow{tally: t}, nil
+		}
+		return t, nil
 	}
-	return nil, fmt.Errorf("policy %q is unknown: accepted are %v", name, Policies())
+	return nil, fmt.Errorf("policy %q is unknown: accepted are %v", name, KnownPolicies())
 }
 
 type roundRobin struct{ n, next int }
@@ -115,7 +190,11 @@ func (p *leastRequest) observeCounts(requests []int) { copy(p.load, requests) }
 
 // tally drives the real picker on the simulation's clock.
 type tally struct {
-	p           *picker.Picker
+	p      *picker.Picker
+	origin time.Time // of the picker's clock
+	// rates is the range of the prefill rates the picker held at its
+	// scrapes, its starting value (prefillTokensPerSecond) included.
+	rates       RateRange
 	addrs       []netip.AddrPort
 	byAddr      map[netip.AddrPort]int
 	res         map[int]*picker.Reservation
@@ -139,6 +218,7 @@ func newTally(cfg Config, now *time.Duration, rng *rand.Rand, texts *idText) *ta
 	})
 	t := &tally{
 		p:           p,
+		origin:      origin,
 		byAddr:      make(map[netip.AddrPort]int, cfg.Engines),
 		res:         make(map[int]*picker.Reservation),
 		texts:       texts,
@@ -198,4 +278,112 @@ func (t *tally) observe(stats []engine.Stats) {
 			CacheTokens: t.cacheTokens,
 		})
 	}
+	for _, st := range t.p.Stats() {
+		t.rates.add(st.PrefillTokensPerSecond)
+	}
 }
+
+// learnedRates is the range of the prefill rates the picker learned.
+func (t *tally) learnedRates() RateRange { return t.rates }
+
+// tallyFlow is tally with flow control: the picker's non-blocking Enqueue,
+// and its dispatch cycles in virtual time. A cycle runs inside every call
+// that may free capacity (first byte, release, scrape), when a request
+// arrives, and at the picker's NextDispatch; a held request reaches its
+// engine (the reservation's first endpoint) only once its ticket says it
+// was placed.
+type tallyFlow struct {
+	*tally
+	// waiting are the held requests, in arrival order.
+	waiting []waiter
+}
+
+type waiter struct {
+	i int
+	t *picker.Ticket
+}
+
+func (t *tallyFlow) admit(i int, j *job) (admission, error) {
+	t.prompt = t.texts.appendPrompt(t.prompt[:0], j.Request)
+	req := picker.Request{Model: tallyModel, Prompt: t.prompt, Stream: j.stream, Priority: j.priority}
+	if j.flow >= 0 {
+		req.FairnessID = FlowID(j.flow)
+	}
+	r, ticket, err := t.p.Enqueue(req)
+	switch {
+	case err != nil:
+		why, ok := refusal(err)
+		if !ok {
+			return admission{}, err
+		}
+		return admission{i: i, refused: why}, nil
+	case ticket != nil:
+		t.waiting = append(t.waiting, waiter{i: i, t: ticket})
+		return admission{i: i, held: true}, nil
+	}
+	return t.placed(i, r)
+}
+
+// placed records request i's reservation and names its engine.
+func (t *tallyFlow) placed(i int, r *picker.Reservation) (admission, error) {
+	t.res[i] = r
+	e, ok := t.byAddr[r.Endpoints()[0]]
+	if !ok {
+		return admission{}, fmt.Errorf("picker chose %v, not an engine", r.Endpoints()[0])
+	}
+	return admission{i: i, engine: e}, nil
+}
+
+// refusal names the reason of an error the ext_proc server answers 429;
+// false for any other.
+func refusal(err error) (string, bool) {
+	switch {
+	case errors.Is(err, picker.ErrShed):
+		return RefusedShed, true
+	case errors.Is(err, picker.ErrQueueFull):
+		return RefusedQueueFull, true
+	case errors.Is(err, picker.ErrQueueTimeout):
+		return RefusedTTL, true
+	}
+	return "", false
+}
+
+func (t *tallyFlow) dispatched(dst []admission) ([]admission, error) {
+	n := 0
+	var errs []error
+	for _, w := range t.waiting {
+		r, err, done := w.t.Result()
+		switch {
+		case !done:
+			t.waiting[n] = w
+			n++
+		case err != nil:
+			why, ok := refusal(err)
+			if !ok {
+				errs = append(errs, fmt.Errorf("request %d left the picker's queue: %w", w.i, err))
+				continue
+			}
+			dst = append(dst, admission{i: w.i, refused: why})
+		default:
+			a, err := t.placed(w.i, r)
+			if err != nil {
+				errs = append(errs, fmt.Errorf("request %d: %w", w.i, err))
+				continue
+			}
+			dst = append(dst, a)
+		}
+	}
+	clear(t.waiting[n:])
+	t.waiting = t.waiting[:n]
+	return dst, errors.Join(errs...)
+}
+
+func (t *tallyFlow) nextDispatch() (time.Duration, bool) {
+	at, ok := t.p.NextDispatch()
+	if !ok {
+		return 0, false
+	}
+	return at.Sub(t.tally.origin), true
+}
+
+func (t *tallyFlow) dispatch() { t.p.Dispatch() }

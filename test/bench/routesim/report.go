@@ -61,24 +61,104 @@ type Summary struct {
 	// End is when the last request finished (virtual); Wall is how long
 	// the run took.
 	End, Wall time.Duration
+	// Flow control: Held counts the requests that waited in the policy's
+	// queue, Wait is how long the placed requests waited there (0 for
+	// those placed at once), Refused counts the requests answered 429
+	// (RefusedShed...), which no latency figure includes.
+	Held    int
+	Wait    Dist
+	Refused Refusals
+	// LearnedRates is the range of the prefill rates Tally's picker had
+	// learned at its scrapes: flow control's saturation threshold is
+	// holdPrefillMilliseconds of it.
+	LearnedRates RateRange
+	// Bands are the figures of each priority, highest first, when the
+	// workload has more than one (Config.Priorities); Flows those of each
+	// fairness id (Config.FlowWeights).
+	Bands []BandSummary `json:",omitempty"`
+	Flows []FlowSummary `json:",omitempty"`
 
 	ttfts []time.Duration // sorted, for the CDF chart
 }
 
+// Refusals counts 429s by why.
+type Refusals struct{ Shed, QueueFull, TTL int }
+
+// Total is every refusal.
+func (r Refusals) Total() int { return r.Shed + r.QueueFull + r.TTL }
+
+func (r *Refusals) add(why string) {
+	switch why {
+	case RefusedShed:
+		r.Shed++
+	case RefusedQueueFull:
+		r.QueueFull++
+	case RefusedTTL:
+		r.TTL++
+	}
+}
+
+// BandSummary is one priority's share of a run.
+type BandSummary struct {
+	Priority       int
+	Requests, Held int
+	Refused        Refusals
+	// TTFT and Wait over its placed requests.
+	TTFT, Wait Dist
+}
+
+// FlowSummary is one fairness id's share of a run.
+type FlowSummary struct {
+	ID                string
+	Requests, Refused int
+	Held              int
+	// Contended is its requests dispatched from the queue while every
+	// flow had requests waiting, and Share its part of all of those.
+	Contended int
+	Share     float64
+}
+
 // Summarize reduces a run to its figures.
 func Summarize(r *Result) Summary {
-	s := Summary{Policy: r.Policy, Requests: len(r.Outcomes), Placed: r.Placed, End: r.End, Wall: r.Wall}
-	ttft := make([]time.Duration, len(r.Outcomes))
-	e2e := make([]time.Duration, len(r.Outcomes))
-	for i, o := range r.Outcomes {
-		ttft[i], e2e[i] = o.TTFT, o.E2E
+	s := Summary{Policy: r.Policy, Requests: len(r.Outcomes), Placed: r.Placed, End: r.End, Wall: r.Wall, LearnedRates: r.LearnedRates}
+	ttft := make([]time.Duration, 0, len(r.Outcomes))
+	e2e := make([]time.Duration, 0, len(r.Outcomes))
+	var wait []time.Duration
+	bands := map[int]*bandAcc{}
+	for _, o := range r.Outcomes {
 		if o.Bypass {
 			s.Bypassed++
 		}
+		b := bands[o.Priority]
+		if b == nil {
+			b = &bandAcc{BandSummary: BandSummary{Priority: o.Priority}}
+			bands[o.Priority] = b
+		}
+		b.Requests++
+		if o.Held {
+			s.Held++
+			b.Held++
+		}
+		if o.Refused != "" {
+			s.Refused.add(o.Refused)
+			b.Refused.add(o.Refused)
+			continue
+		}
+		ttft, e2e = append(ttft, o.TTFT), append(e2e, o.E2E)
+		wait = append(wait, o.Wait)
+		b.ttft, b.wait = append(b.ttft, o.TTFT), append(b.wait, o.Wait)
 	}
-	s.TTFT, s.E2E = distOf(ttft), distOf(e2e)
+	s.TTFT, s.E2E, s.Wait = distOf(ttft), distOf(e2e), distOf(wait)
 	slices.Sort(ttft)
 	s.ttfts = ttft
+	if len(bands) > 1 || bands[0] == nil {
+		for _, b := range bands {
+			b.TTFT, b.Wait = distOf(b.ttft), distOf(b.wait)
+			s.Bands = append(s.Bands, b.BandSummary)
+		}
+		slices.SortFunc(s.Bands, func(a, b BandSummary) int { return b.Priority - a.Priority })
+	}
+	s.Flows = summarizeFlows(r)
 	var queries, hits, prefill, most int64
 	for _, e := range r.Engines {
 		queries += e.PrefixQueryTokens
@@ -93,6 +173,43 @@ func Summarize(r *Result) Summary {
 		s.PrefillSpread = float64(most) * float64(len(r.Engines)) / float64(prefill)
 	}
 	return s
+}
+
+type bandAcc struct {
+	BandSummary
+	ttft, wait []time.Duration
+}
+
+func summarizeFlows(r *Result) []FlowSummary {
+	if len(r.Contended) == 0 {
+		return nil
+	}
+	flows := make([]FlowSummary, len(r.Contended))
+	contended := 0
+	for k := range flows {
+		flows[k].ID = FlowID(k)
+		flows[k].Contended = r.Contended[k]
+		contended += r.Contended[k]
+	}
+	for _, o := range r.Outcomes {
+		if o.Flow < 0 || o.Bypass {
+			continue
+		}
+		f := &flows[o.Flow]
+		f.Requests++
+		if o.Held {
+			f.Held++
+		}
+		if o.Refused != "" {
+			f.Refused++
+		}
+	}
+	if contended > 0 {
+		for k := range flows {
+			flows[k].Share = float64(flows[k].Contended) / float64(contended)
+		}
+	}
+	return flows
 }
 
 // BoundSummary is the no-queueing bound's figures for the workload.
@@ -173,27 +290,66 @@ func variant(c Config) string {
 	if c.NonStreaming > 0 {
 		parts = append(parts, fmt.Sprintf("%g%% of clients not streaming", 100*c.NonStreaming))
 	}
+	if len(c.Priorities) > 0 {
+		parts = append(parts, "priorities "+priorityList(c.Priorities))
+	}
+	if len(c.FlowWeights) > 0 {
+		parts = append(parts, fmt.Sprintf("%d flows weighted %s", len(c.FlowWeights), weightList(c.FlowWeights)))
+	}
 	return strings.Join(parts, ", ")
 }
 
 // configDiff lists the fields of c that differ from the defaults, as
-// `name: value` in the configuration file's terms.
+// `name: value` in the configuration file's terms (nested fields dotted:
+// `flowControl.holdPrefillMilliseconds: 100`).
 func configDiff(c v1alpha1.PickerConfig) string {
-	fields := func(pc v1alpha1.PickerConfig) map[string]any {
+	fields := func(pc v1alpha1.PickerConfig) map[string]string {
 		var m map[string]any
 		data, _ := json.Marshal(v1alpha1.WithDefaults(pc))
 		_ = json.Unmarshal(data, &m)
-		return m
+		flat := map[string]string{}
+		flatten(flat, "", m)
+		return flat
 	}
 	got, def := fields(c), fields(v1alpha1.PickerConfig{})
 	var diff []string
 	for k, v := range got {
-		if dv, ok := def[k]; !ok || fmt.Sprint(dv) != fmt.Sprint(v) {
-			diff = append(diff, fmt.Sprintf("`%s: %v`", k, v))
+		if dv, ok := def[k]; !ok || dv != v {
+			diff = append(diff, fmt.Sprintf("`%s: %s`", k, v))
 		}
 	}
 	slices.Sort(diff)
 	return strings.Join(diff, ", ")
+}
+
+// flatten puts every leaf of m into dst under its dotted path.
+func flatten(dst map[string]string, prefix string, m map[string]any) {
+	for k, v := range m {
+		if sub, ok := v.(map[string]any); ok {
+			flatten(dst, prefix+k+".", sub)
+			continue
+		}
+		dst[prefix+k] = fmt.Sprint(v)
+	}
+}
+
+// priorityList writes shares as the --priorities flag takes them
+// ("10=0.2,-1=0.8").
+func priorityList(shares []PriorityShare) string {
+	s := make([]string, len(shares))
+	for i, ps := range shares {
+		s[i] = fmt.Sprintf("%d=%g", ps.Priority, ps.Fraction)
+	}
+	return strings.Join(s, ",")
+}
+
+// weightList writes weights as the --flows flag takes them ("10,1").
+func weightList(weights []float64) string {
+	s := make([]string, len(weights))
+	for i, w := range weights {
+		s[i] = fmt.Sprint(w)
+	}
+	return strings.Join(s, ",")
 }
 
 func secs(d time.Duration) string { return fmt.Sprintf("%.3f", d.Seconds()) }
@@ -218,8 +374,15 @@ func joinInts(xs []int) string {
 func (r *Report) WriteMarkdown(w io.Writer) error {
 	var b strings.Builder
 	c := r.Config
-	fmt.Fprintf(&b, "Trace: %s; %d engines, %d KV blocks each (%d tokens); load factor %g; non-streaming %g; bypass %g; seed %d.\n",
+	fmt.Fprintf(&b, "Trace: %s; %d engines, %d KV blocks each (%d tokens); load factor %g; non-streaming %g; bypass %g; seed %d",
 		r.Source, c.Engines, c.KVBlocks, c.KVBlocks*engineBlockTokens, c.LoadFactor, c.NonStreaming, c.Bypass, c.Seed)
+	if len(c.Priorities) > 0 {
+		fmt.Fprintf(&b, "; priorities %s (the rest 0)", priorityList(c.Priorities))
+	}
+	if len(c.FlowWeights) > 0 {
+		fmt.Fprintf(&b, "; flows weighted %s", weightList(c.FlowWeights))
+	}
+	b.WriteString(".\n")
 	fmt.Fprintf(&b, "%d requests over %.1f s of arrivals; mean prompt %.0f tokens, mean output %.0f; offered prefill load %.0f%% of the engines' capacity (after the bound's cache hits).\n\n",
 		r.Bound.Requests, r.Duration.Seconds(), r.MeanPrompt, r.MeanOutput, 100*r.OfferedLoad)
 	if d := configDiff(c.Picker); d != "" {
@@ -253,6 +416,7 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 			ratio(s.E2E.P50, r.Bound.E2E.P50), ratio(s.E2E.P90, r.Bound.E2E.P90),
 			ratio(s.E2E.P99, r.Bound.E2E.P99), ratio(s.E2E.Mean, r.Bound.E2E.Mean))
 	}
+	r.writeFlowControl(&b)
 	if r.ChartTTFT != "" {
 		fmt.Fprintf(&b, "\n![TTFT CDF per policy](%s)\n", r.ChartTTFT)
 	}
@@ -273,4 +437,63 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// queued reports whether a run met flow control: it held or refused
+// requests, or its policy has a queue.
+func (s Summary) queued() bool {
+	return s.Held > 0 || s.Refused.Total() > 0 || s.Policy == TallyFlow
+}
+
+// writeFlowControl writes, for the runs that met flow control, what their
+// queue did (requests held and refused) and what each flow got; and, when
+// the workload has priorities, every run's figures per priority.
+func (r *Report) writeFlowControl(b *strings.Builder) {
+	var runs []Summary
+	for _, s := range r.Runs {
+		if s.queued() {
+			runs = append(runs, s)
+		}
+	}
+	if len(runs) > 0 {
+		r.writeQueues(b, runs)
+	}
+	if len(r.Config.Priorities) > 0 {
+		b.WriteString("\nPer priority (latency of the placed requests, TTFT from arrival):\n\n")
+		b.WriteString("| policy | priority | requests | held | 429 | wait mean | TTFT p50 | p90 | p99 | mean |\n")
+		b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+		for _, s := range r.Runs {
+			for _, band := range s.Bands {
+				fmt.Fprintf(b, "| %s | %d | %d | %d | %d | %s | %s | %s | %s | %s |\n", s.Policy, band.Priority, band.Requests,
+					band.Held, band.Refused.Total(), secs(band.Wait.Mean),
+					secs(band.TTFT.P50), secs(band.TTFT.P90), secs(band.TTFT.P99), secs(band.TTFT.Mean))
+			}
+		}
+	}
+	if len(r.Config.FlowWeights) > 0 && len(runs) > 0 {
+		b.WriteString("\nPer flow: its share of the requests dispatched from the queue while every flow had requests waiting.\n\n")
+		b.WriteString("| policy | flow | weight | requests | held | 429 | dispatched while all waited | share |\n")
+		b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|\n")
+		for _, s := range runs {
+			for k, f := range s.Flows {
+				fmt.Fprintf(b, "| %s | %s | %g | %d | %d | %d | %d | %.1f%% |\n", s.Policy, f.ID, r.Config.FlowWeights[k],
+					f.Requests, f.Held, f.Refused, f.Contended, 100*f.Share)
+			}
+		}
+	}
+}
+
+// writeQueues writes what the queues of runs did: requests held and
+// refused, and the range of the prefill rates their threshold came from.
+func (r *Report) writeQueues(b *strings.Builder, runs []Summary) {
+	ec := r.Config.EngineConfig()
+	peak := float64(ec.StepBudgetTokens) / (ec.StepBaseDuration + time.Duration(ec.StepBudgetTokens)*ec.PrefillDurationPerToken).Seconds()
+	fmt.Fprintf(b, "\nFlow control: requests held in the policy's queue (sent to no engine until dispatched) and refused (429); latency figures are of the placed requests, TTFT from arrival, wait included. Learned rates: the lowest and highest prefill rate the picker held at its scrapes, from its starting value on (its saturation threshold is holdPrefillMilliseconds of it); an engine prefills at most %.0f tokens/s.\n\n", peak)
+	b.WriteString("| policy | requests | held | wait mean | wait p99 | 429 | shed | queue full | TTL | learned rates (tokens/s) |\n")
+	b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, s := range runs {
+		fmt.Fprintf(b, "| %s | %d | %d | %s | %s | %d | %d | %d | %d | %.0f–%.0f |\n", s.Policy, s.Requests, s.Held,
+			secs(s.Wait.Mean), secs(s.Wait.P99), s.Refused.Total(), s.Refused.Shed, s.Refused.QueueFull, s.Refused.TTL,
+			s.LearnedRates.Min, s.LearnedRates.Max)
+	}
 }

@@ -39,7 +39,24 @@ type Config struct {
 	// SampleEvery, when positive, records every engine's requests
 	// (running and waiting) at that interval of virtual time.
 	SampleEvery time.Duration
+	// Priorities gives each share's Fraction of the requests its Priority
+	// (the InferenceObjective priority a request carries to the picker:
+	// flow control's bands, below 0 sheddable); the rest have priority 0.
+	Priorities []PriorityShare
+	// FlowWeights, when set, spreads the requests over the fairness ids
+	// FlowID(0), FlowID(1)... in proportion to the weights (flow control
+	// serves the flows of a band in turn).
+	FlowWeights []float64
 }
+
+// PriorityShare gives Fraction of the requests priority Priority.
+type PriorityShare struct {
+	Priority int
+	Fraction float64
+}
+
+// FlowID is the fairness id of the k-th of Config.FlowWeights.
+func FlowID(k int) string { return "flow-" + strconv.Itoa(k) }
 
 // Defaults of Config and of the policies' metric intervals.
 const (
@@ -81,6 +98,24 @@ func (c Config) Validate() error {
 	case c.SampleEvery < 0:
 		return fmt.Errorf("sample interval: %v is invalid: must be 0 or more", c.SampleEvery)
 	}
+	sum := 0.0
+	for i, ps := range c.Priorities {
+		if !(ps.Fraction >= 0 && ps.Fraction <= 1) {
+			return fmt.Errorf("priorities: share %d of priority %d: %v is invalid: must be from 0 to 1", i, ps.Priority, ps.Fraction)
+		}
+		if slices.ContainsFunc(c.Priorities[:i], func(o PriorityShare) bool { return o.Priority == ps.Priority }) {
+			return fmt.Errorf("priorities: priority %d is given twice: give each once", ps.Priority)
+		}
+		sum += ps.Fraction
+	}
+	if sum > 1+1e-9 {
+		return fmt.Errorf("priorities: the fractions sum to %v: must be at most 1 (the rest have priority 0)", sum)
+	}
+	for i, wt := range c.FlowWeights {
+		if !(wt > 0) || math.IsInf(wt, 0) {
+			return fmt.Errorf("flow weights: weight %d: %v is invalid: must be a positive number", i, wt)
+		}
+	}
 	pc := v1alpha1.WithDefaults(c.Picker)
 	if err := pc.Validate(); err != nil {
 		return fmt.Errorf("tally's picker config: %w", err)
@@ -102,6 +137,9 @@ type job struct {
 	engineHashes   []uint64
 	upstreamHashes []uint64
 	bound          Bound
+	// priority and flow (an index of Config.FlowWeights, -1 for none) are
+	// what it carries to a policy with flow control.
+	priority, flow int
 }
 
 // Workload is a trace prepared for replay: the requests, which of them
@@ -130,6 +168,14 @@ func Prepare(reqs []Request, cfg Config) (*Workload, error) {
 	ec := cfg.EngineConfig()
 	w := &Workload{cfg: cfg, jobs: make([]job, len(reqs))}
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0x726f75746573696d)) // "routesim"
+	// Priorities and flows draw from a stream of their own, so that
+	// setting them leaves every other draw (and the numbers of runs
+	// without them) as it was.
+	flowRng := rand.New(rand.NewPCG(cfg.Seed, 0x666c6f7773)) // "flows"
+	var flowTotal float64
+	for _, wt := range cfg.FlowWeights {
+		flowTotal += wt
+	}
 	seen := make(map[uint64]struct{})
 	w.texts = newIDText(maxTextIDs)
 	var text []byte
@@ -145,6 +191,7 @@ func Prepare(reqs []Request, cfg Config) (*Workload, error) {
 		// Both draws always happen, so that one fraction does not change
 		// which requests the other picks.
 		nonStream, bypass := rng.Float64(), rng.Float64()
+		prioDraw, flowDraw := flowRng.Float64(), flowRng.Float64()
 		text = w.texts.appendPrompt(text[:0], r)
 		prompt := string(text)
 		j := &w.jobs[i]
@@ -155,6 +202,8 @@ func Prepare(reqs []Request, cfg Config) (*Workload, error) {
 			bypass:         bypass < cfg.Bypass,
 			engineHashes:   engine.TextBlockHashes(prompt, chunkChars),
 			upstreamHashes: engine.TextBlockHashes(prompt[:min(len(prompt), upstreamMaxBlocks*upstreamBlockChars)], upstreamBlockChars),
+			priority:       drawPriority(cfg.Priorities, prioDraw),
+			flow:           drawFlow(cfg.FlowWeights, flowTotal, flowDraw),
 		}
 		hits := leadingHits(seen, j.engineHashes)
 		j.bound = boundOf(ec, r.InputTokens, r.OutputTokens, hits)
@@ -166,6 +215,30 @@ func Prepare(reqs []Request, cfg Config) (*Workload, error) {
 	}
 	w.texts.frozen = true // read by concurrent runs from now on
 	return w, nil
+}
+
+// drawPriority is the priority of the share u (uniform in [0, 1)) falls in.
+func drawPriority(shares []PriorityShare, u float64) int {
+	for _, ps := range shares {
+		if u < ps.Fraction {
+			return ps.Priority
+		}
+		u -= ps.Fraction
+	}
+	return 0
+}
+
+// drawFlow is the flow whose weight u (uniform in [0, 1)) falls in; -1
+// when there are none.
+func drawFlow(weights []float64, total, u float64) int {
+	u *= total
+	for k, wt := range weights {
+		if u < wt {
+			return k
+		}
+		u -= wt
+	}
+	return len(weights) - 1
 }
 
 // Len is the number of requests.
@@ -185,11 +258,22 @@ func (w *Workload) Bounds() []Bound {
 
 // Outcome is what one request saw.
 type Outcome struct {
-	// Engine served it.
+	// Engine served it; -1 when it was refused.
 	Engine int
 	// Bypass: it went to Engine in rotation, not through the policy.
 	Bypass bool
 	Stream bool
+	// Priority and Flow are what it carried (Flow -1: none).
+	Priority, Flow int
+	// Refused, when set, is why the policy answered it 429 (flow control,
+	// one of the Refused* reasons): it reached no engine and has no
+	// latency.
+	Refused string
+	// Held: it waited in the policy's queue (flow control) until Start.
+	Held bool
+	// Start is when it reached its engine, and Wait how long after its
+	// arrival (0 unless held).
+	Start, Wait time.Duration
 	// TTFT is the time from arrival to the engine's first output token
 	// (the time to first token a streaming client sees; a non-streaming
 	// client sees the whole response at E2E).
@@ -217,6 +301,13 @@ type Result struct {
 	Placed []int
 	// Samples, when Config.SampleEvery is set.
 	Samples []Sample
+	// LearnedRates is the range of the prefill rates the policy had
+	// learned at its scrapes (Tally's picker); zero for the others.
+	LearnedRates RateRange
+	// Contended counts, per flow of Config.FlowWeights, the requests
+	// dispatched from the policy's queue while every flow had requests
+	// waiting: how a policy shares capacity between backlogged flows.
+	Contended []int
 	// End is the virtual time when the last request finished; Wall is how
 	// long the run took.
 	End  time.Duration
@@ -228,6 +319,25 @@ type Result struct {
 // the same result. It fails if a request cannot be placed or never ends.
 func (w *Workload) Run(policyName string) (*Result, error) {
 	start := time.Now()
+	s, err := w.newSim()
+	if err != nil {
+		return nil, err
+	}
+	pol, err := newPolicy(policyName, w.cfg, &s.now, w.texts)
+	if err != nil {
+		return nil, err
+	}
+	res, err := s.runWith(pol)
+	if err != nil {
+		return nil, fmt.Errorf("policy %s: %w", policyName, err)
+	}
+	res.Policy = policyName
+	res.Wall = time.Since(start)
+	return res, nil
+}
+
+// newSim is a run of w on fresh engines.
+func (w *Workload) newSim() (*sim, error) {
 	s := &sim{w: w, engines: make([]*engine.Engine, w.cfg.Engines)}
 	for i := range s.engines {
 		e, err := engine.New(w.cfg.EngineConfig())
@@ -236,49 +346,67 @@ func (w *Workload) Run(policyName string) (*Result, error) {
 		}
 		s.engines[i] = e
 	}
-	pol, err := newPolicy(policyName, w.cfg, &s.now, w.texts)
-	if err != nil {
-		return nil, err
-	}
+	return s, nil
+}
+
+// runWith runs the simulation with pol, made on s.now.
+func (s *sim) runWith(pol policy) (*Result, error) {
+	w := s.w
 	s.pol = pol
+	s.queue, _ = pol.(queueing)
 	res := &Result{
-		Policy:   policyName,
-		Outcomes: make([]Outcome, len(w.jobs)),
-		Placed:   make([]int, w.cfg.Engines),
+		Outcomes:  make([]Outcome, len(w.jobs)),
+		Placed:    make([]int, w.cfg.Engines),
+		Contended: make([]int, len(w.cfg.FlowWeights)),
 	}
 	s.res = res
+	s.waitingByFlow = make([]int, len(w.cfg.FlowWeights))
 	if err := s.run(); err != nil {
-		return nil, fmt.Errorf("policy %s: %w", policyName, err)
+		return nil, err
 	}
 	res.Engines = make([]engine.Stats, len(s.engines))
 	for i, e := range s.engines {
 		res.Engines[i] = e.Stats()
 	}
 	res.End = s.now
-	res.Wall = time.Since(start)
+	if l, ok := pol.(rateLearner); ok {
+		res.LearnedRates = l.learnedRates()
+	}
 	return res, nil
 }
 
 // sim is one run: virtual time, the engines, the policy. Everything
 // happens in one goroutine, in an order fixed by the virtual times and, at
 // equal times, by: engine steps that end (engine order), then the policy's
-// metric observation, then arrivals (trace order), then the start of the
-// engines' next steps.
+// metric observation, then its dispatch cycle (flow control), then arrivals
+// (trace order), then the start of the engines' next steps. Requests a
+// queueing policy dispatches reach their engines at the instant it
+// dispatched them, once the engines' events of that instant are handled,
+// in arrival order.
 type sim struct {
 	w       *Workload
 	engines []*engine.Engine
 	pol     policy
+	queue   queueing // pol, when it holds requests; nil otherwise
 	res     *Result
 	now     time.Duration
 
 	next     int // the next request to arrive
-	done     int
+	done     int // finished or refused
 	bypassRR int
 	stats    []engine.Stats // scratch for observations
 	// inEngine counts each engine's requests added and not finished: its
 	// running and waiting requests, without the cost of engine.Stats
 	// (which walks the waiting requests' cached prefixes).
 	inEngine []int
+	// waiting counts the requests in the policy's queue, waitingByFlow
+	// those of each flow; lastDispatch is the time of the last dispatch
+	// cycle the simulation ran (-1: none yet); admitted is scratch for
+	// dispatched.
+	waiting       int
+	waitingByFlow []int
+	lastDispatch  time.Duration
+	admitted      []admission
 }
 
 // never is a time after any event.
@@ -296,6 +424,7 @@ func (s *sim) run() error {
 	}
 	s.stats = make([]engine.Stats, len(s.engines))
 	s.inEngine = make([]int, len(s.engines))
+	s.lastDispatch = -1
 	for s.done < n {
 		t := never
 		if s.next < n {
@@ -306,6 +435,8 @@ func (s *sim) run() error {
 				t = at
 			}
 		}
+		nextDispatch := s.nextDispatch()
+		t = min(t, nextDispatch)
 		if t == never {
 			return fmt.Errorf("%d of %d requests never finished", n-s.done, n)
 		}
@@ -319,6 +450,11 @@ func (s *sim) run() error {
 				}
 			}
 		}
+		// First bytes and releases free capacity: the policy dispatched
+		// from its queue while it heard of them.
+		if err := s.collect(); err != nil {
+			return err
+		}
 		if t == nextObserve {
 			if c, ok := s.pol.(countObserver); ok {
 				c.observeCounts(s.inEngine)
@@ -330,6 +466,16 @@ func (s *sim) run() error {
 				s.pol.observe(stats)
 			}
 			nextObserve += observeEvery
+			if err := s.collect(); err != nil {
+				return err
+			}
+		}
+		if t == nextDispatch {
+			s.queue.dispatch()
+			s.lastDispatch = t
+			if err := s.collect(); err != nil {
+				return err
+			}
 		}
 		if t == nextSample {
 			s.sample()
@@ -354,6 +500,20 @@ func (s *sim) run() error {
 	return nil
 }
 
+// nextDispatch is when the policy's queue wants its next dispatch cycle:
+// never without a queue or with nothing waiting, and never twice at one
+// instant (a cycle at an instant places all it can then).
+func (s *sim) nextDispatch() time.Duration {
+	if s.queue == nil {
+		return never
+	}
+	at, ok := s.queue.nextDispatch()
+	if !ok {
+		return never
+	}
+	return max(at, s.now, s.lastDispatch+1)
+}
+
 func (s *sim) readStats() ([]engine.Stats, error) {
 	for i, e := range s.engines {
 		e.AdvanceTo(s.now) // every step ending by now is handled already
@@ -372,24 +532,122 @@ func (s *sim) sample() {
 
 func (s *sim) arrive(i int) error {
 	j := &s.w.jobs[i]
-	var target int
+	s.res.Outcomes[i] = Outcome{Engine: -1, Bypass: j.bypass, Stream: j.stream, Priority: j.priority, Flow: j.flow}
 	if j.bypass {
-		target = s.bypassRR % len(s.engines)
+		target := s.bypassRR % len(s.engines)
 		s.bypassRR++
-	} else {
-		var err error
-		target, err = s.pol.pick(i, j)
+		return s.start(i, target)
+	}
+	if s.queue == nil {
+		target, err := s.pol.pick(i, j)
 		if err != nil {
 			return fmt.Errorf("picking an engine for request %d: %w", i, err)
 		}
-		if target < 0 || target >= len(s.engines) {
-			return fmt.Errorf("request %d placed on engine %d of %d", i, target, len(s.engines))
-		}
-		s.res.Placed[target]++
+		return s.startPlaced(i, target)
 	}
-	s.res.Outcomes[i] = Outcome{Engine: target, Bypass: j.bypass, Stream: j.stream}
+	// While requests wait, a newcomer joins them and the cycle its
+	// admission runs serves whoever's turn it is: placed or refused at
+	// once, it still went through the queue beside them.
+	queued := s.waiting > 0
+	a, err := s.queue.admit(i, j)
+	if err != nil {
+		return fmt.Errorf("admitting request %d: %w", i, err)
+	}
+	passed := queued && !a.held
+	if a.held || passed {
+		s.enterQueue(j.flow)
+	}
+	// The cycle may have placed requests that waited before it.
+	if err := s.collect(); err != nil {
+		return err
+	}
+	if passed {
+		s.leaveQueue(j.flow, a.refused == "")
+	}
+	switch {
+	case a.refused != "":
+		s.refuse(i, a.refused)
+		return nil
+	case a.held:
+		s.res.Outcomes[i].Held = true
+		return nil
+	}
+	return s.startPlaced(i, a.engine)
+}
+
+// enterQueue counts a request of flow (-1: none) waiting in the policy's
+// queue.
+func (s *sim) enterQueue(flow int) {
+	s.waiting++
+	if flow >= 0 {
+		s.waitingByFlow[flow]++
+	}
+}
+
+// leaveQueue counts a request of flow leaving the policy's queue,
+// dispatched or refused, and the dispatches made while every flow waited.
+func (s *sim) leaveQueue(flow int, dispatched bool) {
+	s.waiting--
+	if flow < 0 {
+		return
+	}
+	if dispatched && !slices.Contains(s.waitingByFlow, 0) {
+		s.res.Contended[flow]++
+	}
+	s.waitingByFlow[flow]--
+}
+
+// collect starts the requests the policy dispatched from its queue since
+// the last call, and counts those it refused there.
+func (s *sim) collect() error {
+	if s.queue == nil {
+		return nil
+	}
+	var err error
+	if s.admitted, err = s.queue.dispatched(s.admitted[:0]); err != nil {
+		return err
+	}
+	for _, a := range s.admitted {
+		o := &s.res.Outcomes[a.i]
+		if !o.Held || o.Engine >= 0 || o.Refused != "" {
+			return fmt.Errorf("request %d left the policy's queue but was not waiting there", a.i)
+		}
+		s.leaveQueue(o.Flow, a.refused == "")
+		if a.refused != "" {
+			s.refuse(a.i, a.refused)
+			continue
+		}
+		if err := s.startPlaced(a.i, a.engine); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (s *sim) refuse(i int, why string) {
+	s.res.Outcomes[i].Refused = why
+	s.done++
+}
+
+// startPlaced starts request i on the engine the policy placed it on.
+func (s *sim) startPlaced(i, target int) error {
+	if target < 0 || target >= len(s.engines) {
+		return fmt.Errorf("request %d placed on engine %d of %d", i, target, len(s.engines))
+	}
+	s.res.Placed[target]++
+	return s.start(i, target)
+}
+
+// start adds request i to engine target now.
+func (s *sim) start(i, target int) error {
+	j := &s.w.jobs[i]
+	o := &s.res.Outcomes[i]
+	o.Engine, o.Start, o.Wait = target, s.now, s.now-j.arrival
 	e := s.engines[target]
-	e.AdvanceTo(s.now)
+	if evs := e.AdvanceTo(s.now); len(evs) > 0 {
+		// Every step ending by now is handled before anything starts.
+		return fmt.Errorf("engine %d had %d events unhandled at %v", target, len(evs), s.now)
+	}
 	if err := e.Add(engine.Request{
 		ID:           strconv.Itoa(i),
 		PromptTokens: j.InputTokens,

@@ -33,8 +33,8 @@ func (s Suite) Run(reqs []Request, source string) (*Report, error) {
 		s.Policies = Policies()
 	}
 	for _, p := range s.Policies {
-		if !slices.Contains(Policies(), p) {
-			return nil, fmt.Errorf("policy %q is unknown: accepted are %v", p, Policies())
+		if !slices.Contains(KnownPolicies(), p) {
+			return nil, fmt.Errorf("policy %q is unknown: accepted are %v", p, KnownPolicies())
 		}
 	}
 	w, err := Prepare(reqs, s.Config)
