@@ -6,9 +6,10 @@ import "github.com/tallyepp/tally/api/v1alpha1"
 // matches: the first three quarters of maxPromptBlocks are blockSizeChars
 // long, where prompts sharing a system prompt or a conversation's history
 // part, and the rest are coarseFactor times as long. With the defaults (500
-// blocks of 256 characters) that is about 24,000 tokens in 64-token blocks,
-// then about 128,000 more in 1,024-token blocks: a long-context prompt is
-// still matched to most of its length, in a bounded number of blocks.
+// blocks of 512 characters) that is about 48,000 tokens in 128-token
+// blocks, then about 256,000 more in 2,048-token blocks: a long-context
+// prompt is still matched to most of its length, in a bounded number of
+// blocks.
 type blockLayout struct {
 	fine        int // blocks of blockSizeChars
 	fineChars   int

@@ -27,7 +27,8 @@ import (
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 )
 
-// Names of the endpoint picker protocol (FACTS §4).
+// Names of the endpoint picker protocol (the Gateway API Inference
+// Extension's endpoint picker protocol).
 const (
 	destinationHeader = "x-gateway-destination-endpoint"
 	lbMetadataKey     = "envoy.lb"

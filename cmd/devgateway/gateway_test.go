@@ -59,7 +59,7 @@ type streamRecord struct {
 	ctxErr         error // the stream context's error when the picker returned
 }
 
-// testPicker plays the endpoint picker over real gRPC, per FACTS §4: the
+// testPicker plays the endpoint picker over real gRPC, per the endpoint picker protocol: the
 // deferred header response after the whole body, the body streamed back in
 // chunks of at most 62,000 bytes, and an echo of the response path.
 type testPicker struct {

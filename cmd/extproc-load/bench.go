@@ -37,7 +37,7 @@ type plan struct {
 type loadCase struct{ concurrency, tokens int }
 
 // basePods is the pool of the bursts and of most loads: three pods, as in
-// the upstream measurements of FACTS §5.
+// the measurements of the upstream picker in docs/benchmarks.md.
 const basePods = 3
 
 var (

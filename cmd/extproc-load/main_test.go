@@ -294,6 +294,6 @@ func TestProcReadsThisProcess(t *testing.T) {
 
 func TestPrefillTime(t *testing.T) {
 	if got := prefillTime(32_000); got < 600*time.Millisecond || got > 700*time.Millisecond {
-		t.Errorf("prefill of 32,000 tokens takes %v, want about 0.66 s (FACTS §6)", got)
+		t.Errorf("prefill of 32,000 tokens takes %v, want about 0.66 s (the simulated engine's latency model)", got)
 	}
 }

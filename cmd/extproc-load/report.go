@@ -79,7 +79,7 @@ requests/s. Unless said otherwise each figure is one run; on a shared 2-core mac
 	// Bursts.
 	if len(p.bursts) > 0 {
 		fmt.Fprintf(&w, "### Bursts: %d requests of %s tokens at once, held until all are placed, %d pods\n\n", p.burstN, thousands(p.burstTokens), basePods)
-		w.WriteString("Each burst runs against a freshly started picker. For a warm prefix one request carrying it completes first (answered after the modelled prefill time of its prompt, FACTS §6, so that a picker learning engine speeds learns a real one); its pod is listed first, in bold.\n\n")
+		w.WriteString("Each burst runs against a freshly started picker. For a warm prefix one request carrying it completes first (answered after the modelled prefill time of its prompt, as the simulated engine computes it, so that a picker learning engine speeds learns a real one); its pod is listed first, in bold.\n\n")
 		w.WriteString("| prompts | Tally | upstream | busiest pod's share, Tally / upstream |\n|---|---|---|---|\n")
 		for _, kind := range p.bursts {
 			row := []string{burstLabel(kind)}

@@ -13,7 +13,7 @@ import (
 )
 
 // BenchmarkRequestCycles measures whole request cycles through the real gRPC
-// server on loopback, the load FACTS §5 reports for the upstream picker: 16
+// server on loopback, the load docs/benchmarks.md reports for the upstream picker: 16
 // concurrent clients, 8,000-token prompts (a shared 1,000-token system prompt
 // then a unique remainder), each request routed, answered with a short
 // streamed response and ended. It reports requests/s and the percentiles of
