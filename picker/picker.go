@@ -189,7 +189,9 @@ type Picker struct {
 	baseModels, knownAdapters map[string]bool
 
 	// mu guards everything below. Inside it: no I/O, no logging, no channel
-	// operations, no allocation on the pick path in steady state.
+	// operation that can block (a dispatch closes a waiting request's
+	// channel, which never blocks), no allocation on the pick path in
+	// steady state.
 	mu     sync.Mutex
 	rows   []*row                  // current endpoints, sorted by address
 	byAddr map[netip.AddrPort]*row // current endpoints
