@@ -11,7 +11,11 @@
 //   - burst: --burst concurrent requests sharing a system prompt of
 //     --system-tokens tokens, each with its own user turn;
 //   - mooncake: the Mooncake trace sample (test/data), its arrivals
-//     compressed by --time-scale.
+//     compressed by --time-scale;
+//   - lora (with --adapters, 8 by default): the simulators serve that many
+//     LoRA adapters, --max-loras at once, and the first --adapter-requests
+//     requests of the trace are each for an adapter drawn from a Zipf mix;
+//     a table adds the adapter swaps the simulators counted (lora.go).
 //
 // Policy "tally" sends the requests through the gateway; "round-robin" sends
 // the same requests straight to the pods in rotation. With --flow (the
@@ -95,6 +99,7 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 	if opts.traceRequests > 0 && opts.traceRequests < len(trace) {
 		trace = trace[:opts.traceRequests]
 	}
+	adapters := adapterNames(opts.adapters)
 	workloads := []workload{
 		// The burst runs in real time: through the gateway it pays for the
 		// gateway's and the picker's real work, which a time scale would
@@ -104,6 +109,14 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 			MaxTokens: opts.burstMaxTokens, Model: stack.DefaultModel,
 		}.Workload()},
 		{name: "mooncake", timeScale: opts.timeScale, requests: withNonStreaming(trace, stack.TraceWorkload(trace, stack.DefaultModel, opts.timeScale), opts.nonStreaming)},
+	}
+	pickerArgs := opts.pickerArgs
+	var maxLoRAs int
+	if len(adapters) > 0 {
+		workloads = append(workloads, workload{name: loraWorkload, timeScale: opts.timeScale,
+			requests: adapterWorkload(trace[:min(opts.adapterRequests, len(trace))], adapters, opts.adapterZipf, opts.timeScale)})
+		pickerArgs = append(loraPickerArgs(opts.timeScale, opts.pickerArgs), opts.pickerArgs...)
+		maxLoRAs = opts.maxLoRAs
 	}
 
 	started := time.Now()
@@ -118,7 +131,9 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 		TimeScale:     opts.timeScale,
 		GatewayListen: opts.gatewayListen,
 		Output:        procOut,
-		PickerArgs:    opts.pickerArgs,
+		PickerArgs:    pickerArgs,
+		LoRAAdapters:  adapters,
+		MaxLoRAs:      maxLoRAs,
 
 		LateFirstByteFraction: opts.lateFirstBytes,
 	})
@@ -145,9 +160,13 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 		pols = slices.Insert(pols, 1, flowPolicy(r))
 	}
 
-	summaries, streamTimes, err := runPolicies(ctx, s, pols, workloads, opts, stdout)
+	runs, err := runPolicies(ctx, s, pols, workloads, opts, stdout)
 	if err != nil {
 		return err
+	}
+	summaries := make([]stack.Summary, len(runs))
+	for i, r := range runs {
+		summaries[i] = r.summary
 	}
 	fmt.Fprintln(stdout)
 	if err := stack.WriteTable(stdout, summaries); err != nil {
@@ -155,11 +174,17 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 	}
 	fmt.Fprintln(stdout, "tally: through the dev gateway and the picker; round-robin: the same requests straight to the pods in turn.")
 	if opts.flow {
-		fmt.Fprintln(stdout, "tally-flow: through a second picker with flow control on (and its gateway), the trace only; 429: requests it refused.")
+		fmt.Fprintln(stdout, "tally-flow: through a second picker with flow control on (and its gateway), the mooncake trace only; 429: requests it refused.")
+	}
+	if len(adapters) > 0 {
+		fmt.Fprintln(stdout)
+		if err := writeLoRATable(stdout, opts, runs); err != nil {
+			return err
+		}
 	}
 	if opts.nonStreaming > 0 {
 		fmt.Fprintln(stdout)
-		writeStreamingTable(stdout, summaries, streamTimes)
+		writeStreamingTable(stdout, runs)
 	}
 	fmt.Fprintf(stdout, "Demo took %.0fs of wall time.\n", time.Since(started).Seconds())
 	failed := 0
@@ -189,7 +214,7 @@ type policy struct {
 	baseURL func(i int) string
 	// ledger reads the picker's ledger; nil for no picker.
 	ledger func(ctx context.Context) (stack.Ledger, error)
-	// traceOnly: the policy replays the trace, not the burst.
+	// traceOnly: the policy replays the mooncake trace alone.
 	traceOnly bool
 }
 
@@ -223,22 +248,29 @@ func flowPickerConfig(timeScale float64) string {
 // response bytes pass, so it is at zero almost at once.
 const ledgerIdleTimeout = 10 * time.Second
 
-func runPolicies(ctx context.Context, s *stack.Stack, policies []policy, workloads []workload, opts options, stdout io.Writer) ([]stack.Summary, []streamingTimes, error) {
+// replayed is one policy's replay of one workload: its table row, its
+// times split by streaming, and the adapter swaps the simulators counted.
+type replayed struct {
+	summary stack.Summary
+	times   streamingTimes
+	swaps   int64
+}
+
+func runPolicies(ctx context.Context, s *stack.Stack, policies []policy, workloads []workload, opts options, stdout io.Writer) ([]replayed, error) {
 	pods := s.Pods()
-	var summaries []stack.Summary
-	var times []streamingTimes
+	var runs []replayed
 	for _, pol := range policies {
 		for _, w := range workloads {
-			if pol.traceOnly && w.name == "burst" {
+			if pol.traceOnly && w.name != "mooncake" {
 				continue
 			}
 			// Every policy and workload starts from cold simulators: empty
-			// prefix caches.
+			// prefix caches, no adapter loaded.
 			if err := s.ResetSimulators(w.timeScale); err != nil {
-				return nil, nil, err
+				return nil, err
 			}
 			if err := warmUp(ctx, s, pol.baseURL, len(pods)); err != nil {
-				return nil, nil, fmt.Errorf("warming up %s: %w", pol.name, err)
+				return nil, fmt.Errorf("warming up %s: %w", pol.name, err)
 			}
 			label := pol.name + "/" + w.name
 			fmt.Fprintf(stdout, "%s: replaying %d requests\n", label, len(w.requests))
@@ -258,19 +290,21 @@ func runPolicies(ctx context.Context, s *stack.Stack, policies []policy, workloa
 			results := replay.Run(ctx, w.requests)
 			wall := time.Since(begin)
 			if err := ctx.Err(); err != nil {
-				return nil, nil, fmt.Errorf("interrupted during %s: %w", label, err)
+				return nil, fmt.Errorf("interrupted during %s: %w", label, err)
 			}
-			sum := stack.Summarize(pol.name, w.name, results, s.PodNames(), s.ServedBy, wall, w.timeScale)
-			summaries = append(summaries, sum)
-			times = append(times, splitByStreaming(w.requests, results, w.timeScale))
+			runs = append(runs, replayed{
+				summary: stack.Summarize(pol.name, w.name, results, s.PodNames(), s.ServedBy, wall, w.timeScale),
+				times:   splitByStreaming(w.requests, results, w.timeScale),
+				swaps:   adapterLoads(s), // every request ended: nothing loads any more
+			})
 			if pol.ledger != nil {
 				if err := waitLedgerIdle(ctx, pol.ledger); err != nil {
-					return nil, nil, fmt.Errorf("after %s: %w", label, err)
+					return nil, fmt.Errorf("after %s: %w", label, err)
 				}
 			}
 		}
 	}
-	return summaries, times, nil
+	return runs, nil
 }
 
 // bypassing sends a deterministic fraction of the requests straight to the
@@ -327,12 +361,12 @@ func splitByStreaming(reqs []stack.Request, results []stack.Result, timeScale fl
 	return t
 }
 
-func writeStreamingTable(w io.Writer, summaries []stack.Summary, times []streamingTimes) {
+func writeStreamingTable(w io.Writer, runs []replayed) {
 	fmt.Fprintln(w, "With non-streaming clients (simulated seconds):")
 	fmt.Fprintf(w, "%-12s %-9s %9s %9s %9s %9s   %12s %9s %9s %9s\n", "policy", "workload",
 		"streamed", "TTFT p50", "TTFT p90", "TTFT p99", "non-streamed", "lat p50", "lat p90", "lat p99")
-	for i, sum := range summaries {
-		t := times[i]
+	for _, r := range runs {
+		sum, t := r.summary, r.times
 		fmt.Fprintf(w, "%-12s %-9s %9d %8.3fs %8.3fs %8.3fs   %12d %8.3fs %8.3fs %8.3fs\n", sum.Policy, sum.Workload,
 			len(t.streamedTTFT), stack.Percentile(t.streamedTTFT, 50).Seconds(), stack.Percentile(t.streamedTTFT, 90).Seconds(),
 			stack.Percentile(t.streamedTTFT, 99).Seconds(), len(t.nonStreamedLatency),
@@ -416,6 +450,11 @@ type options struct {
 	userTokens     int
 	burstMaxTokens int
 	gatewayListen  string
+	// The LoRA section (lora.go); adapters 0 leaves it out.
+	adapters        int
+	adapterRequests int
+	adapterZipf     float64
+	maxLoRAs        int
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -442,6 +481,10 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.userTokens, "user-tokens", 256, "tokens of each burst request's own user turn")
 	fs.IntVar(&o.burstMaxTokens, "burst-max-tokens", 64, "tokens each burst request generates")
 	fs.StringVar(&o.gatewayListen, "gateway-listen", "localhost:8080", "the gateway's listen address")
+	fs.IntVar(&o.adapters, "adapters", 8, "LoRA adapters each simulator serves besides the base model, for the lora rows (0: no LoRA section)")
+	fs.IntVar(&o.adapterRequests, "adapter-requests", 100, "with --adapters: the lora rows replay the first N requests of the trace, each for an adapter")
+	fs.Float64Var(&o.adapterZipf, "adapter-zipf", 1.1, "with --adapters: the adapter of rank k is drawn with weight 1/k^s (0: every adapter alike)")
+	fs.IntVar(&o.maxLoRAs, "max-loras", 2, "with --adapters: adapters each simulator runs at once (vLLM's --max-loras)")
 	if err := fs.Parse(args); err != nil {
 		return options{}, err
 	}
@@ -452,8 +495,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 }
 
 // defaultTimeScale runs the simulators five times faster than real time: the
-// demo takes about a minute once built (70 s on two cores; 50 s with
-// --flow=false). The gateway and the picker run in real time, so their own
+// demo takes about a minute once built (76 s on two cores; 66 s with
+// --adapters=0, 50 s or so with --flow=false too). The gateway and the picker run in real time, so their own
 // cost per request (about a millisecond of CPU on this path) is multiplied
 // by the scale in the table's simulated times; a larger scale is faster but
 // inflates the "tally" rows' times by that much.
@@ -489,6 +532,16 @@ func (o options) validate() error {
 	}
 	if o.traceRequests < 0 {
 		errs = append(errs, fmt.Errorf("flag --trace-requests: %d is invalid: must be 0 (all) or more", o.traceRequests))
+	}
+	if o.adapters < 0 || o.adapters > maxAdapters {
+		errs = append(errs, fmt.Errorf("flag --adapters: %d is invalid: must be from 0 (no LoRA section) to %d", o.adapters, maxAdapters))
+	}
+	if o.adapters > 0 {
+		positive("adapter-requests", o.adapterRequests, 1<<20)
+		positive("max-loras", o.maxLoRAs, maxAdapters)
+		if !(o.adapterZipf >= 0 && o.adapterZipf <= 10) {
+			errs = append(errs, fmt.Errorf("flag --adapter-zipf: %g is invalid: must be from 0 (every adapter alike) to 10", o.adapterZipf))
+		}
 	}
 	return errors.Join(errs...)
 }

@@ -125,3 +125,74 @@ func TestFlowPickerConfigScalesTheDefaults(t *testing.T) {
 		t.Errorf("--flow=false: %+v, %v", o, err)
 	}
 }
+
+func TestLoRAFlags(t *testing.T) {
+	o, err := parseFlags(nil, &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.adapters != 8 || o.adapterRequests != 100 || o.adapterZipf != 1.1 || o.maxLoRAs != 2 {
+		t.Errorf("defaults %+v: want 8 adapters, 100 requests, Zipf 1.1, max_loras 2", o)
+	}
+	if o, err := parseFlags([]string{"--adapters=0", "--max-loras=0"}, &bytes.Buffer{}); err != nil || o.adapters != 0 {
+		t.Errorf("--adapters=0 (the other LoRA flags unused): %+v, %v", o, err)
+	}
+	for _, c := range []struct{ args, want string }{
+		{"--adapters=-1", "flag --adapters: -1 is invalid"},
+		{"--adapters=65", "flag --adapters: 65 is invalid"},
+		{"--max-loras=0", "flag --max-loras: 0 is invalid"},
+		{"--adapter-requests=0", "flag --adapter-requests: 0 is invalid"},
+		{"--adapter-zipf=-2", "flag --adapter-zipf: -2 is invalid"},
+	} {
+		var stdout, stderr bytes.Buffer
+		if code := run(context.Background(), []string{c.args}, &stdout, &stderr); code != exitBadUsage || !strings.Contains(stderr.String(), c.want) {
+			t.Errorf("%s: exit %d, stderr %q; want %d naming %q", c.args, code, stderr.String(), exitBadUsage, c.want)
+		}
+	}
+}
+
+// The lora workload: the same adapters on every run, drawn by rank, each
+// request's body naming its adapter as the model.
+func TestAdapterWorkload(t *testing.T) {
+	trace := make([]stack.TraceRequest, 400)
+	for i := range trace {
+		trace[i] = stack.TraceRequest{InputTokens: 512, OutputTokens: 4, HashIDs: []int{i}}
+	}
+	names := adapterNames(4)
+	a, b := adapterWorkload(trace, names, 1, 5), adapterWorkload(trace, names, 1, 5)
+	count := map[string]int{}
+	for i := range a {
+		if !bytes.Equal(a[i].Body, b[i].Body) || !a[i].Stream {
+			t.Fatalf("request %d differs between two builds or does not stream", i)
+		}
+		for _, n := range names {
+			if strings.Contains(string(a[i].Body), `"model":"`+n+`"`) {
+				count[n]++
+			}
+		}
+	}
+	// Weights 1, 1/2, 1/3, 1/4: 48%, 24%, 16%, 12%.
+	if count["lora-0"] < 160 || count["lora-3"] < 25 || count["lora-0"] <= count["lora-1"] || count["lora-1"] <= count["lora-3"] {
+		t.Errorf("mix %v: want about 192 / 96 / 64 / 48", count)
+	}
+}
+
+// The picker's load cost is the simulators' load time in their time; a
+// configuration the user gives is left alone.
+func TestLoRAPickerArgs(t *testing.T) {
+	args := loraPickerArgs(5, nil)
+	if len(args) != 1 || args[0] != "--config-text={loraLoadMilliseconds: 40}" {
+		t.Fatalf("time scale 5: %q", args)
+	}
+	if _, err := v1alpha1.Load([]byte(strings.TrimPrefix(args[0], "--config-text="))); err != nil {
+		t.Fatal(err)
+	}
+	for _, user := range []string{"--config-text={}", "-config-file=x.yaml", "--config-file"} {
+		if got := loraPickerArgs(5, []string{"--v=2", user}); got != nil {
+			t.Errorf("with %s: %q, want none", user, got)
+		}
+	}
+	if got := loraPickerArgs(5, []string{"--config-texts=1"}); got == nil {
+		t.Errorf("--config-texts is another flag")
+	}
+}

@@ -7,6 +7,7 @@
 //	routesim --trace test/data/mooncake_sample.jsonl --engines 4
 //	routesim --trace test/data/mooncake_sample.jsonl --policies tally,tally-flow --load-factor 3.4 --priorities 10=0.2,-1=0.8
 //	routesim --azure AzureLLMInferenceTrace_conv.csv --requests 5000 --out docs/bench
+//	routesim --trace test/data/mooncake_sample.jsonl --adapters 8 --adapter-zipf 1.1 --max-loras 2 --lora-load-time 200ms
 //
 // The tables go to stdout, progress to stderr; with --out DIR it also
 // writes DIR/routesim.md, its SVG charts and routesim.json (--name other
@@ -36,6 +37,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/test/bench/docsection"
@@ -58,6 +60,16 @@ type options struct {
 	name, doc             string
 	parallel              int
 	quiet                 bool
+	lora                  loraFlags
+}
+
+// loraFlags are the LoRA flags, copied into the configuration only with
+// --adapters, so that a run without adapters describes none.
+type loraFlags struct {
+	adapters           int
+	zipf, baseFraction float64
+	maxLoRAs           int
+	loadTime           time.Duration
 }
 
 func parse(args []string, stderr io.Writer) (*options, error) {
@@ -86,6 +98,11 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.tallyConfigText, "tally-config-text", "", "a PickerConfig given inline (instead of --tally-config), e.g. '{flowControl: {holdPrefillMilliseconds: 100}}'")
 	fs.StringVar(&o.priorities, "priorities", "", "priorities of a share of the requests, as PRIORITY=FRACTION,... (e.g. 10=0.2,-1=0.8; the rest 0): flow control's bands, below 0 sheddable")
 	fs.StringVar(&o.flows, "flows", "", "spread the requests over fairness ids flow-0, flow-1... in proportion to these comma-separated weights (e.g. 10,1)")
+	fs.IntVar(&o.lora.adapters, "adapters", 0, "LoRA adapters the engines serve besides the base model; each request is for one, drawn from a Zipf mix (0: none, the base model alone), and the burst for one no engine has loaded")
+	fs.Float64Var(&o.lora.zipf, "adapter-zipf", 1.1, "with --adapters: the mix's exponent: the adapter of rank k is drawn with weight 1/k^s (0: every adapter alike)")
+	fs.Float64Var(&o.lora.baseFraction, "adapter-base-fraction", 0, "with --adapters: fraction (0 to 1) of the requests that stay on the base model")
+	fs.IntVar(&o.lora.maxLoRAs, "max-loras", 1, "with --adapters: adapters each engine runs at once (vLLM's --max-loras; its default is 1)")
+	fs.DurationVar(&o.lora.loadTime, "lora-load-time", engine.DefaultLoRALoadTime, "with --adapters: what loading an adapter into a slot costs the engine's step")
 	fs.StringVar(&o.out, "out", "", "directory for routesim.md, its SVG charts and routesim.json (none when empty)")
 	fs.StringVar(&o.name, "name", routesim.DefaultName, "names the files in --out (NAME.md, NAME-ttft-cdf.svg...) and the section of --doc")
 	fs.StringVar(&o.doc, "doc", "", "markdown file whose section named by --name gets the tables, with links to the charts; --out, required then, gets only the charts")
@@ -115,6 +132,9 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		if !slices.Contains(routesim.KnownPolicies(), p) {
 			return nil, fmt.Errorf("--policies: %q is not a policy: accepted are %s", p, strings.Join(routesim.KnownPolicies(), ", "))
 		}
+	}
+	if err := o.lora.apply(&o.cfg); err != nil {
+		return nil, err
 	}
 	var err error
 	if o.cfg.Priorities, err = parsePriorities(o.priorities); err != nil {
@@ -148,6 +168,28 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		}
 	}
 	return o, nil
+}
+
+// apply checks the LoRA flags, naming the one at fault, and copies them
+// into cfg with --adapters.
+func (l loraFlags) apply(cfg *routesim.Config) error {
+	switch {
+	case l.adapters < 0:
+		return fmt.Errorf("--adapters: %d is invalid: must be 0 (none) or more", l.adapters)
+	case l.adapters == 0:
+		return nil
+	case l.maxLoRAs < 1:
+		return fmt.Errorf("--max-loras: %d is invalid: must be 1 or more with --adapters", l.maxLoRAs)
+	case !(l.zipf >= 0 && l.zipf <= 10):
+		return fmt.Errorf("--adapter-zipf: %v is invalid: must be from 0 (every adapter alike) to 10", l.zipf)
+	case !(l.baseFraction >= 0 && l.baseFraction <= 1):
+		return fmt.Errorf("--adapter-base-fraction: %v is invalid: must be from 0 to 1", l.baseFraction)
+	case l.loadTime < 0:
+		return fmt.Errorf("--lora-load-time: %v is invalid: must be 0 or more", l.loadTime)
+	}
+	cfg.Adapters, cfg.AdapterZipf, cfg.BaseFraction = l.adapters, l.zipf, l.baseFraction
+	cfg.MaxLoRAs, cfg.LoRALoadTime = l.maxLoRAs, l.loadTime
+	return nil
 }
 
 func run(args []string, stdout, stderr io.Writer) int {
@@ -236,6 +278,9 @@ func writeDoc(doc, out, name string, rep *routesim.Report) error {
 	}
 	if c := rep.Config; c.NonStreaming > 0 {
 		fmt.Fprintf(&b, " %g%% of the clients do not stream: a policy hears of such a response's first bytes only at its end.", 100*c.NonStreaming)
+	}
+	if c := rep.Config; c.Adapters > 0 {
+		fmt.Fprintf(&b, " The engines serve %d LoRA adapters, at most %d at once: Tally and upstream-like see them in vLLM's lora_requests_info.", c.Adapters, c.MaxLoRAs)
 	}
 	b.WriteString("\n\n")
 	if err := linked.WriteMarkdown(&b); err != nil {

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/tallyepp/tally/test/bench/docsection"
 )
@@ -53,6 +54,11 @@ func TestBadFlagsExit2NamingTheFlag(t *testing.T) {
 		{[]string{"--trace", sampleTrace, "--flows", "10,x"}, "--flows"},
 		{[]string{"--trace", sampleTrace, "--flows", "10,0"}, "flow weights"},
 		{[]string{"--trace", sampleTrace, "--tally-config-text", "{flowControl: {ordering: random}}"}, "flowControl.ordering"},
+		{[]string{"--trace", sampleTrace, "--adapters", "-1"}, "--adapters: -1 is invalid"},
+		{[]string{"--trace", sampleTrace, "--adapters", "8", "--max-loras", "0"}, "--max-loras: 0 is invalid"},
+		{[]string{"--trace", sampleTrace, "--adapters", "8", "--adapter-zipf", "-1"}, "--adapter-zipf: -1 is invalid"},
+		{[]string{"--trace", sampleTrace, "--adapters", "8", "--adapter-base-fraction", "2"}, "--adapter-base-fraction: 2 is invalid"},
+		{[]string{"--trace", sampleTrace, "--adapters", "8", "--lora-load-time", "soon"}, "lora-load-time"},
 	} {
 		var stdout, stderr bytes.Buffer
 		code := run(tc.args, &stdout, &stderr)
@@ -155,5 +161,34 @@ func TestDocGetsTheSectionWithRelativeLinks(t *testing.T) {
 	stderr.Reset()
 	if code := run(args, &stdout, &stderr); code != 1 || !strings.Contains(stderr.String(), begin) {
 		t.Errorf("no markers: exit %d, %q", code, stderr.String())
+	}
+}
+
+func TestAdapterFlags(t *testing.T) {
+	o, err := parse([]string{"--trace", sampleTrace, "--adapters", "8", "--adapter-zipf", "1.1", "--max-loras", "2", "--lora-load-time", "150ms"}, &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := o.cfg; c.Adapters != 8 || c.AdapterZipf != 1.1 || c.MaxLoRAs != 2 || c.LoRALoadTime != 150*time.Millisecond || c.BaseFraction != 0 {
+		t.Errorf("config %+v: want 8 adapters, Zipf 1.1, max_loras 2, a load 150ms", c)
+	}
+	// Without --adapters the LoRA flags describe nothing.
+	o, err = parse([]string{"--trace", sampleTrace, "--max-loras", "3"}, &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := o.cfg; c.Adapters != 0 || c.MaxLoRAs != 0 {
+		t.Errorf("config %+v: want no adapters", c)
+	}
+	var stdout, stderr bytes.Buffer
+	args := []string{"--trace", sampleTrace, "--requests", "40", "--burst", "16", "--burst-prompt-tokens", "1024",
+		"--burst-shared-tokens", "512", "--adapters", "4", "--max-loras", "2", "--policies", "round-robin,tally", "--quiet"}
+	if code := run(args, &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	for _, want := range []string{"4 LoRA adapters", "| swaps | per 1,000 requests |", "Burst for LoRA adapter lora-burst"} {
+		if !strings.Contains(stdout.String(), want) {
+			t.Errorf("stdout lacks %q:\n%s", want, stdout.String())
+		}
 	}
 }

@@ -32,6 +32,12 @@
 // priorities and fairness ids (Config.Priorities, Config.FlowWeights), and
 // the requests it refuses (429) are counted apart, in no latency figure.
 //
+// LoRA adapters (Config.Adapters, lora.go): each request is for an
+// adapter drawn from a Zipf mix, the engines run at most max_loras at once
+// and pay for each swap, and the policies that read metrics see vLLM's
+// lora_requests_info in their scrapes (Tally's picker, and upstream-like
+// through the upstream lora-affinity-scorer); the report counts the swaps.
+//
 // The prompts: each 512-token Mooncake hash_id expands into the same text
 // as test/stack's (32 chunks of 64 characters), and the engines' block
 // hashes are the model server's (chained xxhash of each 64-character,

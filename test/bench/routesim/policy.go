@@ -130,7 +130,7 @@ func newPolicy(name string, cfg Config, now *time.Duration, texts *idText) (poli
 	case LeastRequest:
 		return &leastRequest{load: make([]int, cfg.Engines), rng: rng}, nil
 	case UpstreamLike:
-		return newUpstreamLike(cfg.Engines, rng, now), nil
+		return newUpstreamLike(cfg.Engines, rng, now, cfg), nil
 	case Tally, TallyFlow:
 		if name == TallyFlow {
 			cfg.Picker.FlowControl.Enabled = true
@@ -201,11 +201,25 @@ type tally struct {
 	texts       *idText
 	prompt      []byte
 	cacheTokens int
+	// lora is every engine's lora_requests_info for the next observe, and
+	// maxLoRAs their max_lora; nil without adapters.
+	lora     []loraInfo
+	maxLoRAs int
 }
 
-// tallyModel is the model name of every request; it seeds the picker's
-// prefix hashes and nothing else.
+// tallyModel is the base model's name: the model of every request that is
+// for no adapter, and the one the engines' scrapes name. A request for an
+// adapter carries the adapter's name instead, as vLLM serves adapters; the
+// model seeds the picker's prefix hashes.
 const tallyModel = "routesim"
+
+// model is the model name request j carries.
+func (j *job) model() string {
+	if j.Adapter != "" {
+		return j.Adapter
+	}
+	return tallyModel
+}
 
 func newTally(cfg Config, now *time.Duration, rng *rand.Rand, texts *idText) *tally {
 	// The picker's clock is the simulation's: virtual time from a fixed
@@ -224,6 +238,9 @@ func newTally(cfg Config, now *time.Duration, rng *rand.Rand, texts *idText) *ta
 		texts:       texts,
 		cacheTokens: cfg.KVBlocks * engineBlockTokens,
 	}
+	if cfg.lora() {
+		t.lora, t.maxLoRAs = make([]loraInfo, cfg.Engines), cfg.MaxLoRAs
+	}
 	eps := make([]picker.Endpoint, cfg.Engines)
 	for i := range eps {
 		a := netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 0, byte(i >> 8), byte(i)}), 8000)
@@ -237,7 +254,7 @@ func newTally(cfg Config, now *time.Duration, rng *rand.Rand, texts *idText) *ta
 
 func (t *tally) pick(i int, j *job) (int, error) {
 	t.prompt = t.texts.appendPrompt(t.prompt[:0], j.Request)
-	r, err := t.p.Pick(picker.Request{Model: tallyModel, Prompt: t.prompt, Stream: j.stream})
+	r, err := t.p.Pick(picker.Request{Model: j.model(), Prompt: t.prompt, Stream: j.stream})
 	if err != nil {
 		return 0, err
 	}
@@ -267,16 +284,24 @@ func (t *tally) done(i, promptTokens, cachedTokens int) {
 
 func (t *tally) observeEvery() time.Duration { return observeInterval }
 
+func (t *tally) observeLoRA(engines []loraInfo) { copy(t.lora, engines) }
+
 // observe gives the picker what a vLLM scrape carries: running and waiting
-// requests and the cache size (vllm:cache_config_info); vLLM publishes no
-// queued prompt tokens.
+// requests and the cache size (vllm:cache_config_info); with adapters, the
+// base model (the model_name label) and lora_requests_info. vLLM publishes
+// no queued prompt tokens.
 func (t *tally) observe(stats []engine.Stats) {
 	for i, s := range stats {
-		t.p.ObserveEngine(t.addrs[i], picker.EngineStats{
+		es := picker.EngineStats{
 			Running:     s.RunningRequests,
 			Waiting:     s.WaitingRequests,
 			CacheTokens: t.cacheTokens,
-		})
+		}
+		if t.lora != nil {
+			es.Model, es.HasLoRA, es.MaxLoRAs = tallyModel, true, t.maxLoRAs
+			es.RunningAdapters, es.WaitingAdapters = t.lora[i].running, t.lora[i].waiting
+		}
+		t.p.ObserveEngine(t.addrs[i], es)
 	}
 	for _, st := range t.p.Stats() {
 		t.rates.add(st.PrefillTokensPerSecond)
@@ -305,7 +330,7 @@ type waiter struct {
 
 func (t *tallyFlow) admit(i int, j *job) (admission, error) {
 	t.prompt = t.texts.appendPrompt(t.prompt[:0], j.Request)
-	req := picker.Request{Model: tallyModel, Prompt: t.prompt, Stream: j.stream, Priority: j.priority}
+	req := picker.Request{Model: j.model(), Prompt: t.prompt, Stream: j.stream, Priority: j.priority}
 	if j.flow >= 0 {
 		req.FairnessID = FlowID(j.flow)
 	}

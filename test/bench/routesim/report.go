@@ -77,6 +77,11 @@ type Summary struct {
 	// fairness id (Config.FlowWeights).
 	Bands []BandSummary `json:",omitempty"`
 	Flows []FlowSummary `json:",omitempty"`
+	// With LoRA adapters (Config.Adapters): AdapterLoads sums the engines'
+	// adapter loads into a slot (the swaps), and AdaptersServed counts,
+	// per engine, the distinct adapters of the requests it served.
+	AdapterLoads   int64 `json:",omitempty"`
+	AdaptersServed []int `json:",omitempty"`
 
 	ttfts []time.Duration // sorted, for the CDF chart
 }
@@ -165,7 +170,9 @@ func Summarize(r *Result) Summary {
 		hits += e.PrefixHitTokens
 		prefill += e.PrefillTokens
 		most = max(most, e.PrefillTokens)
+		s.AdapterLoads += e.AdapterLoads
 	}
+	s.AdaptersServed = adaptersServed(r)
 	if queries > 0 {
 		s.PrefixHitRate = float64(hits) / float64(queries)
 	}
@@ -173,6 +180,31 @@ func Summarize(r *Result) Summary {
 		s.PrefillSpread = float64(most) * float64(len(r.Engines)) / float64(prefill)
 	}
 	return s
+}
+
+// adaptersServed counts the distinct adapters each engine served; nil
+// when no request was for one.
+func adaptersServed(r *Result) []int {
+	type served struct {
+		engine  int
+		adapter string
+	}
+	seen := map[served]bool{}
+	var counts []int
+	for _, o := range r.Outcomes {
+		if o.Adapter == "" || o.Engine < 0 {
+			continue
+		}
+		if counts == nil {
+			counts = make([]int, len(r.Placed))
+		}
+		k := served{o.Engine, o.Adapter}
+		if !seen[k] {
+			seen[k] = true
+			counts[o.Engine]++
+		}
+	}
+	return counts
 }
 
 type bandAcc struct {
@@ -296,7 +328,19 @@ func variant(c Config) string {
 	if len(c.FlowWeights) > 0 {
 		parts = append(parts, fmt.Sprintf("%d flows weighted %s", len(c.FlowWeights), weightList(c.FlowWeights)))
 	}
+	if c.lora() {
+		parts = append(parts, fmt.Sprintf("%d LoRA adapters (Zipf %g, max_loras %d)", c.Adapters, c.AdapterZipf, c.MaxLoRAs))
+	}
 	return strings.Join(parts, ", ")
+}
+
+// loraText describes the adapter mix and the engines' adapter slots.
+func loraText(c Config) string {
+	t := fmt.Sprintf("%d LoRA adapters besides the base model, each request's drawn with weight 1/rank^%g", c.Adapters, c.AdapterZipf)
+	if c.BaseFraction > 0 {
+		t += fmt.Sprintf(" (%g%% stay on the base model)", 100*c.BaseFraction)
+	}
+	return t + fmt.Sprintf("; max_loras %d, a load %s s", c.MaxLoRAs, secs(c.LoRALoadTime))
 }
 
 // configDiff lists the fields of c that differ from the defaults, as
@@ -382,6 +426,9 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 	if len(c.FlowWeights) > 0 {
 		fmt.Fprintf(&b, "; flows weighted %s", weightList(c.FlowWeights))
 	}
+	if c.lora() {
+		b.WriteString("; " + loraText(c))
+	}
 	b.WriteString(".\n")
 	fmt.Fprintf(&b, "%d requests over %.1f s of arrivals; mean prompt %.0f tokens, mean output %.0f; offered prefill load %.0f%% of the engines' capacity (after the bound's cache hits).\n\n",
 		r.Bound.Requests, r.Duration.Seconds(), r.MeanPrompt, r.MeanOutput, 100*r.OfferedLoad)
@@ -417,6 +464,7 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 			ratio(s.E2E.P99, r.Bound.E2E.P99), ratio(s.E2E.Mean, r.Bound.E2E.Mean))
 	}
 	r.writeFlowControl(&b)
+	r.writeLoRA(&b)
 	if r.ChartTTFT != "" {
 		fmt.Fprintf(&b, "\n![TTFT CDF per policy](%s)\n", r.ChartTTFT)
 	}
@@ -495,5 +543,23 @@ func (r *Report) writeQueues(b *strings.Builder, runs []Summary) {
 		fmt.Fprintf(b, "| %s | %d | %d | %s | %s | %d | %d | %d | %d | %.0f–%.0f |\n", s.Policy, s.Requests, s.Held,
 			secs(s.Wait.Mean), secs(s.Wait.P99), s.Refused.Total(), s.Refused.Shed, s.Refused.QueueFull, s.Refused.TTL,
 			s.LearnedRates.Min, s.LearnedRates.Max)
+	}
+}
+
+// writeLoRA writes, with adapters, each run's adapter swaps beside its TTFT.
+func (r *Report) writeLoRA(b *strings.Builder) {
+	if !r.Config.lora() {
+		return
+	}
+	b.WriteString("\nLoRA adapters: swaps are the adapters the engines loaded into a slot (a free one, or one whose idle adapter they evicted), each costing the whole batch the load time; adapters served is, per engine, how many distinct adapters its requests were for. The bound loads no adapter.\n\n")
+	b.WriteString("| policy | TTFT p50 | p99 | p50 ×bound | p99 ×bound | swaps | per 1,000 requests | adapters served per engine |\n")
+	b.WriteString("|---|---:|---:|---:|---:|---:|---:|---|\n")
+	for _, s := range r.Runs {
+		per := 0.0
+		if s.Requests > 0 {
+			per = 1000 * float64(s.AdapterLoads) / float64(s.Requests)
+		}
+		fmt.Fprintf(b, "| %s | %s | %s | %s | %s | %d | %.1f | %s |\n", s.Policy, secs(s.TTFT.P50), secs(s.TTFT.P99),
+			ratio(s.TTFT.P50, r.Bound.TTFT.P50), ratio(s.TTFT.P99, r.Bound.TTFT.P99), s.AdapterLoads, per, joinInts(s.AdaptersServed))
 	}
 }

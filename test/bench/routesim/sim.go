@@ -47,7 +47,27 @@ type Config struct {
 	// FlowID(0), FlowID(1)... in proportion to the weights (flow control
 	// serves the flows of a band in turn).
 	FlowWeights []float64
+	// Adapters, when positive, is how many LoRA adapters every engine
+	// serves besides the base model (AdapterName(0), AdapterName(1)...):
+	// each request of the trace that names none (Request.Adapter) is for
+	// one of them, AdapterName(k) drawn with weight 1/(k+1)^AdapterZipf,
+	// except a BaseFraction of them, which stay on the base model. The
+	// engines then run at most MaxLoRAs adapters at once (1 or more) and
+	// loading one costs LoRALoadTime (engine.Config's fields); the
+	// policies that read metrics see them in vLLM's lora_requests_info.
+	Adapters     int
+	AdapterZipf  float64
+	BaseFraction float64
+	MaxLoRAs     int
+	LoRALoadTime time.Duration
 }
+
+// AdapterName names the k-th LoRA adapter of Config.Adapters: the model
+// name its requests carry.
+func AdapterName(k int) string { return "lora-" + strconv.Itoa(k) }
+
+// lora reports whether the engines serve LoRA adapters.
+func (c Config) lora() bool { return c.Adapters > 0 }
 
 // PriorityShare gives Fraction of the requests priority Priority.
 type PriorityShare struct {
@@ -79,6 +99,9 @@ func (c Config) EngineConfig() engine.Config {
 	ec := engine.DefaultConfig()
 	ec.KVBlocks = c.KVBlocks
 	ec.BlockSizeTokens = engineBlockTokens
+	if c.lora() {
+		ec.MaxLoRAs, ec.LoRALoadTime = c.MaxLoRAs, c.LoRALoadTime
+	}
 	return ec
 }
 
@@ -97,6 +120,16 @@ func (c Config) Validate() error {
 		return fmt.Errorf("bypass fraction: %v is invalid: must be from 0 to 1", c.Bypass)
 	case c.SampleEvery < 0:
 		return fmt.Errorf("sample interval: %v is invalid: must be 0 or more", c.SampleEvery)
+	case c.Adapters < 0:
+		return fmt.Errorf("adapters: %d is invalid: must be 0 (none) or more", c.Adapters)
+	case c.lora() && c.MaxLoRAs < 1:
+		return fmt.Errorf("max loras: %d is invalid: must be 1 or more to serve %d adapters", c.MaxLoRAs, c.Adapters)
+	case c.lora() && !(c.AdapterZipf >= 0 && c.AdapterZipf <= 10):
+		return fmt.Errorf("adapter zipf exponent: %v is invalid: must be from 0 (every adapter alike) to 10", c.AdapterZipf)
+	case c.lora() && !(c.BaseFraction >= 0 && c.BaseFraction <= 1):
+		return fmt.Errorf("base-model fraction: %v is invalid: must be from 0 to 1", c.BaseFraction)
+	case c.lora() && c.LoRALoadTime < 0:
+		return fmt.Errorf("lora load time: %v is invalid: must be 0 or more", c.LoRALoadTime)
 	}
 	sum := 0.0
 	for i, ps := range c.Priorities {
@@ -176,6 +209,9 @@ func Prepare(reqs []Request, cfg Config) (*Workload, error) {
 	for _, wt := range cfg.FlowWeights {
 		flowTotal += wt
 	}
+	// Adapters too, for the same reason.
+	loraRng := rand.New(rand.NewPCG(cfg.Seed, 0x6c6f7261)) // "lora"
+	adapterCDF := zipfCDF(cfg.Adapters, cfg.AdapterZipf)
 	seen := make(map[uint64]struct{})
 	w.texts = newIDText(maxTextIDs)
 	var text []byte
@@ -188,10 +224,16 @@ func Prepare(reqs []Request, cfg Config) (*Workload, error) {
 		if i > 0 && r.Arrival < reqs[i-1].Arrival {
 			return nil, fmt.Errorf("request %d arrives before request %d: the trace must be in arrival order", i, i-1)
 		}
+		if r.Adapter != "" && !cfg.lora() {
+			return nil, fmt.Errorf("request %d is for LoRA adapter %q; the engines serve none (--adapters 0)", i, r.Adapter)
+		}
 		// Both draws always happen, so that one fraction does not change
 		// which requests the other picks.
 		nonStream, bypass := rng.Float64(), rng.Float64()
 		prioDraw, flowDraw := flowRng.Float64(), flowRng.Float64()
+		if baseDraw, adapterDraw := loraRng.Float64(), loraRng.Float64(); r.Adapter == "" && cfg.lora() && baseDraw >= cfg.BaseFraction {
+			r.Adapter = AdapterName(drawIndex(adapterCDF, adapterDraw))
+		}
 		text = w.texts.appendPrompt(text[:0], r)
 		prompt := string(text)
 		j := &w.jobs[i]
@@ -205,11 +247,21 @@ func Prepare(reqs []Request, cfg Config) (*Workload, error) {
 			priority:       drawPriority(cfg.Priorities, prioDraw),
 			flow:           drawFlow(cfg.FlowWeights, flowTotal, flowDraw),
 		}
-		hits := leadingHits(seen, j.engineHashes)
+		// The bound's cache is keyed by adapter, as the engines' are (the
+		// engine keys engineHashes itself): a prefix seen under another
+		// adapter is no hit. The bound loads no adapter (each is in a slot
+		// already), so it stays a bound. The upstream picker seeds its
+		// hashes with the model name: its blocks are keyed too.
+		cacheKeys := j.engineHashes
+		if r.Adapter != "" {
+			cacheKeys = engine.AdapterBlockHashes(j.engineHashes, r.Adapter)
+			j.upstreamHashes = engine.AdapterBlockHashes(j.upstreamHashes, r.Adapter)
+		}
+		hits := leadingHits(seen, cacheKeys)
 		j.bound = boundOf(ec, r.InputTokens, r.OutputTokens, hits)
 		w.BoundPrefillTokens += int64(j.bound.PrefillTokens)
 		w.BoundCachedTokens += int64(r.InputTokens - j.bound.PrefillTokens)
-		for _, h := range j.engineHashes[hits:] { // the leading hits are there
+		for _, h := range cacheKeys[hits:] { // the leading hits are there
 			seen[h] = struct{}{}
 		}
 	}
@@ -226,6 +278,33 @@ func drawPriority(shares []PriorityShare, u float64) int {
 		u -= ps.Fraction
 	}
 	return 0
+}
+
+// zipfCDF is the cumulative distribution of n ranks weighted 1/(k+1)^s,
+// the last exactly 1.
+func zipfCDF(n int, s float64) []float64 {
+	cdf := make([]float64, n)
+	sum := 0.0
+	for k := range cdf {
+		sum += math.Pow(float64(k+1), -s)
+		cdf[k] = sum
+	}
+	for k := range cdf {
+		cdf[k] /= sum
+	}
+	if n > 0 {
+		cdf[n-1] = 1
+	}
+	return cdf
+}
+
+// drawIndex is the rank of cdf that u (uniform in [0, 1)) falls in.
+func drawIndex(cdf []float64, u float64) int {
+	k, _ := slices.BinarySearch(cdf, u)
+	if k < len(cdf) && cdf[k] == u {
+		k++ // [cdf[k-1], cdf[k]) is rank k
+	}
+	return min(k, len(cdf)-1)
 }
 
 // drawFlow is the flow whose weight u (uniform in [0, 1)) falls in; -1
@@ -280,8 +359,11 @@ type Outcome struct {
 	TTFT time.Duration
 	// E2E is the time from arrival to the last output token.
 	E2E time.Duration
-	// CachedTokens is the prompt tokens the engine found in its cache.
-	CachedTokens int
+	// PromptTokens is its prompt; CachedTokens the prompt tokens the
+	// engine found in its cache.
+	PromptTokens, CachedTokens int
+	// Adapter is the LoRA adapter it was for; "" for the base model.
+	Adapter string `json:",omitempty"`
 }
 
 // Sample is every engine's requests (running and waiting) at one instant.
@@ -407,6 +489,9 @@ type sim struct {
 	waitingByFlow []int
 	lastDispatch  time.Duration
 	admitted      []admission
+	// lora follows each engine's adapters as vLLM's lora_requests_info
+	// reports them, for the policies that read it (nil without adapters).
+	lora []loraRequests
 }
 
 // never is a time after any event.
@@ -424,6 +509,9 @@ func (s *sim) run() error {
 	}
 	s.stats = make([]engine.Stats, len(s.engines))
 	s.inEngine = make([]int, len(s.engines))
+	if s.w.cfg.lora() {
+		s.lora = make([]loraRequests, len(s.engines))
+	}
 	s.lastDispatch = -1
 	for s.done < n {
 		t := never
@@ -462,6 +550,9 @@ func (s *sim) run() error {
 				stats, err := s.readStats()
 				if err != nil {
 					return err
+				}
+				if l, ok := s.pol.(loraObserver); ok && s.lora != nil {
+					l.observeLoRA(s.loraScrape())
 				}
 				s.pol.observe(stats)
 			}
@@ -532,7 +623,8 @@ func (s *sim) sample() {
 
 func (s *sim) arrive(i int) error {
 	j := &s.w.jobs[i]
-	s.res.Outcomes[i] = Outcome{Engine: -1, Bypass: j.bypass, Stream: j.stream, Priority: j.priority, Flow: j.flow}
+	s.res.Outcomes[i] = Outcome{Engine: -1, Bypass: j.bypass, Stream: j.stream, Priority: j.priority, Flow: j.flow,
+		PromptTokens: j.InputTokens, Adapter: j.Adapter}
 	if j.bypass {
 		target := s.bypassRR % len(s.engines)
 		s.bypassRR++
@@ -653,10 +745,14 @@ func (s *sim) start(i, target int) error {
 		PromptTokens: j.InputTokens,
 		OutputTokens: j.OutputTokens,
 		BlockHashes:  j.engineHashes,
+		Adapter:      j.Adapter,
 	}); err != nil {
 		return fmt.Errorf("adding request %d to engine %d: %w", i, target, err)
 	}
 	s.inEngine[target]++
+	if s.lora != nil {
+		s.lora[target].add(j.Adapter)
+	}
 	return nil
 }
 
@@ -675,6 +771,9 @@ func (s *sim) handle(engineIdx int, events []engine.Event) error {
 		case engine.FirstToken:
 			o.TTFT = ev.At - j.arrival
 			o.CachedTokens = ev.CachedTokens
+			if s.lora != nil {
+				s.lora[engineIdx].started(j.Adapter)
+			}
 			if j.stream && !j.bypass {
 				s.pol.firstByte(i)
 			}
@@ -682,6 +781,9 @@ func (s *sim) handle(engineIdx int, events []engine.Event) error {
 			o.E2E = ev.At - j.arrival
 			s.done++
 			s.inEngine[engineIdx]--
+			if s.lora != nil {
+				s.lora[engineIdx].finished(j.Adapter)
+			}
 			if !j.bypass {
 				if !j.stream {
 					s.pol.firstByte(i)

@@ -91,7 +91,7 @@ func (s Suite) Run(reqs []Request, source string) (*Report, error) {
 	r := &Report{Source: source, Config: s.Config, Bound: w.BoundSummary()}
 	r.Describe(w)
 	if bw != nil {
-		r.Burst = &BurstReport{Burst: *s.Burst, BoundTTFT: bw.jobs[1].bound.TTFT}
+		r.Burst = &BurstReport{Burst: *s.Burst, BoundTTFT: bw.jobs[1].bound.TTFT, Adapter: bw.jobs[1].Adapter}
 	}
 	for _, t := range tasks {
 		if t.err != nil {

@@ -43,6 +43,9 @@ type Request struct {
 	// HashIDs names each 512-token block of the prompt; equal leading ids
 	// mean a shared prefix. len(HashIDs) == ceil(InputTokens/512).
 	HashIDs []int
+	// Adapter is the LoRA adapter the request is for; "" (every trace
+	// row) is the base model, or one drawn when Config.Adapters is set.
+	Adapter string
 }
 
 // LoadMooncakeFile reads a Mooncake-format trace (JSON lines) from path.

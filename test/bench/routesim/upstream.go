@@ -11,7 +11,8 @@ import (
 // (gateway-api-inference-extension v1.5.0), written from its documented
 // behaviour, not its code: every load signal comes from a metrics scrape,
 // and the prefix index learns a placement only after the pick, so picks
-// made at the same instant do not see each other.
+// made at the same instant do not see each other. With LoRA adapters it
+// adds the lora-affinity-scorer (lora.go), on the same scrape.
 const (
 	upstreamQueueWeight  = 2
 	upstreamKVWeight     = 2
@@ -35,6 +36,10 @@ type upstreamLike struct {
 	pending   []pendingRecord
 	pendingAt time.Duration
 	now       *time.Duration // the simulation's clock
+	// lora is every engine's lora_requests_info at the last scrape, and
+	// maxLoRAs its max_lora; nil without adapters.
+	lora     []loraInfo
+	maxLoRAs int
 }
 
 type pendingRecord struct {
@@ -42,7 +47,7 @@ type pendingRecord struct {
 	hashes []uint64
 }
 
-func newUpstreamLike(engines int, rng *rand.Rand, now *time.Duration) *upstreamLike {
+func newUpstreamLike(engines int, rng *rand.Rand, now *time.Duration, cfg Config) *upstreamLike {
 	p := &upstreamLike{
 		rng:     rng,
 		now:     now,
@@ -53,6 +58,9 @@ func newUpstreamLike(engines int, rng *rand.Rand, now *time.Duration) *upstreamL
 	}
 	for i := range p.lrus {
 		p.lrus[i] = newBlockLRU(upstreamCapacityBlocks)
+	}
+	if cfg.lora() {
+		p.lora, p.maxLoRAs = make([]loraInfo, engines), cfg.MaxLoRAs
 	}
 	return p
 }
@@ -86,6 +94,9 @@ func (p *upstreamLike) pick(_ int, j *job) (int, error) {
 			prefix = float64(p.lrus[i].leading(j.upstreamHashes)) / float64(n)
 		}
 		p.scores[i] = upstreamQueueWeight*queue + upstreamKVWeight*(1-p.kvUsage[i]) + upstreamPrefixWeight*prefix
+		if p.lora != nil {
+			p.scores[i] += upstreamLoRAWeight * upstreamLoRAScore(p.lora[i], p.maxLoRAs, j.Adapter)
+		}
 	}
 	best, ties := 0, 0
 	for i, s := range p.scores {
@@ -104,9 +115,10 @@ func (p *upstreamLike) pick(_ int, j *job) (int, error) {
 	return best, nil
 }
 
-func (p *upstreamLike) firstByte(int)               {}
-func (p *upstreamLike) done(int, int, int)          {}
-func (p *upstreamLike) observeEvery() time.Duration { return scrapeInterval }
+func (p *upstreamLike) firstByte(int)                  {}
+func (p *upstreamLike) done(int, int, int)             {}
+func (p *upstreamLike) observeEvery() time.Duration    { return scrapeInterval }
+func (p *upstreamLike) observeLoRA(engines []loraInfo) { copy(p.lora, engines) }
 func (p *upstreamLike) observe(stats []engine.Stats) {
 	for i, s := range stats {
 		p.waiting[i] = s.WaitingRequests

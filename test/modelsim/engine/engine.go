@@ -430,7 +430,7 @@ func (e *Engine) Add(r Request) error {
 			r.ID, r.PromptTokens, r.OutputTokens, need, e.cfg.KVBlocks, e.cfg.KVBlocks*e.cfg.BlockSizeTokens)
 	}
 	if r.Adapter != "" {
-		r.BlockHashes = adapterBlockHashes(r.BlockHashes, r.Adapter)
+		r.BlockHashes = AdapterBlockHashes(r.BlockHashes, r.Adapter)
 	}
 	req := &request{Request: r, state: waiting, arrived: e.now}
 	e.requests[r.ID] = req

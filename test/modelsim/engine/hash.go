@@ -24,12 +24,14 @@ func TextBlockHashes(text string, blockBytes int) []uint64 {
 	return hashes
 }
 
-// adapterBlockHashes keys a prompt's block hashes by the LoRA adapter it
+// AdapterBlockHashes keys a prompt's block hashes by the LoRA adapter it
 // runs with, as vLLM puts the adapter's name into every block hash: the
 // same prompt under another adapter, or the base model, shares no block.
 // Each hash is mixed with the adapter alone, so the chain is kept: equal
-// keyed hashes still mean equal prefixes under one adapter.
-func adapterBlockHashes(hashes []uint64, adapter string) []uint64 {
+// keyed hashes still mean equal prefixes under one adapter. The engine
+// keys Request.BlockHashes with it; anything that predicts the engine's
+// cache across adapters (a routing simulation's bound) keys them the same.
+func AdapterBlockHashes(hashes []uint64, adapter string) []uint64 {
 	keyed := make([]uint64, len(hashes))
 	var b [16]byte
 	binary.LittleEndian.PutUint64(b[:8], xxhash.Sum64String(adapter))
