@@ -38,10 +38,34 @@ func (p *Picker) isAdapter(c *row, model string) bool {
 	return e.model != "" || p.knownAdapters[model] || c.adapterRefs[model] > 0
 }
 
-// adapterResident reports whether model is loaded or about to be on c.
+// adapterResident reports whether model is loaded or about to be on c:
+// running or waiting there, held by a request in flight, or among the last
+// max_lora adapters used there (vLLM keeps an idle adapter in its slot
+// until another needs it, and publishes only running and waiting ones).
 func (c *row) adapterResident(model string) bool {
 	e := &c.engine
+	return c.adapterRefs[model] > 0 || slices.Contains(e.runningAdapters, model) ||
+		slices.Contains(e.waitingAdapters, model) || slices.Contains(c.recentAdapters, model)
+}
+
+// adapterActive reports whether model is running, waiting or held on c:
+// the affinity of a burst follows these, not an adapter idle in a slot.
+func (c *row) adapterActive(model string) bool {
+	e := &c.engine
 	return c.adapterRefs[model] > 0 || slices.Contains(e.runningAdapters, model) || slices.Contains(e.waitingAdapters, model)
+}
+
+// useAdapter records that a is in use on c: the most recent of its last
+// max_lora adapters (at least one), those its slots hold.
+func (c *row) useAdapter(a string) {
+	slots := max(c.engine.maxLoRAs, 1)
+	if i := slices.Index(c.recentAdapters, a); i >= 0 {
+		c.recentAdapters = slices.Delete(c.recentAdapters, i, i+1)
+	}
+	c.recentAdapters = slices.Insert(c.recentAdapters, 0, a)
+	if len(c.recentAdapters) > slots {
+		c.recentAdapters = c.recentAdapters[:slots]
+	}
 }
 
 // activeAdapters counts the distinct adapters c runs: its engine's, and
@@ -72,7 +96,7 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 	}
 	affine := false
 	for _, c := range cands {
-		if !c.taken && p.isAdapter(c, model) && c.adapterResident(model) && (c.queued()+c.uncached)*n <= 2*total {
+		if !c.taken && p.isAdapter(c, model) && c.adapterActive(model) && (c.queued()+c.uncached)*n <= 2*total {
 			affine = true
 		}
 	}
@@ -116,6 +140,7 @@ func (w *row) holdAdapter(r *Reservation) {
 		w.adapterRefs = make(map[string]int)
 	}
 	w.adapterRefs[r.adapter]++
+	w.useAdapter(r.adapter)
 }
 
 func (w *row) dropAdapter(r *Reservation) {

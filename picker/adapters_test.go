@@ -116,3 +116,30 @@ func TestAnEngineThatHasNotSaidIsJudgedByThePool(t *testing.T) {
 		t.Fatalf("base-model requests landed %v, want endpoint 1 used", where)
 	}
 }
+
+// vLLM keeps an idle adapter in its slot until another needs one, and
+// publishes only running and waiting adapters: the last max_lora used on an
+// endpoint still count as loaded there.
+func TestAnIdleAdapterInItsSlotStillCountsAsLoaded(t *testing.T) {
+	p := newPicker(t, 2, testConfig(), Options{})
+	p.ObserveEngine(addr(0), EngineStats{Running: 1, Model: baseModel, HasLoRA: true, MaxLoRAs: 2, RunningAdapters: []string{"sql"}})
+	p.ObserveEngine(addr(1), EngineStats{Model: baseModel, HasLoRA: true, MaxLoRAs: 2})
+	p.ObserveEngine(addr(0), EngineStats{Model: baseModel, HasLoRA: true, MaxLoRAs: 2}) // sql done, idle in its slot
+	where, rs := placements(t, p, 3, "sql", func(i int) []byte { return text(fmt.Sprint("q", i), 400) })
+	if where[0] != 3 {
+		t.Fatalf("requests for the adapter idle on endpoint 0 landed %v, want all there", where)
+	}
+	for _, r := range rs {
+		r.Release()
+	}
+	// Two other adapters used there since: sql's slot went to one of them.
+	for _, a := range []string{"chat", "tools"} {
+		p.ObserveEngine(addr(0), EngineStats{Model: baseModel, HasLoRA: true, MaxLoRAs: 2, RunningAdapters: []string{a}})
+	}
+	p.mu.Lock()
+	resident := p.byAddr[key(addr(0))].adapterResident("sql")
+	p.mu.Unlock()
+	if resident {
+		t.Error("after two other adapters took endpoint 0's two slots, sql still counts as loaded there")
+	}
+}

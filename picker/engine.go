@@ -158,6 +158,11 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 	}
 	p.loraSeen = p.loraSeen || s.HasLoRA
 	p.learnModelsLocked(s)
+	for _, list := range [][]string{s.WaitingAdapters, s.RunningAdapters} { // running ones most recent
+		for _, a := range list {
+			w.useAdapter(a)
+		}
+	}
 	e.kvUsage = -1
 	if s.HasKVCacheUsage {
 		e.kvUsage = s.KVCacheUsage

@@ -50,9 +50,11 @@ type row struct {
 
 	// What the engine's metrics say (see engine.go).
 	engine engineView
-	// adapterRefs counts the requests in flight here by LoRA adapter
-	// (adapters.go).
-	adapterRefs map[string]int
+	// adapterRefs counts the requests in flight here by LoRA adapter, and
+	// recentAdapters are the last max_lora adapters used here, most recent
+	// first (adapters.go).
+	adapterRefs    map[string]int
+	recentAdapters []string
 
 	// Scratch of the pick in progress (under the lock).
 	mark      uint64
