@@ -426,7 +426,7 @@ func (p *Picker) freeRowsLocked(now int64) []*row {
 // saturatedLocked reports whether c may take no request now: over a static
 // limit (overLimitLocked) or, with flow control, over its threshold.
 func (p *Picker) saturatedLocked(c *row, queued int, now int64) bool {
-	return p.overLimitLocked(c, queued) || p.flowOn && p.flowFullLocked(c, queued+c.engine.foreignCost(now), now)
+	return p.overLimitLocked(c, queued) || p.flowOn && p.flowFullLocked(c, queued+c.engine.foreignCost(now))
 }
 
 // overLimitLocked reports whether c is over a static saturation limit
@@ -440,16 +440,13 @@ func (p *Picker) overLimitLocked(c *row, queued int) bool {
 // flowFullLocked reports whether c is over flow control's threshold: its
 // queued prefill (the ledger's drain model, plus the load its engine
 // reports beyond the ledger) would take holdPrefillMilliseconds at its
-// rate, or its decoding slots are full. A fresh scrape corrects the model
-// where it runs ahead of the engine: an engine with more requests waiting
-// than the ledger has still in prefill there has a queue the model has
-// already drained.
-func (p *Picker) flowFullLocked(c *row, work int, now int64) bool {
+// rate, or its decoding slots are full. (Trusting an engine's waiting
+// count beyond the ledger's prefill held every request a scrape interval,
+// 250 ms, under extproc-load's steady load: the count is read before the
+// requests it counts have started.)
+func (p *Picker) flowFullLocked(c *row, work int) bool {
 	fc := &p.cfg.FlowControl
 	if fc.MaxDecodingRequests > 0 && c.decoding >= fc.MaxDecodingRequests {
-		return true
-	}
-	if e := &c.engine; e.scraped && e.waiting > c.inFlight-c.decoding && time.Duration(now-e.at) <= foreignFresh {
 		return true
 	}
 	return work > 0 && float64(work)*1000 >= float64(fc.HoldPrefillMilliseconds)*c.rate

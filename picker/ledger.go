@@ -296,7 +296,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 		c.taken = c.saturated
 		if !c.saturated {
 			eligible++
-			if !p.flowOn || !p.flowFullLocked(c, queued+foreign, r.pickedNs) {
+			if !p.flowOn || !p.flowFullLocked(c, queued+foreign) {
 				free++
 			}
 		}
