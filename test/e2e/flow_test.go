@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/netip"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -46,23 +47,48 @@ func flowRequest(what string, headers map[string]string) stack.Request {
 }
 
 // flowRun is requests sent through the gateway, with the order in which
-// their responses ended.
+// they were served. With one slot a held request is placed only once the
+// one before it has ended, so its first byte comes after that one's whole
+// response: first bytes order them. (The order in which the clients saw
+// their responses end does not: a client may read its last bytes after the
+// next request's response is done.) A request that got no first byte (an
+// error, a refusal) is ordered by when its response ended.
 type flowRun struct {
 	s       *stack.Stack
 	mu      sync.Mutex
-	order   []string
+	at      map[string]time.Time
 	results map[string]stack.Result
 	wg      sync.WaitGroup
 }
 
 func (f *flowRun) send(ctx context.Context, name string, req stack.Request) {
 	f.wg.Go(func() {
+		start := time.Now()
 		res := stack.Send(ctx, f.s.HTTPClient(), f.s.GatewayURL(), nextID(name), req)
+		at := time.Now()
+		if res.Err == nil && res.TTFT > 0 {
+			at = start.Add(res.TTFT)
+		}
 		f.mu.Lock()
 		defer f.mu.Unlock()
-		f.order = append(f.order, name)
+		if f.at == nil {
+			f.at = map[string]time.Time{}
+		}
+		f.at[name] = at
 		f.results[name] = res
 	})
+}
+
+// order is the requests by when they were served (see flowRun).
+func (f *flowRun) order() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	names := make([]string, 0, len(f.at))
+	for n := range f.at {
+		names = append(names, n)
+	}
+	sort.Slice(names, func(i, j int) bool { return f.at[names[i]].Before(f.at[names[j]]) })
+	return names
 }
 
 // waiting is the picker's flow control queue, from its metrics.
@@ -130,7 +156,7 @@ var _ = Describe("Flow control", Ordered, func() {
 		for name, r := range f.results {
 			Expect(r.Err).NotTo(HaveOccurred(), name)
 		}
-		Expect(f.order).To(Equal([]string{"first", "critical-2", "critical-3", "batch-0", "batch-1"}))
+		Expect(f.order()).To(Equal([]string{"first", "critical-2", "critical-3", "batch-0", "batch-1"}))
 		expectLedgerDrains(ctx, fs)
 	})
 
@@ -150,14 +176,16 @@ var _ = Describe("Flow control", Ordered, func() {
 		}
 		release()
 		f.wg.Wait()
+		order := f.order()
 		light := 0
-		for _, name := range f.order[1:9] { // the first 8 dispatched
+		for _, name := range order[1:9] { // the first 8 dispatched
 			if strings.HasPrefix(name, "light") {
 				light++
 			}
 		}
-		Expect(light).To(BeNumerically(">=", 4), "dispatch order %v", f.order)
-		Expect(f.order[1:]).To(ConsistOf(names))
+		Expect(light).To(BeNumerically(">=", 4), "dispatch order %v", order)
+		Expect(order[0]).To(Equal("first"))
+		Expect(order[1:]).To(ConsistOf(names))
 		expectLedgerDrains(ctx, fs)
 	})
 
@@ -205,7 +233,7 @@ var _ = Describe("Flow control", Ordered, func() {
 		f.wg.Wait()
 		Expect(f.results["gone"].Err).To(HaveOccurred())
 		Expect(f.results["next"].Err).NotTo(HaveOccurred())
-		Expect(f.order).To(Equal([]string{"gone", "first", "next"}))
+		Expect(f.order()).To(Equal([]string{"gone", "first", "next"}))
 		expectLedgerDrains(ctx, fs)
 		m, err := fs.PickerMetrics(ctx)
 		Expect(err).NotTo(HaveOccurred())
