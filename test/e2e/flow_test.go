@@ -23,18 +23,23 @@ import (
 // flowPickerConfig holds every request but one: a pod takes one request at a
 // time (saturation.maxInFlightRequests), and with flow control on the rest
 // wait in the picker, unplaced, until its response ends. The band of
-// priority 5 holds one request; a wait lasts 2 s at most.
+// priority 5 holds one request; a wait lasts flowTTL at most, which must
+// leave the specs time to fill the queue on a loaded machine (every request
+// they queue waits from its arrival).
 const flowPickerConfig = `
 saturation:
   maxInFlightRequests: 1
 flowControl:
   enabled: true
   ordering: fcfs
-  requestTTLSeconds: 2
+  requestTTLSeconds: 5
   bands:
   - priority: 5
     maxRequests: 1
 `
+
+// flowTTL is flowPickerConfig's requestTTLSeconds.
+const flowTTL = 5 * time.Second
 
 // flowFirstPodIP keeps this pool's pods off the other specs' addresses.
 var flowFirstPodIP = netip.MustParseAddr("127.0.48.2")
@@ -167,13 +172,16 @@ var _ = Describe("Flow control", Ordered, func() {
 		for i := range 12 {
 			tenant := "heavy"
 			if i >= 8 {
-				tenant = "light" // arrives after all of heavy's
+				tenant = "light"
+			}
+			if i == 8 {
+				queueIs(ctx, 8) // light's arrive after all of heavy's
 			}
 			name := fmt.Sprintf("%s-%d", tenant, i)
 			names = append(names, name)
 			f.send(ctx, name, flowRequest(name, map[string]string{"x-gateway-inference-fairness-id": tenant}))
-			queueIs(ctx, i+1)
 		}
+		queueIs(ctx, 12)
 		release()
 		f.wg.Wait()
 		order := f.order()
@@ -211,7 +219,7 @@ var _ = Describe("Flow control", Ordered, func() {
 		f.mu.Unlock()
 		Expect(expired.Status).To(Equal(http.StatusTooManyRequests), "%v", expired.Err)
 		Expect(expired.RetryAfter).NotTo(BeEmpty())
-		Expect(time.Since(began)).To(BeNumerically("<", 2500*time.Millisecond), "the TTL is 2 s")
+		Expect(time.Since(began)).To(BeNumerically("<", flowTTL+500*time.Millisecond), "the TTL")
 		queueIs(ctx, 0)
 		release()
 		f.wg.Wait()

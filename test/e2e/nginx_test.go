@@ -156,11 +156,7 @@ var _ = Describe("Through NGINX as NGINX Gateway Fabric drives it", Ordered, Con
 		for _, name := range ns.PodNames() {
 			Expect(placed[name]).To(BeNumerically("<=", 48), "placement %v; ledger %+v", placed, ledger.Endpoints)
 		}
-	}, SpecTimeout(time.Minute),
-		// As the 64-request burst in routing_test.go: held in front of the
-		// engines, the burst's prefill drains in the model meanwhile, and
-		// on a loaded machine the holder's faster drain can tip it past half.
-		FlakeAttempts(3))
+	}, SpecTimeout(time.Minute))
 
 	It("refuses malformed JSON at the picker without reaching a pod", func(ctx SpecContext) {
 		// NGF's NJS handler logs the shim's non-200 answer (the picker's

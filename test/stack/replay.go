@@ -142,12 +142,18 @@ func Send(ctx context.Context, client *http.Client, baseURL, id string, req Requ
 }
 
 func send(ctx context.Context, client *http.Client, baseURL, id string, req Request) Result {
+	return sendBody(ctx, client, baseURL, id, req, bytes.NewReader(req.Body), int64(len(req.Body)))
+}
+
+// sendBody is send with the request's body read from body, of size bytes.
+func sendBody(ctx context.Context, client *http.Client, baseURL, id string, req Request, body io.Reader, size int64) Result {
 	res := Result{ID: id}
-	httpReq, err := http.NewRequestWithContext(ctx, http.MethodPost, baseURL+req.Path, bytes.NewReader(req.Body))
+	httpReq, err := http.NewRequestWithContext(ctx, http.MethodPost, baseURL+req.Path, body)
 	if err != nil {
 		res.Err = fmt.Errorf("building request %s: %w", id, err)
 		return res
 	}
+	httpReq.ContentLength = size
 	httpReq.Header.Set("Content-Type", "application/json")
 	httpReq.Header.Set(RequestIDHeader, id)
 	for k, v := range req.Headers {
