@@ -38,6 +38,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/internal/upstreamconfig"
 )
 
 // Exit codes: 2 for bad flags (as the flag package does), 1 for anything
@@ -101,15 +102,15 @@ func newLogger(opts options, stderr io.Writer) logr.Logger {
 // loadConfig reads the configuration file of either kind (a PickerConfig, or
 // the upstream EndpointPickerConfig with notes on what each setting became)
 // and applies the flags that override it.
-func loadConfig(opts options) (v1alpha1.PickerConfig, []v1alpha1.Note, error) {
+func loadConfig(opts options) (v1alpha1.PickerConfig, []upstreamconfig.Note, error) {
 	data, err := opts.readConfig()
 	if err != nil {
 		return v1alpha1.PickerConfig{}, nil, err
 	}
 	cfg := v1alpha1.Default()
-	var notes []v1alpha1.Note
+	var notes []upstreamconfig.Note
 	if data != nil {
-		if cfg, notes, err = v1alpha1.LoadAny(data); err != nil {
+		if cfg, notes, err = upstreamconfig.LoadAny(data); err != nil {
 			return v1alpha1.PickerConfig{}, nil, err
 		}
 	}

@@ -1,4 +1,4 @@
-package v1alpha1
+package upstreamconfig
 
 import (
 	"encoding/json"
@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
 
 	"k8s.io/apimachinery/pkg/api/resource"
 )
@@ -17,15 +19,15 @@ const upstreamFlowGate = "flowControl"
 // The upstream flow control policies, by plugin type, and what each is in
 // Tally.
 var upstreamFairness = map[string]string{
-	"global-strict-fairness-policy": FairnessGlobalStrict,
-	"round-robin-fairness-policy":   FairnessRoundRobin,
+	"global-strict-fairness-policy": v1alpha1.FairnessGlobalStrict,
+	"round-robin-fairness-policy":   v1alpha1.FairnessRoundRobin,
 }
 
 var upstreamOrdering = map[string]string{
-	"fcfs-ordering-policy": OrderingFCFS,
+	"fcfs-ordering-policy": v1alpha1.OrderingFCFS,
 	// Every request has the queue's one TTL in Tally, so the earliest
 	// deadline is the earliest arrival.
-	"edf-ordering-policy": OrderingFCFS,
+	"edf-ordering-policy": v1alpha1.OrderingFCFS,
 }
 
 // upstreamFlowControl is the flowControl section of an EndpointPickerConfig
@@ -117,8 +119,8 @@ func (m *mapper) flowControl(raw json.RawMessage, plugins []upstreamPlugin, enab
 		m.ignore("flowControl.usageLimitPolicyPluginRef", "Tally's saturation threshold is flowControl.holdPrefillMilliseconds of queued prefill, from its ledger")
 	}
 	var fairness, ordering string
-	band := func(path string, b upstreamBand) (Band, error) {
-		out := Band{Priority: b.Priority}
+	band := func(path string, b upstreamBand) (v1alpha1.Band, error) {
+		out := v1alpha1.Band{Priority: b.Priority}
 		var err error
 		if out.MaxBytes, err = quantity(path+".maxBytes", b.MaxBytes); err != nil {
 			return out, err
@@ -164,7 +166,7 @@ func (m *mapper) flowControl(raw json.RawMessage, plugins []upstreamPlugin, enab
 		if err != nil {
 			return err
 		}
-		out.DefaultBand = Band{MaxRequests: b.MaxRequests, MaxBytes: b.MaxBytes}
+		out.DefaultBand = v1alpha1.Band{MaxRequests: b.MaxRequests, MaxBytes: b.MaxBytes}
 	}
 	for i, ub := range fc.PriorityBands {
 		b, err := band(fmt.Sprintf("flowControl.priorityBands[%d]", i), ub)
@@ -175,10 +177,10 @@ func (m *mapper) flowControl(raw json.RawMessage, plugins []upstreamPlugin, enab
 	}
 	out.Fairness, out.Ordering = fairness, ordering
 	if fairness == "" {
-		m.ignore("flowControl fairness", fmt.Sprintf("no fairnessPolicyRef given: Tally's default %q (upstream's is %q)", DefaultFairness, FairnessGlobalStrict))
+		m.ignore("flowControl fairness", fmt.Sprintf("no fairnessPolicyRef given: Tally's default %q (upstream's is %q)", v1alpha1.DefaultFairness, v1alpha1.FairnessGlobalStrict))
 	}
 	if ordering == "" {
-		m.ignore("flowControl ordering", fmt.Sprintf("no orderingPolicyRef given: Tally's default %q (upstream's is %q)", DefaultOrdering, OrderingFCFS))
+		m.ignore("flowControl ordering", fmt.Sprintf("no orderingPolicyRef given: Tally's default %q (upstream's is %q)", v1alpha1.DefaultOrdering, v1alpha1.OrderingFCFS))
 	}
 	return nil
 }

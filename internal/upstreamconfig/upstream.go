@@ -1,4 +1,4 @@
-package v1alpha1
+package upstreamconfig
 
 import (
 	"encoding/json"
@@ -6,6 +6,8 @@ import (
 	"math"
 	"sort"
 	"strings"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
 
 	"sigs.k8s.io/yaml"
 )
@@ -49,27 +51,27 @@ func (n Note) String() string {
 // which is mapped onto a PickerConfig. The notes say, for an
 // EndpointPickerConfig, what each of its settings became; a PickerConfig has
 // none. An empty document is the default PickerConfig.
-func LoadAny(data []byte) (PickerConfig, []Note, error) {
+func LoadAny(data []byte) (v1alpha1.PickerConfig, []Note, error) {
 	var head struct {
 		APIVersion string `json:"apiVersion"`
 		Kind       string `json:"kind"`
 	}
 	// Lenient here: the strict decoding of each kind comes after.
 	if err := yaml.Unmarshal(data, &head); err != nil {
-		return PickerConfig{}, nil, fmt.Errorf("picker config: %s", strings.TrimPrefix(err.Error(), "error unmarshaling JSON: while decoding JSON: "))
+		return v1alpha1.PickerConfig{}, nil, fmt.Errorf("picker config: %s", strings.TrimPrefix(err.Error(), "error unmarshaling JSON: while decoding JSON: "))
 	}
 	switch {
 	case head.Kind == KindEndpointPickerConfig:
 		if head.APIVersion != UpstreamGroupVersion {
-			return PickerConfig{}, nil, fmt.Errorf("picker config: apiVersion: %q is invalid: kind %s must be %q", head.APIVersion, KindEndpointPickerConfig, UpstreamGroupVersion)
+			return v1alpha1.PickerConfig{}, nil, fmt.Errorf("picker config: apiVersion: %q is invalid: kind %s must be %q", head.APIVersion, KindEndpointPickerConfig, UpstreamGroupVersion)
 		}
 		return FromEndpointPickerConfig(data)
-	case head.Kind == "" || head.Kind == KindPickerConfig:
-		c, err := Load(data)
+	case head.Kind == "" || head.Kind == v1alpha1.KindPickerConfig:
+		c, err := v1alpha1.Load(data)
 		return c, nil, err
 	}
-	return PickerConfig{}, nil, fmt.Errorf("picker config: kind: %q is invalid: must be %q (apiVersion %s) or %q (apiVersion %s)",
-		head.Kind, KindPickerConfig, GroupVersion, KindEndpointPickerConfig, UpstreamGroupVersion)
+	return v1alpha1.PickerConfig{}, nil, fmt.Errorf("picker config: kind: %q is invalid: must be %q (apiVersion %s) or %q (apiVersion %s)",
+		head.Kind, v1alpha1.KindPickerConfig, v1alpha1.GroupVersion, KindEndpointPickerConfig, UpstreamGroupVersion)
 }
 
 // endpointPickerConfig is the part of the upstream file the mapping reads;
@@ -145,16 +147,16 @@ var prefixTypes = map[string]bool{"prefix-cache-scorer": true, "approx-prefix-ca
 // limit, a picker's maxNumOfEndpoints), everything else is noted as ignored.
 // The result is defaulted and valid; an error names the upstream field at
 // fault.
-func FromEndpointPickerConfig(data []byte) (PickerConfig, []Note, error) {
+func FromEndpointPickerConfig(data []byte) (v1alpha1.PickerConfig, []Note, error) {
 	var top map[string]json.RawMessage
 	if err := yaml.Unmarshal(data, &top); err != nil {
-		return PickerConfig{}, nil, fmt.Errorf("EndpointPickerConfig: %w", err)
+		return v1alpha1.PickerConfig{}, nil, fmt.Errorf("EndpointPickerConfig: %w", err)
 	}
 	var epc endpointPickerConfig
 	if err := yaml.Unmarshal(data, &epc); err != nil {
-		return PickerConfig{}, nil, fmt.Errorf("EndpointPickerConfig: %s", strings.TrimPrefix(err.Error(), "error unmarshaling JSON: while decoding JSON: "))
+		return v1alpha1.PickerConfig{}, nil, fmt.Errorf("EndpointPickerConfig: %s", strings.TrimPrefix(err.Error(), "error unmarshaling JSON: while decoding JSON: "))
 	}
-	m := mapper{cfg: PickerConfig{APIVersion: GroupVersion, Kind: KindPickerConfig}}
+	m := mapper{cfg: v1alpha1.PickerConfig{APIVersion: v1alpha1.GroupVersion, Kind: v1alpha1.KindPickerConfig}}
 
 	var keys []string
 	for k := range top {
@@ -168,7 +170,7 @@ func FromEndpointPickerConfig(data []byte) (PickerConfig, []Note, error) {
 			m.ignore(k, "Tally has one scheduling profile; scorer weights have no equivalent in its single cost")
 		case "featureGates":
 			if err := m.featureGates(top[k]); err != nil {
-				return PickerConfig{}, nil, err
+				return v1alpha1.PickerConfig{}, nil, err
 			}
 		case "dataLayer":
 			m.ignore(k, "Tally's scrapes of the model servers are set by flags (--refresh-metrics-interval, --model-server-metrics-*)")
@@ -182,7 +184,7 @@ func FromEndpointPickerConfig(data []byte) (PickerConfig, []Note, error) {
 
 	if raw, ok := top["flowControl"]; ok {
 		if err := m.flowControl(raw, epc.Plugins, m.cfg.FlowControl.Enabled); err != nil {
-			return PickerConfig{}, nil, err
+			return v1alpha1.PickerConfig{}, nil, err
 		}
 	}
 
@@ -195,7 +197,7 @@ func FromEndpointPickerConfig(data []byte) (PickerConfig, []Note, error) {
 		path := fmt.Sprintf("plugins[%d](%s)", i, p.ref())
 		switch {
 		case p.Type == "":
-			return PickerConfig{}, nil, fmt.Errorf("EndpointPickerConfig: %s.type is required", path)
+			return v1alpha1.PickerConfig{}, nil, fmt.Errorf("EndpointPickerConfig: %s.type is required", path)
 		case prefixTypes[p.Type] || pickerTypes[p.Type] || p.Type == "concurrency-detector":
 			group := p.Type
 			if prefixTypes[p.Type] {
@@ -214,7 +216,7 @@ func FromEndpointPickerConfig(data []byte) (PickerConfig, []Note, error) {
 			}
 			seen[group] = true
 			if err := m.plugin(path, p); err != nil {
-				return PickerConfig{}, nil, err
+				return v1alpha1.PickerConfig{}, nil, err
 			}
 		default:
 			reason, ok := ignoredPluginTypes[p.Type]
@@ -224,10 +226,10 @@ func FromEndpointPickerConfig(data []byte) (PickerConfig, []Note, error) {
 			m.ignore(path, reason)
 		}
 	}
-	m.cfg.setDefaults()
+	m.cfg = v1alpha1.WithDefaults(m.cfg)
 	m.finish()
 	if err := m.cfg.Validate(); err != nil {
-		return PickerConfig{}, nil, fmt.Errorf("EndpointPickerConfig mapped to an invalid PickerConfig: %w", err)
+		return v1alpha1.PickerConfig{}, nil, fmt.Errorf("EndpointPickerConfig mapped to an invalid PickerConfig: %w", err)
 	}
 	return m.cfg, m.notes, nil
 }
@@ -235,7 +237,7 @@ func FromEndpointPickerConfig(data []byte) (PickerConfig, []Note, error) {
 // mapper accumulates the PickerConfig and the notes. Prefix sizes are
 // converted once the block size is known (finish).
 type mapper struct {
-	cfg   PickerConfig
+	cfg   v1alpha1.PickerConfig
 	notes []Note
 
 	// The prefix plugin's settings, in upstream units, applied by finish.
@@ -346,14 +348,14 @@ func (m *mapper) prefix(ps *params) error {
 	switch {
 	case okTokens && tokens > 0:
 		m.upstreamBlockTokens = tokens
-		m.cfg.BlockSizeChars = tokens * DefaultCharsPerToken
-		m.mapped(ps.path+".parameters.blockSizeTokens", "blockSizeChars", fmt.Sprintf("%d tokens x %d characters per token", tokens, DefaultCharsPerToken))
+		m.cfg.BlockSizeChars = tokens * v1alpha1.DefaultCharsPerToken
+		m.mapped(ps.path+".parameters.blockSizeTokens", "blockSizeChars", fmt.Sprintf("%d tokens x %d characters per token", tokens, v1alpha1.DefaultCharsPerToken))
 		if okChars {
 			m.ignore(ps.path+".parameters.blockSize", "blockSizeTokens is given and wins")
 		}
 	case okChars && chars > 0:
 		m.cfg.BlockSizeChars = chars
-		m.upstreamBlockTokens = (chars + DefaultCharsPerToken - 1) / DefaultCharsPerToken
+		m.upstreamBlockTokens = (chars + v1alpha1.DefaultCharsPerToken - 1) / v1alpha1.DefaultCharsPerToken
 		m.mapped(ps.path+".parameters.blockSize", "blockSizeChars", "the legacy block size, in characters")
 	case okTokens || okChars:
 		return fmt.Errorf("EndpointPickerConfig: %s.parameters.blockSizeTokens: must be more than 0", ps.path)

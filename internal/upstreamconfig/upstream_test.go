@@ -1,9 +1,11 @@
-package v1alpha1
+package upstreamconfig
 
 import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
 )
 
 // The configuration the upstream inferencepool chart (v1.5.0) mounts by default.
@@ -44,7 +46,7 @@ func TestTheUpstreamChartsDefaultConfigIsTallysDefault(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !reflect.DeepEqual(c, Default()) {
+	if !reflect.DeepEqual(c, v1alpha1.Default()) {
 		t.Errorf("got %+v, want the defaults", c)
 	}
 	byField := notesByField(notes)
@@ -93,7 +95,7 @@ schedulingProfiles:
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := Default()
+	want := v1alpha1.Default()
 	want.BlockSizeChars = 256      // 64 tokens x 4
 	want.LRUCapacityBlocks = 31250 // same block size: same count
 	want.MaxPromptBlocks = 256
@@ -134,7 +136,7 @@ plugins:
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.BlockSizeChars != DefaultBlockSizeChars || c.LRUCapacityBlocks != 3907 || c.MaxPromptBlocks != 250 {
+	if c.BlockSizeChars != v1alpha1.DefaultBlockSizeChars || c.LRUCapacityBlocks != 3907 || c.MaxPromptBlocks != 250 {
 		t.Errorf("got block %d, capacity %d, prompt blocks %d; want 512, 3907 (500,000 tokens), 250 (32,000 tokens)",
 			c.BlockSizeChars, c.LRUCapacityBlocks, c.MaxPromptBlocks)
 	}
@@ -153,7 +155,7 @@ plugins:
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Saturation != (Saturation{}) {
+	if c.Saturation != (v1alpha1.Saturation{}) {
 		t.Errorf("saturation = %+v, want off: the utilization detector is the default in use", c.Saturation)
 	}
 	if n := notesByField(notes)["plugins[1](utilization-detector)"]; !strings.Contains(n.Reason, "saturation") {
@@ -189,7 +191,7 @@ func TestLoadAnyReadsTallysOwnKind(t *testing.T) {
 	if _, _, err := LoadAny([]byte("apiVersion: tally.tallyepp.io/v1alpha1\nkind: PickerConfig\nplugins: []\n")); err == nil || !strings.Contains(err.Error(), `unknown field "plugins"`) {
 		t.Errorf("a PickerConfig stays strict: error %v", err)
 	}
-	if c, _, err := LoadAny(nil); err != nil || !reflect.DeepEqual(c, Default()) {
+	if c, _, err := LoadAny(nil); err != nil || !reflect.DeepEqual(c, v1alpha1.Default()) {
 		t.Errorf("empty document: %+v, %v", c, err)
 	}
 }
@@ -225,13 +227,13 @@ flowControl:
 		t.Fatal(err)
 	}
 	got := c.FlowControl
-	want := Default().FlowControl
+	want := v1alpha1.Default().FlowControl
 	want.Enabled = true
 	want.MaxBytes, want.MaxRequests = 2<<30, 1000
 	want.RequestTTLSeconds = 31
-	want.DefaultBand = Band{MaxRequests: 100, MaxBytes: DefaultBandMaxBytes}
-	want.Bands = []Band{{Priority: 10, MaxBytes: 500_000_000}, {Priority: -1, MaxRequests: 7}}
-	want.Fairness, want.Ordering = FairnessGlobalStrict, OrderingFCFS
+	want.DefaultBand = v1alpha1.Band{MaxRequests: 100, MaxBytes: v1alpha1.DefaultBandMaxBytes}
+	want.Bands = []v1alpha1.Band{{Priority: 10, MaxBytes: 500_000_000}, {Priority: -1, MaxRequests: 7}}
+	want.Fairness, want.Ordering = v1alpha1.FairnessGlobalStrict, v1alpha1.OrderingFCFS
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("got %+v\nwant %+v", got, want)
 	}
