@@ -19,14 +19,15 @@ import (
 )
 
 const (
-	defaultMaxRequestLifetime = 30 * time.Minute
+	// DefaultMaxRequestLifetime is Options.MaxRequestLifetime when unset.
+	DefaultMaxRequestLifetime = 30 * time.Minute
 	// The sweeper runs often enough that a lost release is reclaimed within
 	// a tenth of the lifetime past it, and at least every maxSweepInterval.
 	maxSweepInterval = 10 * time.Second
 	minSweepInterval = 10 * time.Millisecond
-	// maxFallbackEndpoints bounds the destination list (the config accepts
-	// 1..16); a Reservation keeps it inline.
-	maxFallbackEndpoints = 16
+	// maxFallbackEndpoints bounds the destination list; a Reservation
+	// keeps it inline.
+	maxFallbackEndpoints = v1alpha1.MaxFallbackEndpoints
 )
 
 var (
@@ -250,7 +251,7 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 		opts.Rand = rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))
 	}
 	if opts.MaxRequestLifetime <= 0 {
-		opts.MaxRequestLifetime = defaultMaxRequestLifetime
+		opts.MaxRequestLifetime = DefaultMaxRequestLifetime
 	}
 	if opts.ScrapeFailureThreshold <= 0 {
 		opts.ScrapeFailureThreshold = DefaultScrapeFailureThreshold

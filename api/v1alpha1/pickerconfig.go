@@ -28,11 +28,13 @@ const (
 	DefaultBlockSizeChars = 512
 	// DefaultLRUCapacityBlocks is about 1.6 million tokens per endpoint,
 	// until the endpoint's engine says how large its KV cache is.
-	DefaultLRUCapacityBlocks        = 12_500
-	DefaultCharsPerToken            = 4
-	DefaultDecodeWeightTokens       = 128
-	DefaultFallbackEndpoints        = 3
-	DefaultMaxRequestBytes    int64 = 32 << 20
+	DefaultLRUCapacityBlocks  = 12_500
+	DefaultCharsPerToken      = 4
+	DefaultDecodeWeightTokens = 128
+	DefaultFallbackEndpoints  = 3
+	// MaxFallbackEndpoints is the longest destination list a pick returns.
+	MaxFallbackEndpoints         = 16
+	DefaultMaxRequestBytes int64 = 32 << 20
 	// DefaultEndpointRetentionSeconds is how long an endpoint that left the
 	// set keeps its ledger row and prefix memory (a readiness flap).
 	DefaultEndpointRetentionSeconds = 300
@@ -300,8 +302,8 @@ func (c *PickerConfig) Validate() error {
 	if c.DecodeWeightTokens < 0 || c.DecodeWeightTokens > 1_000_000 {
 		bad("decodeWeightTokens", c.DecodeWeightTokens, "must be from 0 to 1000000")
 	}
-	if c.FallbackEndpoints < 1 || c.FallbackEndpoints > 16 {
-		bad("fallbackEndpoints", c.FallbackEndpoints, "must be from 1 to 16")
+	if c.FallbackEndpoints < 1 || c.FallbackEndpoints > MaxFallbackEndpoints {
+		bad("fallbackEndpoints", c.FallbackEndpoints, fmt.Sprintf("must be from 1 to %d", MaxFallbackEndpoints))
 	}
 	if c.MaxRequestBytes < 1024 || c.MaxRequestBytes > 1<<30 {
 		bad("maxRequestBytes", c.MaxRequestBytes, "must be from 1024 to 1073741824")

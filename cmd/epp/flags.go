@@ -12,6 +12,7 @@ import (
 
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
+	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
 	"github.com/tallyepp/tally/picker/scrape"
@@ -120,14 +121,14 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	fs.StringVar(&o.configText, "config-text", "", "a PickerConfig given inline (instead of --config-file)")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, else in-cluster)")
 	fs.IntVar(&o.verbosity, "v", 0, "log verbosity (0 is info, higher is more)")
-	fs.Int64Var(&o.maxRequestBytes, "max-request-bytes", 0, "largest request body accepted, in bytes; larger bodies get 413 (default: the config's maxRequestBytes, 32 MiB)")
+	fs.Int64Var(&o.maxRequestBytes, "max-request-bytes", 0, "largest request body accepted, in bytes; larger bodies get 413 (default: the config's maxRequestBytes, "+fmt.Sprint(v1alpha1.DefaultMaxRequestBytes>>20)+" MiB)")
 	fs.Int64Var(&o.maxBufferedRequestBytes, "max-buffered-request-bytes", 0, "request body bytes buffered over all streams at once; a request that would pass it gets 503 "+
 		"(default: the config's maxBufferedRequestBytes, else half of GOMEMLIMIT, else 1 GiB; never less than the largest request body)")
-	fs.DurationVar(&o.maxRequestLifetime, "max-request-lifetime", 30*time.Minute, "a reservation older than this is released by the sweeper (a backstop for lost streams)")
+	fs.DurationVar(&o.maxRequestLifetime, "max-request-lifetime", picker.DefaultMaxRequestLifetime, "a reservation older than this is released by the sweeper (a backstop for lost streams)")
 	fs.DurationVar(&o.scrapeInterval, "refresh-metrics-interval", scrape.DefaultInterval, "how often each endpoint's model-server metrics are scraped (0 turns scraping off)")
 	fs.DurationVar(&o.scrapeTimeout, "model-server-metrics-timeout", scrape.DefaultTimeout, "timeout of one model-server metrics scrape")
 	fs.IntVar(&o.scrapeFailureThreshold, "model-server-metrics-failure-threshold", picker.DefaultScrapeFailureThreshold, "failed scrapes in a row after which an endpoint is not picked until one succeeds")
-	fs.StringVar(&o.scrapeScheme, "model-server-metrics-scheme", "http", "scheme of the model servers' metrics: http or https")
+	fs.StringVar(&o.scrapeScheme, "model-server-metrics-scheme", scrape.DefaultScheme, "scheme of the model servers' metrics: http or https")
 	fs.StringVar(&o.scrapePath, "model-server-metrics-path", scrape.DefaultPath, "path of the model servers' metrics")
 	metricFlags := []struct {
 		name, def string

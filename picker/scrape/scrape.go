@@ -31,6 +31,7 @@ const (
 	DefaultTimeout     = time.Second
 	DefaultConcurrency = 16
 	DefaultPath        = "/metrics"
+	DefaultScheme      = "http"
 	// maxBodyBytes bounds a scrape's body: an engine's exposition is tens of
 	// kilobytes.
 	maxBodyBytes = 8 << 20
@@ -100,7 +101,7 @@ func New(p Picker, opts Options) *Scraper {
 		opts.Path = DefaultPath
 	}
 	if opts.Scheme == "" {
-		opts.Scheme = "http"
+		opts.Scheme = DefaultScheme
 	}
 	if opts.Client == nil {
 		opts.Client = &http.Client{Transport: NewTransport(nil)}
