@@ -27,7 +27,12 @@ import "math"
 //     histogram and prompt token counters), uncached prompt tokens over
 //     prefill seconds is a floor on its rate: requests prefilled together
 //     each count the shared time, so it can only understate the rate, and
-//     no proxy can make it late.
+//     no proxy can make it late. The floor, too, is the pool's (a mean over
+//     every engine's windows), from which an engine's own timing moves it
+//     as its factor moves its rate: shrunk and bounded by its evidence.
+//     Floored each by its own timing, identical engines were 1.45x apart
+//     after a few noisy windows, and 4x while only one had been timed; a
+//     burst then drained faster on the one floored highest and herded.
 
 // Bounds and weights of the learning.
 const (
@@ -142,6 +147,11 @@ type poolRate struct {
 	// applied is the rate every row's drain model last took: rows are
 	// all given a new one only when the pool's moves past rateReapply.
 	applied float64
+	// The engines' timing: the mean of every window's log rate, decayed
+	// by poolRateDecay at each (floorLog over floorWeight), its floor
+	// (0 before any window), and the floor the rows last took.
+	floorLog, floorWeight float64
+	floor, floorApplied   float64
 }
 
 func newPoolRate(rate float64) poolRate {
@@ -155,25 +165,41 @@ type endpointRate struct {
 	// Its samples' tokens and seconds (less the pool's overhead), and how
 	// many, each decayed by poolRateDecay at each new one.
 	tokens, seconds, samples float64
-	// The engine's own timing: the floor it sets, and the counters at the
-	// start of the current window (engineBase false: no window yet).
-	engineFloor                         float64
+	// The engine's own timing: the floor it sets, its windows (decayed as
+	// the samples), and the counters at the start of the current window
+	// (engineBase false: no window yet).
+	engineFloor, floorWindows           float64
 	engineBase                          bool
 	baseSeconds, basePrompt, baseCached float64
 }
 
 // rateOf is w's prefill rate: the pool's times its bounded factor, and at
-// least what its engine's timing says.
+// least the pool's engine floor times the bounded factor of its own timing.
 func (p *Picker) rateOf(w *row) float64 {
 	e := &w.rates
 	var logRatio float64
 	if e.samples > 0 && e.seconds > 0 {
 		logRatio = math.Log(e.tokens / e.seconds / p.pool.rate)
 	}
-	shrunk := logRatio * e.samples / (e.samples + ratioShrinkSamples)
-	bound := math.Log(minDriftFactor + (maxDriftFactor-minDriftFactor)*min(e.samples/driftEvidenceSamples, 1))
-	rate := p.pool.rate * math.Exp(min(max(shrunk, -bound), bound))
-	return min(max(rate, e.engineFloor, minPrefillRate), maxPrefillRate)
+	rate := p.pool.rate * math.Exp(drift(logRatio, e.samples))
+	var floor float64
+	if p.pool.floor > 0 {
+		var own float64
+		if e.engineFloor > 0 {
+			own = math.Log(e.engineFloor / p.pool.floor)
+		}
+		floor = p.pool.floor * math.Exp(drift(own, e.floorWindows))
+	}
+	return min(max(rate, floor, minPrefillRate), maxPrefillRate)
+}
+
+// drift is how far, in log space, an endpoint with n (decayed) samples
+// that differ from the pool's by logRatio is taken to differ: shrunk toward
+// 0 while its samples are few, and bounded by a factor that grows with them.
+func drift(logRatio, n float64) float64 {
+	shrunk := logRatio * n / (n + ratioShrinkSamples)
+	bound := math.Log(minDriftFactor + (maxDriftFactor-minDriftFactor)*min(n/driftEvidenceSamples, 1))
+	return min(max(shrunk, -bound), bound)
 }
 
 // setRatesLocked moves every row's drain model to now at its old rate, then
@@ -249,8 +275,18 @@ func (p *Picker) observePrefillTimingLocked(w *row, s EngineStats, now int64) {
 		} else {
 			e.engineFloor *= math.Exp((math.Log(sample) - math.Log(e.engineFloor)) * engineRateWeight)
 		}
-		w.advance(now)
-		w.rate = p.rateOf(w)
+		e.floorWindows = e.floorWindows*poolRateDecay + 1
+		pool := &p.pool
+		pool.floorLog = pool.floorLog*poolRateDecay + math.Log(sample)
+		pool.floorWeight = pool.floorWeight*poolRateDecay + 1
+		pool.floor = math.Exp(pool.floorLog / pool.floorWeight)
+		if pool.floorApplied == 0 || math.Abs(pool.floor/pool.floorApplied-1) > rateReapply {
+			pool.floorApplied = pool.floor
+			p.setRatesLocked(now)
+		} else {
+			w.advance(now)
+			w.rate = p.rateOf(w)
+		}
 	}
 	// A new window (also after an engine restart reset its counters).
 	e.engineBase = true

@@ -138,3 +138,84 @@ func TestEnginePrefillTimingFloorsTheRate(t *testing.T) {
 		t.Errorf("rate %.0f after an engine restart, want still 40000", rate)
 	}
 }
+
+// engineTimer reports windows of the engines' prefill timing: each window
+// 1 s of prefill computing rate uncached tokens.
+type engineTimer struct {
+	p     *Picker
+	clock *fakeClock
+	sec   []float64
+	tok   []float64
+}
+
+func newEngineTimer(p *Picker, clock *fakeClock, n int) *engineTimer {
+	return &engineTimer{p: p, clock: clock, sec: make([]float64, n), tok: make([]float64, n)}
+}
+
+func (e *engineTimer) window(ep int, rate float64) {
+	e.sec[ep]++
+	e.tok[ep] += rate
+	e.p.ObserveEngine(addr(ep), EngineStats{PrefillSecondsTotal: e.sec[ep], PromptTokensTotal: e.tok[ep], HasPrefillTiming: true})
+}
+
+// The engine's timing is a pool's evidence, as first bytes are: identical
+// engines whose timing is read at different moments, or not at all (an
+// engine without the histogram, one whose window is still short), get one
+// floor, not one engine's alone. Floored apart, a burst drained faster on
+// the engine timed first and herded there.
+func TestOneEnginesTimingFloorsIdenticalEngines(t *testing.T) {
+	clock := newFakeClock()
+	cfg := testConfig()
+	cfg.PrefillTokensPerSecond = 10_000
+	p := newPicker(t, 3, cfg, Options{Now: clock.Now})
+	e := newEngineTimer(p, clock, 3)
+	for range 4 {
+		clock.Advance(time.Second)
+		e.window(0, 40_000)
+	}
+	rs := rates(p)
+	if sp := spread(rs); sp > 1.1 {
+		t.Errorf("rates %.0f with only the first engine's timing read: spread %.2fx, want within 10%%", rs, sp)
+	}
+	if rs[1] < 30_000 {
+		t.Errorf("rates %.0f: the untimed engines keep the 10000 prior, want the pool's floor near 40000", rs)
+	}
+}
+
+// Noisy timings of identical engines, a few windows each, give rates that
+// agree: an engine's own floor moves it from the pool's only with evidence.
+func TestNoisyEngineTimingsOfIdenticalEnginesAgree(t *testing.T) {
+	clock := newFakeClock()
+	cfg := testConfig()
+	cfg.PrefillTokensPerSecond = 10_000
+	p := newPicker(t, 3, cfg, Options{Now: clock.Now})
+	e := newEngineTimer(p, clock, 3)
+	for range 3 {
+		clock.Advance(time.Second)
+		for ep, r := range []float64{29_000, 36_000, 42_000} {
+			e.window(ep, r)
+		}
+	}
+	if rs := rates(p); spread(rs) > 1.15 {
+		t.Errorf("rates %.0f from timings 29000/36000/42000: spread %.2fx, want within 15%%", rs, spread(rs))
+	}
+}
+
+// An engine that really is faster is floored higher once its timing has
+// said so for long enough.
+func TestAFasterEnginesTimingIsLearnedWithEvidence(t *testing.T) {
+	clock := newFakeClock()
+	cfg := testConfig()
+	cfg.PrefillTokensPerSecond = 10_000
+	p := newPicker(t, 2, cfg, Options{Now: clock.Now})
+	e := newEngineTimer(p, clock, 2)
+	for range 40 {
+		clock.Advance(time.Second)
+		e.window(0, 40_000)
+		e.window(1, 20_000)
+	}
+	rs := rates(p)
+	if ratio := rs[0] / rs[1]; ratio < 1.6 {
+		t.Errorf("rates %.0f: the engine timed twice as fast is floored only %.2fx higher, want at least 1.6x", rs, ratio)
+	}
+}
