@@ -5,13 +5,9 @@ import (
 	"fmt"
 
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/util/workqueue"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/controller"
-	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
-	"sigs.k8s.io/controller-runtime/pkg/source"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
 	"github.com/tallyepp/tally/api/v1alpha2"
@@ -89,21 +85,5 @@ func refersToPool(ref v1alpha2.PoolObjectReference, pool string) bool {
 // collapses into one recompute, and one reconcile is queued at start so the
 // sink learns the set even when the namespace holds no objective.
 func (r *InferenceObjectiveReconciler) SetupWithManager(mgr ctrl.Manager) error {
-	toPool := handler.EnqueueRequestsFromMapFunc(func(context.Context, client.Object) []reconcile.Request {
-		return []reconcile.Request{{NamespacedName: r.Pool}}
-	})
-	initial := source.Func(func(_ context.Context, q workqueue.TypedRateLimitingInterface[reconcile.Request]) error {
-		q.Add(reconcile.Request{NamespacedName: r.Pool})
-		return nil
-	})
-	err := ctrl.NewControllerManagedBy(mgr).
-		Named("inferenceobjective").
-		Watches(&v1alpha2.InferenceObjective{}, toPool).
-		WatchesRawSource(initial).
-		WithOptions(controller.Options{NeedLeaderElection: readOnlyController()}).
-		Complete(r)
-	if err != nil {
-		return fmt.Errorf("building the InferenceObjective controller: %w", err)
-	}
-	return nil
+	return setupPoolWide(mgr, r.Pool, &v1alpha2.InferenceObjective{}, v1alpha2.KindInferenceObjective, r)
 }

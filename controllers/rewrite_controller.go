@@ -7,14 +7,10 @@ import (
 	"slices"
 
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/util/workqueue"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/controller"
-	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
-	"sigs.k8s.io/controller-runtime/pkg/source"
 
 	"github.com/tallyepp/tally/api/v1alpha2"
 	"github.com/tallyepp/tally/picker"
@@ -126,21 +122,5 @@ func RewritesOf(pool string, rewrites []v1alpha2.InferenceModelRewrite) (rules [
 // reconcile is queued at start so the sink learns the set even when the
 // namespace holds no rewrite.
 func (r *InferenceModelRewriteReconciler) SetupWithManager(mgr ctrl.Manager) error {
-	toPool := handler.EnqueueRequestsFromMapFunc(func(context.Context, client.Object) []reconcile.Request {
-		return []reconcile.Request{{NamespacedName: r.Pool}}
-	})
-	initial := source.Func(func(_ context.Context, q workqueue.TypedRateLimitingInterface[reconcile.Request]) error {
-		q.Add(reconcile.Request{NamespacedName: r.Pool})
-		return nil
-	})
-	err := ctrl.NewControllerManagedBy(mgr).
-		Named("inferencemodelrewrite").
-		Watches(&v1alpha2.InferenceModelRewrite{}, toPool).
-		WatchesRawSource(initial).
-		WithOptions(controller.Options{NeedLeaderElection: readOnlyController()}).
-		Complete(r)
-	if err != nil {
-		return fmt.Errorf("building the InferenceModelRewrite controller: %w", err)
-	}
-	return nil
+	return setupPoolWide(mgr, r.Pool, &v1alpha2.InferenceModelRewrite{}, v1alpha2.KindInferenceModelRewrite, r)
 }

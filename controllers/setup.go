@@ -1,8 +1,10 @@
 package controllers
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -11,8 +13,14 @@ import (
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/util/workqueue"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+	"sigs.k8s.io/controller-runtime/pkg/source"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
 	"github.com/tallyepp/tally/api/v1alpha2"
@@ -57,8 +65,8 @@ func CacheOptions(namespace string) cache.Options {
 // equal to the endpoints of the pool named pool, which must be in the
 // namespace that the manager's cache covers (CacheOptions).
 func Setup(mgr ctrl.Manager, pool types.NamespacedName, set picker.EndpointSet) error {
-	if pool.Name == "" || pool.Namespace == "" {
-		return fmt.Errorf("InferencePool %q: both a name and a namespace are required", pool)
+	if err := checkPool(pool); err != nil {
+		return err
 	}
 	if set == nil {
 		return errors.New("endpoint set is nil: the reconcilers need a picker.EndpointSet to feed")
@@ -83,18 +91,11 @@ func Setup(mgr ctrl.Manager, pool types.NamespacedName, set picker.EndpointSet) 
 // is looked up once: a CRD installed later takes effect on the next start.
 // Any other failure to look it up is returned.
 func SetupObjectives(mgr ctrl.Manager, pool types.NamespacedName, sink ObjectiveSink) error {
-	if pool.Name == "" || pool.Namespace == "" {
-		return fmt.Errorf("InferencePool %q: both a name and a namespace are required", pool)
-	}
 	if sink == nil {
 		return errors.New("objective sink is nil: the reconciler needs an ObjectiveSink to feed")
 	}
-	served, err := v1alpha2Served(mgr, v1alpha2.KindInferenceObjective, "InferenceObjectives are off: every request has priority 0")
-	if err != nil || !served {
-		return err
-	}
-	r := &InferenceObjectiveReconciler{Client: mgr.GetClient(), Pool: pool, Sink: sink}
-	return r.SetupWithManager(mgr)
+	return setupIfServed(mgr, pool, v1alpha2.KindInferenceObjective, "InferenceObjectives are off: every request has priority 0",
+		&InferenceObjectiveReconciler{Client: mgr.GetClient(), Pool: pool, Sink: sink})
 }
 
 // SetupRewrites registers the InferenceModelRewrite reconciler on mgr. It
@@ -105,18 +106,55 @@ func SetupObjectives(mgr ctrl.Manager, pool types.NamespacedName, sink Objective
 // are off, as objectives are in SetupObjectives: one info line, nil, and
 // every request keeps its model.
 func SetupRewrites(mgr ctrl.Manager, pool types.NamespacedName, sink RewriteSink) error {
-	if pool.Name == "" || pool.Namespace == "" {
-		return fmt.Errorf("InferencePool %q: both a name and a namespace are required", pool)
-	}
 	if sink == nil {
 		return errors.New("rewrite sink is nil: the reconciler needs a RewriteSink to feed")
 	}
-	served, err := v1alpha2Served(mgr, v1alpha2.KindInferenceModelRewrite, "InferenceModelRewrites are off: no request's model is rewritten")
+	return setupIfServed(mgr, pool, v1alpha2.KindInferenceModelRewrite, "InferenceModelRewrites are off: no request's model is rewritten",
+		&InferenceModelRewriteReconciler{Client: mgr.GetClient(), Pool: pool, Sink: sink})
+}
+
+// checkPool says what is missing from the pool's name.
+func checkPool(pool types.NamespacedName) error {
+	if pool.Name == "" || pool.Namespace == "" {
+		return fmt.Errorf("InferencePool %q: both a name and a namespace are required", pool)
+	}
+	return nil
+}
+
+// setupIfServed registers r on mgr for the pool's resources of kind, if
+// the API server serves kind (v1alpha2Served says what happens if not).
+func setupIfServed(mgr ctrl.Manager, pool types.NamespacedName, kind, off string, r interface{ SetupWithManager(ctrl.Manager) error }) error {
+	if err := checkPool(pool); err != nil {
+		return err
+	}
+	served, err := v1alpha2Served(mgr, kind, off)
 	if err != nil || !served {
 		return err
 	}
-	r := &InferenceModelRewriteReconciler{Client: mgr.GetClient(), Pool: pool, Sink: sink}
 	return r.SetupWithManager(mgr)
+}
+
+// setupPoolWide builds a read-only controller for r that reconciles the
+// pool as a whole, once at start and on any change to an object of obj's
+// kind: the reconciler reads every such object and feeds the lot.
+func setupPoolWide(mgr ctrl.Manager, pool types.NamespacedName, obj client.Object, kind string, r reconcile.Reconciler) error {
+	toPool := handler.EnqueueRequestsFromMapFunc(func(context.Context, client.Object) []reconcile.Request {
+		return []reconcile.Request{{NamespacedName: pool}}
+	})
+	initial := source.Func(func(_ context.Context, q workqueue.TypedRateLimitingInterface[reconcile.Request]) error {
+		q.Add(reconcile.Request{NamespacedName: pool})
+		return nil
+	})
+	err := ctrl.NewControllerManagedBy(mgr).
+		Named(strings.ToLower(kind)).
+		Watches(obj, toPool).
+		WatchesRawSource(initial).
+		WithOptions(controller.Options{NeedLeaderElection: readOnlyController()}).
+		Complete(r)
+	if err != nil {
+		return fmt.Errorf("building the %s controller: %w", kind, err)
+	}
+	return nil
 }
 
 // v1alpha2Served looks up once whether the API server serves kind in
