@@ -149,16 +149,12 @@ func (p *Picker) Admit(ctx context.Context, req Request) (*Reservation, error) {
 // Enqueue is Admit without the wait: it returns a reservation (placed at
 // once), a ticket (waiting), or an error (refused).
 func (p *Picker) Enqueue(req Request) (*Reservation, *Ticket, error) {
-	start := time.Now()
-	r := p.prepare(req)
 	if !p.flowOn {
-		p.mu.Lock()
-		err := p.placeLocked(r, req)
-		untidy := p.index.Untidy()
-		p.mu.Unlock()
-		r, err = p.placed(r, err, untidy, start)
+		r, err := p.Pick(req)
 		return r, nil, err
 	}
+	start := time.Now()
+	r := p.prepare(req)
 	now := r.pickedNs
 	q := &p.queue
 	p.mu.Lock()
