@@ -313,7 +313,8 @@ func (p *Picker) Replace(eps []Endpoint) {
 		w, ok := p.byKey[k]
 		switch {
 		case !ok:
-			w = &row{key: k, id: p.index.Add(), rate: p.pool.rate, at: now}
+			w = &row{key: k, id: p.index.Add(), at: now}
+			w.rate = p.rateOf(w)
 			p.byKey[k] = w
 			added++
 		case !w.current:

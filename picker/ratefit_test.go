@@ -180,6 +180,11 @@ func TestOneEnginesTimingFloorsIdenticalEngines(t *testing.T) {
 	if rs[1] < 30_000 {
 		t.Errorf("rates %.0f: the untimed engines keep the 10000 prior, want the pool's floor near 40000", rs)
 	}
+	// An endpoint that joins later starts from the pool's floor too.
+	p.Replace(endpoints(4))
+	if rs := rates(p); spread(rs) > 1.1 {
+		t.Errorf("rates %.0f after a fourth endpoint joined: spread %.2fx, want within 10%%", rs, spread(rs))
+	}
 }
 
 // Noisy timings of identical engines, a few windows each, give rates that
