@@ -22,8 +22,8 @@ import (
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
 	"github.com/tallyepp/tally/controllers"
+	"github.com/tallyepp/tally/internal/testenv"
 	"github.com/tallyepp/tally/picker"
-	"github.com/tallyepp/tally/test/testenv"
 )
 
 // Suite-wide: one API server for all specs; each spec works in its own

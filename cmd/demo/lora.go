@@ -11,8 +11,8 @@ import (
 	"text/tabwriter"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
-	"github.com/tallyepp/tally/test/modelsim/engine"
-	"github.com/tallyepp/tally/test/stack"
+	"github.com/tallyepp/tally/internal/modelsim/engine"
+	"github.com/tallyepp/tally/internal/stack"
 )
 
 // The LoRA section (--adapters): every simulator serves --adapters LoRA

@@ -52,8 +52,8 @@ import (
 	logf "sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
-	"github.com/tallyepp/tally/test/stack"
-	"github.com/tallyepp/tally/test/testenv"
+	"github.com/tallyepp/tally/internal/stack"
+	"github.com/tallyepp/tally/internal/testenv"
 )
 
 const (

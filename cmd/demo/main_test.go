@@ -7,7 +7,7 @@ import (
 	"testing"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
-	"github.com/tallyepp/tally/test/stack"
+	"github.com/tallyepp/tally/internal/stack"
 )
 
 func TestBadFlagsExitTwoNamingTheFlag(t *testing.T) {

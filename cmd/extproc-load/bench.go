@@ -13,8 +13,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/tallyepp/tally/test/bench/chart"
-	"github.com/tallyepp/tally/test/bench/docsection"
+	"github.com/tallyepp/tally/internal/chart"
+	"github.com/tallyepp/tally/internal/docsection"
 )
 
 // plan is what `bench` runs.

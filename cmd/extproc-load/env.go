@@ -9,7 +9,7 @@ import (
 	"os"
 	"time"
 
-	"github.com/tallyepp/tally/test/stack"
+	"github.com/tallyepp/tally/internal/stack"
 )
 
 // firstPodIP is the first pod's address. The demo counts up from

@@ -32,7 +32,7 @@
 //	        fewer scenarios, shorter windows).
 //
 // By default the tool starts everything itself: a real kube-apiserver and
-// etcd (test/stack; $KUBEBUILDER_ASSETS or hack/envtest-assets.sh), an
+// etcd (internal/stack; $KUBEBUILDER_ASSETS or hack/envtest-assets.sh), an
 // InferencePool, --pods Ready pods on loopback IPs (each address serves a
 // vLLM metrics page reporting the requests the tool holds there), and the
 // picker process (--picker tally: --tally-bin; upstream: --upstream-bin), so
@@ -56,7 +56,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/tallyepp/tally/test/stack"
+	"github.com/tallyepp/tally/internal/stack"
 )
 
 type options struct {

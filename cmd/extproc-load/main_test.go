@@ -18,10 +18,10 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/internal/docsection"
+	"github.com/tallyepp/tally/internal/stack"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
-	"github.com/tallyepp/tally/test/bench/docsection"
-	"github.com/tallyepp/tally/test/stack"
 )
 
 // A smoke test of each scenario against Tally's real ext_proc server,

@@ -12,7 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/tallyepp/tally/test/stack"
+	"github.com/tallyepp/tally/internal/stack"
 )
 
 const (
@@ -80,7 +80,7 @@ func (e *errorsSeen) summary() (int, string) {
 }
 
 // prefillTime is how long one vLLM engine takes to prefill tokens uncached
-// prompt tokens alone (the simulated engine's latency model, test/modelsim/engine: a step of 6.5 ms + 0.0198 ms per prefill
+// prompt tokens alone (the simulated engine's latency model, internal/modelsim/engine: a step of 6.5 ms + 0.0198 ms per prefill
 // token, 8,192 tokens a step): about 0.66 s for 32,000 tokens.
 func prefillTime(tokens int) time.Duration {
 	const stepBudget = 8_192

@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tallyepp/tally/test/modelsim/engine"
-	"github.com/tallyepp/tally/test/modelsim/server"
+	"github.com/tallyepp/tally/internal/modelsim/engine"
+	"github.com/tallyepp/tally/internal/modelsim/server"
 )
 
 func TestLoRAFlags(t *testing.T) {

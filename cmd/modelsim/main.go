@@ -1,7 +1,7 @@
 // Command modelsim serves simulated vLLM model servers for tests and demos
 // of the picker: one independent engine (its own KV cache, queue and
 // /metrics) per --addr, each speaking the OpenAI completions API and vLLM's
-// metrics. See package test/modelsim/server for what is served.
+// metrics. See package internal/modelsim/server for what is served.
 //
 //	modelsim --addr 127.0.0.2:8000,127.0.0.3:8000 --time-scale 10
 //	modelsim --lora-modules sql=/adapters/sql,chat --max-loras 2 --lora-load-time 150ms
@@ -37,7 +37,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/tallyepp/tally/test/modelsim/server"
+	"github.com/tallyepp/tally/internal/modelsim/server"
 )
 
 const (

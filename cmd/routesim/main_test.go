@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tallyepp/tally/test/bench/docsection"
+	"github.com/tallyepp/tally/internal/docsection"
 )
 
 const sampleTrace = "../../test/data/mooncake_sample.jsonl"

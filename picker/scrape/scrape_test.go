@@ -14,8 +14,8 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/internal/modelsim/server"
 	"github.com/tallyepp/tally/picker"
-	"github.com/tallyepp/tally/test/modelsim/server"
 )
 
 // simulators starts n model-server simulators on loopback pod IPs

@@ -27,8 +27,8 @@ import (
 	logf "sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
-	"github.com/tallyepp/tally/test/stack"
-	"github.com/tallyepp/tally/test/testenv"
+	"github.com/tallyepp/tally/internal/stack"
+	"github.com/tallyepp/tally/internal/testenv"
 )
 
 func TestE2E(t *testing.T) {

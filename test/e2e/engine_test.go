@@ -13,9 +13,9 @@ import (
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 
-	"github.com/tallyepp/tally/test/modelsim/engine"
-	"github.com/tallyepp/tally/test/modelsim/server"
-	"github.com/tallyepp/tally/test/stack"
+	"github.com/tallyepp/tally/internal/modelsim/engine"
+	"github.com/tallyepp/tally/internal/modelsim/server"
+	"github.com/tallyepp/tally/internal/stack"
 )
 
 // engineFirstPodIP keeps this pool's pods off the other specs' addresses.

@@ -17,7 +17,7 @@ import (
 
 	"github.com/tallyepp/tally/api/v1alpha2"
 	"github.com/tallyepp/tally/controllers"
-	"github.com/tallyepp/tally/test/stack"
+	"github.com/tallyepp/tally/internal/stack"
 )
 
 // flowPickerConfig holds every request but one: a pod takes one request at a

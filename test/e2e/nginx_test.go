@@ -15,7 +15,7 @@ import (
 	. "github.com/onsi/gomega"
 
 	"github.com/tallyepp/tally/internal/ngfshim/nginx"
-	"github.com/tallyepp/tally/test/stack"
+	"github.com/tallyepp/tally/internal/stack"
 )
 
 // nginxFirstPodIP keeps this pool's pods off the other specs' addresses.

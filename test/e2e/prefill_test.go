@@ -15,7 +15,7 @@ import (
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 
-	"github.com/tallyepp/tally/test/stack"
+	"github.com/tallyepp/tally/internal/stack"
 )
 
 // prefillFirstPodIP keeps this pool's pods off the other specs' addresses.

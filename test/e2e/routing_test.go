@@ -19,7 +19,7 @@ import (
 	"github.com/prometheus/common/model"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
-	"github.com/tallyepp/tally/test/stack"
+	"github.com/tallyepp/tally/internal/stack"
 )
 
 // firstPodIP keeps the suite's pods off the demo's 127.0.0.x addresses, so

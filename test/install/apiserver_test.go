@@ -42,7 +42,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
-	"github.com/tallyepp/tally/test/testenv"
+	"github.com/tallyepp/tally/internal/testenv"
 )
 
 const (

@@ -41,7 +41,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	kptr "k8s.io/utils/ptr"
 
-	modelsim "github.com/tallyepp/tally/test/modelsim/server"
+	modelsim "github.com/tallyepp/tally/internal/modelsim/server"
 )
 
 // upstreamModule is the last gateway-api-inference-extension release with the

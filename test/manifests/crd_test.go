@@ -12,7 +12,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/tallyepp/tally/test/testenv"
+	"github.com/tallyepp/tally/internal/testenv"
 )
 
 const (

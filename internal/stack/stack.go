@@ -26,8 +26,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
-	"github.com/tallyepp/tally/test/modelsim/server"
-	"github.com/tallyepp/tally/test/testenv"
+	"github.com/tallyepp/tally/internal/modelsim/server"
+	"github.com/tallyepp/tally/internal/testenv"
 )
 
 // Defaults of Options.

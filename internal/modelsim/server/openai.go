@@ -14,7 +14,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
-	"github.com/tallyepp/tally/test/modelsim/engine"
+	"github.com/tallyepp/tally/internal/modelsim/engine"
 )
 
 // generateRequest holds the fields of /v1/completions and

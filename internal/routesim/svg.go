@@ -7,7 +7,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/tallyepp/tally/test/bench/chart"
+	"github.com/tallyepp/tally/internal/chart"
 )
 
 // The charts are drawn with package chart's helpers.

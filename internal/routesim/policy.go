@@ -7,8 +7,8 @@ import (
 	"net/netip"
 	"time"
 
+	"github.com/tallyepp/tally/internal/modelsim/engine"
 	"github.com/tallyepp/tally/picker"
-	"github.com/tallyepp/tally/test/modelsim/engine"
 )
 
 // The routing policies.

@@ -21,7 +21,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
-	"github.com/tallyepp/tally/test/testenv"
+	"github.com/tallyepp/tally/internal/testenv"
 )
 
 // podCreateWorkers bounds the pods created at once: a thousand pods are

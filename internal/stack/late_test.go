@@ -4,7 +4,7 @@ import (
 	"context"
 	"testing"
 
-	"github.com/tallyepp/tally/test/modelsim/engine"
+	"github.com/tallyepp/tally/internal/modelsim/engine"
 )
 
 func TestLateFirstByteFractionReachesTheSimulators(t *testing.T) {

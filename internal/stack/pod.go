@@ -12,8 +12,8 @@ import (
 
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/tallyepp/tally/test/modelsim/engine"
-	"github.com/tallyepp/tally/test/modelsim/server"
+	"github.com/tallyepp/tally/internal/modelsim/engine"
+	"github.com/tallyepp/tally/internal/modelsim/server"
 )
 
 // Pod is one pod of the pool and the simulator that serves its IP.

@@ -15,13 +15,13 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/tallyepp/tally/test/stack"
+	"github.com/tallyepp/tally/internal/stack"
 )
 
-// Trace geometry, the same as test/stack's: each Mooncake hash_id stands for
-// 512 tokens; the picker and the model-server simulator count 4 characters
-// per token, and the engine caches 16-token (64-character) blocks, so one
-// hash_id becomes 32 chunks of 64 characters.
+// Trace geometry, the same as internal/stack's: each Mooncake hash_id
+// stands for 512 tokens; the picker and the model-server simulator count 4
+// characters per token, and the engine caches 16-token (64-character)
+// blocks, so one hash_id becomes 32 chunks of 64 characters.
 const (
 	traceBlockTokens = 512
 	charsPerToken    = 4
@@ -265,7 +265,7 @@ func sortByArrival(reqs []Request) {
 // AppendPromptText appends the prompt r stands for to dst: each hash_id
 // expands into 32 chunks of 64 characters that depend on the id and the
 // chunk's position within it only, cut to InputTokens*4 characters, as
-// test/stack's PromptText does. Two prompts therefore share exactly the
+// internal/stack's PromptText does. Two prompts therefore share exactly the
 // 64-character blocks their leading hash_ids share.
 func (r Request) AppendPromptText(dst []byte) []byte {
 	var t idText

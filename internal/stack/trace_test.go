@@ -11,7 +11,7 @@ import (
 	"time"
 )
 
-const samplePath = "../data/mooncake_sample.jsonl"
+const samplePath = "../../test/data/mooncake_sample.jsonl"
 
 func TestLoadTraceFileMatchesEveryRowOfTheSample(t *testing.T) {
 	reqs, err := LoadTraceFile(samplePath)

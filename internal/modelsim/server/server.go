@@ -52,7 +52,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/tallyepp/tally/test/modelsim/engine"
+	"github.com/tallyepp/tally/internal/modelsim/engine"
 )
 
 // Defaults of the fields that are not the engine's.

@@ -3,7 +3,7 @@ package routesim
 import (
 	"time"
 
-	"github.com/tallyepp/tally/test/modelsim/engine"
+	"github.com/tallyepp/tally/internal/modelsim/engine"
 )
 
 // Bound is the no-queueing bound of one request: its latency alone on an

@@ -7,10 +7,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tallyepp/tally/test/modelsim/engine"
+	"github.com/tallyepp/tally/internal/modelsim/engine"
 )
 
-// The expansion of hash_ids into text is test/stack's, byte for byte, so
+// The expansion of hash_ids into text is internal/stack's, byte for byte, so
 // the simulator and the demo replay the same prompts. The golden values
 // were computed with stack.TraceRequest.PromptText.
 func TestPromptTextMatchesTestStack(t *testing.T) {

@@ -9,7 +9,7 @@ import "slices"
 // vllm:lora_requests_info, on the policy's own scrape interval: the
 // adapters of each engine's requests before their first token (waiting)
 // and after it (running), as the model-server simulator writes them
-// (test/modelsim/server). No policy sees which adapters sit idle in a
+// (internal/modelsim/server). No policy sees which adapters sit idle in a
 // slot: vLLM does not say.
 //
 //   - Tally's picker gets them in EngineStats (its scrape every 250 ms),

@@ -1,5 +1,5 @@
 // Package routesim replays an LLM-serving trace against simulated vLLM
-// engines (package test/modelsim/engine) in virtual time, routed by one of
+// engines (package internal/modelsim/engine) in virtual time, routed by one of
 // several policies, one of them the real picker package, and reports the
 // latency each policy gives beside the no-queueing bound: each request
 // alone on an idle engine whose unbounded cache has seen every earlier
@@ -39,7 +39,7 @@
 // through the upstream lora-affinity-scorer); the report counts the swaps.
 //
 // The prompts: each 512-token Mooncake hash_id expands into the same text
-// as test/stack's (32 chunks of 64 characters), and the engines' block
+// as internal/stack's (32 chunks of 64 characters), and the engines' block
 // hashes are the model server's (chained xxhash of each 64-character,
 // 16-token block), so prefixes are shared exactly as in the demo stack.
 // Azure traces, which carry no prefix data, get a system prompt per tenant.

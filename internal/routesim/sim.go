@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
-	"github.com/tallyepp/tally/test/modelsim/engine"
+	"github.com/tallyepp/tally/internal/modelsim/engine"
 )
 
 // Config is one simulated pool and how the trace is replayed against it.

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tallyepp/tally/test/modelsim/engine"
+	"github.com/tallyepp/tally/internal/modelsim/engine"
 )
 
 // loraConfig is the multi-adapter pool of the tests: 8 adapters drawn

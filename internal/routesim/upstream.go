@@ -4,7 +4,7 @@ import (
 	"math/rand/v2"
 	"time"
 
-	"github.com/tallyepp/tally/test/modelsim/engine"
+	"github.com/tallyepp/tally/internal/modelsim/engine"
 )
 
 // An approximate model of the upstream picker's default scheduling

@@ -12,10 +12,10 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
-	"github.com/tallyepp/tally/test/modelsim/engine"
+	"github.com/tallyepp/tally/internal/modelsim/engine"
 )
 
-const sampleTrace = "../../data/mooncake_sample.jsonl"
+const sampleTrace = "../../test/data/mooncake_sample.jsonl"
 
 func loadSample(t *testing.T, n int) []Request {
 	t.Helper()
