@@ -26,10 +26,8 @@ type BodyGate struct {
 // NewBodyGate returns a gate for n requests.
 func NewBodyGate(n int) *BodyGate {
 	g := &BodyGate{open: make(chan struct{}), all: make(chan struct{}), n: n}
-	// A one-byte write buffer sends what the body gives at once, headers
-	// included, rather than when a 4 KiB buffer fills; one connection per
-	// request, closed after it.
-	g.client = &http.Client{Transport: &http.Transport{Proxy: nil, WriteBufferSize: 1, DisableKeepAlives: true}}
+	// One connection per request, closed after it.
+	g.client = &http.Client{Transport: &http.Transport{Proxy: nil, DisableKeepAlives: true}}
 	if n == 0 {
 		close(g.all)
 	}

@@ -231,6 +231,12 @@ type gate struct {
 
 func (g *gate) open() { g.once.Do(func() { close(g.ch) }) }
 
+// Held is how many requests the pods hold now. A client that gave up is
+// still counted until its request's cancellation reaches the pod: a test
+// that lifts a hold after cancelling waits for 0 first, or the gateway's
+// late cancellations race the opening gate to the engines.
+func (s *Stack) Held() int { return int(s.held.Load()) }
+
 func (s *Stack) currentHold() <-chan struct{} {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -281,11 +287,14 @@ func (p *Pod) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			s.mu.Unlock()
 		}
 		if hold := s.currentHold(); hold != nil {
+			s.held.Add(1)
 			select {
 			case <-hold:
 			case <-r.Context().Done():
+				s.held.Add(-1)
 				return
 			}
+			s.held.Add(-1)
 		}
 	}
 	p.mu.Lock()

@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -168,6 +169,7 @@ type Stack struct {
 	nextIP   netip.Addr
 	servedBy map[string]string // request id -> pod name
 	hold     *gate             // non-nil while requests are held at the pods
+	held     atomic.Int64      // requests the pods hold now
 }
 
 // Start brings the whole stack up: API server, namespace, pool, pods and

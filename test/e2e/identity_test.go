@@ -93,11 +93,15 @@ func (h *holding) send(ctx context.Context, reqs []stack.Request, what string) m
 	return delta(before, servedOn(h.st))
 }
 
-// stop cancels every held request, waits until each has ended, and lifts
-// the hold.
+// stop cancels every held request, waits until each has ended at its
+// client and at its pod, and lifts the hold: no request reaches an engine
+// (whose prefill timing would then teach the picker a rate the specs'
+// frozen drain model must not have).
 func (h *holding) stop() {
+	GinkgoHelper()
 	h.cancel()
 	h.wg.Wait()
+	Eventually(h.st.Held).WithTimeout(30*time.Second).WithPolling(10*time.Millisecond).Should(BeZero(), "requests the pods still hold")
 	h.release()
 }
 
