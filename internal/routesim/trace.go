@@ -1,11 +1,8 @@
 package routesim
 
 import (
-	"bufio"
-	"bytes"
 	"cmp"
 	"encoding/csv"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -50,86 +47,39 @@ type Request struct {
 
 // LoadMooncakeFile reads a Mooncake-format trace (JSON lines) from path.
 func LoadMooncakeFile(path string) ([]Request, error) {
-	f, err := os.Open(path)
+	rows, err := stack.LoadTraceFile(path)
 	if err != nil {
-		return nil, fmt.Errorf("opening trace: %w", err)
+		return nil, err
 	}
-	defer f.Close()
-	reqs, err := LoadMooncake(f)
+	reqs, err := fromMooncake(rows)
 	if err != nil {
 		return nil, fmt.Errorf("trace %s: %w", path, err)
 	}
 	return reqs, nil
 }
 
-type mooncakeRow struct {
-	Timestamp    *int64 `json:"timestamp"`
-	InputLength  *int   `json:"input_length"`
-	OutputLength *int   `json:"output_length"`
-	HashIDs      []int  `json:"hash_ids"`
+// LoadMooncake reads a Mooncake-format trace as stack.LoadTrace does (the
+// one parser of the format). Arrivals count from the first row; rows must
+// not go back in time.
+func LoadMooncake(r io.Reader) ([]Request, error) {
+	rows, err := stack.LoadTrace(r)
+	if err != nil {
+		return nil, err
+	}
+	return fromMooncake(rows)
 }
 
-// LoadMooncake reads one JSON object a line: timestamp (ms), input_length,
-// output_length (tokens) and hash_ids (one per 512 prompt tokens). Arrivals
-// count from the first row; rows must not go back in time. Blank lines are
-// skipped; any other malformed row is an error naming its line and field.
-func LoadMooncake(r io.Reader) ([]Request, error) {
-	var out []Request
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 0, 64<<10), 16<<20)
-	var first int64
-	line := 0
-	for sc.Scan() {
-		line++
-		text := bytes.TrimSpace(sc.Bytes())
-		if len(text) == 0 {
-			continue
-		}
-		var row mooncakeRow
-		if err := json.Unmarshal(text, &row); err != nil {
-			return nil, fmt.Errorf("line %d: not a trace row: %w", line, err)
-		}
-		req, ts, err := row.request()
-		if err != nil {
-			return nil, fmt.Errorf("line %d: %w", line, err)
-		}
-		if len(out) == 0 {
-			first = ts
-		}
-		req.Arrival = time.Duration(ts-first) * time.Millisecond
+func fromMooncake(rows []stack.TraceRequest) ([]Request, error) {
+	out := make([]Request, 0, len(rows))
+	first := rows[0].Arrival
+	for _, row := range rows {
+		req := Request{Arrival: row.Arrival - first, InputTokens: row.InputTokens, OutputTokens: row.OutputTokens, HashIDs: row.HashIDs}
 		if len(out) > 0 && req.Arrival < out[len(out)-1].Arrival {
-			return nil, fmt.Errorf("line %d: field timestamp: %d is before the previous row's", line, ts)
+			return nil, fmt.Errorf("line %d: field timestamp: %d is before the previous row's", row.Line, row.Arrival.Milliseconds())
 		}
 		out = append(out, req)
 	}
-	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("reading line %d: %w", line+1, err)
-	}
-	if len(out) == 0 {
-		return nil, errors.New("no requests in trace")
-	}
 	return out, nil
-}
-
-func (row mooncakeRow) request() (Request, int64, error) {
-	switch {
-	case row.Timestamp == nil:
-		return Request{}, 0, errors.New("field timestamp is missing")
-	case *row.Timestamp < 0:
-		return Request{}, 0, fmt.Errorf("field timestamp: %d is invalid: must be 0 or more milliseconds", *row.Timestamp)
-	case row.InputLength == nil:
-		return Request{}, 0, errors.New("field input_length is missing")
-	case *row.InputLength < 1:
-		return Request{}, 0, fmt.Errorf("field input_length: %d is invalid: must be 1 or more tokens", *row.InputLength)
-	case row.OutputLength == nil:
-		return Request{}, 0, errors.New("field output_length is missing")
-	case *row.OutputLength < 1:
-		return Request{}, 0, fmt.Errorf("field output_length: %d is invalid: must be 1 or more tokens", *row.OutputLength)
-	}
-	if want := blocksFor(*row.InputLength); len(row.HashIDs) != want {
-		return Request{}, 0, fmt.Errorf("field hash_ids: has %d ids, want ceil(input_length/%d) = %d", len(row.HashIDs), traceBlockTokens, want)
-	}
-	return Request{InputTokens: *row.InputLength, OutputTokens: *row.OutputLength, HashIDs: row.HashIDs}, *row.Timestamp, nil
 }
 
 func blocksFor(tokens int) int { return (tokens + traceBlockTokens - 1) / traceBlockTokens }

@@ -32,6 +32,9 @@ type TraceRequest struct {
 	// HashIDs names each 512-token block of the prompt; equal leading ids
 	// mean a shared prefix.
 	HashIDs []int
+	// Line is the row's line in the trace, so that a caller checking rows
+	// against each other can name the one at fault.
+	Line int
 }
 
 // traceRow is the file format: one JSON object a line.
@@ -59,7 +62,8 @@ func LoadTraceFile(path string) ([]TraceRequest, error) {
 // LoadTrace reads a Mooncake-format trace: one JSON object a line with
 // timestamp (ms), input_length, output_length (tokens) and hash_ids (one per
 // 512 prompt tokens). Blank lines are skipped; any other malformed row is an
-// error naming its line and field.
+// error naming its line and field. It is the one parser of the format: the
+// routing simulator reads its traces through it too.
 func LoadTrace(r io.Reader) ([]TraceRequest, error) {
 	var out []TraceRequest
 	sc := bufio.NewScanner(r)
@@ -75,6 +79,7 @@ func LoadTrace(r io.Reader) ([]TraceRequest, error) {
 		if err != nil {
 			return nil, fmt.Errorf("line %d: %w", line, err)
 		}
+		req.Line = line
 		out = append(out, req)
 	}
 	if err := sc.Err(); err != nil {

@@ -105,6 +105,9 @@ func TestLoadTraceRejectsMalformedRows(t *testing.T) {
 	if err != nil || len(reqs) != 2 {
 		t.Fatalf("blank lines: got %d rows, %v; want 2 rows", len(reqs), err)
 	}
+	if reqs[0].Line != 2 || reqs[1].Line != 4 {
+		t.Fatalf("blank lines: rows on lines %d and %d, want 2 and 4", reqs[0].Line, reqs[1].Line)
+	}
 }
 
 // sharedBlocks counts the leading 64-character blocks a and b have in common.
