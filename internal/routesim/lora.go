@@ -36,61 +36,11 @@ type loraInfo struct {
 	running, waiting []string
 }
 
-// loraRequests follows one engine's requests by adapter as vLLM's output
-// processor does: a request waits from its arrival to its first token and
-// runs from then until it finishes. Base-model requests are not counted.
-type loraRequests struct {
-	order            []string
-	waiting, running map[string]int
-}
-
-func (l *loraRequests) add(adapter string) {
-	if adapter == "" {
-		return
-	}
-	if l.waiting == nil {
-		l.waiting, l.running = map[string]int{}, map[string]int{}
-	}
-	if !slices.Contains(l.order, adapter) {
-		l.order = append(l.order, adapter)
-	}
-	l.waiting[adapter]++
-}
-
-func (l *loraRequests) started(adapter string) {
-	if adapter == "" {
-		return
-	}
-	l.waiting[adapter]--
-	l.running[adapter]++
-}
-
-func (l *loraRequests) finished(adapter string) {
-	if adapter == "" {
-		return
-	}
-	l.running[adapter]--
-}
-
-// info is what a scrape of the engine reads now.
-func (l *loraRequests) info() loraInfo {
-	var in loraInfo
-	for _, a := range l.order {
-		if l.running[a] > 0 {
-			in.running = append(in.running, a)
-		}
-		if l.waiting[a] > 0 {
-			in.waiting = append(in.waiting, a)
-		}
-	}
-	return in
-}
-
 // loraScrape reads every engine's lora_requests_info.
 func (s *sim) loraScrape() []loraInfo {
 	out := make([]loraInfo, len(s.lora))
 	for i := range s.lora {
-		out[i] = s.lora[i].info()
+		out[i].running, out[i].waiting = s.lora[i].Adapters()
 	}
 	return out
 }

@@ -1,7 +1,6 @@
 package routesim
 
 import (
-	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -160,29 +159,6 @@ func TestLoRAConfigValidate(t *testing.T) {
 	}
 	if c := loraConfig().EngineConfig(); c.MaxLoRAs != 2 || c.LoRALoadTime != 200*time.Millisecond {
 		t.Errorf("engine config %+v: want max_loras 2, a load 200ms", c)
-	}
-}
-
-// What the policies read is lora_requests_info as vLLM writes it: a
-// request waits until its first token, runs until it finishes.
-func TestLoRARequestsAsVLLMReportsThem(t *testing.T) {
-	var l loraRequests
-	l.add("b")
-	l.add("a")
-	l.add("b")
-	l.add("")
-	if in := l.info(); in.running != nil || !slices.Equal(in.waiting, []string{"b", "a"}) {
-		t.Fatalf("before any first token: %+v", in)
-	}
-	l.started("b")
-	if in := l.info(); !slices.Equal(in.running, []string{"b"}) || !slices.Equal(in.waiting, []string{"b", "a"}) {
-		t.Fatalf("after b's first token: %+v", in)
-	}
-	l.started("b")
-	l.finished("b")
-	l.started("a")
-	if in := l.info(); !reflect.DeepEqual(in, loraInfo{running: []string{"b", "a"}}) {
-		t.Fatalf("every request running: %+v", in)
 	}
 }
 

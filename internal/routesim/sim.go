@@ -491,7 +491,7 @@ type sim struct {
 	admitted      []admission
 	// lora follows each engine's adapters as vLLM's lora_requests_info
 	// reports them, for the policies that read it (nil without adapters).
-	lora []loraRequests
+	lora []engine.AdapterRequests
 }
 
 // never is a time after any event.
@@ -510,7 +510,7 @@ func (s *sim) run() error {
 	s.stats = make([]engine.Stats, len(s.engines))
 	s.inEngine = make([]int, len(s.engines))
 	if s.w.cfg.lora() {
-		s.lora = make([]loraRequests, len(s.engines))
+		s.lora = make([]engine.AdapterRequests, len(s.engines))
 	}
 	s.lastDispatch = -1
 	for s.done < n {
@@ -751,7 +751,7 @@ func (s *sim) start(i, target int) error {
 	}
 	s.inEngine[target]++
 	if s.lora != nil {
-		s.lora[target].add(j.Adapter)
+		s.lora[target].Add(j.Adapter)
 	}
 	return nil
 }
@@ -772,7 +772,7 @@ func (s *sim) handle(engineIdx int, events []engine.Event) error {
 			o.TTFT = ev.At - j.arrival
 			o.CachedTokens = ev.CachedTokens
 			if s.lora != nil {
-				s.lora[engineIdx].started(j.Adapter)
+				s.lora[engineIdx].Started(j.Adapter)
 			}
 			if j.stream && !j.bypass {
 				s.pol.firstByte(i)
@@ -782,7 +782,7 @@ func (s *sim) handle(engineIdx int, events []engine.Event) error {
 			s.done++
 			s.inEngine[engineIdx]--
 			if s.lora != nil {
-				s.lora[engineIdx].finished(j.Adapter)
+				s.lora[engineIdx].Left(j.Adapter, true)
 			}
 			if !j.bypass {
 				if !j.stream {

@@ -3,9 +3,10 @@ package server
 import (
 	"fmt"
 	"math"
-	"slices"
 	"strings"
 	"time"
+
+	"github.com/tallyepp/tally/internal/modelsim/engine"
 )
 
 // LoRAModule is one LoRA adapter served besides the base model, as vLLM's
@@ -23,17 +24,10 @@ type LoRAModule struct {
 // the oldest past this many changes nothing but the size of a scrape.
 const maxLoRAInfoSeries = 1000
 
-// loraRequests follows the adapters of the requests in the engine as vLLM's
-// output processor does (LoRARequestStates in vllm/v1/metrics/stats.py), for
-// vllm:lora_requests_info. A request is waiting from its arrival until its
-// first token and running from then until it leaves: vLLM learns that a
-// request was scheduled from the events sent with its first output, and the
-// engine sends no output for a prefill chunk. Guarded by Server.mu.
+// loraRequests writes vllm:lora_requests_info from the engine's requests
+// by adapter (engine.AdapterRequests). Guarded by Server.mu.
 type loraRequests struct {
-	// order lists adapters as first requested: vLLM joins the names in
-	// that order (a dict's insertion order).
-	order            []string
-	waiting, running map[string]int
+	engine.AdapterRequests
 	// series holds each label set written and the unix time, in seconds,
 	// of its last write; vLLM's gauge keeps them all.
 	series map[loraInfoLabels]float64
@@ -43,58 +37,14 @@ type loraRequests struct {
 type loraInfoLabels struct{ running, waiting string }
 
 func newLoRARequests() *loraRequests {
-	return &loraRequests{
-		waiting: map[string]int{},
-		running: map[string]int{},
-		series:  map[loraInfoLabels]float64{},
-	}
-}
-
-// add counts a request of adapter arriving; "" (the base model) is not
-// counted, here or below.
-func (l *loraRequests) add(adapter string) {
-	if adapter == "" {
-		return
-	}
-	if !slices.Contains(l.order, adapter) {
-		l.order = append(l.order, adapter)
-	}
-	l.waiting[adapter]++
-}
-
-// started moves a request from waiting to running at its first token.
-func (l *loraRequests) started(adapter string) {
-	if adapter == "" {
-		return
-	}
-	l.waiting[adapter]--
-	l.running[adapter]++
-}
-
-// left counts a request leaving, finished or cancelled.
-func (l *loraRequests) left(adapter string, started bool) {
-	switch {
-	case adapter == "":
-	case started:
-		l.running[adapter]--
-	default:
-		l.waiting[adapter]--
-	}
+	return &loraRequests{series: map[loraInfoLabels]float64{}}
 }
 
 // record writes the current label set with the time now, as vLLM does each
 // time it logs an iteration's stats. Times only increase, so the newest
 // series is always the current one.
 func (l *loraRequests) record(now time.Time) {
-	var running, waiting []string
-	for _, a := range l.order {
-		if l.running[a] > 0 {
-			running = append(running, a)
-		}
-		if l.waiting[a] > 0 {
-			waiting = append(waiting, a)
-		}
-	}
+	running, waiting := l.Adapters()
 	t := float64(now.UnixNano()) / 1e9
 	if t <= l.last {
 		t = math.Nextafter(l.last, math.Inf(1))

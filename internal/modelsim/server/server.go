@@ -330,7 +330,7 @@ func (s *Server) advanceLocked() {
 			p.cached = ev.CachedTokens
 			p.tokens = ev.OutputTokens
 			if s.lora != nil {
-				s.lora.started(p.adapter)
+				s.lora.Started(p.adapter)
 			}
 		case engine.Token:
 			p.tokens = ev.OutputTokens
@@ -341,7 +341,7 @@ func (s *Server) advanceLocked() {
 			p.finished = true
 			delete(s.pending, ev.ID)
 			if s.lora != nil {
-				s.lora.left(p.adapter, true)
+				s.lora.Left(p.adapter, true)
 			}
 		}
 		select {
@@ -401,7 +401,7 @@ func (s *Server) submit(r engine.Request) (*pending, error) {
 	if err == nil {
 		s.pending[r.ID] = p
 		if s.lora != nil {
-			s.lora.add(r.Adapter)
+			s.lora.Add(r.Adapter)
 		}
 	}
 	s.mu.Unlock()
@@ -425,7 +425,7 @@ func (s *Server) cancel(id string) {
 		s.eng.Cancel(id)
 		if s.lora != nil {
 			// As vLLM aborts: the gauge shows it at the next step's record.
-			s.lora.left(p.adapter, p.tokens > 0)
+			s.lora.Left(p.adapter, p.tokens > 0)
 		}
 	}
 }
