@@ -210,7 +210,7 @@ func (p *Picker) ObserveScrapeFailure(addr netip.AddrPort) (failed bool) {
 	if w, ok := p.byAddr[key(addr)]; ok && w.engine.scraped {
 		e := &w.engine
 		e.failures++
-		if !e.unhealthy && e.failures >= p.scrapeFailureThreshold {
+		if !e.unhealthy && e.failures >= p.opts.ScrapeFailureThreshold {
 			e.unhealthy, failed = true, true
 			p.refreshCandidatesLocked()
 		}

@@ -264,12 +264,14 @@ func TestAHugePromptsTailIsRecordedOutsideTheCriticalSection(t *testing.T) {
 	prompt := text("long context", 200_000) // 50,000 tokens: 2,000 fine blocks in the lock, more after
 	all := len(prefix.HashTiered(nil, model, "", prompt, cfg.BlockSizeChars, p.blocks.fine, p.blocks.coarseChars, cfg.MaxPromptBlocks))
 	var inSection int
-	p.afterPick = func() { // right after the critical section, before the tail
+	_, err := pickPausing(p, Request{Model: model, Prompt: prompt}, func() { // right after the critical section, before the tail
 		p.mu.Lock()
 		inSection = p.index.Len(p.rows[0].id)
 		p.mu.Unlock()
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
-	mustPick(t, p, Request{Model: model, Prompt: prompt})
 	p.mu.Lock()
 	after := p.index.Len(p.rows[0].id)
 	p.mu.Unlock()

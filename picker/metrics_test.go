@@ -67,7 +67,7 @@ func TestMetricsMatchStats(t *testing.T) {
 		func(s EndpointStats) int { return s.PrefillTokens })
 	gauge("tally_endpoint_decoding_requests", "Requests on the endpoint past their first response byte.",
 		func(s EndpointStats) int { return s.Decoding })
-	inFlight, _ := p.Totals()
+	inFlight := p.Snapshot().InFlight
 	promptTokens, cachedTokens := 0, 0
 	for _, r := range picked {
 		promptTokens += r.PromptTokens()

@@ -101,7 +101,6 @@ func (r *Reservation) FirstByte() {
 	if !r.decoding {
 		w.endPrefill(r, now)
 	}
-	p.firstBytes++
 	p.freedLocked(now)
 }
 
@@ -175,7 +174,6 @@ func (p *Picker) releaseLocked(r *Reservation, now int64) *[]uint64 {
 	r.prefill = 0
 	r.released = true
 	p.unlinkLocked(r)
-	p.releases++
 	buf := r.hashBuf
 	r.hashes, r.hashBuf = nil, nil
 	return buf
