@@ -121,41 +121,22 @@ func (r *Reservation) Release() {
 
 // Delivered reports the engine's usage for the request: of promptTokens
 // prompt tokens (the engine's count), cachedTokens came from its prefix
-// cache. It compares them with the picker's prediction and, when the engine
-// held fewer of the request's leading blocks than the index said, forgets
-// the request's blocks past the delivered ones on its endpoint: the index
-// then converges to what the engine really keeps. It reports the blocks
-// forgotten. Call it before Release; later calls do nothing.
-func (r *Reservation) Delivered(promptTokens, cachedTokens int) (forgotten int) {
+// cache. It books them, and the picker's prediction, in the endpoint's drift
+// counters. It forgets nothing from the prefix index, even when the engine
+// held fewer of the request's blocks than the index said: the usage comes
+// once the engine has computed the whole prompt, so the blocks it lacked are
+// in its cache again. Call it before Release; later calls do nothing.
+func (r *Reservation) Delivered(promptTokens, cachedTokens int) {
 	p := r.p
 	p.mu.Lock()
-	forgotten = r.deliveredLocked(promptTokens, cachedTokens)
-	p.mu.Unlock()
-	if forgotten > 0 {
-		p.metrics.shortfallBlocks.Add(float64(forgotten))
-	}
-	return forgotten
-}
-
-func (r *Reservation) deliveredLocked(promptTokens, cachedTokens int) (forgotten int) {
-	p := r.p
+	defer p.mu.Unlock()
 	if r.released || r.delivered || promptTokens <= 0 {
-		return 0
+		return
 	}
 	r.delivered = true
-	w := r.row
-	cachedTokens = min(max(cachedTokens, 0), promptTokens)
-	w.engine.delivered += int64(cachedTokens)
-	w.engine.predic += int64(r.cachedTokens)
-	// Compare as shares of the prompt: the engine counts real tokens, the
-	// index estimated ones.
-	blocks := p.blocks.count(int(float64(cachedTokens) / float64(promptTokens) * float64(r.promptChars)))
-	if blocks+1 >= r.heldBefore || blocks >= len(r.hashes) {
-		return 0 // within a block of the prediction
-	}
-	before := p.index.Len(w.id)
-	p.index.Forget(w.id, r.hashes[blocks:])
-	return before - p.index.Len(w.id)
+	e := &r.row.engine
+	e.delivered += int64(min(max(cachedTokens, 0), promptTokens))
+	e.predic += int64(r.cachedTokens)
 }
 
 // releaseLocked releases r if it is still held and returns its hash buffer
