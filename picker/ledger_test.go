@@ -226,6 +226,31 @@ func TestServedByKeepsBlocksAnotherRequestRecorded(t *testing.T) {
 	assertLedgerEmpty(t, p)
 }
 
+// After a fallback, the prediction booked against the engine's usage is
+// the serving endpoint's, not the first choice's.
+func TestServedByBooksTheServingEndpointsPrediction(t *testing.T) {
+	p := newPicker(t, 2, testConfig(), Options{})
+	a, b := addr(0), addr(1)
+	prompt := text("held by b", 64*100) // 100 blocks, 1,600 tokens
+	mustPick(t, p, on(b, prompt)).Release()
+	r := mustPick(t, p, on(a, prompt)) // a holds none of it
+	if r.CachedTokens() != 0 {
+		t.Fatalf("predicted %d cached tokens on a, want 0", r.CachedTokens())
+	}
+	r.ServedBy(b)
+	if r.CachedTokens() != 1600 {
+		t.Errorf("after ServedBy(b), CachedTokens() = %d, want b's 1600", r.CachedTokens())
+	}
+	r.Delivered(1600, 1600)
+	r.Release()
+	if s := statsOf(p, b); s.DeliveredCachedTokens != 1600 || s.PredictedCachedTokens != 1600 {
+		t.Errorf("b's delivered/predicted = %d/%d, want 1600/1600", s.DeliveredCachedTokens, s.PredictedCachedTokens)
+	}
+	if s := statsOf(p, a); s.DeliveredCachedTokens != 0 || s.PredictedCachedTokens != 0 {
+		t.Errorf("a's delivered/predicted = %d/%d, want 0/0: it did not serve", s.DeliveredCachedTokens, s.PredictedCachedTokens)
+	}
+}
+
 func TestShortPromptsDoNotTeachTheRate(t *testing.T) {
 	clock := newFakeClock()
 	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})

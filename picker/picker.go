@@ -468,6 +468,8 @@ func (p *Picker) placed(r *Reservation, err error, untidy bool, start time.Time)
 	case err == nil:
 		m.picksOK.Inc()
 		m.promptTokens.Add(float64(r.promptTokens))
+		// Read without the lock: r is not returned yet, so no ServedBy
+		// can have moved it.
 		m.cachedTokens.Add(float64(r.cachedTokens))
 		if r.nHashes > 0 {
 			m.prefixHitRatioAll.Observe(float64(r.cachedBlocks) / float64(r.nHashes))

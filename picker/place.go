@@ -76,7 +76,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	r.prefill = c.uncached
 	r.heldBefore = matched[first]
 	r.cachedBlocks = matched[first]
-	r.cachedTokens = p.blocks.chars(matched[first]) / p.cfg.CharsPerToken
+	r.cachedTokens = p.heldTokens(matched[first])
 	c.hold(r, r.pickedNs)
 	p.meanPromptTokens += (float64(r.promptTokens) - p.meanPromptTokens) * meanPromptWeight
 	p.linkLocked(r)
@@ -107,6 +107,11 @@ func (p *Picker) bestLocked(cands []*row) int {
 		}
 	}
 	return best
+}
+
+// heldTokens estimates the prompt tokens of matchedBlocks leading blocks.
+func (p *Picker) heldTokens(matchedBlocks int) int {
+	return p.blocks.chars(matchedBlocks) / p.cfg.CharsPerToken
 }
 
 // uncachedTokens estimates the prompt tokens an endpoint holding

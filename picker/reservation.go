@@ -17,7 +17,6 @@ type Reservation struct {
 	pickedNs     int64 // pickedAt on the picker's clock
 	promptChars  int
 	promptTokens int
-	cachedTokens int
 	cachedBlocks int // of the hashed blocks, those the chosen endpoint held
 	nHashes      int // the prompt's hashed blocks
 	stream       bool
@@ -34,6 +33,7 @@ type Reservation struct {
 	released     bool
 	delivered    bool
 	heldBefore   int      // leading blocks the holder had before this request recorded there
+	cachedTokens int      // of the prompt's tokens, those heldBefore holds
 	owner        uint32   // tag of this request's records in the prefix index
 	tailOn       *row     // where its pick left a long prompt's tail to record
 	hashes       []uint64 // the prompt's blocks, kept for ServedBy
@@ -77,9 +77,14 @@ func (r *Reservation) Endpoint() netip.AddrPort {
 // PromptTokens is the estimated number of prompt tokens.
 func (r *Reservation) PromptTokens() int { return r.promptTokens }
 
-// CachedTokens is the estimated number of prompt tokens the chosen endpoint
-// held in its prefix index at pick time.
-func (r *Reservation) CachedTokens() int { return r.cachedTokens }
+// CachedTokens is the estimated number of prompt tokens the endpoint holding
+// the reservation held in its prefix index when it took it: the chosen one at
+// pick time, or the one named by ServedBy.
+func (r *Reservation) CachedTokens() int {
+	r.p.mu.Lock()
+	defer r.p.mu.Unlock()
+	return r.cachedTokens
+}
 
 // FirstByte marks the first response bytes: the endpoint has computed the
 // prompt, so what is left of the prefill is released and the request is
@@ -194,6 +199,7 @@ func (r *Reservation) moveLocked(addr netip.AddrPort, now int64) bool {
 	ids[0] = to.id
 	p.index.Match(r.hashes, ids, matched)
 	r.heldBefore = matched[0]
+	r.cachedTokens = p.heldTokens(matched[0])
 	if !r.decoding {
 		r.prefill = p.uncachedTokens(r.promptChars, matched[0])
 	}
