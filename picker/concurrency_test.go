@@ -130,3 +130,27 @@ func TestPicksRaceWithReplace(t *testing.T) {
 	wg.Wait()
 	assertLedgerEmpty(t, p)
 }
+
+// A later FirstByte does nothing: the first one's time stays the one the
+// prefill rate learns from (the race above cannot tell the two apart, as its
+// clock stands still).
+func TestALaterFirstByteDoesNothing(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+	r := mustPick(t, p, Request{Model: model, Prompt: text("once", 4000), Stream: true})
+	clock.Advance(100 * time.Millisecond)
+	r.FirstByte()
+	p.mu.Lock()
+	first := r.firstByteNs
+	p.mu.Unlock()
+	clock.Advance(time.Second)
+	r.FirstByte()
+	p.mu.Lock()
+	again := r.firstByteNs
+	p.mu.Unlock()
+	if again != first {
+		t.Errorf("a second FirstByte moved the first byte from %v to %v", time.Duration(first), time.Duration(again))
+	}
+	r.Release()
+	assertLedgerEmpty(t, p)
+}
