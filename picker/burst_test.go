@@ -38,7 +38,7 @@ func burst(t *testing.T, p *Picker, prompts [][]byte) map[netip.AddrPort]int {
 		}
 		split[r.Endpoint()]++
 	}
-	if in, _ := p.Totals(); in != len(prompts) {
+	if in := p.Snapshot().InFlight; in != len(prompts) {
 		t.Errorf("ledger holds %d requests after the burst, want %d", in, len(prompts))
 	}
 	for _, r := range res {

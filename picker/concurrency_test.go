@@ -76,25 +76,29 @@ func TestReleasesTakeEffectExactlyOnce(t *testing.T) {
 	if negative.Load() > 0 {
 		t.Errorf("observed %d negative ledger rows during the race", negative.Load())
 	}
+	// A release or first byte that took effect twice would leave the
+	// ledger above or below zero (assertLedgerEmpty); one that never did,
+	// a reservation unreleased.
 	p.mu.Lock()
-	releases, firstBytes, sweptCount, oldest := p.releases, p.firstBytes, p.swept, p.oldest
+	unreleased, oldest := 0, p.oldest
+	for _, r := range res {
+		if !r.released {
+			unreleased++
+		}
+	}
 	p.mu.Unlock()
-	if releases != n {
-		t.Errorf("%d effective releases for %d reservations, want exactly one each", releases, n)
+	if unreleased > 0 {
+		t.Errorf("%d of %d reservations never released", unreleased, n)
 	}
-	if firstBytes > n {
-		t.Errorf("%d effective first bytes for %d reservations, want at most one each", firstBytes, n)
-	}
-	if int64(sweptCount) != swept.Load() || swept.Load() > n/2 {
-		t.Errorf("sweeper released %d (Sweep returned %d in all); only the %d old ones may be swept", sweptCount, swept.Load(), n/2)
+	if swept.Load() > n/2 {
+		t.Errorf("sweeper released %d; only the %d old ones may be swept", swept.Load(), n/2)
 	}
 	if got := testutil.ToFloat64(p.metrics.swept); got != float64(swept.Load()) {
-		t.Errorf("tally_reservations_swept_total = %v, want %d", got, swept.Load())
+		t.Errorf("tally_reservations_swept_total = %v, want %d (what Sweep returned)", got, swept.Load())
 	}
 	if oldest != nil {
 		t.Errorf("the sweeper's list still holds reservations")
 	}
-	t.Logf("%d releases (%d by the sweeper), %d first bytes", releases, sweptCount, firstBytes)
 }
 
 // TestPicksRaceWithReplace runs picks and their releases concurrently with
@@ -124,5 +128,29 @@ func TestPicksRaceWithReplace(t *testing.T) {
 		p.Replace(endpoints(4))
 	})
 	wg.Wait()
+	assertLedgerEmpty(t, p)
+}
+
+// A later FirstByte does nothing: the first one's time stays the one the
+// prefill rate learns from (the race above cannot tell the two apart, as its
+// clock stands still).
+func TestALaterFirstByteDoesNothing(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+	r := mustPick(t, p, Request{Model: model, Prompt: text("once", 4000), Stream: true})
+	clock.Advance(100 * time.Millisecond)
+	r.FirstByte()
+	p.mu.Lock()
+	first := r.firstByteNs
+	p.mu.Unlock()
+	clock.Advance(time.Second)
+	r.FirstByte()
+	p.mu.Lock()
+	again := r.firstByteNs
+	p.mu.Unlock()
+	if again != first {
+		t.Errorf("a second FirstByte moved the first byte from %v to %v", time.Duration(first), time.Duration(again))
+	}
+	r.Release()
 	assertLedgerEmpty(t, p)
 }

@@ -210,7 +210,7 @@ func (p *Picker) ObserveScrapeFailure(addr netip.AddrPort) (failed bool) {
 	if w, ok := p.byAddr[key(addr)]; ok && w.engine.scraped {
 		e := &w.engine
 		e.failures++
-		if !e.unhealthy && e.failures >= p.scrapeFailureThreshold {
+		if !e.unhealthy && e.failures >= p.opts.ScrapeFailureThreshold {
 			e.unhealthy, failed = true, true
 			p.refreshCandidatesLocked()
 		}
@@ -239,43 +239,4 @@ func (p *Picker) refreshCandidatesLocked() {
 		}
 	}
 	clear(p.candidates[len(p.candidates):cap(p.candidates)])
-}
-
-// Delivered reports the engine's usage for the request: of promptTokens
-// prompt tokens (the engine's count), cachedTokens came from its prefix
-// cache. It compares them with the picker's prediction and, when the engine
-// held fewer of the request's leading blocks than the index said, forgets
-// the request's blocks past the delivered ones on its endpoint: the index
-// then converges to what the engine really keeps. It reports the blocks
-// forgotten. Call it before Release; later calls do nothing.
-func (r *Reservation) Delivered(promptTokens, cachedTokens int) (forgotten int) {
-	p := r.p
-	p.mu.Lock()
-	forgotten = r.deliveredLocked(promptTokens, cachedTokens)
-	p.mu.Unlock()
-	if forgotten > 0 {
-		p.metrics.shortfallBlocks.Add(float64(forgotten))
-	}
-	return forgotten
-}
-
-func (r *Reservation) deliveredLocked(promptTokens, cachedTokens int) (forgotten int) {
-	p := r.p
-	if r.released || r.delivered || promptTokens <= 0 {
-		return 0
-	}
-	r.delivered = true
-	w := r.row
-	cachedTokens = min(max(cachedTokens, 0), promptTokens)
-	w.engine.delivered += int64(cachedTokens)
-	w.engine.predic += int64(r.cachedTokens)
-	// Compare as shares of the prompt: the engine counts real tokens, the
-	// index estimated ones.
-	blocks := p.blocks.count(int(float64(cachedTokens) / float64(promptTokens) * float64(r.promptChars)))
-	if blocks+1 >= r.heldBefore || blocks >= len(r.hashes) {
-		return 0 // within a block of the prediction
-	}
-	before := p.index.Len(w.id)
-	p.index.Forget(w.id, r.hashes[blocks:])
-	return before - p.index.Len(w.id)
 }

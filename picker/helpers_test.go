@@ -99,7 +99,7 @@ func on(a netip.AddrPort, prompt []byte) Request {
 // heldBlocks reports how many leading blocks of prompt the prefix index
 // places on a (-1 if a is not an endpoint).
 func heldBlocks(p *Picker, prompt []byte, a netip.AddrPort) int {
-	h := prefix.Hash(nil, model, prompt, p.cfg.BlockSizeChars)
+	h := prefix.HashSalted(nil, model, "", prompt, p.cfg.BlockSizeChars)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	r, ok := p.byAddr[key(a)]
@@ -109,6 +109,15 @@ func heldBlocks(p *Picker, prompt []byte, a netip.AddrPort) int {
 	out := []int{0}
 	p.index.Match(h, []int{r.id}, out)
 	return out[0]
+}
+
+// pickPausing is Pick with pause run right after its critical section
+// unlocks, before the rest of the pick (a long prompt's tail, the evictions
+// owed, the metrics).
+func pickPausing(p *Picker, req Request, pause func()) (*Reservation, error) {
+	r, untidy, err := p.place(req)
+	pause()
+	return p.placed(r, err, untidy, time.Now())
 }
 
 // statsOf returns the ledger row of a (zero if a is not an endpoint).
@@ -124,8 +133,8 @@ func statsOf(p *Picker, a netip.AddrPort) EndpointStats {
 // assertLedgerEmpty checks every row and the totals are exactly zero.
 func assertLedgerEmpty(t *testing.T, p *Picker) {
 	t.Helper()
-	if in, pre := p.Totals(); in != 0 || pre != 0 {
-		t.Errorf("totals = (%d in flight, %d prefill tokens), want (0, 0)", in, pre)
+	if l := p.Snapshot(); l.InFlight != 0 || l.PrefillTokens != 0 {
+		t.Errorf("totals = (%d in flight, %d prefill tokens), want (0, 0)", l.InFlight, l.PrefillTokens)
 	}
 	for _, s := range p.Stats() {
 		if s.InFlight != 0 || s.PrefillTokens != 0 || s.Decoding != 0 {

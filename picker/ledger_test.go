@@ -226,6 +226,31 @@ func TestServedByKeepsBlocksAnotherRequestRecorded(t *testing.T) {
 	assertLedgerEmpty(t, p)
 }
 
+// After a fallback, the prediction booked against the engine's usage is
+// the serving endpoint's, not the first choice's.
+func TestServedByBooksTheServingEndpointsPrediction(t *testing.T) {
+	p := newPicker(t, 2, testConfig(), Options{})
+	a, b := addr(0), addr(1)
+	prompt := text("held by b", 64*100) // 100 blocks, 1,600 tokens
+	mustPick(t, p, on(b, prompt)).Release()
+	r := mustPick(t, p, on(a, prompt)) // a holds none of it
+	if r.CachedTokens() != 0 {
+		t.Fatalf("predicted %d cached tokens on a, want 0", r.CachedTokens())
+	}
+	r.ServedBy(b)
+	if r.CachedTokens() != 1600 {
+		t.Errorf("after ServedBy(b), CachedTokens() = %d, want b's 1600", r.CachedTokens())
+	}
+	r.Delivered(1600, 1600)
+	r.Release()
+	if s := statsOf(p, b); s.DeliveredCachedTokens != 1600 || s.PredictedCachedTokens != 1600 {
+		t.Errorf("b's delivered/predicted = %d/%d, want 1600/1600", s.DeliveredCachedTokens, s.PredictedCachedTokens)
+	}
+	if s := statsOf(p, a); s.DeliveredCachedTokens != 0 || s.PredictedCachedTokens != 0 {
+		t.Errorf("a's delivered/predicted = %d/%d, want 0/0: it did not serve", s.DeliveredCachedTokens, s.PredictedCachedTokens)
+	}
+}
+
 func TestShortPromptsDoNotTeachTheRate(t *testing.T) {
 	clock := newFakeClock()
 	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
@@ -264,12 +289,14 @@ func TestAHugePromptsTailIsRecordedOutsideTheCriticalSection(t *testing.T) {
 	prompt := text("long context", 200_000) // 50,000 tokens: 2,000 fine blocks in the lock, more after
 	all := len(prefix.HashTiered(nil, model, "", prompt, cfg.BlockSizeChars, p.blocks.fine, p.blocks.coarseChars, cfg.MaxPromptBlocks))
 	var inSection int
-	p.afterPick = func() { // right after the critical section, before the tail
+	_, err := pickPausing(p, Request{Model: model, Prompt: prompt}, func() { // right after the critical section, before the tail
 		p.mu.Lock()
 		inSection = p.index.Len(p.rows[0].id)
 		p.mu.Unlock()
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
-	mustPick(t, p, Request{Model: model, Prompt: prompt})
 	p.mu.Lock()
 	after := p.index.Len(p.rows[0].id)
 	p.mu.Unlock()

@@ -30,7 +30,6 @@ type metrics struct {
 	// The engines' view (engine.go), beside the ledger's, so drift shows.
 	engineRunning, engineWaiting, foreignRequests, foreignTokens, endpointHealthy *prometheus.Desc
 	prefixCapacity, deliveredCached, predictedCached, deliveryRatio               *prometheus.Desc
-	shortfallBlocks                                                               prometheus.Counter
 	healthChanges                                                                 *prometheus.CounterVec
 
 	// The same picks and ledger under the upstream picker's names, labels
@@ -127,10 +126,6 @@ func newMetrics(poolName string, flowControl bool) *metrics {
 		"Cached prompt tokens the picker predicted for the same responses.", ep, nil)
 	m.deliveryRatio = prometheus.NewDesc("tally_endpoint_cache_delivery_ratio",
 		"Delivered over predicted cached prompt tokens: below 1 the prefix index believes the engine holds more than it does.", ep, nil)
-	m.shortfallBlocks = prometheus.NewCounter(prometheus.CounterOpts{
-		Name: "tally_cache_shortfall_forgotten_blocks_total",
-		Help: "Prefix blocks forgotten because an engine delivered fewer cached tokens than predicted.",
-	})
 	m.healthChanges = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "tally_endpoint_health_changes_total",
 		Help: "Endpoints leaving the candidates after failed metrics scrapes (change=unhealthy), and coming back (change=recovered).",
@@ -171,7 +166,7 @@ func newMetrics(poolName string, flowControl bool) *metrics {
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.picks, m.swept, m.promptTokens, m.cachedTokens, m.pickDuration, m.schedulerE2E, m.prefixHitRatio,
-		m.shortfallBlocks, m.healthChanges, m.detached}
+		m.healthChanges, m.detached}
 }
 
 // Describe implements prometheus.Collector.

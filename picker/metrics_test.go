@@ -67,7 +67,7 @@ func TestMetricsMatchStats(t *testing.T) {
 		func(s EndpointStats) int { return s.PrefillTokens })
 	gauge("tally_endpoint_decoding_requests", "Requests on the endpoint past their first response byte.",
 		func(s EndpointStats) int { return s.Decoding })
-	inFlight, _ := p.Totals()
+	inFlight := p.Snapshot().InFlight
 	promptTokens, cachedTokens := 0, 0
 	for _, r := range picked {
 		promptTokens += r.PromptTokens()
@@ -126,10 +126,10 @@ func TestPickerWithoutRegistererStillCollects(t *testing.T) {
 	// 4 gauges per endpoint, 3 pool gauges, 3 pick results, 3 counters, 1
 	// histogram; under upstream names, 2 histograms, 2 pool gauges and 1
 	// gauge per endpoint; of the engines' view, before any scrape, 2 gauges
-	// and 2 counters per endpoint and the shortfall counter; detached
+	// and 2 counters per endpoint; detached
 	// reservations, a gauge, a counter and 3 ends.
 	// The prefill rate's samples, 4 results.
-	if got, want := testutil.CollectAndCount(p), 4*2+3+3+3+1+2+2+2+4*2+1+5+4; got != want {
+	if got, want := testutil.CollectAndCount(p), 4*2+3+3+3+1+2+2+2+4*2+5+4; got != want {
 		t.Errorf("collected %d metrics, want %d", got, want)
 	}
 }

@@ -177,11 +177,6 @@ type Picker struct {
 	epoch     time.Time // origin of the drain model's clock
 	retention time.Duration
 	blocks    blockLayout
-	// scrapeFailureThreshold: see Options.ScrapeFailureThreshold.
-	scrapeFailureThreshold int
-
-	// afterPick, when set (tests only), runs right after Pick unlocks.
-	afterPick func()
 	// flowOn: cfg.FlowControl.Enabled (flow.go).
 	flowOn bool
 	// loraSeen: some engine has published its LoRA adapters; the base
@@ -232,9 +227,6 @@ type Picker struct {
 	cand    []*row
 	candIDs []int
 	matched []int
-
-	// Effective operations, counted to prove exactly-once.
-	firstBytes, releases, swept uint64
 }
 
 // New returns a picker with no endpoints. Zero fields of cfg take the
@@ -258,17 +250,16 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 	}
 
 	p := &Picker{
-		cfg:                    cfg,
-		opts:                   opts,
-		metrics:                newMetrics(opts.PoolName, cfg.FlowControl.Enabled),
-		epoch:                  opts.Now(),
-		retention:              time.Duration(cfg.EndpointRetentionSeconds) * time.Second,
-		blocks:                 newBlockLayout(cfg),
-		scrapeFailureThreshold: opts.ScrapeFailureThreshold,
-		byAddr:                 make(map[netip.AddrPort]*row),
-		byKey:                  make(map[rowKey]*row),
-		index:                  prefix.NewIndex(cfg.LRUCapacityBlocks),
-		rand:                   opts.Rand,
+		cfg:       cfg,
+		opts:      opts,
+		metrics:   newMetrics(opts.PoolName, cfg.FlowControl.Enabled),
+		epoch:     opts.Now(),
+		retention: time.Duration(cfg.EndpointRetentionSeconds) * time.Second,
+		blocks:    newBlockLayout(cfg),
+		byAddr:    make(map[netip.AddrPort]*row),
+		byKey:     make(map[rowKey]*row),
+		index:     prefix.NewIndex(cfg.LRUCapacityBlocks),
+		rand:      opts.Rand,
 		// Until picks teach it: a guess at one request's prompt.
 		meanPromptTokens: defaultForeignRequestTokens,
 		pool:             newPoolRate(float64(cfg.PrefillTokensPerSecond)),
@@ -412,12 +403,19 @@ func (p *Picker) Synced() bool { return p.synced.Load() }
 // saturated it returns ErrSaturated, flow control or not (see Admit).
 func (p *Picker) Pick(req Request) (*Reservation, error) {
 	start := time.Now()
-	r := p.prepare(req)
-	p.mu.Lock()
-	err := p.placeLocked(r, req)
-	untidy := p.index.Untidy()
-	p.mu.Unlock()
+	r, untidy, err := p.place(req)
 	return p.placed(r, err, untidy, start)
+}
+
+// place is Pick's critical section, with its reservation prepared before
+// it; untidy reports whether the index owes evictions.
+func (p *Picker) place(req Request) (r *Reservation, untidy bool, err error) {
+	r = p.prepare(req)
+	p.mu.Lock()
+	err = p.placeLocked(r, req)
+	untidy = p.index.Untidy()
+	p.mu.Unlock()
+	return r, untidy, err
 }
 
 // prepare hashes req's prompt (outside any lock) into a new reservation.
@@ -457,9 +455,6 @@ func (p *Picker) prepare(req Request) *Reservation {
 // placed finishes a placement outside the lock: the long prompt's tail, the
 // evictions its records owe, and the metrics. It returns r, or nil and err.
 func (p *Picker) placed(r *Reservation, err error, untidy bool, start time.Time) (*Reservation, error) {
-	if p.afterPick != nil {
-		p.afterPick()
-	}
 	if err == nil && r.nHashes > p.blocks.inLock {
 		untidy = p.recordTail(r) || untidy
 	}
@@ -475,6 +470,8 @@ func (p *Picker) placed(r *Reservation, err error, untidy bool, start time.Time)
 	case err == nil:
 		m.picksOK.Inc()
 		m.promptTokens.Add(float64(r.promptTokens))
+		// Read without the lock: r is not returned yet, so no ServedBy
+		// can have moved it.
 		m.cachedTokens.Add(float64(r.cachedTokens))
 		if r.nHashes > 0 {
 			m.prefixHitRatioAll.Observe(float64(r.cachedBlocks) / float64(r.nHashes))
@@ -538,12 +535,6 @@ func (p *Picker) Snapshot() Ledger {
 // Stats returns the ledger row of every current endpoint, sorted by address.
 func (p *Picker) Stats() []EndpointStats { return p.Snapshot().Endpoints }
 
-// Totals sums the ledger over every row, retained endpoints included.
-func (p *Picker) Totals() (inFlight, prefillTokens int) {
-	l := p.Snapshot()
-	return l.InFlight, l.PrefillTokens
-}
-
 // Run sweeps stale reservations until ctx ends: every tenth of
 // MaxRequestLifetime, at most 10 seconds apart.
 func (p *Picker) Run(ctx context.Context) {
@@ -593,7 +584,6 @@ func (p *Picker) Sweep() int {
 			p.detachEnds[detachEndSwept]++
 		}
 		p.releaseLocked(r, now)
-		p.swept++
 		n++
 	}
 	for _, w := range p.byKey {

@@ -6,9 +6,10 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"slices"
-	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/tallyepp/tally/picker/prefix"
 )
@@ -91,17 +92,13 @@ func TestCriticalSectionPublishesBeforeUnlock(t *testing.T) {
 	mustPick(t, p, on(b, text("earlier", 400)))
 
 	paused, resume := make(chan struct{}), make(chan struct{})
-	var calls atomic.Int32
-	p.afterPick = func() {
-		if calls.Add(1) == 1 {
-			close(paused)
-			<-resume
-		}
-	}
 	x := text("fresh prompt", 4000) // 1,000 tokens; 62 full blocks
 	first := make(chan *Reservation, 1)
 	go func() {
-		r, err := p.Pick(Request{Model: model, Prompt: x})
+		r, err := pickPausing(p, Request{Model: model, Prompt: x}, func() {
+			close(paused)
+			<-resume
+		})
 		if err != nil {
 			t.Errorf("pick #1: %v", err)
 		}
@@ -374,11 +371,11 @@ func TestSweepReleasesOnlyOldReservations(t *testing.T) {
 		t.Fatalf("Sweep released %d, want 1", n)
 	}
 	// The young request's prefill has long drained in the model.
-	if in, pre := p.Totals(); in != 1 || pre != 0 {
-		t.Errorf("after the sweep: %d in flight, %d prefill, want only the young request (1, 0)", in, pre)
+	if l := p.Snapshot(); l.InFlight != 1 || l.PrefillTokens != 0 {
+		t.Errorf("after the sweep: %d in flight, %d prefill, want only the young request (1, 0)", l.InFlight, l.PrefillTokens)
 	}
 	old.Release() // already swept: no effect
-	if in, _ := p.Totals(); in != 1 {
+	if in := p.Snapshot().InFlight; in != 1 {
 		t.Errorf("releasing a swept reservation changed the ledger: %d in flight", in)
 	}
 	if n := p.Sweep(); n != 0 {
@@ -389,8 +386,8 @@ func TestSweepReleasesOnlyOldReservations(t *testing.T) {
 		t.Errorf("Sweep after young aged released %d, want 1", n)
 	}
 	assertLedgerEmpty(t, p)
-	if p.swept != 2 {
-		t.Errorf("swept count = %d, want 2", p.swept)
+	if got := testutil.ToFloat64(p.metrics.swept); got != 2 {
+		t.Errorf("tally_reservations_swept_total = %v, want 2", got)
 	}
 }
 
@@ -407,7 +404,7 @@ func TestRunSweepsUntilCancelled(t *testing.T) {
 	}()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		if in, _ := p.Totals(); in == 0 {
+		if in := p.Snapshot().InFlight; in == 0 {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -426,7 +423,7 @@ func TestRunSweepsUntilCancelled(t *testing.T) {
 func TestCriticalSectionDoesNotAllocateOnKnownBlocks(t *testing.T) {
 	p := newPicker(t, 16, testConfig(), Options{})
 	req := Request{Model: model, Prompt: text("known", 8000)}
-	hashes := prefix.Hash(nil, model, req.Prompt, p.cfg.BlockSizeChars)
+	hashes := prefix.HashSalted(nil, model, "", req.Prompt, p.cfg.BlockSizeChars)
 	r := &Reservation{p: p}
 	place := func() {
 		*r = Reservation{p: p, hashes: hashes, promptChars: len(req.Prompt)}

@@ -17,7 +17,6 @@ type Reservation struct {
 	pickedNs     int64 // pickedAt on the picker's clock
 	promptChars  int
 	promptTokens int
-	cachedTokens int
 	cachedBlocks int // of the hashed blocks, those the chosen endpoint held
 	nHashes      int // the prompt's hashed blocks
 	stream       bool
@@ -34,6 +33,7 @@ type Reservation struct {
 	released     bool
 	delivered    bool
 	heldBefore   int      // leading blocks the holder had before this request recorded there
+	cachedTokens int      // of the prompt's tokens, those heldBefore holds
 	owner        uint32   // tag of this request's records in the prefix index
 	tailOn       *row     // where its pick left a long prompt's tail to record
 	hashes       []uint64 // the prompt's blocks, kept for ServedBy
@@ -77,9 +77,14 @@ func (r *Reservation) Endpoint() netip.AddrPort {
 // PromptTokens is the estimated number of prompt tokens.
 func (r *Reservation) PromptTokens() int { return r.promptTokens }
 
-// CachedTokens is the estimated number of prompt tokens the chosen endpoint
-// held in its prefix index at pick time.
-func (r *Reservation) CachedTokens() int { return r.cachedTokens }
+// CachedTokens is the estimated number of prompt tokens the endpoint holding
+// the reservation held in its prefix index when it took it: the chosen one at
+// pick time, or the one named by ServedBy.
+func (r *Reservation) CachedTokens() int {
+	r.p.mu.Lock()
+	defer r.p.mu.Unlock()
+	return r.cachedTokens
+}
 
 // FirstByte marks the first response bytes: the endpoint has computed the
 // prompt, so what is left of the prefill is released and the request is
@@ -101,7 +106,6 @@ func (r *Reservation) FirstByte() {
 	if !r.decoding {
 		w.endPrefill(r, now)
 	}
-	p.firstBytes++
 	p.freedLocked(now)
 }
 
@@ -120,6 +124,26 @@ func (r *Reservation) Release() {
 	}
 }
 
+// Delivered reports the engine's usage for the request: of promptTokens
+// prompt tokens (the engine's count), cachedTokens came from its prefix
+// cache. It books them, and the picker's prediction, in the endpoint's drift
+// counters. It forgets nothing from the prefix index, even when the engine
+// held fewer of the request's blocks than the index said: the usage comes
+// once the engine has computed the whole prompt, so the blocks it lacked are
+// in its cache again. Call it before Release; later calls do nothing.
+func (r *Reservation) Delivered(promptTokens, cachedTokens int) {
+	p := r.p
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if r.released || r.delivered || promptTokens <= 0 {
+		return
+	}
+	r.delivered = true
+	e := &r.row.engine
+	e.delivered += int64(min(max(cachedTokens, 0), promptTokens))
+	e.predic += int64(r.cachedTokens)
+}
+
 // releaseLocked releases r if it is still held and returns its hash buffer
 // for reuse (outside the lock).
 func (p *Picker) releaseLocked(r *Reservation, now int64) *[]uint64 {
@@ -136,7 +160,6 @@ func (p *Picker) releaseLocked(r *Reservation, now int64) *[]uint64 {
 	r.prefill = 0
 	r.released = true
 	p.unlinkLocked(r)
-	p.releases++
 	buf := r.hashBuf
 	r.hashes, r.hashBuf = nil, nil
 	return buf
@@ -176,6 +199,7 @@ func (r *Reservation) moveLocked(addr netip.AddrPort, now int64) bool {
 	ids[0] = to.id
 	p.index.Match(r.hashes, ids, matched)
 	r.heldBefore = matched[0]
+	r.cachedTokens = p.heldTokens(matched[0])
 	if !r.decoding {
 		r.prefill = p.uncachedTokens(r.promptChars, matched[0])
 	}

@@ -76,7 +76,7 @@ func TestSubsetByIPDoesNotAllocate(t *testing.T) {
 	p := newPicker(t, 16, testConfig(), Options{})
 	req := Request{Model: model, Prompt: text("known", 8000), HasSubset: true,
 		Subset: []netip.AddrPort{netip.AddrPortFrom(addr(3).Addr(), 0), netip.AddrPortFrom(addr(5).Addr(), 9), addr(7)}}
-	hashes := prefix.Hash(nil, model, req.Prompt, p.cfg.BlockSizeChars)
+	hashes := prefix.HashSalted(nil, model, "", req.Prompt, p.cfg.BlockSizeChars)
 	r := &Reservation{p: p}
 	place := func() {
 		*r = Reservation{p: p, hashes: hashes, promptChars: len(req.Prompt)}

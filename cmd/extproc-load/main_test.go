@@ -58,9 +58,9 @@ func inProcessTally(t *testing.T) (*target, *picker.Picker) {
 	}
 	t.Cleanup(c.close)
 	ledger := func(context.Context) (stack.Ledger, error) {
-		var l stack.Ledger
-		l.InFlight, l.PrefillTokens = p.Totals()
-		for _, s := range p.Stats() {
+		snap := p.Snapshot()
+		l := stack.Ledger{InFlight: snap.InFlight, PrefillTokens: snap.PrefillTokens}
+		for _, s := range snap.Endpoints {
 			l.Endpoints = append(l.Endpoints, stack.LedgerEndpoint{
 				Pod: s.Endpoint.Pod, Endpoint: s.Endpoint.Address.String(),
 				InFlight: s.InFlight, PrefillTokens: s.PrefillTokens, Decoding: s.Decoding,
@@ -146,7 +146,8 @@ func TestChurnLeavesTheLedgerEmpty(t *testing.T) {
 		}
 	}
 	if !r.checked || !r.empty {
-		in, pre := p.Totals()
+		l := p.Snapshot()
+		in, pre := l.InFlight, l.PrefillTokens
 		t.Fatalf("ledger checked %v, empty %v (%s; totals %d in flight, %d prefill)", r.checked, r.empty, r.state, in, pre)
 	}
 }

@@ -123,7 +123,7 @@ func burst(t *testing.T, f *fixture, prefix string) [3]int {
 	mu.Lock()
 	failed := len(errs)
 	mu.Unlock()
-	if in, _ := f.picker.Totals(); in != burstStreams && failed == 0 {
+	if in := f.picker.Snapshot().InFlight; in != burstStreams && failed == 0 {
 		t.Errorf("with the whole burst placed and held: %d in flight, want %d", in, burstStreams)
 	}
 	close(allPlaced)

@@ -498,7 +498,8 @@ func eventually(t testing.TB, what string, cond func() (bool, string)) {
 
 // ledgerEmpty reports whether the picker holds no reservation at all.
 func ledgerEmpty(p *picker.Picker) (bool, string) {
-	inFlight, prefill := p.Totals()
+	l := p.Snapshot()
+	inFlight, prefill := l.InFlight, l.PrefillTokens
 	ok := inFlight == 0 && prefill == 0
 	var b strings.Builder
 	fmt.Fprintf(&b, "totals in-flight=%d prefill=%d;", inFlight, prefill)

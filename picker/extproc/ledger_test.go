@@ -114,7 +114,8 @@ func TestLedgerReturnsToZero(t *testing.T) {
 	}
 
 	eventually(t, "only the sentinels are held", func() (bool, string) {
-		in, prefill := f.picker.Totals()
+		l := f.picker.Snapshot()
+		in, prefill := l.InFlight, l.PrefillTokens
 		ok := in == len(sentinels) && prefill == 100*len(sentinels)
 		for _, s := range f.picker.Stats() {
 			ok = ok && s.InFlight == 1 && s.PrefillTokens == 100 && s.Decoding == 0
@@ -124,7 +125,7 @@ func TestLedgerReturnsToZero(t *testing.T) {
 	})
 	releaseSentinels()
 	eventually(t, "the ledger is empty", func() (bool, string) { return ledgerEmpty(f.picker) })
-	in, _ := f.picker.Totals()
+	in := f.picker.Snapshot().InFlight
 	t.Logf("successful picks %d, effective releases %d", picks.ok.Load(), picks.ok.Load()-int64(in))
 	eventually(t, "no stream left open", func() (bool, string) {
 		n := f.counter(t, "tally_streams_active", nil)

@@ -96,8 +96,8 @@ func requestCycles(b *testing.B, flow bool) {
 	b.ReportMetric(float64(len(times))/elapsed.Seconds(), "req/s")
 	b.ReportMetric(pct(0.50), "p50-ms")
 	b.ReportMetric(pct(0.99), "p99-ms")
-	if in, pre := f.picker.Totals(); in != 0 || pre != 0 {
-		b.Fatalf("ledger holds %d requests and %d prefill tokens after the run", in, pre)
+	if l := f.picker.Snapshot(); l.InFlight != 0 || l.PrefillTokens != 0 {
+		b.Fatalf("ledger holds %d requests and %d prefill tokens after the run", l.InFlight, l.PrefillTokens)
 	}
 }
 

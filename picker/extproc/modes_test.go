@@ -140,7 +140,7 @@ func TestEveryBodyModeRoutes(t *testing.T) {
 			if got[0] != want {
 				t.Errorf("the picker was asked %+v, want %+v", got[0], want)
 			}
-			if in, _ := f.picker.Totals(); in != 1 {
+			if in := f.picker.Snapshot().InFlight; in != 1 {
 				t.Errorf("in flight %d, want 1", in)
 			}
 			if err := x.respond(okResponse); err != nil {

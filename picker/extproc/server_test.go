@@ -69,8 +69,8 @@ func TestRoutesOneRequestAndReleasesIt(t *testing.T) {
 	if !bytes.Equal(r.body, req.body) {
 		t.Errorf("the body came back changed (%d bytes, sent %d)", len(r.body), len(req.body))
 	}
-	if in, prefill := f.picker.Totals(); in != 1 || prefill != 1000 {
-		t.Errorf("while the request is in flight: totals in-flight=%d prefill=%d, want 1 and 1000 (4000 chars / 4)", in, prefill)
+	if l := f.picker.Snapshot(); l.InFlight != 1 || l.PrefillTokens != 1000 {
+		t.Errorf("while the request is in flight: totals in-flight=%d prefill=%d, want 1 and 1000 (4000 chars / 4)", l.InFlight, l.PrefillTokens)
 	}
 	if s := statsOf(f.picker, netip.MustParseAddrPort(r.first())); s.InFlight != 1 {
 		t.Errorf("the chosen endpoint %s holds %d requests, want 1", r.first(), s.InFlight)
@@ -138,8 +138,8 @@ func TestBodilessRequestIsRoutedOnItsHeaders(t *testing.T) {
 	if r.immediate != nil || r.destination == "" || r.destination != r.metadata || !r.headersAnswer.GetClearRouteCache() {
 		t.Fatalf("got %+v, want a routed headers answer", r)
 	}
-	if in, prefill := f.picker.Totals(); in != 1 || prefill != 0 {
-		t.Errorf("totals in-flight=%d prefill=%d, want 1 request with no prefill", in, prefill)
+	if l := f.picker.Snapshot(); l.InFlight != 1 || l.PrefillTokens != 0 {
+		t.Errorf("totals in-flight=%d prefill=%d, want 1 request with no prefill", l.InFlight, l.PrefillTokens)
 	}
 	// A response without a body ends on its headers.
 	if err := x.respond(httpResponse{status: 200}); err != nil {
@@ -175,7 +175,7 @@ func TestBufferedModeRoutesInTheBodyAnswer(t *testing.T) {
 	if len(strings.Split(r.destination, ",")) != 3 || r.metadata != r.destination {
 		t.Errorf("body answer: destination %q, metadata %q, want the 3 endpoints in both", r.destination, r.metadata)
 	}
-	if in, _ := f.picker.Totals(); in != 1 {
+	if in := f.picker.Snapshot().InFlight; in != 1 {
 		t.Errorf("in flight %d, want 1", in)
 	}
 	if err := x.respond(okResponse); err != nil {
@@ -455,7 +455,8 @@ func TestEndpointRemovedWhileRequestsAreInFlight(t *testing.T) {
 	}
 	eventually(t, "old requests released from B's row, leaving the new one", func() (bool, string) {
 		b := statsOf(f.picker, epB)
-		in, prefill := f.picker.Totals()
+		l := f.picker.Snapshot()
+		in, prefill := l.InFlight, l.PrefillTokens
 		return b.InFlight == 1 && b.PrefillTokens == 300 && in == 2 && prefill == 600,
 			"B " + statsString(b) + "; " + func() string { _, s := ledgerEmpty(f.picker); return s }()
 	})
@@ -495,8 +496,8 @@ func TestServedByMovesTheReservation(t *testing.T) {
 	if c.InFlight != 1 || c.PrefillTokens != 500 {
 		t.Errorf("C after served-by: %s, want in-flight 1, prefill 500", statsString(c))
 	}
-	if in, prefill := f.picker.Totals(); in != 1 || prefill != 500 {
-		t.Errorf("totals in-flight=%d prefill=%d, want the one request, counted once", in, prefill)
+	if l := f.picker.Snapshot(); l.InFlight != 1 || l.PrefillTokens != 500 {
+		t.Errorf("totals in-flight=%d prefill=%d, want the one request, counted once", l.InFlight, l.PrefillTokens)
 	}
 	if err := x.sendResponseChunk(okResponse.chunks[0], false); err != nil {
 		t.Fatal(err)

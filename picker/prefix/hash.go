@@ -15,33 +15,29 @@ import (
 	"github.com/cespare/xxhash/v2"
 )
 
-// Hash appends to dst the chained hashes of the full blocks of prompt, each
-// blockSize bytes long, and returns the extended slice:
+// HashSalted appends to dst the chained hashes of the full blocks of
+// prompt, each blockSize bytes long, and returns the extended slice:
 //
-//	h_0 = xxhash(seed(model) ‖ xxhash(block_0))
+//	h_0 = xxhash(seed(model, salt) ‖ xxhash(block_0))
 //	h_i = xxhash(h_{i-1} ‖ xxhash(block_i))
 //
-// where seed(model) = xxhash(model) and ‖ is concatenation with the 64-bit
-// values written little-endian. Hashing each block alone, then the 16-byte
-// pair, needs no copy of the block next to the previous hash. The model name seeds the chain because two
-// models never share KV cache. A trailing partial block is not hashed: it
-// cannot be matched reliably and a model server caches whole blocks only.
-// Hash does not allocate when dst has capacity for len(prompt)/blockSize more
-// hashes. A blockSize below 1 hashes nothing.
-func Hash(dst []uint64, model string, prompt []byte, blockSize int) []uint64 {
-	return HashSalted(dst, model, "", prompt, blockSize)
-}
-
-// HashSalted is Hash for a request that carries a cache salt (vLLM's
-// "cache_salt"): a server never shares KV cache between requests whose
-// salts differ, so the salt seeds the chain with the model:
+// where ‖ is concatenation with the 64-bit values written little-endian.
+// Hashing each block alone, then the 16-byte pair, needs no copy of the
+// block next to the previous hash. The model name seeds the chain because
+// two models never share KV cache, and so does the request's cache salt
+// (vLLM's "cache_salt"): a server never shares KV cache between requests
+// whose salts differ.
 //
+//	seed(model, "")   = xxhash(model)
 //	seed(model, salt) = xxhash(model ‖ 0x00 ‖ salt)
 //
-// An empty salt is no salt: the chain is exactly Hash's. The NUL keeps
-// ("ab", "c") and ("a", "bc") apart; no served model name contains one. The
-// seed only steers placement: a crafted name that collided with it would
-// share routing, never a server's cache.
+// The NUL keeps ("ab", "c") and ("a", "bc") apart; no served model name
+// contains one. The seed only steers placement: a crafted name that
+// collided with it would share routing, never a server's cache. A trailing
+// partial block is not hashed: it cannot be matched reliably and a model
+// server caches whole blocks only. HashSalted does not allocate when dst has
+// capacity for len(prompt)/blockSize more hashes. A blockSize below 1
+// hashes nothing.
 func HashSalted(dst []uint64, model, salt string, prompt []byte, blockSize int) []uint64 {
 	if blockSize < 1 {
 		return dst

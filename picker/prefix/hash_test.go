@@ -24,7 +24,7 @@ func text(tag string, n int) []byte {
 func TestHashFollowsTheDocumentedChain(t *testing.T) {
 	for _, bs := range []int{16, 4096, 5000} {
 		prompt := text("p", 3*bs)
-		got := Hash(nil, "llama", prompt, bs)
+		got := HashSalted(nil, "llama", "", prompt, bs)
 		if len(got) != 3 {
 			t.Fatalf("block size %d: %d hashes, want 3", bs, len(got))
 		}
@@ -42,11 +42,11 @@ func TestHashFollowsTheDocumentedChain(t *testing.T) {
 
 func TestHashCountsOnlyFullBlocks(t *testing.T) {
 	for _, n := range []int{0, 1, 63, 64, 65, 127, 128, 130} {
-		if got := len(Hash(nil, "m", text("x", n), 64)); got != n/64 {
+		if got := len(HashSalted(nil, "m", "", text("x", n), 64)); got != n/64 {
 			t.Errorf("%d bytes: %d hashes, want %d", n, got, n/64)
 		}
 	}
-	if got := Hash(nil, "m", text("x", 640), 0); len(got) != 0 {
+	if got := HashSalted(nil, "m", "", text("x", 640), 0); len(got) != 0 {
 		t.Errorf("block size 0: %d hashes, want none", len(got))
 	}
 }
@@ -55,7 +55,7 @@ func TestHashChainsSoOnlyLeadingBlocksAgree(t *testing.T) {
 	a := text("a", 5*32)
 	b := bytes.Clone(a)
 	b[32+3] ^= 1 // differs inside block 1 only
-	ha, hb := Hash(nil, "m", a, 32), Hash(nil, "m", b, 32)
+	ha, hb := HashSalted(nil, "m", "", a, 32), HashSalted(nil, "m", "", b, 32)
 	if ha[0] != hb[0] {
 		t.Errorf("block 0 is identical but hashes differ")
 	}
@@ -67,7 +67,7 @@ func TestHashChainsSoOnlyLeadingBlocksAgree(t *testing.T) {
 
 	// The same content at two positions hashes differently.
 	same := bytes.Repeat([]byte("0123456789abcdef"), 2)
-	h := Hash(nil, "m", same, 16)
+	h := HashSalted(nil, "m", "", same, 16)
 	if h[0] == h[1] {
 		t.Errorf("identical blocks at different positions share a hash")
 	}
@@ -75,7 +75,7 @@ func TestHashChainsSoOnlyLeadingBlocksAgree(t *testing.T) {
 
 func TestHashIsSeededByModel(t *testing.T) {
 	p := text("p", 64)
-	if Hash(nil, "m1", p, 64)[0] == Hash(nil, "m2", p, 64)[0] {
+	if HashSalted(nil, "m1", "", p, 64)[0] == HashSalted(nil, "m2", "", p, 64)[0] {
 		t.Errorf("two models give the same block hash")
 	}
 }
@@ -83,11 +83,11 @@ func TestHashIsSeededByModel(t *testing.T) {
 func TestHashAppendsWithoutAllocating(t *testing.T) {
 	p := text("p", 64*100)
 	dst := append(make([]uint64, 0, 101), 42)
-	out := Hash(dst, "m", p, 64)
+	out := HashSalted(dst, "m", "", p, 64)
 	if len(out) != 101 || out[0] != 42 {
 		t.Fatalf("Hash did not append to dst: len %d, first %d", len(out), out[0])
 	}
-	allocs := testing.AllocsPerRun(100, func() { _ = Hash(dst[:0], "m", p, 64) })
+	allocs := testing.AllocsPerRun(100, func() { _ = HashSalted(dst[:0], "m", "", p, 64) })
 	if allocs != 0 {
 		t.Errorf("Hash allocated %.1f times per call with enough capacity, want 0", allocs)
 	}
@@ -102,7 +102,7 @@ func BenchmarkHash(b *testing.B) {
 			b.ReportAllocs()
 			start, ok := benchcpu.ProcessCPU()
 			for b.Loop() {
-				dst = Hash(dst[:0], "bench-model", p, 64)
+				dst = HashSalted(dst[:0], "bench-model", "", p, 64)
 			}
 			if end, ok2 := benchcpu.ProcessCPU(); ok && ok2 && end > start {
 				b.ReportMetric(float64(len(p))*float64(b.N)/1e6/(end-start).Seconds(), "cpu-MB/s")
@@ -113,10 +113,6 @@ func BenchmarkHash(b *testing.B) {
 
 func TestHashSaltedSeedsTheChainWithModelAndSalt(t *testing.T) {
 	p := text("p", 3*64)
-	// No salt is Hash, exactly.
-	if got, want := HashSalted(nil, "m", "", p, 64), Hash(nil, "m", p, 64); !slices.Equal(got, want) {
-		t.Fatalf("empty salt %x, want Hash's %x", got, want)
-	}
 	salted := HashSalted(nil, "m", "tenant-a", p, 64)
 	prev := xxhash.Sum64([]byte("m\x00tenant-a"))
 	for i, h := range salted {
@@ -129,7 +125,7 @@ func TestHashSaltedSeedsTheChainWithModelAndSalt(t *testing.T) {
 	// Every block differs between salts, models and no salt; the same salt
 	// gives the same chain.
 	others := [][]uint64{
-		Hash(nil, "m", p, 64),
+		HashSalted(nil, "m", "", p, 64),
 		HashSalted(nil, "m", "tenant-b", p, 64),
 		HashSalted(nil, "mt", "enant-a", p, 64),
 		HashSalted(nil, "m2", "tenant-a", p, 64),
@@ -157,7 +153,7 @@ func TestHashSaltedSeedsTheChainWithModelAndSalt(t *testing.T) {
 
 func TestHashTieredContinuesOneChain(t *testing.T) {
 	prompt := text("tiered", 64*10+256*3+100)
-	fine := Hash(nil, "m", prompt[:64*10], 64)
+	fine := HashSalted(nil, "m", "", prompt[:64*10], 64)
 	got := HashTiered(nil, "m", "", prompt, 64, 10, 256, 12)
 	if len(got) != 12 {
 		t.Fatalf("%d hashes, want 10 fine and 2 coarse (the cap)", len(got))

@@ -8,7 +8,7 @@ import (
 )
 
 // blocks returns n distinct chained hashes of a prompt named tag.
-func blocks(tag string, n int) []uint64 { return Hash(nil, "m", text(tag, n*16), 16) }
+func blocks(tag string, n int) []uint64 { return HashSalted(nil, "m", "", text(tag, n*16), 16) }
 
 func match(x *Index, hashes []uint64, ids ...int) []int {
 	out := make([]int, len(ids))
@@ -28,7 +28,7 @@ func TestMatchCountsLeadingBlocksPerEndpoint(t *testing.T) {
 		t.Errorf("match of the recorded prompt = %v, want %v", got, want)
 	}
 	// A prompt that shares the first 6 blocks with p, then diverges.
-	q := Hash(nil, "m", append(text("p", 6*16), text("q", 4*16)...), 16)
+	q := HashSalted(nil, "m", "", append(text("p", 6*16), text("q", 4*16)...), 16)
 	if got, want := match(x, q, d, c, b, a), []int{0, 0, 4, 6}; !slices.Equal(got, want) {
 		t.Errorf("match of a prompt diverging after 6 blocks = %v, want %v", got, want)
 	}
@@ -233,7 +233,7 @@ func testAgainstModel(t *testing.T, capacity int) {
 	var prompts [][]uint64
 	for i := range 12 {
 		base := text(fmt.Sprint("base", i%3), (i%5)*16)
-		prompts = append(prompts, Hash(nil, "m", append(base, text(fmt.Sprint("tail", i), 8*16)...), 16))
+		prompts = append(prompts, HashSalted(nil, "m", "", append(base, text(fmt.Sprint("tail", i), 8*16)...), 16))
 	}
 	x := NewIndex(capacity)
 	ref := &model{capacity: capacity, eps: map[int][]uint64{}, owner: map[[2]uint64]uint32{}}

@@ -141,12 +141,14 @@ func foreignOf(l stack.Ledger, pods []*stack.Pod) map[string]int {
 	return out
 }
 
-// expectShortfallForgotten sends one prompt through es's gateway four
-// times: once to place it, once to find it cached, once more after the
-// engine that holds it restarted (it delivers nothing from its cache, the
-// picker predicted the whole prompt) and once to see that the picker forgot
-// it. Streamed, the usage is in the last event (stream_options.include_usage).
-func expectShortfallForgotten(ctx context.Context, es *stack.Stack, pods []*stack.Pod, stream bool) {
+// expectShortfallBooked sends one prompt through es's gateway four times:
+// once to place it, once to find it cached, once more after the engine that
+// holds it restarted (it delivers nothing from its cache, the picker
+// predicted the whole prompt, and both are booked) and once to see that the
+// picker still predicts it there, where the restarted engine has computed it
+// again. Streamed, the usage is in the last event
+// (stream_options.include_usage).
+func expectShortfallBooked(ctx context.Context, es *stack.Stack, pods []*stack.Pod, stream bool) {
 	GinkgoHelper()
 	req := sameRequest(fmt.Sprintf("shortfall (stream %v): ", stream), 4, stream)
 	wantBlocks := steadyPromptTokens * engineCharsPerToken / engineBlockSizeChars
@@ -156,13 +158,11 @@ func expectShortfallForgotten(ctx context.Context, es *stack.Stack, pods []*stac
 		// read and readPredicted are the delivered and predicted cached
 		// tokens the picker counted from the response's usage.
 		read, readPredicted int
-		forgotten           float64
 	}
 	// sendOne sends the prompt through the gateway, waits until the
 	// picker has released it (the usage is read then), and returns
 	// where it went, what the engine delivered from its cache, what
-	// the picker predicted, what it read of the usage and the blocks it
-	// forgot.
+	// the picker predicted and what it read of the usage.
 	sendOne := func(what string) step {
 		GinkgoHelper()
 		before, err := es.PickerMetrics(ctx)
@@ -179,7 +179,6 @@ func expectShortfallForgotten(ctx context.Context, es *stack.Stack, pods []*stac
 			predicted:     int(counter(after, "tally_prefix_cached_tokens_total") - counter(before, "tally_prefix_cached_tokens_total")),
 			read:          int(after.Sum("tally_endpoint_delivered_cached_tokens_total") - before.Sum("tally_endpoint_delivered_cached_tokens_total")),
 			readPredicted: int(after.Sum("tally_endpoint_predicted_cached_tokens_total") - before.Sum("tally_endpoint_predicted_cached_tokens_total")),
-			forgotten:     counter(after, "tally_cache_shortfall_forgotten_blocks_total") - counter(before, "tally_cache_shortfall_forgotten_blocks_total"),
 		}
 	}
 	first := sendOne("shortfall-first")
@@ -207,15 +206,16 @@ func expectShortfallForgotten(ctx context.Context, es *stack.Stack, pods []*stac
 	Expect(repeat.cached).To(BeNumerically(">", 0), "the engine delivers it: %+v", repeat)
 	Expect(repeat.read).To(Equal(repeat.cached), "the picker reads the repeat's usage: %+v", repeat)
 	Expect(repeat.readPredicted).To(Equal(repeat.predicted), "%+v", repeat)
-	Expect(repeat.forgotten).To(BeZero(), "a delivery within a block of the prediction forgets nothing: %+v", repeat)
 	Expect(shortfall.pod).To(Equal(first.pod), "the picker still believed %s held the prefix: %+v", first.pod, shortfall)
 	Expect(shortfall.predicted).To(BeNumerically(">", 0), "%+v", shortfall)
 	Expect(shortfall.cached).To(BeZero(), "the reset engine had nothing cached: %+v", shortfall)
-	Expect(shortfall.forgotten).To(Equal(float64(wantBlocks)), "every block of the prompt is forgotten on %s: %+v", first.pod, shortfall)
-	// A picker that counts the shortfall but forgets nothing predicted
-	// the whole prompt again (1,024 tokens) for the next pick. Scrapes
-	// play no part here: the usage comes in the response.
-	Expect(next.predicted).To(BeZero(), "the next pick no longer sees the prefix on %s: %+v", first.pod, next)
+	Expect(shortfall.read).To(BeZero(), "the picker books what the engine delivered: %+v", shortfall)
+	Expect(shortfall.readPredicted).To(Equal(shortfall.predicted), "and what it predicted: %+v", shortfall)
+	// The engine computed the whole prompt for the shortfall's request and
+	// keeps it: the next pick predicts it there, and the engine delivers it.
+	Expect(next.pod).To(Equal(first.pod), "the next request goes where the prefix is again: %+v", next)
+	Expect(next.predicted).To(BeNumerically(">", 0), "%+v", next)
+	Expect(next.cached).To(BeNumerically(">", 0), "the restarted engine holds the prompt it computed: %+v", next)
 }
 
 var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailure, func() {
@@ -316,8 +316,8 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 		}
 	}, SpecTimeout(2*time.Minute))
 
-	It("forgets the prefix blocks an engine did not deliver from its cache", func(ctx SpecContext) {
-		expectShortfallForgotten(ctx, es, pods, false)
+	It("books an engine's shortfall of cached tokens and keeps the prompt it recomputed", func(ctx SpecContext) {
+		expectShortfallBooked(ctx, es, pods, false)
 	}, SpecTimeout(time.Minute))
 
 	It("leaves a pod whose metrics fail out of the picks until they succeed again", func(ctx SpecContext) {
@@ -374,8 +374,8 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 
 	// Last: streamed responses teach the picker the engines' prefill rate,
 	// which would drain the held requests of the specs above.
-	It("forgets them when the usage comes at the end of a stream too", func(ctx SpecContext) {
-		expectShortfallForgotten(ctx, es, pods, true)
+	It("books them when the usage comes at the end of a stream too", func(ctx SpecContext) {
+		expectShortfallBooked(ctx, es, pods, true)
 	}, SpecTimeout(time.Minute))
 })
 

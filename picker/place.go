@@ -1,0 +1,125 @@
+package picker
+
+// placeLocked is the critical section of a pick: score, choose, reserve and
+// record, all against the same view of the ledger and the prefix index.
+//
+// The cost of an endpoint estimates the request's time to first token there,
+// in prefill tokens: the prefill the model says is still queued on it, plus
+// the load its engine reports beyond the ledger (foreign load, engine.go),
+// plus this request's prompt tokens it does not hold, plus a weight per
+// request decoding on it. Because the cost includes the request's own uncached
+// tokens, a shared prefix pulls only as much as the tokens it saves: once the
+// queue on its holder is longer than the saving, the next request goes
+// elsewhere (and records the prefix there too).
+func (p *Picker) placeLocked(r *Reservation, req Request) error {
+	cands := p.candidatesLocked(req)
+	if len(cands) == 0 {
+		return ErrNoEndpoint
+	}
+	ids, matched := p.candIDs[:len(cands)], p.matched[:len(cands)]
+	for i, c := range cands {
+		ids[i] = c.id
+	}
+	p.index.Match(r.hashes, ids, matched)
+
+	for _, c := range cands {
+		c.drain(r.pickedNs)
+	}
+	if len(p.detachedDue) > 0 {
+		p.expireDetachedLocked(r.pickedNs)
+	}
+
+	eligible, free := 0, 0
+	for i, c := range cands {
+		queued := c.queued()
+		foreign := c.engine.foreignCost(r.pickedNs)
+		c.uncached = p.uncachedTokens(r.promptChars, matched[i])
+		c.cost = queued + foreign + c.uncached + p.cfg.DecodeWeightTokens*c.decoding
+		c.saturated = p.overLimitLocked(c, queued)
+		c.taken = c.saturated
+		if !c.saturated {
+			eligible++
+			if !p.flowOn || !p.flowFullLocked(c, queued+foreign) {
+				free++
+			}
+		}
+	}
+	// Flow control's threshold decides whether the request may be placed
+	// now, not where: a saturated endpoint whose prefix saves more than its
+	// queue costs is still the cheapest place. (Placing only where capacity
+	// freed cost a trace replay at 80% load half its prefix hits, and its
+	// TTFT p50 went from 395 to 671 times the bound: cmd/routesim.)
+	if free == 0 {
+		return ErrSaturated
+	}
+	if p.loraSeen {
+		eligible -= p.adapterCostLocked(cands, req.Model, r.promptTokens)
+	}
+
+	first := p.bestLocked(cands)
+	cands[first].taken = true
+	r.endpoints[0] = cands[first].ep.Address
+	r.nEndpoints = min(eligible, p.cfg.FallbackEndpoints)
+	for k := 1; k < r.nEndpoints; k++ {
+		next := cands[p.bestLocked(cands)]
+		next.taken = true
+		r.endpoints[k] = next.ep.Address
+	}
+
+	c := cands[first]
+	if p.isAdapter(c, req.Model) {
+		r.adapter = req.Model
+	}
+	p.owners++
+	r.owner = p.owners
+	r.row = c
+	r.prefill = c.uncached
+	r.heldBefore = matched[first]
+	r.cachedBlocks = matched[first]
+	r.cachedTokens = p.heldTokens(matched[first])
+	c.hold(r, r.pickedNs)
+	p.meanPromptTokens += (float64(r.promptTokens) - p.meanPromptTokens) * meanPromptWeight
+	p.linkLocked(r)
+	// The head of the prompt (its first 32,000 tokens or so) is recorded
+	// here; a longer tail right after, in a lock hold of its own (Pick), so
+	// that a huge prompt holds this critical section no longer than a
+	// 32,000-token one.
+	p.index.Record(c.id, r.hashes[:min(len(r.hashes), p.blocks.inLock)], r.owner)
+	r.tailOn = c
+	return nil
+}
+
+// bestLocked returns the index of the cheapest candidate not yet taken,
+// choosing uniformly at random among exact ties: list order must never
+// decide, or idle pools would load their first endpoint.
+func (p *Picker) bestLocked(cands []*row) int {
+	best, ties := -1, 0
+	for i, c := range cands {
+		switch {
+		case c.taken:
+		case best < 0 || c.cost < cands[best].cost:
+			best, ties = i, 1
+		case c.cost == cands[best].cost:
+			ties++
+			if p.rand.IntN(ties) == 0 {
+				best = i
+			}
+		}
+	}
+	return best
+}
+
+// heldTokens estimates the prompt tokens of matchedBlocks leading blocks.
+func (p *Picker) heldTokens(matchedBlocks int) int {
+	return p.blocks.chars(matchedBlocks) / p.cfg.CharsPerToken
+}
+
+// uncachedTokens estimates the prompt tokens an endpoint holding
+// matchedBlocks leading blocks still has to prefill: at least one for any
+// prompt, since the last token is always computed.
+func (p *Picker) uncachedTokens(promptChars, matchedBlocks int) int {
+	if promptChars == 0 {
+		return 0
+	}
+	return max(p.tokens(promptChars-p.blocks.chars(matchedBlocks)), 1)
+}

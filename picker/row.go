@@ -1,0 +1,195 @@
+package picker
+
+import (
+	"math"
+	"net/netip"
+)
+
+// row is one endpoint's line in the ledger. Reservations point at their row,
+// never at an address, and a row is identified by its pod's UID (rowKey), so
+// a readiness flap hands the same row back and another pod at the same
+// address never inherits it.
+//
+// A row is current while its endpoint is in the set (a candidate), retained
+// after it leaves while it still holds reservations or for the retention
+// window, and dropped after that; a dropped row holds no reservations.
+//
+// A row's counters are the sums over the unreleased reservations that point
+// at it, so they never go negative: hold and drop are the only places that
+// change them, besides endPrefill, which moves a reservation from prefill to
+// decoding.
+type row struct {
+	ep      Endpoint
+	key     rowKey
+	id      int // prefix index id until dropped
+	current bool
+	dropped bool
+	leftAt  int64 // clock (ns) when it left the set, while retained
+
+	inFlight int // reserved and not released
+	prefill  int // prefill tokens of its reservations still in prefill
+	decoding int // past their first byte, or past their modelled prefill
+
+	// The prefill drain model (see the package doc). posIn counts the
+	// prefill tokens ever queued here and posOut those the model says are
+	// computed, as of at; both are positions in one FIFO, so a
+	// reservation's prefill is done when posOut reaches its endPos.
+	rate          float64 // tokens per second
+	posIn, posOut float64
+	at            int64
+	// How this endpoint's prefill differs from the pool's, learned from
+	// its streamed first bytes, and the floor its engine's own prefill
+	// timing sets (ratefit.go).
+	rates endpointRate
+	// Reservations still in prefill, in the order they joined the queue.
+	qHead, qTail *Reservation
+	// Detached reservations (detach.go), in the order they were detached.
+	detached     int
+	dHead, dTail *Reservation
+
+	// What the engine's metrics say (see engine.go).
+	engine engineView
+	// adapterRefs counts the requests in flight here by LoRA adapter, and
+	// recentAdapters are the last max_lora adapters used here, most recent
+	// first (adapters.go).
+	adapterRefs    map[string]int
+	recentAdapters []string
+
+	// Scratch of the pick in progress (under the lock).
+	mark      uint64
+	uncached  int // this request's uncached prompt tokens here
+	cost      int
+	saturated bool
+	loraFull  bool // runs max_lora other adapters
+	taken     bool // chosen already, or not eligible
+}
+
+// rowKey identifies an endpoint across endpoint sets: its pod UID and
+// address, or, for callers that give no UID, its pod name and address.
+type rowKey struct {
+	uid, pod string
+	addr     netip.AddrPort
+}
+
+func identity(ep Endpoint) rowKey {
+	if ep.UID != "" {
+		return rowKey{uid: ep.UID, addr: key(ep.Address)}
+	}
+	return rowKey{pod: ep.Pod, addr: key(ep.Address)}
+}
+
+// key is the form addresses take in byAddr: an IPv4 endpoint may be named
+// in IPv4-mapped IPv6 form by a gateway.
+func key(a netip.AddrPort) netip.AddrPort {
+	return netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
+}
+
+// advance moves the drain model to now: the queue has drained at rate since
+// the last update, never past what was queued.
+func (w *row) advance(now int64) {
+	if now <= w.at {
+		return
+	}
+	w.posOut = min(w.posIn, w.posOut+w.rate*float64(now-w.at)/1e9)
+	w.at = now
+}
+
+// drain advances the model and moves every reservation whose modelled
+// prefill is done to decoding: amortised O(1), since each reservation leaves
+// the queue once.
+func (w *row) drain(now int64) {
+	fromAt, fromOut := w.at, w.posOut
+	w.advance(now)
+	for r := w.qHead; r != nil && (r.endPos <= w.posOut || w.posOut >= w.posIn); r = w.qHead {
+		// When the model's position passed its end: its decoding started
+		// then, not at this (lazy) drain.
+		end := fromAt + int64(max(r.endPos-fromOut, 0)/w.rate*1e9)
+		w.endPrefill(r, now)
+		if r.detached {
+			r.p.scheduleDetachedLocked(r, min(max(end, r.enqueuedAt), now))
+		}
+	}
+}
+
+// queued is the modelled prefill still to compute here, in tokens (call
+// drain first).
+func (w *row) queued() int {
+	return min(w.prefill, max(int(math.Ceil(w.posIn-w.posOut)), 0))
+}
+
+// hold adds r to the row: its request, and its prefill at the back of the
+// queue (or its decoding).
+func (w *row) hold(r *Reservation, now int64) {
+	w.inFlight++
+	w.holdAdapter(r)
+	w.engine.peak = max(w.engine.peak, w.inFlight)
+	if r.decoding {
+		w.decoding++
+		return
+	}
+	w.advance(now)
+	ahead := w.queued()
+	w.prefill += r.prefill
+	w.posIn += float64(r.prefill)
+	r.endPos = w.posIn
+	r.work = ahead + r.prefill
+	r.enqueuedAt = now
+	r.qPrev, r.qNext = w.qTail, nil
+	if w.qTail != nil {
+		w.qTail.qNext = r
+	} else {
+		w.qHead = r
+	}
+	w.qTail = r
+}
+
+// drop takes r off the row, whatever it holds there.
+func (w *row) drop(r *Reservation, now int64) {
+	w.inFlight--
+	w.dropAdapter(r)
+	w.engine.trough = min(w.engine.trough, w.inFlight)
+	if r.decoding {
+		w.decoding--
+		return
+	}
+	w.leaveQueue(r, now)
+}
+
+// endPrefill moves r from prefill to decoding: its first byte came, or the
+// model says its prefill is done.
+func (w *row) endPrefill(r *Reservation, now int64) {
+	w.leaveQueue(r, now)
+	r.prefill = 0
+	r.decoding = true
+	w.decoding++
+}
+
+// leaveQueue takes r's prefill out of the queue before the model finished
+// it. What the model still counted for r leaves the queue with it: at the
+// head by moving posOut (everything behind moves up, exactly), elsewhere by
+// moving posIn (later reservations keep their positions and finish a little
+// late, until the queue empties).
+func (w *row) leaveQueue(r *Reservation, now int64) {
+	w.advance(now)
+	rem := min(float64(r.prefill), max(r.endPos-w.posOut, 0))
+	if r == w.qHead {
+		w.posOut += rem
+	} else {
+		w.posIn -= rem
+	}
+	if r.qPrev != nil {
+		r.qPrev.qNext = r.qNext
+	} else {
+		w.qHead = r.qNext
+	}
+	if r.qNext != nil {
+		r.qNext.qPrev = r.qPrev
+	} else {
+		w.qTail = r.qPrev
+	}
+	r.qPrev, r.qNext = nil, nil
+	w.prefill -= r.prefill
+	if w.qHead == nil { // nothing in prefill: the model has nothing queued
+		w.posIn, w.posOut = 0, 0
+	}
+}
