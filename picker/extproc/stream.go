@@ -1,7 +1,6 @@
 package extproc
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
@@ -58,15 +57,10 @@ type stream struct {
 	// decided: the request phase is over (routed, or left to the gateway).
 	decided bool
 	// loadOnly: routed on its headers while its body passes by unread.
-	loadOnly  bool
-	res       *picker.Reservation // nil until routed, and again once released or detached
-	firstByte bool
-	// responseSeen: a response phase message came. A stream that ends
-	// before one does was cut at the pick by the gateway (see halfClosed).
-	responseSeen bool
-	// events counts the response's SSE events ("data:" lines): its output
-	// tokens when its usage does not say.
-	events int
+	loadOnly bool
+	res      *picker.Reservation // nil until routed, and again once released or detached
+	// resp follows the response, and owns what the stream reads of it.
+	resp response
 	// up follows the request for the upstream picker's metrics.
 	up requestMetrics
 }
@@ -273,16 +267,16 @@ func (st *stream) requestTrailers() error {
 }
 
 func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) error {
-	st.responseSeen = true
+	st.resp.headers(h.GetHeaders())
 	if addr, ok := servedBy(md); ok && st.res != nil {
 		st.res.ServedBy(addr)
 	}
 	if code, err := strconv.Atoi(headerValue(h.GetHeaders(), ":status")); err == nil && code >= 500 {
 		st.s.metrics.upstreamErrors.Inc()
 	}
-	st.up.responseHeaders(h.GetHeaders(), h.GetEndOfStream())
+	st.up.responseHeaders(h.GetHeaders())
 	if h.GetEndOfStream() {
-		st.release()
+		st.responseEnd()
 	}
 	if !st.s.opts.ConformanceTestHooks {
 		return st.send(answerResponseHeaders)
@@ -296,17 +290,13 @@ func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders)
 }
 
 func (st *stream) responseBody(b *extprocv3.HttpBody) error {
-	st.responseSeen = true
-	if !st.firstByte && len(b.GetBody()) > 0 {
-		st.firstByte = true
-		if st.res != nil {
-			st.res.FirstByte()
-		}
+	if !st.resp.firstByte && len(b.GetBody()) > 0 && st.res != nil {
+		st.res.FirstByte()
 	}
-	st.events += bytes.Count(b.GetBody(), dataPrefix)
-	st.up.responseBody(b.GetBody(), b.GetEndOfStream())
+	st.resp.body(b.GetBody(), st.res != nil, &st.s.tails)
+	st.up.responseBody(len(b.GetBody()))
 	if b.GetEndOfStream() {
-		st.release()
+		st.responseEnd()
 	}
 	if st.responseMode == fullDuplex {
 		return st.send(&bodyEcho{response: true, chunk: b.GetBody(), endOfStream: b.GetEndOfStream()})
@@ -315,10 +305,16 @@ func (st *stream) responseBody(b *extprocv3.HttpBody) error {
 }
 
 func (st *stream) responseTrailers() error {
-	st.responseSeen = true
-	st.up.responseEnd()
-	st.release()
+	st.resp.seen = true
+	st.responseEnd()
 	return st.send(answerResponseTrailers)
+}
+
+// responseEnd runs when the response has been seen to its end.
+func (st *stream) responseEnd() {
+	st.resp.ended = true
+	st.up.responseEnd(&st.resp)
+	st.release()
 }
 
 // routeBody routes the request on its buffered body, passes the body on in
@@ -555,7 +551,7 @@ func (st *stream) violation(what string) error {
 // phases): the request runs on the model server after the stream ends, so
 // its reservation is detached, not released (picker/detach.go).
 func (st *stream) halfClosed() {
-	if st.res != nil && !st.responseSeen {
+	if st.res != nil && !st.resp.seen {
 		st.res.Detach()
 		st.res = nil
 	}
@@ -567,33 +563,14 @@ func (st *stream) release() {
 	}
 	res := st.res
 	st.res = nil // released once: close runs release again
-	u, ok := st.up.usage, st.up.hasUsage
-	if !ok && st.up.tail.buf != nil && !st.up.tailRead {
-		// The stream ended before the response did (a client closing at
-		// "data: [DONE]"): the usage may be in what arrived. The tail is
-		// read once: reading rotates it.
-		st.up.tailRead = true
-		u, ok = parseUsage(st.up.tail.bytes())
-	}
-	if ok && u.hasCached {
+	if u, ok := st.resp.usage(); ok && u.hasCached {
 		// What the engine really had cached corrects the prefix index.
 		res.Delivered(u.promptTokens, u.cachedTokens)
 	}
-	if out := st.outputTokens(u, ok); out > 0 && st.responseSeen {
+	if out := st.resp.outputTokens(); out > 0 && st.resp.seen {
 		res.Completed(out)
 	}
 	res.Release()
-}
-
-var dataPrefix = []byte("data:")
-
-// outputTokens is the response's output tokens: its usage's, else its SSE
-// events less the final [DONE], else 0 (unknown).
-func (st *stream) outputTokens(u usage, hasUsage bool) int {
-	if hasUsage && u.completionTokens > 0 {
-		return u.completionTokens
-	}
-	return max(st.events-1, 0)
 }
 
 // dropBody gives the body buffer back to the pool and its bytes back to the
@@ -612,6 +589,7 @@ func (st *stream) close() {
 	st.release()
 	st.dropBody()
 	st.up.closed()
+	st.resp.close(&st.s.tails)
 }
 
 // send sends one answer: a *extprocv3.ProcessingResponse, or one the codec
