@@ -102,6 +102,10 @@ type Server struct {
 	// loadOnlyWarned makes the body-mode warning a once-per-process line
 	// rather than one per request.
 	loadOnlyWarned atomic.Bool
+	// unannouncedStreams: a gateway that announced no body mode has sent a
+	// body before its headers were answered, so it streams
+	// (FULL_DUPLEX_STREAMED); see unannouncedBodyWait.
+	unannouncedStreams atomic.Bool
 	// upstream are the request metrics under the upstream picker's names.
 	upstream *objectiveMetrics
 }

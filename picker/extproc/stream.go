@@ -7,6 +7,8 @@ import (
 	"net/netip"
 	"runtime/debug"
 	"strconv"
+	"sync/atomic"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -30,9 +32,16 @@ type stream struct {
 	s   *Server
 	srv extprocv3.ExternalProcessor_ProcessServer
 
-	// Body modes the gateway announced in protocol_config; the gateway's
-	// configuration (FULL_DUPLEX_STREAMED both ways) when it announced none.
+	// Body modes the gateway announced in protocol_config; when it
+	// announced none, FULL_DUPLEX_STREAMED both ways until the gateway's
+	// silence says otherwise (see awaitBody).
 	requestMode, responseMode filterv3.ProcessingMode_BodySendMode
+	announced                 bool
+	// wait is the pending inference of an unannounced body mode.
+	wait *bodyWait
+	// inferred: no mode was announced, and the gateway waited for the
+	// headers answer: BUFFERED, as far as the picker can tell.
+	inferred bool
 
 	headersSeen   bool
 	path, method  string
@@ -72,6 +81,16 @@ func (s *Server) newStream(srv extprocv3.ExternalProcessor_ProcessServer) *strea
 func (st *stream) handle(req *extprocv3.ProcessingRequest) error {
 	if pc := req.GetProtocolConfig(); pc != nil {
 		st.requestMode, st.responseMode = pc.GetRequestBodyMode(), pc.GetResponseBodyMode()
+		st.announced = true
+	}
+	if st.wait != nil {
+		if st.settleWait() {
+			// The headers were answered for want of a body: the gateway
+			// waits for each answer.
+			st.requestMode, st.responseMode, st.inferred = buffered, buffered, true
+		} else if req.GetRequestBody() != nil {
+			st.s.unannouncedStreams.Store(true)
+		}
 	}
 	if v := st.outOfOrder(req); v != "" {
 		return st.violation(v)
@@ -159,17 +178,98 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	}
 	switch st.requestMode {
 	case fullDuplex:
+		if !st.announced && !st.s.unannouncedStreams.Load() {
+			st.awaitBody()
+		}
 		return nil // answered once the body is complete
 	case buffered:
 		// Envoy holds the body back until its headers are answered, and
 		// applies the body answer's header mutation: the destination goes
 		// there.
-		return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
-			RequestHeaders: &extprocv3.HeadersResponse{Response: unrouted()},
-		}})
+		return st.send(headersUnrouted)
 	default:
 		return st.routeOnLoad()
 	}
+}
+
+var headersUnrouted = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
+	RequestHeaders: &extprocv3.HeadersResponse{Response: unrouted()},
+}}
+
+// unannouncedBodyWait is how long a stream whose gateway announced no body
+// mode waits for the first body message before it takes the gateway for one
+// that waits for the headers answer.
+//
+// Envoy announces its body modes in protocol_config from version 1.35 on;
+// an older Envoy announces nothing, and the picker must tell from the
+// messages. At the request headers, the modes cannot be told apart; what
+// the gateway does next can. In FULL_DUPLEX_STREAMED the body follows the
+// headers unasked, and the headers answer must wait for it (it carries the
+// destination, chosen on the body). In BUFFERED (and STREAMED) the gateway
+// sends nothing until the headers are answered. So the picker waits for
+// the body as in FULL_DUPLEX_STREAMED, and if none has come after
+// unannouncedBodyWait it answers the headers unrouted, as in BUFFERED, and
+// reads the next message as BUFFERED's: the whole body with end_of_stream,
+// answered with a body answer (a CommonResponse) that carries the
+// destination, and the response answered in BUFFERED's shape too. A first
+// body message without end_of_stream is STREAMED's, BUFFERED_PARTIAL's or
+// BUFFERED's with trailers: the headers have gone on without a destination
+// and a body answer's header mutation is applied in BUFFERED only, so the
+// request is refused with a message that says to announce the mode.
+//
+// The wait is shorter than Envoy's default message_timeout (200 ms), past
+// which a BUFFERED Envoy fails the request. Its cost: an unannounced
+// BUFFERED gateway's request waits this long at its headers. Its risk: an
+// unannounced FULL_DUPLEX_STREAMED gateway whose body comes later than this
+// (a slow client, or a picker short of CPU) would be taken for a BUFFERED
+// one. So the first body that comes unasked settles the question for the
+// server: its gateway streams, and no later unannounced stream is timed
+// (Server.unannouncedStreams). A picker serving both an unannounced
+// FULL_DUPLEX_STREAMED gateway and an unannounced BUFFERED one serves the
+// BUFFERED one's requests only until the first has shown itself; Envoy
+// 1.35 and later announce their modes, and none of this applies.
+const unannouncedBodyWait = 100 * time.Millisecond
+
+// bodyWait is the inference of an unannounced body mode: a timer that
+// answers the headers unrouted unless a message comes first. The timer's
+// goroutine sends at most once, while the stream's goroutine waits in
+// Recv; settleWait makes every later send the stream's goroutine's.
+type bodyWait struct {
+	state    atomic.Int32 // waitPending, then waitSettled or waitAnswering
+	timer    *time.Timer
+	answered chan struct{} // closed once the timer's answer is sent
+}
+
+const (
+	waitPending = iota
+	waitSettled
+	waitAnswering
+)
+
+func (st *stream) awaitBody() {
+	w := &bodyWait{answered: make(chan struct{})}
+	srv := st.srv
+	w.timer = time.AfterFunc(unannouncedBodyWait, func() {
+		if !w.state.CompareAndSwap(waitPending, waitAnswering) {
+			return
+		}
+		_ = srv.SendMsg(headersUnrouted) // a failure ends the stream's Recv too
+		close(w.answered)
+	})
+	st.wait = w
+}
+
+// settleWait ends the wait: it reports whether the timer answered the
+// headers, and returns once that answer is sent.
+func (st *stream) settleWait() bool {
+	w := st.wait
+	st.wait = nil
+	if w.state.CompareAndSwap(waitPending, waitSettled) {
+		w.timer.Stop()
+		return false
+	}
+	<-w.answered
+	return true
 }
 
 // routeOnLoad routes, on its headers, a request whose body the picker will
@@ -202,6 +302,12 @@ func (st *stream) requestBody(b *extprocv3.HttpBody) error {
 		return st.send(answerRequestBody)
 	case st.decided:
 		return nil // nothing is expected after the body's end; ignore stragglers
+	}
+	if st.inferred && !b.GetEndOfStream() {
+		// STREAMED or BUFFERED_PARTIAL (or BUFFERED with trailers): the
+		// headers have gone on, so no answer left can carry the
+		// destination. Refused, with what would serve it.
+		return st.reject(errUnannouncedStreamed)
 	}
 	if err := st.buffer(b.GetBody()); err != nil {
 		return st.reject(err)
@@ -586,6 +692,9 @@ func (st *stream) dropBody() {
 
 // close runs when the stream ends, however it ends.
 func (st *stream) close() {
+	if st.wait != nil {
+		st.settleWait() // no answer is sent once the stream is done
+	}
 	st.release()
 	st.dropBody()
 	st.up.closed()
