@@ -111,15 +111,7 @@ func TestEveryBodyModeRoutes(t *testing.T) {
 				rec = &recording{Picker: p}
 				return rec
 			}})
-			// A stream that stalls fails here rather than at the test's
-			// deadline.
-			ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-			defer cancel()
-			x, err := f.gw.open(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer x.cancel()
+			x := openWithin(t, f)
 			x.responseMode = tc.mode // not announced: the request's mode, inferred, serves the response
 
 			if err := x.send(headersMessage("/v1/completions", body, tc.mode, tc.announce)); err != nil {
@@ -486,13 +478,7 @@ func msgs(m ...*extprocv3.ProcessingRequest) []*extprocv3.ProcessingRequest { re
 // with what to configure, not passed on unrouted or left to stall.
 func TestUnannouncedStreamedBodyIsRefused(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
-	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-	defer cancel()
-	x, err := f.gw.open(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.cancel()
+	x := openWithin(t, f)
 	body := []byte(`{"model":"m","prompt":"` + letters(71, 3000) + `"}`)
 	if err := x.send(headersMessage("/v1/completions", body, filterv3.ProcessingMode_STREAMED, false)); err != nil {
 		t.Fatal(err)
@@ -524,11 +510,7 @@ func TestUnannouncedStreamingGatewayIsNotTimedAgain(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
 	body := []byte(`{"model":"m","prompt":"` + letters(72, 3000) + `"}`)
 	for i, delay := range []time.Duration{0, 300 * time.Millisecond} {
-		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-		x, err := f.gw.open(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
+		x := openWithin(t, f)
 		if err := x.send(headersMessage("/v1/completions", body, fullDuplexMode, false)); err != nil {
 			t.Fatal(err)
 		}
@@ -538,7 +520,19 @@ func TestUnannouncedStreamingGatewayIsNotTimedAgain(t *testing.T) {
 		if err := x.respond(okResponse); err != nil {
 			t.Fatalf("request %d: %v", i, err)
 		}
-		x.cancel()
-		cancel()
 	}
+}
+
+// openWithin opens a stream that a stall fails within seconds rather than
+// at the test's deadline; it ends with the test.
+func openWithin(t *testing.T, f *fixture) *exchange {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	t.Cleanup(cancel)
+	x, err := f.gw.open(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(x.cancel)
+	return x
 }
