@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -97,6 +98,9 @@ func TestEveryBodyModeRoutes(t *testing.T) {
 		{name: "FULL_DUPLEX_STREAMED, not announced", mode: fullDuplexMode, chunks: 3},
 		{name: "FULL_DUPLEX_STREAMED", mode: fullDuplexMode, announce: true, chunks: 3},
 		{name: "BUFFERED", mode: filterv3.ProcessingMode_BUFFERED, announce: true, chunks: 1},
+		// An older Envoy announces no mode: one that waits for the headers
+		// answer before it sends the body is told by its silence.
+		{name: "BUFFERED, not announced", mode: filterv3.ProcessingMode_BUFFERED, chunks: 1},
 		{name: "BUFFERED_PARTIAL", mode: filterv3.ProcessingMode_BUFFERED_PARTIAL, announce: true, chunks: 1, loadOnly: true},
 		{name: "STREAMED", mode: filterv3.ProcessingMode_STREAMED, announce: true, chunks: 3, loadOnly: true},
 		{name: "NONE", mode: filterv3.ProcessingMode_NONE, announce: true, chunks: 0, loadOnly: true},
@@ -107,15 +111,9 @@ func TestEveryBodyModeRoutes(t *testing.T) {
 				rec = &recording{Picker: p}
 				return rec
 			}})
-			x, err := f.gw.open(t.Context())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer x.cancel()
-			x.responseMode = tc.mode
-			if !tc.announce {
-				x.responseMode = fullDuplexMode
-			}
+			x := openWithin(t, f)
+			x.responseMode = tc.mode // not announced: the request's mode, inferred, serves the response
+
 			if err := x.send(headersMessage("/v1/completions", body, tc.mode, tc.announce)); err != nil {
 				t.Fatal(err)
 			}
@@ -473,3 +471,68 @@ func TestMalformedStreamsAreAnsweredNotRouted(t *testing.T) {
 }
 
 func msgs(m ...*extprocv3.ProcessingRequest) []*extprocv3.ProcessingRequest { return m }
+
+// A gateway that announces no mode, waits for the headers answer, then
+// streams the body in pieces is in STREAMED mode (or BUFFERED_PARTIAL): the
+// headers answer has gone without a destination, so the request is refused
+// with what to configure, not passed on unrouted or left to stall.
+func TestUnannouncedStreamedBodyIsRefused(t *testing.T) {
+	f := newFixture(t, fixtureOptions{})
+	x := openWithin(t, f)
+	body := []byte(`{"model":"m","prompt":"` + letters(71, 3000) + `"}`)
+	if err := x.send(headersMessage("/v1/completions", body, filterv3.ProcessingMode_STREAMED, false)); err != nil {
+		t.Fatal(err)
+	}
+	var r routed
+	if err := x.recvHeadersAnswer(&r); err != nil || r.immediate != nil || r.destination != "" {
+		t.Fatalf("headers answer %+v, %v: want unrouted", r, err)
+	}
+	if err := x.send(bodyMessage(body[:100], false)); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := x.stream.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	im := resp.GetImmediateResponse()
+	if im.GetStatus().GetCode() != 500 || !strings.Contains(string(im.GetBody()), "protocol_config") {
+		t.Fatalf("answer %v: want a 500 that names protocol_config", resp)
+	}
+	if in, _ := f.picker.Totals(); in != 0 {
+		t.Errorf("in flight %d, want 0", in)
+	}
+}
+
+// Once a gateway that announces no mode has sent a body unasked, it is known
+// to stream: a later request whose body comes late (a slow client) is still
+// served as FULL_DUPLEX_STREAMED, not taken for BUFFERED.
+func TestUnannouncedStreamingGatewayIsNotTimedAgain(t *testing.T) {
+	f := newFixture(t, fixtureOptions{})
+	body := []byte(`{"model":"m","prompt":"` + letters(72, 3000) + `"}`)
+	for i, delay := range []time.Duration{0, 300 * time.Millisecond} {
+		x := openWithin(t, f)
+		if err := x.send(headersMessage("/v1/completions", body, fullDuplexMode, false)); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(delay) // the client's body is late, past unannouncedBodyWait
+		playFullDuplex(t, x, body, split(body, 2))
+		x.responseMode = fullDuplexMode
+		if err := x.respond(okResponse); err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+	}
+}
+
+// openWithin opens a stream that a stall fails within seconds rather than
+// at the test's deadline; it ends with the test.
+func openWithin(t *testing.T, f *fixture) *exchange {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	t.Cleanup(cancel)
+	x, err := f.gw.open(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(x.cancel)
+	return x
+}

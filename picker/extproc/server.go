@@ -94,12 +94,18 @@ type Server struct {
 	// streams; large, those over maxPooledBufferBytes, by size.
 	buffers sync.Pool
 	large   [largeTiers]sync.Pool
+	// tails recycles response usage tails (*[usageTailBytes]byte).
+	tails sync.Pool
 	// buffered is the request body bytes all streams hold right now; it
 	// never exceeds opts.MaxBufferedRequestBytes (see charge).
 	buffered atomic.Int64
 	// loadOnlyWarned makes the body-mode warning a once-per-process line
 	// rather than one per request.
 	loadOnlyWarned atomic.Bool
+	// unannouncedStreams: a gateway that announced no body mode has sent a
+	// body before its headers were answered, so it streams
+	// (FULL_DUPLEX_STREAMED); see unannouncedBodyWait.
+	unannouncedStreams atomic.Bool
 	// upstream are the request metrics under the upstream picker's names.
 	upstream *objectiveMetrics
 }
@@ -112,6 +118,7 @@ func NewServer(p Picker, opts Options) *Server {
 	s.metrics = newMetrics(&s.buffered)
 	s.upstream = newObjectiveMetrics(opts.MaxModelNameLabels)
 	s.buffers.New = func() any { return new([]byte) }
+	s.tails.New = func() any { return new([usageTailBytes]byte) }
 	if opts.Registerer != nil {
 		s.metrics.register(opts.Registerer)
 		s.upstream.register(opts.Registerer)

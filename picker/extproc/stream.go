@@ -1,13 +1,14 @@
 package extproc
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
 	"runtime/debug"
 	"strconv"
+	"sync/atomic"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -31,9 +32,16 @@ type stream struct {
 	s   *Server
 	srv extprocv3.ExternalProcessor_ProcessServer
 
-	// Body modes the gateway announced in protocol_config; the gateway's
-	// configuration (FULL_DUPLEX_STREAMED both ways) when it announced none.
+	// Body modes the gateway announced in protocol_config; when it
+	// announced none, FULL_DUPLEX_STREAMED both ways until the gateway's
+	// silence says otherwise (see awaitBody).
 	requestMode, responseMode filterv3.ProcessingMode_BodySendMode
+	announced                 bool
+	// wait is the pending inference of an unannounced body mode.
+	wait *bodyWait
+	// inferred: no mode was announced, and the gateway waited for the
+	// headers answer: BUFFERED, as far as the picker can tell.
+	inferred bool
 
 	headersSeen   bool
 	path, method  string
@@ -58,15 +66,10 @@ type stream struct {
 	// decided: the request phase is over (routed, or left to the gateway).
 	decided bool
 	// loadOnly: routed on its headers while its body passes by unread.
-	loadOnly  bool
-	res       *picker.Reservation // nil until routed, and again once released or detached
-	firstByte bool
-	// responseSeen: a response phase message came. A stream that ends
-	// before one does was cut at the pick by the gateway (see halfClosed).
-	responseSeen bool
-	// events counts the response's SSE events ("data:" lines): its output
-	// tokens when its usage does not say.
-	events int
+	loadOnly bool
+	res      *picker.Reservation // nil until routed, and again once released or detached
+	// resp follows the response, and owns what the stream reads of it.
+	resp response
 	// up follows the request for the upstream picker's metrics.
 	up requestMetrics
 }
@@ -78,6 +81,16 @@ func (s *Server) newStream(srv extprocv3.ExternalProcessor_ProcessServer) *strea
 func (st *stream) handle(req *extprocv3.ProcessingRequest) error {
 	if pc := req.GetProtocolConfig(); pc != nil {
 		st.requestMode, st.responseMode = pc.GetRequestBodyMode(), pc.GetResponseBodyMode()
+		st.announced = true
+	}
+	if st.wait != nil {
+		if st.settleWait() {
+			// The headers were answered for want of a body: the gateway
+			// waits for each answer.
+			st.requestMode, st.responseMode, st.inferred = buffered, buffered, true
+		} else if req.GetRequestBody() != nil {
+			st.s.unannouncedStreams.Store(true)
+		}
 	}
 	if v := st.outOfOrder(req); v != "" {
 		return st.violation(v)
@@ -165,17 +178,98 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	}
 	switch st.requestMode {
 	case fullDuplex:
+		if !st.announced && !st.s.unannouncedStreams.Load() {
+			st.awaitBody()
+		}
 		return nil // answered once the body is complete
 	case buffered:
 		// Envoy holds the body back until its headers are answered, and
 		// applies the body answer's header mutation: the destination goes
 		// there.
-		return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
-			RequestHeaders: &extprocv3.HeadersResponse{Response: unrouted()},
-		}})
+		return st.send(headersUnrouted)
 	default:
 		return st.routeOnLoad()
 	}
+}
+
+var headersUnrouted = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
+	RequestHeaders: &extprocv3.HeadersResponse{Response: unrouted()},
+}}
+
+// unannouncedBodyWait is how long a stream whose gateway announced no body
+// mode waits for the first body message before it takes the gateway for one
+// that waits for the headers answer.
+//
+// Envoy announces its body modes in protocol_config from version 1.35 on;
+// an older Envoy announces nothing, and the picker must tell from the
+// messages. At the request headers, the modes cannot be told apart; what
+// the gateway does next can. In FULL_DUPLEX_STREAMED the body follows the
+// headers unasked, and the headers answer must wait for it (it carries the
+// destination, chosen on the body). In BUFFERED (and STREAMED) the gateway
+// sends nothing until the headers are answered. So the picker waits for
+// the body as in FULL_DUPLEX_STREAMED, and if none has come after
+// unannouncedBodyWait it answers the headers unrouted, as in BUFFERED, and
+// reads the next message as BUFFERED's: the whole body with end_of_stream,
+// answered with a body answer (a CommonResponse) that carries the
+// destination, and the response answered in BUFFERED's shape too. A first
+// body message without end_of_stream is STREAMED's, BUFFERED_PARTIAL's or
+// BUFFERED's with trailers: the headers have gone on without a destination
+// and a body answer's header mutation is applied in BUFFERED only, so the
+// request is refused with a message that says to announce the mode.
+//
+// The wait is shorter than Envoy's default message_timeout (200 ms), past
+// which a BUFFERED Envoy fails the request. Its cost: an unannounced
+// BUFFERED gateway's request waits this long at its headers. Its risk: an
+// unannounced FULL_DUPLEX_STREAMED gateway whose body comes later than this
+// (a slow client, or a picker short of CPU) would be taken for a BUFFERED
+// one. So the first body that comes unasked settles the question for the
+// server: its gateway streams, and no later unannounced stream is timed
+// (Server.unannouncedStreams). A picker serving both an unannounced
+// FULL_DUPLEX_STREAMED gateway and an unannounced BUFFERED one serves the
+// BUFFERED one's requests only until the first has shown itself; Envoy
+// 1.35 and later announce their modes, and none of this applies.
+const unannouncedBodyWait = 100 * time.Millisecond
+
+// bodyWait is the inference of an unannounced body mode: a timer that
+// answers the headers unrouted unless a message comes first. The timer's
+// goroutine sends at most once, while the stream's goroutine waits in
+// Recv; settleWait makes every later send the stream's goroutine's.
+type bodyWait struct {
+	state    atomic.Int32 // waitPending, then waitSettled or waitAnswering
+	timer    *time.Timer
+	answered chan struct{} // closed once the timer's answer is sent
+}
+
+const (
+	waitPending = iota
+	waitSettled
+	waitAnswering
+)
+
+func (st *stream) awaitBody() {
+	w := &bodyWait{answered: make(chan struct{})}
+	srv := st.srv
+	w.timer = time.AfterFunc(unannouncedBodyWait, func() {
+		if !w.state.CompareAndSwap(waitPending, waitAnswering) {
+			return
+		}
+		_ = srv.SendMsg(headersUnrouted) // a failure ends the stream's Recv too
+		close(w.answered)
+	})
+	st.wait = w
+}
+
+// settleWait ends the wait: it reports whether the timer answered the
+// headers, and returns once that answer is sent.
+func (st *stream) settleWait() bool {
+	w := st.wait
+	st.wait = nil
+	if w.state.CompareAndSwap(waitPending, waitSettled) {
+		w.timer.Stop()
+		return false
+	}
+	<-w.answered
+	return true
 }
 
 // routeOnLoad routes, on its headers, a request whose body the picker will
@@ -208,6 +302,12 @@ func (st *stream) requestBody(b *extprocv3.HttpBody) error {
 		return st.send(answerRequestBody)
 	case st.decided:
 		return nil // nothing is expected after the body's end; ignore stragglers
+	}
+	if st.inferred && !b.GetEndOfStream() {
+		// STREAMED or BUFFERED_PARTIAL (or BUFFERED with trailers): the
+		// headers have gone on, so no answer left can carry the
+		// destination. Refused, with what would serve it.
+		return st.reject(errUnannouncedStreamed)
 	}
 	if err := st.buffer(b.GetBody()); err != nil {
 		return st.reject(err)
@@ -273,16 +373,16 @@ func (st *stream) requestTrailers() error {
 }
 
 func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) error {
-	st.responseSeen = true
+	st.resp.headers(h.GetHeaders())
 	if addr, ok := servedBy(md); ok && st.res != nil {
 		st.res.ServedBy(addr)
 	}
 	if code, err := strconv.Atoi(headerValue(h.GetHeaders(), ":status")); err == nil && code >= 500 {
 		st.s.metrics.upstreamErrors.Inc()
 	}
-	st.up.responseHeaders(h.GetHeaders(), h.GetEndOfStream())
+	st.up.responseHeaders(h.GetHeaders())
 	if h.GetEndOfStream() {
-		st.release()
+		st.responseEnd()
 	}
 	if !st.s.opts.ConformanceTestHooks {
 		return st.send(answerResponseHeaders)
@@ -296,17 +396,13 @@ func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders)
 }
 
 func (st *stream) responseBody(b *extprocv3.HttpBody) error {
-	st.responseSeen = true
-	if !st.firstByte && len(b.GetBody()) > 0 {
-		st.firstByte = true
-		if st.res != nil {
-			st.res.FirstByte()
-		}
+	if !st.resp.firstByte && len(b.GetBody()) > 0 && st.res != nil {
+		st.res.FirstByte()
 	}
-	st.events += bytes.Count(b.GetBody(), dataPrefix)
-	st.up.responseBody(b.GetBody(), b.GetEndOfStream())
+	st.resp.body(b.GetBody(), st.res != nil, &st.s.tails)
+	st.up.responseBody(len(b.GetBody()))
 	if b.GetEndOfStream() {
-		st.release()
+		st.responseEnd()
 	}
 	if st.responseMode == fullDuplex {
 		return st.send(&bodyEcho{response: true, chunk: b.GetBody(), endOfStream: b.GetEndOfStream()})
@@ -315,10 +411,16 @@ func (st *stream) responseBody(b *extprocv3.HttpBody) error {
 }
 
 func (st *stream) responseTrailers() error {
-	st.responseSeen = true
-	st.up.responseEnd()
-	st.release()
+	st.resp.seen = true
+	st.responseEnd()
 	return st.send(answerResponseTrailers)
+}
+
+// responseEnd runs when the response has been seen to its end.
+func (st *stream) responseEnd() {
+	st.resp.ended = true
+	st.up.responseEnd(&st.resp)
+	st.release()
 }
 
 // routeBody routes the request on its buffered body, passes the body on in
@@ -555,7 +657,7 @@ func (st *stream) violation(what string) error {
 // phases): the request runs on the model server after the stream ends, so
 // its reservation is detached, not released (picker/detach.go).
 func (st *stream) halfClosed() {
-	if st.res != nil && !st.responseSeen {
+	if st.res != nil && !st.resp.seen {
 		st.res.Detach()
 		st.res = nil
 	}
@@ -567,33 +669,14 @@ func (st *stream) release() {
 	}
 	res := st.res
 	st.res = nil // released once: close runs release again
-	u, ok := st.up.usage, st.up.hasUsage
-	if !ok && st.up.tail.buf != nil && !st.up.tailRead {
-		// The stream ended before the response did (a client closing at
-		// "data: [DONE]"): the usage may be in what arrived. The tail is
-		// read once: reading rotates it.
-		st.up.tailRead = true
-		u, ok = parseUsage(st.up.tail.bytes())
-	}
-	if ok && u.hasCached {
+	if u, ok := st.resp.usage(); ok && u.hasCached {
 		// What the engine really had cached corrects the prefix index.
 		res.Delivered(u.promptTokens, u.cachedTokens)
 	}
-	if out := st.outputTokens(u, ok); out > 0 && st.responseSeen {
+	if out := st.resp.outputTokens(); out > 0 && st.resp.seen {
 		res.Completed(out)
 	}
 	res.Release()
-}
-
-var dataPrefix = []byte("data:")
-
-// outputTokens is the response's output tokens: its usage's, else its SSE
-// events less the final [DONE], else 0 (unknown).
-func (st *stream) outputTokens(u usage, hasUsage bool) int {
-	if hasUsage && u.completionTokens > 0 {
-		return u.completionTokens
-	}
-	return max(st.events-1, 0)
 }
 
 // dropBody gives the body buffer back to the pool and its bytes back to the
@@ -609,9 +692,13 @@ func (st *stream) dropBody() {
 
 // close runs when the stream ends, however it ends.
 func (st *stream) close() {
+	if st.wait != nil {
+		st.settleWait() // no answer is sent once the stream is done
+	}
 	st.release()
 	st.dropBody()
 	st.up.closed()
+	st.resp.close(&st.s.tails)
 }
 
 // send sends one answer: a *extprocv3.ProcessingResponse, or one the codec

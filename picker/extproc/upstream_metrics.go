@@ -3,7 +3,6 @@ package extproc
 import (
 	"runtime/debug"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -96,8 +95,6 @@ type objectiveMetrics struct {
 	maxModels int
 	mu        sync.RWMutex
 	models    map[string]*modelSeries // at most maxModels, plus other
-
-	tails sync.Pool // of *[usageTailBytes]byte
 }
 
 // modelSeries are one model_name's series, resolved once so that a request
@@ -160,7 +157,6 @@ func newObjectiveMetrics(maxModels int) *objectiveMetrics {
 		maxModels: maxModels,
 		models:    make(map[string]*modelSeries),
 	}
-	m.tails.New = func() any { return new([usageTailBytes]byte) }
 	m.info.WithLabelValues(buildInfo()).Set(1)
 	return m
 }
@@ -266,15 +262,9 @@ type requestMetrics struct {
 	series     *modelSeries // set once routed
 	receivedAt time.Time
 	firstByte  time.Time
-	status     int // the model server's HTTP status; 0 before its headers
-	bytes      int // response body bytes
-	tail       usageTail
-	tailRead   bool // tail.bytes() has run: it rotates the ring, so once only
-	noUsage    bool // the body is encoded (compressed): usage cannot be read
+	status     int  // the model server's HTTP status; 0 before its headers
+	bytes      int  // response body bytes
 	ended      bool // the response was seen to its end
-	// usage is what the response's end reported, when hasUsage.
-	usage    usage
-	hasUsage bool
 }
 
 // requestHeaders starts the clock of the request's duration.
@@ -301,42 +291,25 @@ func (r *requestMetrics) rejected(httpStatus int) {
 	r.m.errors.WithLabelValues(s.label, s.target, errorCode(httpStatus)).Inc()
 }
 
-func (r *requestMetrics) responseHeaders(h *corev3.HeaderMap, endOfStream bool) {
+func (r *requestMetrics) responseHeaders(h *corev3.HeaderMap) {
 	if code, err := strconv.Atoi(headerValue(h, ":status")); err == nil {
 		r.status = code
 	}
-	if enc := headerValue(h, "content-encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
-		r.noUsage = true
-	}
-	if endOfStream {
-		r.responseEnd()
-	}
 }
 
-func (r *requestMetrics) responseBody(chunk []byte, endOfStream bool) {
-	if r.series == nil || r.ended {
+func (r *requestMetrics) responseBody(n int) {
+	if r.series == nil || r.ended || n == 0 {
 		return
 	}
-	if len(chunk) > 0 {
-		if r.firstByte.IsZero() {
-			r.firstByte = time.Now()
-		}
-		r.bytes += len(chunk)
-		if !r.noUsage {
-			if r.tail.buf == nil {
-				r.tail.buf = r.m.tails.Get().(*[usageTailBytes]byte)
-			}
-			r.tail.write(chunk)
-		}
+	if r.firstByte.IsZero() {
+		r.firstByte = time.Now()
 	}
-	if endOfStream {
-		r.responseEnd()
-	}
+	r.bytes += n
 }
 
 // responseEnd records a response seen to its end: its duration, time to
-// first byte, size and token usage.
-func (r *requestMetrics) responseEnd() {
+// first byte, size and the token usage resp read.
+func (r *requestMetrics) responseEnd(resp *response) {
 	if r.series == nil || r.ended {
 		return
 	}
@@ -348,15 +321,10 @@ func (r *requestMetrics) responseEnd() {
 		s.ttft.Observe(r.firstByte.Sub(r.receivedAt).Seconds())
 	}
 	s.responseSize.Observe(float64(r.bytes))
-	if r.tail.buf == nil {
-		return
-	}
-	r.tailRead = true
-	u, ok := parseUsage(r.tail.bytes())
+	u, ok := resp.usage()
 	if !ok {
 		return
 	}
-	r.usage, r.hasUsage = u, true
 	// As upstream: token counts of zero are not observed, a reported cached
 	// count is, even zero.
 	if u.promptTokens > 0 {
@@ -378,10 +346,6 @@ func (r *requestMetrics) closed() {
 		if r.status != 0 && r.status != 200 {
 			r.m.errors.WithLabelValues(r.series.label, r.series.label, codeModelServerError).Inc()
 		}
-	}
-	if r.tail.buf != nil {
-		r.m.tails.Put(r.tail.buf)
-		r.tail.buf = nil
 	}
 }
 

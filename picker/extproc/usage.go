@@ -4,6 +4,10 @@ import (
 	"bytes"
 	"encoding/json"
 	"slices"
+	"strings"
+	"sync"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 )
 
 // usageTailBytes bounds what a stream keeps of its response body to read the
@@ -19,7 +23,10 @@ const usageTailBytes = 4 << 10
 // The zero value is empty; buf is set before the first write.
 type usageTail struct {
 	buf *[usageTailBytes]byte
-	n   int // bytes written in all
+	// n is the bytes written in all, or usageTailBytes once bytes has put
+	// a full ring in order: either way n%usageTailBytes is where the
+	// oldest byte is once the ring is full.
+	n int
 }
 
 func (t *usageTail) write(p []byte) {
@@ -33,8 +40,9 @@ func (t *usageTail) write(p []byte) {
 	t.n += total
 }
 
-// bytes returns the tail in order. It rotates the ring in place: call it
-// once, after the last write.
+// bytes returns the tail in order, valid until the next write. It rotates
+// the ring in place, and leaves it a ring whose oldest byte is the first:
+// reading again, or writing after a read, sees the same bytes.
 func (t *usageTail) bytes() []byte {
 	if t.n <= usageTailBytes {
 		return t.buf[:t.n]
@@ -43,7 +51,87 @@ func (t *usageTail) bytes() []byte {
 	slices.Reverse(t.buf[:pos])
 	slices.Reverse(t.buf[pos:])
 	slices.Reverse(t.buf[:])
+	t.n = usageTailBytes
 	return t.buf[:]
+}
+
+// response follows a stream's response for what the stream learns from it:
+// whether one came, its first byte, its SSE events, and the tail of its body
+// with the token usage read from it. It owns the tail: the metrics recorder
+// and the reservation's release both ask it for the usage, which it reads
+// once. Only the stream's goroutine touches it.
+type response struct {
+	// seen: a response phase message came. A stream that ends before one
+	// does was cut at the pick by the gateway (see stream.halfClosed).
+	seen      bool
+	firstByte bool
+	// events counts the response's SSE events ("data:" lines): its output
+	// tokens when its usage does not say.
+	events int
+	// encoded: the body is encoded (compressed), its usage unreadable.
+	encoded bool
+	// ended: the response was seen to its end; nothing more is kept.
+	ended bool
+	tail  usageTail
+	// read: the usage was read from the tail; u and ok are what it said.
+	read bool
+	u    usage
+	ok   bool
+}
+
+func (r *response) headers(h *corev3.HeaderMap) {
+	r.seen = true
+	if enc := headerValue(h, "content-encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
+		r.encoded = true
+	}
+}
+
+// body follows a chunk of the body; keep says whether anyone wants its
+// usage (the request was routed), pool is where the tail's buffer comes from.
+func (r *response) body(chunk []byte, keep bool, pool *sync.Pool) {
+	r.seen = true
+	if len(chunk) == 0 {
+		return
+	}
+	r.firstByte = true
+	r.events += bytes.Count(chunk, dataPrefix)
+	if !keep || r.encoded || r.ended || r.read {
+		return
+	}
+	if r.tail.buf == nil {
+		r.tail.buf = pool.Get().(*[usageTailBytes]byte)
+	}
+	r.tail.write(chunk)
+}
+
+var dataPrefix = []byte("data:")
+
+// usage is the response's token usage, read from what has arrived of its
+// body: at its end, or, when the stream ended before the response did (a
+// client closing at "data: [DONE]"), from what came.
+func (r *response) usage() (usage, bool) {
+	if !r.read && r.tail.buf != nil {
+		r.read = true
+		r.u, r.ok = parseUsage(r.tail.bytes())
+	}
+	return r.u, r.ok
+}
+
+// outputTokens is the response's output tokens: its usage's, else its SSE
+// events less the final [DONE], else 0 (unknown).
+func (r *response) outputTokens() int {
+	if u, ok := r.usage(); ok && u.completionTokens > 0 {
+		return u.completionTokens
+	}
+	return max(r.events-1, 0)
+}
+
+// close gives the tail's buffer back to pool.
+func (r *response) close(pool *sync.Pool) {
+	if r.tail.buf != nil {
+		pool.Put(r.tail.buf)
+		r.tail.buf = nil
+	}
 }
 
 // usage is a response's token counts.

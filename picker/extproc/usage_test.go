@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"reflect"
 	"strings"
+	"sync"
 	"testing"
 )
 
@@ -114,4 +115,42 @@ func FuzzObjectEndDecodesAsDecoderDoes(f *testing.F) {
 			t.Fatalf("%q: got %+v, json.Decoder %+v", b, got, want)
 		}
 	})
+}
+
+// A tail past usageTailBytes whose usage did not parse is read again when
+// the reservation is released: the second read must see what the first did.
+func TestUsageTailReadsTheSameTwice(t *testing.T) {
+	long := strings.Repeat("0123456789", 1000) // past usageTailBytes, no usage
+	tail := usageTail{buf: new([usageTailBytes]byte)}
+	tail.write([]byte(long[:5001]))
+	tail.write([]byte(long[5001:]))
+	want := long[len(long)-usageTailBytes:]
+	for read := 1; read <= 3; read++ {
+		if got := string(tail.bytes()); got != want {
+			t.Fatalf("read %d: %d bytes starting %q, want the last %d bytes starting %q", read, len(got), got[:20], usageTailBytes, want[:20])
+		}
+	}
+}
+
+// The metrics recorder reads the usage at the response's end and the
+// reservation's release asks again: both get what the tail said.
+func TestResponseReadsItsUsageOnce(t *testing.T) {
+	var pool sync.Pool
+	pool.New = func() any { return new([usageTailBytes]byte) }
+	final := `data: {"choices":[],"usage":{"prompt_tokens":70,"completion_tokens":5}}` + "\n\ndata: [DONE]\n\n"
+	var r response
+	r.body([]byte("data: "+strings.Repeat("x", 5000)+"\n\n"), true, &pool)
+	r.body([]byte(final), true, &pool)
+	for read := 1; read <= 2; read++ {
+		if u, ok := r.usage(); !ok || u.promptTokens != 70 || u.completionTokens != 5 {
+			t.Errorf("read %d: usage %+v, %v; want 70 prompt and 5 completion tokens", read, u, ok)
+		}
+	}
+	if got := r.outputTokens(); got != 5 {
+		t.Errorf("output tokens %d, want the usage's 5", got)
+	}
+	r.close(&pool)
+	if r.tail.buf != nil {
+		t.Error("close kept the tail's buffer")
+	}
 }

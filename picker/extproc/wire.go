@@ -48,6 +48,9 @@ var (
 	errBodyTooLarge = errors.New("request body too large")
 	errEmptyBody    = errors.New("the request body is empty")
 	errProtocol     = errors.New("ext_proc protocol violation")
+	// errUnannouncedStreamed: see unannouncedBodyWait.
+	errUnannouncedStreamed = errors.New("the gateway announced no body mode (protocol_config) and streams the request body after the headers were answered; " +
+		"the destination can no longer be set: use the FULL_DUPLEX_STREAMED or BUFFERED request body mode, or an Envoy that announces its mode (1.35 or later)")
 	errBufferBudget = errors.New("the picker is buffering too many request bytes")
 	errPanic        = errors.New("internal error while routing the request")
 	// errAnswered ends a stream cleanly once an ImmediateResponse is sent:
@@ -75,6 +78,7 @@ var errorAnswers = []struct {
 	{429, "rate_limit_exceeded", is(picker.ErrQueueTimeout)},
 	{429, "rate_limit_exceeded", is(picker.ErrShed)},
 	{503, "service_unavailable", is(picker.ErrShuttingDown)},
+	{500, "internal_error", is(errUnannouncedStreamed)},
 	{500, "internal_error", is(errPanic)},
 }
 
