@@ -498,7 +498,7 @@ func TestUnannouncedStreamedBodyIsRefused(t *testing.T) {
 	if im.GetStatus().GetCode() != 500 || !strings.Contains(string(im.GetBody()), "protocol_config") {
 		t.Fatalf("answer %v: want a 500 that names protocol_config", resp)
 	}
-	if in, _ := f.picker.Totals(); in != 0 {
+	if in := f.picker.Snapshot().InFlight; in != 0 {
 		t.Errorf("in flight %d, want 0", in)
 	}
 }
@@ -535,4 +535,29 @@ func openWithin(t *testing.T, f *fixture) *exchange {
 	}
 	t.Cleanup(x.cancel)
 	return x
+}
+
+// A gateway that asks through a shim (NGINX Gateway Fabric) announces no
+// mode either, but sends no pseudo-headers: it is no Envoy, has no BUFFERED
+// mode, and reads the destination from the headers answer alone. A late
+// body from it (a picker short of CPU between its two messages) is still
+// its body, not a sign of BUFFERED.
+func TestAShimsLateBodyIsNotTakenForBuffered(t *testing.T) {
+	f := newFixture(t, fixtureOptions{})
+	body := []byte(`{"model":"m","prompt":"` + letters(73, 3000) + `"}`)
+	x := openWithin(t, f)
+	shim := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
+		RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap("content-type", "application/json")},
+	}}
+	if err := x.send(shim); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond) // past unannouncedBodyWait
+	if err := x.send(bodyMessage(body, true)); err != nil {
+		t.Fatal(err)
+	}
+	var r routed
+	if err := x.recvHeadersAnswer(&r); err != nil || r.destination == "" {
+		t.Fatalf("headers answer %+v, %v: want the destination in it", r, err)
+	}
 }

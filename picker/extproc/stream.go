@@ -178,7 +178,11 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	}
 	switch st.requestMode {
 	case fullDuplex:
-		if !st.announced && !st.s.unannouncedStreams.Load() {
+		// Only Envoy has a BUFFERED mode, and Envoy always sends its
+		// pseudo-headers: a stream without them (a shim such as NGINX
+		// Gateway Fabric's) sends its body unasked and reads the
+		// destination from the headers answer alone.
+		if !st.announced && !st.s.unannouncedStreams.Load() && st.path != "" {
 			st.awaitBody()
 		}
 		return nil // answered once the body is complete
@@ -227,7 +231,8 @@ var headersUnrouted = &extprocv3.ProcessingResponse{Response: &extprocv3.Process
 // (Server.unannouncedStreams). A picker serving both an unannounced
 // FULL_DUPLEX_STREAMED gateway and an unannounced BUFFERED one serves the
 // BUFFERED one's requests only until the first has shown itself; Envoy
-// 1.35 and later announce their modes, and none of this applies.
+// 1.35 and later announce their modes, and none of this applies; nor does
+// it to a stream without pseudo-headers, which no Envoy sends.
 const unannouncedBodyWait = 100 * time.Millisecond
 
 // bodyWait is the inference of an unannounced body mode: a timer that
