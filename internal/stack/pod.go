@@ -1,8 +1,10 @@
 package stack
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/netip"
@@ -287,6 +289,14 @@ func (p *Pod) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			s.mu.Unlock()
 		}
 		if hold := s.currentHold(); hold != nil {
+			// Read the body first: an HTTP/1 server notices that the
+			// client went away (and cancels r's context) only once the
+			// request's body has been read to its end.
+			body, err := io.ReadAll(r.Body)
+			if err != nil {
+				return
+			}
+			r.Body = io.NopCloser(bytes.NewReader(body))
 			s.held.Add(1)
 			select {
 			case <-hold:

@@ -259,3 +259,24 @@ func TestOptionsNeedTheBinaries(t *testing.T) {
 		}
 	}
 }
+
+// A held request whose client gives up leaves the pod at once: it is no
+// longer held, and never reaches the engine when the hold lifts.
+func TestAGivenUpHeldRequestLeavesThePod(t *testing.T) {
+	s, p := newTestPod(t)
+	release := s.Hold()
+	defer release()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan Result, 1)
+	go func() {
+		done <- Send(ctx, s.HTTPClient(), p.URL(), "given-up", Completion(DefaultModel, "hello there", 2, true))
+	}()
+	waitUntil(t, 10*time.Second, "the request to be held", func() bool { return s.Held() == 1 })
+	cancel()
+	<-done
+	waitUntil(t, 10*time.Second, "the pod to let the given-up request go", func() bool { return s.Held() == 0 })
+	release()
+	if st, ok := p.Stats(); !ok || st.PromptTokens != 0 || st.FinishedRequests+st.AbortedRequests != 0 {
+		t.Errorf("engine stats %+v after the hold lifted: the given-up request reached the engine", st)
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/netip"
 	"strings"
@@ -142,10 +143,20 @@ var _ = Describe("Through NGINX as NGINX Gateway Fabric drives it", Ordered, Con
 		}
 	}, SpecTimeout(time.Minute))
 
-	It("keeps a held burst of 96 requests sharing a 30,000-token prefix one pod holds to at most half on that pod", func(ctx SpecContext) {
+	It("spreads a held burst of 96 requests sharing a 30,000-token prefix one pod holds by cost, not onto the holder", func(ctx SpecContext) {
 		// 32,000 tokens each: the holder saves 30,000 of them per request,
 		// so it takes the first 15 or so alone, then the others hold the
-		// prefix too and the rest spreads.
+		// prefix too and the rest spreads: about 42 on the holder when the
+		// burst arrives at once. Through NGINX (one process reading 96
+		// bodies of 128 KB) the burst arrives over up to a second, in
+		// which the holder, which started first, drains more of its queue
+		// in the picker's model (as its engine would) and rightly takes
+		// more: a count bound of half held at rest and failed under load
+		// (54 of 96, every pod's modelled queue then within 500 tokens of
+		// the others'). What the picker promises is that every pick sees
+		// the ones before it: the queues end level, within one request's
+		// prefill; and the holder does not take the burst (upstream: all
+		// of it).
 		reqs := stack.Burst{Requests: 97, SystemTokens: 30_000, UserTokens: 2000, MaxTokens: 4, Model: stack.DefaultModel, Seed: 12}.Workload()
 		// The first request puts the prefix on one pod, and finishes.
 		status, body := postVia(ctx, ns, gw.URL(), reqs[0].Path, reqs[0].Body, nextID("nginx-long-warm"))
@@ -154,8 +165,13 @@ var _ = Describe("Through NGINX as NGINX Gateway Fabric drives it", Ordered, Con
 		expectAllOK(results)
 		By(fmt.Sprintf("placement %v", placed))
 		for _, name := range ns.PodNames() {
-			Expect(placed[name]).To(BeNumerically("<=", 48), "placement %v; ledger %+v", placed, ledger.Endpoints)
+			Expect(placed[name]).To(BeNumerically("<=", 64), "placement %v; ledger %+v", placed, ledger.Endpoints)
 		}
+		lo, hi := math.MaxInt, 0
+		for _, e := range ledger.Endpoints {
+			lo, hi = min(lo, e.PrefillTokens), max(hi, e.PrefillTokens)
+		}
+		Expect(hi-lo).To(BeNumerically("<=", 3000), "modelled queues within one request's 2,000 uncached tokens (and the decode weight of a few decoding) of each other: placement %v; ledger %+v", placed, ledger.Endpoints)
 	}, SpecTimeout(time.Minute))
 
 	It("refuses malformed JSON at the picker without reaching a pod", func(ctx SpecContext) {
