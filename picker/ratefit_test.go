@@ -148,7 +148,13 @@ type engineTimer struct {
 	tok   []float64
 }
 
-func newEngineTimer(p *Picker, clock *fakeClock, n int) *engineTimer {
+// newEngineTimer starts a picker of n endpoints whose configured rate,
+// 10,000 tokens/s, only the engines' timing corrects.
+func newEngineTimer(t *testing.T, n int) *engineTimer {
+	clock := newFakeClock()
+	cfg := testConfig()
+	cfg.PrefillTokensPerSecond = 10_000
+	p := newPicker(t, n, cfg, Options{Now: clock.Now})
 	return &engineTimer{p: p, clock: clock, sec: make([]float64, n), tok: make([]float64, n)}
 }
 
@@ -164,11 +170,8 @@ func (e *engineTimer) window(ep int, rate float64) {
 // floor, not one engine's alone. Floored apart, a burst drained faster on
 // the engine timed first and herded there.
 func TestOneEnginesTimingFloorsIdenticalEngines(t *testing.T) {
-	clock := newFakeClock()
-	cfg := testConfig()
-	cfg.PrefillTokensPerSecond = 10_000
-	p := newPicker(t, 3, cfg, Options{Now: clock.Now})
-	e := newEngineTimer(p, clock, 3)
+	e := newEngineTimer(t, 3)
+	p, clock := e.p, e.clock
 	for range 4 {
 		clock.Advance(time.Second)
 		e.window(0, 40_000)
@@ -190,11 +193,8 @@ func TestOneEnginesTimingFloorsIdenticalEngines(t *testing.T) {
 // Noisy timings of identical engines, a few windows each, give rates that
 // agree: an engine's own floor moves it from the pool's only with evidence.
 func TestNoisyEngineTimingsOfIdenticalEnginesAgree(t *testing.T) {
-	clock := newFakeClock()
-	cfg := testConfig()
-	cfg.PrefillTokensPerSecond = 10_000
-	p := newPicker(t, 3, cfg, Options{Now: clock.Now})
-	e := newEngineTimer(p, clock, 3)
+	e := newEngineTimer(t, 3)
+	p, clock := e.p, e.clock
 	for range 3 {
 		clock.Advance(time.Second)
 		for ep, r := range []float64{29_000, 36_000, 42_000} {
@@ -209,11 +209,8 @@ func TestNoisyEngineTimingsOfIdenticalEnginesAgree(t *testing.T) {
 // An engine that really is faster is floored higher once its timing has
 // said so for long enough.
 func TestAFasterEnginesTimingIsLearnedWithEvidence(t *testing.T) {
-	clock := newFakeClock()
-	cfg := testConfig()
-	cfg.PrefillTokensPerSecond = 10_000
-	p := newPicker(t, 2, cfg, Options{Now: clock.Now})
-	e := newEngineTimer(p, clock, 2)
+	e := newEngineTimer(t, 2)
+	p, clock := e.p, e.clock
 	for range 40 {
 		clock.Advance(time.Second)
 		e.window(0, 40_000)
