@@ -235,11 +235,11 @@ const (
 // request takes a buffer of its size, and a small one never pins a huge
 // one. A body that grows past maxPooledBufferBytes grows into the large
 // pools, doubling, rather than by append's fresh buffers. Recycling the
-// large ones matters: a stream of 8 MiB prompts allocating fresh buffers
-// (the body grown by doubling, the prompt) ran the garbage collector so
-// often that its assists put a small pick's p99 at 5-7 times its value
-// alone (BenchmarkSmallBesideHugePrompts; with GOGC=off, about 1x). A pool
-// holds nothing across two collections, so idle memory still goes back.
+// large ones matters: fresh buffers for a stream of huge prompts run the
+// garbage collector often enough that its assists slow the small picks
+// beside them (BenchmarkSmallBesideHugePrompts; docs/benchmarks.md). A
+// pool holds nothing across two collections, so idle memory still goes
+// back.
 const maxPooledBufferBytes = 1 << 20
 
 // largeTiers are the large pools: tier t holds buffers whose capacity is
