@@ -29,6 +29,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/extproc/internal/wire"
 )
 
 // Picker chooses an endpoint for a request and reserves its cost, waiting
@@ -139,15 +140,15 @@ func (s *Server) Register(g *grpc.Server) {
 // needs: in BUFFERED mode the gateway sends the whole request body as one
 // message, which must not be refused by gRPC's default 4 MiB receive limit
 // before the server can answer 413 itself. Its codec receives request
-// bodies without a fresh copy per message (see codec).
+// bodies without a fresh copy per message (see wire.Codec).
 func GRPCServerOptions(maxRequestBytes int64) []grpc.ServerOption {
 	const envelopeBytes = 1 << 20 // headers and metadata around the body
 	limit := maxRequestBytes + envelopeBytes
 	if maxRequestBytes <= 0 || limit > 1<<31-1 {
 		limit = 1<<31 - 1
 	}
-	pool := &dirtyPool{}
-	return []grpc.ServerOption{grpc.MaxRecvMsgSize(int(limit)), grpc.ForceServerCodecV2(newCodec(pool)),
+	pool := &wire.DirtyPool{}
+	return []grpc.ServerOption{grpc.MaxRecvMsgSize(int(limit)), grpc.ForceServerCodecV2(wire.NewCodec(pool)),
 		experimental.BufferPool(pool),
 		// Streams run on kept goroutines while one is free (past that, on
 		// new ones, as without workers). A kept goroutine's stack has
@@ -186,13 +187,13 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) (err err
 	// Received into one inbound per stream: each message's body aliases a
 	// buffer reused by the next, and the buffers are the server's, reused
 	// by later streams.
-	var in inbound
-	buf, wire := s.getBuffer(), s.getBuffer()
-	in.buf, in.wire = *buf, *wire
+	var in wire.Inbound
+	buf, wireBuf := s.getBuffer(), s.getBuffer()
+	in.Buf, in.Wire = *buf, *wireBuf
 	defer func() {
-		*buf, *wire = in.buf, in.wire
+		*buf, *wireBuf = in.Buf, in.Wire
 		s.putBuffer(buf)
-		s.putBuffer(wire)
+		s.putBuffer(wireBuf)
 	}()
 	for {
 		err := srv.RecvMsg(&in)

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 
 	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/extproc/internal/wire"
 	"github.com/tallyepp/tally/picker/request"
 )
 
@@ -393,7 +394,7 @@ func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders)
 		return st.send(answerResponseHeaders)
 	}
 	common := &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-		headerOption(testServedHeader, servedForTest(md)),
+		wire.HeaderOption(testServedHeader, servedForTest(md)),
 	}}}
 	return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
 		ResponseHeaders: &extprocv3.HeadersResponse{Response: common},
@@ -410,7 +411,7 @@ func (st *stream) responseBody(b *extprocv3.HttpBody) error {
 		st.responseEnd()
 	}
 	if st.responseMode == fullDuplex {
-		return st.send(&bodyEcho{response: true, chunk: b.GetBody(), endOfStream: b.GetEndOfStream()})
+		return st.send(&wire.BodyEcho{Response: true, Chunk: b.GetBody(), EndOfStream: b.GetEndOfStream()})
 	}
 	return st.send(answerResponseBody)
 }
@@ -488,14 +489,14 @@ func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 		// fallback list there fails every request.
 		eps = eps[:1]
 	}
-	answer := &routeAnswer{inBody: inBodyAnswer, destination: destinationValue(eps)}
+	answer := &wire.RouteAnswer{InBody: inBodyAnswer, Destination: destinationValue(eps)}
 	if inBodyAnswer && st.rewritten {
 		// BUFFERED: Envoy passes on the body it holds unless the answer
 		// replaces it, and its content-length with it.
-		resp := answer.message()
+		resp := answer.Message()
 		common := resp.GetRequestBody().GetResponse()
 		common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: *st.body}}
-		common.HeaderMutation.SetHeaders = append(common.HeaderMutation.SetHeaders, headerOption("content-length", strconv.Itoa(len(*st.body))))
+		common.HeaderMutation.SetHeaders = append(common.HeaderMutation.SetHeaders, wire.HeaderOption("content-length", strconv.Itoa(len(*st.body))))
 		return st.send(resp)
 	}
 	if st.requestMode == fullDuplex && st.body != nil {
@@ -503,7 +504,7 @@ func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 		// in this mode, since a processor could change the body. This one
 		// passes on unchanged, so its length is known: setting it again
 		// spares the model server a chunked request.
-		answer.contentLength = strconv.Itoa(len(*st.body))
+		answer.ContentLength = strconv.Itoa(len(*st.body))
 	}
 	return st.send(answer)
 }
@@ -589,18 +590,12 @@ func (st *stream) echoRequestBody(endOfStream bool) error {
 	for {
 		n := min(len(body), maxChunkBytes)
 		last := n == len(body)
-		err := st.send(&bodyEcho{chunk: body[:n], endOfStream: last && endOfStream})
+		err := st.send(&wire.BodyEcho{Chunk: body[:n], EndOfStream: last && endOfStream})
 		if err != nil || last {
 			return err
 		}
 		body = body[n:]
 	}
-}
-
-func streamedBody(chunk []byte, endOfStream bool) *extprocv3.BodyMutation {
-	return &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
-		StreamedResponse: &extprocv3.StreamedBodyResponse{Body: chunk, EndOfStream: endOfStream},
-	}}
 }
 
 // reject answers the request with the HTTP error errorAnswers gives for err
@@ -707,7 +702,8 @@ func (st *stream) close() {
 }
 
 // send sends one answer: a *extprocv3.ProcessingResponse, or one the codec
-// writes itself (routeAnswer, bodyEcho, preEncoded), proto messages too.
+// writes itself (wire.RouteAnswer, wire.BodyEcho, wire.PreEncoded), proto
+// messages too.
 func (st *stream) send(resp protoreflect.ProtoMessage) error {
 	if err := st.srv.SendMsg(resp); err != nil {
 		return fmt.Errorf("sending to the gateway: %w", err)

@@ -1,4 +1,4 @@
-package extproc
+package wire
 
 import (
 	"fmt"
@@ -8,9 +8,10 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/types/known/structpb"
 )
 
-// The answers the codec writes itself. Each is a proto message too
+// The answers the Codec writes itself. Each is a proto message too
 // (ProtoReflect gives the equivalent generated message), and a test checks
 // that each writes exactly the bytes protobuf writes for that message.
 
@@ -39,20 +40,20 @@ const (
 	fieldStreamedEnd      = 2
 )
 
-// bodyEcho is the answer to a FULL_DUPLEX_STREAMED body chunk: the chunk
-// passed on unchanged. The codec writes its few fields itself: protobuf's
+// BodyEcho is the answer to a FULL_DUPLEX_STREAMED body chunk: the chunk
+// passed on unchanged. The Codec writes its few fields itself: protobuf's
 // generic encoder reaches each oneof through reflection, which cost more
 // than the rest of the encoding. Any other proto codec encodes it through
 // ProtoReflect, as the equivalent message.
-type bodyEcho struct {
-	response    bool // the response body, else the request body
-	chunk       []byte
-	endOfStream bool
+type BodyEcho struct {
+	Response    bool // the response body, else the request body
+	Chunk       []byte
+	EndOfStream bool
 }
 
-func (e *bodyEcho) message() *extprocv3.ProcessingResponse {
-	common := &extprocv3.CommonResponse{BodyMutation: streamedBody(e.chunk, e.endOfStream)}
-	if e.response {
+func (e *BodyEcho) message() *extprocv3.ProcessingResponse {
+	common := &extprocv3.CommonResponse{BodyMutation: streamedBody(e.Chunk, e.EndOfStream)}
+	if e.Response {
 		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{
 			ResponseBody: &extprocv3.BodyResponse{Response: common}}}
 	}
@@ -60,17 +61,23 @@ func (e *bodyEcho) message() *extprocv3.ProcessingResponse {
 		RequestBody: &extprocv3.BodyResponse{Response: common}}}
 }
 
-// ProtoReflect makes a bodyEcho a proto message for codecs other than ours.
-func (e *bodyEcho) ProtoReflect() protoreflect.Message { return e.message().ProtoReflect() }
+// ProtoReflect makes a BodyEcho a proto message for codecs other than ours.
+func (e *BodyEcho) ProtoReflect() protoreflect.Message { return e.message().ProtoReflect() }
+
+func streamedBody(chunk []byte, endOfStream bool) *extprocv3.BodyMutation {
+	return &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
+		StreamedResponse: &extprocv3.StreamedBodyResponse{Body: chunk, EndOfStream: endOfStream},
+	}}
+}
 
 // sizes returns the lengths of the nested messages, innermost first:
 // StreamedBodyResponse, BodyMutation, CommonResponse, BodyResponse, and the
 // whole ProcessingResponse.
-func (e *bodyEcho) sizes() (streamed, mutation, common, body, whole int) {
-	if len(e.chunk) > 0 {
-		streamed = lenField(fieldStreamedBody, len(e.chunk))
+func (e *BodyEcho) sizes() (streamed, mutation, common, body, whole int) {
+	if len(e.Chunk) > 0 {
+		streamed = lenField(fieldStreamedBody, len(e.Chunk))
 	}
-	if e.endOfStream {
+	if e.EndOfStream {
 		streamed += protowire.SizeTag(fieldStreamedEnd) + protowire.SizeVarint(1)
 	}
 	mutation = lenField(fieldStreamedResponse, streamed)
@@ -82,78 +89,68 @@ func (e *bodyEcho) sizes() (streamed, mutation, common, body, whole int) {
 
 // appendWire appends the message's wire format: the fields protobuf would
 // write, in the order it writes them.
-func (e *bodyEcho) appendWire(b []byte) []byte {
+func (e *BodyEcho) appendWire(b []byte) []byte {
 	streamed, mutation, common, body, _ := e.sizes()
 	field := protowire.Number(fieldRespRequestBody)
-	if e.response {
+	if e.Response {
 		field = fieldRespResponseBody
 	}
 	b = appendLen(b, field, body)
 	b = appendLen(b, fieldBodyResponse, common)
 	b = appendLen(b, fieldBodyMutation, mutation)
 	b = appendLen(b, fieldStreamedResponse, streamed)
-	if len(e.chunk) > 0 {
+	if len(e.Chunk) > 0 {
 		b = protowire.AppendTag(b, fieldStreamedBody, protowire.BytesType)
-		b = protowire.AppendBytes(b, e.chunk)
+		b = protowire.AppendBytes(b, e.Chunk)
 	}
-	if e.endOfStream {
+	if e.EndOfStream {
 		b = protowire.AppendTag(b, fieldStreamedEnd, protowire.VarintType)
 		b = protowire.AppendVarint(b, 1)
 	}
 	return b
 }
 
-// preEncoded is a constant answer, encoded once: many streams send it at
+// PreEncoded is a constant answer, encoded once: many streams send it at
 // once, so its bytes are never written after it is made.
-type preEncoded struct {
+type PreEncoded struct {
 	msg  *extprocv3.ProcessingResponse
 	wire []byte
 }
 
-func newPreEncoded(m *extprocv3.ProcessingResponse) *preEncoded {
+// NewPreEncoded encodes m, which must not change afterwards: the answer
+// sends the bytes it had then.
+func NewPreEncoded(m *extprocv3.ProcessingResponse) *PreEncoded {
 	wire, err := proto.Marshal(m)
 	if err != nil {
 		panic(fmt.Sprintf("encoding a constant ext_proc answer: %v", err)) // a generated message always encodes
 	}
-	return &preEncoded{msg: m, wire: wire}
+	return &PreEncoded{msg: m, wire: wire}
 }
 
-// ProtoReflect makes a preEncoded a proto message for codecs other than ours.
-func (p *preEncoded) ProtoReflect() protoreflect.Message { return p.msg.ProtoReflect() }
+// ProtoReflect makes a PreEncoded a proto message for codecs other than ours.
+func (p *PreEncoded) ProtoReflect() protoreflect.Message { return p.msg.ProtoReflect() }
 
-// The constant answers.
-var (
-	answerResponseHeaders = newPreEncoded(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
-		ResponseHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{}}}})
-	answerRequestBody = newPreEncoded(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
-		RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}}}})
-	answerResponseBody = newPreEncoded(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{
-		ResponseBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}}}})
-	answerRequestTrailers = newPreEncoded(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
-		RequestTrailers: &extprocv3.TrailersResponse{}}})
-	answerResponseTrailers = newPreEncoded(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{
-		ResponseTrailers: &extprocv3.TrailersResponse{}}})
-)
-
-// routeAnswer is the answer that routes a request: the destination header
+// RouteAnswer is the answer that routes a request: the destination header
 // (and content-length, set again when the body passes on streamed), a
 // route cache clear, and the destination in the dynamic metadata the
-// gateway's load balancer reads (see routeTo). The codec writes it itself
-// for the reason bodyEcho says: the metadata's Values are oneofs.
-type routeAnswer struct {
-	inBody        bool   // answers the request body (BUFFERED), else the request headers
-	destination   string // the chosen endpoint, then its fallbacks, comma-separated
-	contentLength string // empty: not set
+// gateway's load balancer reads (see routeTo). The Codec writes it itself
+// for the reason BodyEcho says: the metadata's Values are oneofs.
+type RouteAnswer struct {
+	InBody        bool   // answers the request body (BUFFERED), else the request headers
+	Destination   string // the chosen endpoint, then its fallbacks, comma-separated
+	ContentLength string // empty: not set
 }
 
-func (r *routeAnswer) message() *extprocv3.ProcessingResponse {
-	common, metadata := routeTo(r.destination)
-	if r.contentLength != "" {
+// Message is the equivalent generated message, for an answer that must
+// carry more than a RouteAnswer holds.
+func (r *RouteAnswer) Message() *extprocv3.ProcessingResponse {
+	common, metadata := routeTo(r.Destination)
+	if r.ContentLength != "" {
 		mutation := common.GetHeaderMutation()
-		mutation.SetHeaders = append(mutation.SetHeaders, headerOption("content-length", r.contentLength))
+		mutation.SetHeaders = append(mutation.SetHeaders, HeaderOption("content-length", r.ContentLength))
 	}
 	resp := &extprocv3.ProcessingResponse{DynamicMetadata: metadata}
-	if r.inBody {
+	if r.InBody {
 		resp.Response = &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: common}}
 	} else {
 		resp.Response = &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{Response: common}}
@@ -161,8 +158,48 @@ func (r *routeAnswer) message() *extprocv3.ProcessingResponse {
 	return resp
 }
 
-// ProtoReflect makes a routeAnswer a proto message for codecs other than ours.
-func (r *routeAnswer) ProtoReflect() protoreflect.Message { return r.message().ProtoReflect() }
+// ProtoReflect makes a RouteAnswer a proto message for codecs other than ours.
+func (r *RouteAnswer) ProtoReflect() protoreflect.Message { return r.Message().ProtoReflect() }
+
+// The names a routing answer writes, which the gateway reads. Gateways that
+// implement the Inference Extension (and their Helm charts) use exactly
+// these.
+const (
+	// DestinationHeader carries the chosen endpoint, then its fallbacks.
+	DestinationHeader = "x-gateway-destination-endpoint"
+	// LBNamespace is the dynamic metadata namespace the gateway's load
+	// balancer reads the destination from and writes the served-by into.
+	LBNamespace = "envoy.lb"
+	// DestinationKey is the destination's key under LBNamespace.
+	DestinationKey = DestinationHeader
+)
+
+// routeTo is the generated form of a routing answer to value: the
+// destination header (and a route cache clear so the gateway routes on
+// it), and the metadata the gateway's load balancer reads.
+func routeTo(value string) (*extprocv3.CommonResponse, *structpb.Struct) {
+	common := &extprocv3.CommonResponse{
+		ClearRouteCache: true,
+		HeaderMutation: &extprocv3.HeaderMutation{
+			SetHeaders: []*corev3.HeaderValueOption{HeaderOption(DestinationHeader, value)},
+		},
+	}
+	metadata := &structpb.Struct{Fields: map[string]*structpb.Value{
+		LBNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
+			DestinationKey: structpb.NewStringValue(value),
+		}}),
+	}}
+	return common, metadata
+}
+
+// HeaderOption is the generated message that sets header key to value,
+// as the answers this package writes set their headers.
+func HeaderOption(key, value string) *corev3.HeaderValueOption {
+	return &corev3.HeaderValueOption{
+		Header:       &corev3.HeaderValue{Key: key, RawValue: []byte(value)},
+		AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD,
+	}
+}
 
 // Field numbers of the routing answer (envoy.service.ext_proc.v3,
 // envoy.config.core.v3 and google.protobuf.Struct).
@@ -215,19 +252,19 @@ type routeSizes struct {
 	outerValue, outerEntry, metadata, whole int
 }
 
-func (r *routeAnswer) sizes() routeSizes {
+func (r *RouteAnswer) sizes() routeSizes {
 	var s routeSizes
-	s.mutation = lenField(fieldSetHeaders, sizeOption(destinationHeader, r.destination))
-	if r.contentLength != "" {
-		s.mutation += lenField(fieldSetHeaders, sizeOption("content-length", r.contentLength))
+	s.mutation = lenField(fieldSetHeaders, sizeOption(DestinationHeader, r.Destination))
+	if r.ContentLength != "" {
+		s.mutation += lenField(fieldSetHeaders, sizeOption("content-length", r.ContentLength))
 	}
 	s.common = lenField(fieldHeaderMutation, s.mutation) + protowire.SizeTag(fieldClearRouteCache) + protowire.SizeVarint(1)
 	s.response = lenField(fieldBodyResponse, s.common)
-	s.innerValue = lenField(fieldValueString, len(r.destination))
-	s.innerEntry = lenField(fieldEntryKey, len(destinationKey)) + lenField(fieldEntryValue, s.innerValue)
+	s.innerValue = lenField(fieldValueString, len(r.Destination))
+	s.innerEntry = lenField(fieldEntryKey, len(DestinationKey)) + lenField(fieldEntryValue, s.innerValue)
 	s.innerStruct = lenField(fieldStructFields, s.innerEntry)
 	s.outerValue = lenField(fieldValueStruct, s.innerStruct)
-	s.outerEntry = lenField(fieldEntryKey, len(lbNamespace)) + lenField(fieldEntryValue, s.outerValue)
+	s.outerEntry = lenField(fieldEntryKey, len(LBNamespace)) + lenField(fieldEntryValue, s.outerValue)
 	s.metadata = lenField(fieldStructFields, s.outerEntry)
 	s.whole = lenField(fieldRespRequestBody, s.response) + lenField(fieldRespMetadata, s.metadata)
 	return s
@@ -235,31 +272,31 @@ func (r *routeAnswer) sizes() routeSizes {
 
 // appendWire appends the answer's wire format, fields in the order
 // protobuf writes them (the oneof last).
-func (r *routeAnswer) appendWire(b []byte) []byte {
+func (r *RouteAnswer) appendWire(b []byte) []byte {
 	s := r.sizes()
 	field := protowire.Number(fieldRespRequestHeaders)
-	if r.inBody {
+	if r.InBody {
 		field = fieldRespRequestBody
 	}
 	b = appendLen(b, fieldRespMetadata, s.metadata)
 	b = appendLen(b, fieldStructFields, s.outerEntry)
-	b = appendLen(b, fieldEntryKey, len(lbNamespace))
-	b = append(b, lbNamespace...)
+	b = appendLen(b, fieldEntryKey, len(LBNamespace))
+	b = append(b, LBNamespace...)
 	b = appendLen(b, fieldEntryValue, s.outerValue)
 	b = appendLen(b, fieldValueStruct, s.innerStruct)
 	b = appendLen(b, fieldStructFields, s.innerEntry)
-	b = appendLen(b, fieldEntryKey, len(destinationKey))
-	b = append(b, destinationKey...)
+	b = appendLen(b, fieldEntryKey, len(DestinationKey))
+	b = append(b, DestinationKey...)
 	b = appendLen(b, fieldEntryValue, s.innerValue)
-	b = appendLen(b, fieldValueString, len(r.destination))
-	b = append(b, r.destination...)
+	b = appendLen(b, fieldValueString, len(r.Destination))
+	b = append(b, r.Destination...)
 
 	b = appendLen(b, field, s.response)
 	b = appendLen(b, fieldBodyResponse, s.common) // HeadersResponse.response is field 1 too
 	b = appendLen(b, fieldHeaderMutation, s.mutation)
-	b = appendOption(b, destinationHeader, r.destination)
-	if r.contentLength != "" {
-		b = appendOption(b, "content-length", r.contentLength)
+	b = appendOption(b, DestinationHeader, r.Destination)
+	if r.ContentLength != "" {
+		b = appendOption(b, "content-length", r.ContentLength)
 	}
 	b = protowire.AppendTag(b, fieldClearRouteCache, protowire.VarintType)
 	b = protowire.AppendVarint(b, 1)

@@ -1,17 +1,17 @@
-package extproc
+package wire
 
 import (
 	"math/bits"
 	"sync"
 )
 
-// dirtyPool is a gRPC buffer pool that hands buffers out as they were
+// DirtyPool is a gRPC buffer pool that hands buffers out as they were
 // returned. gRPC's default pool clears each buffer's whole capacity on Get
 // (up to a megabyte for one 16 KB frame), though every user writes a
-// buffer before reading it: gRPC reads frames into them, the codec writes
+// buffer before reading it: gRPC reads frames into them, the Codec writes
 // answers into them. Buffers come in power-of-two tiers from 256 bytes to
 // 1 MiB; larger ones are not pooled.
-type dirtyPool struct {
+type DirtyPool struct {
 	tiers [maxTier - minTier + 1]sync.Pool
 }
 
@@ -29,7 +29,8 @@ func tier(n int) int {
 	return t - minTier
 }
 
-func (p *dirtyPool) Get(n int) *[]byte {
+// Get returns a buffer of length n, holding whatever it held before.
+func (p *DirtyPool) Get(n int) *[]byte {
 	t := tier(n)
 	if t < 0 {
 		b := make([]byte, n)
@@ -43,7 +44,8 @@ func (p *dirtyPool) Get(n int) *[]byte {
 	return &b
 }
 
-func (p *dirtyPool) Put(b *[]byte) {
+// Put takes b back for a later Get.
+func (p *DirtyPool) Put(b *[]byte) {
 	// A buffer goes to the tier it fills: one with room for less (from
 	// outside this pool) is dropped.
 	c := cap(*b)

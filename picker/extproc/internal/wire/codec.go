@@ -1,4 +1,4 @@
-package extproc
+package wire
 
 import (
 	"errors"
@@ -11,32 +11,35 @@ import (
 	"google.golang.org/protobuf/proto"
 )
 
-// codec is gRPC's proto codec, except for the messages a stream receives
-// into an inbound: their body bytes are not copied into a fresh slice per
+// Codec is gRPC's proto codec, except for the messages a stream receives
+// into an Inbound: their body bytes are not copied into a fresh slice per
 // message (protobuf always copies bytes fields) but into the stream's own
 // reused buffer. The body is most of what a picker receives (a whole prompt
 // per request); a fresh slice per chunk was most of the picker's garbage.
 // And it writes the answers a request gets (the routing answer, body
 // echoes, constants) without protobuf's reflection.
-type codec struct {
+type Codec struct {
 	proto encoding.CodecV2
 	pool  mem.BufferPool // for body echoes
 }
 
-// newCodec returns the codec the ext_proc server is forced to use, writing
+// NewCodec returns the Codec the ext_proc server is forced to use, writing
 // body echoes into buffers from pool.
-func newCodec(pool mem.BufferPool) codec {
-	return codec{proto: encoding.GetCodecV2("proto"), pool: pool}
+func NewCodec(pool mem.BufferPool) Codec {
+	return Codec{proto: encoding.GetCodecV2("proto"), pool: pool}
 }
 
-func (c codec) Name() string { return c.proto.Name() }
+// Name is the proto codec's name: gRPC uses this codec in its place.
+func (c Codec) Name() string { return c.proto.Name() }
 
-func (c codec) Marshal(v any) (mem.BufferSlice, error) {
+// Marshal writes a PreEncoded, BodyEcho or RouteAnswer itself and leaves
+// any other message to protobuf.
+func (c Codec) Marshal(v any) (mem.BufferSlice, error) {
 	switch m := v.(type) {
-	case *preEncoded:
+	case *PreEncoded:
 		// Read only: gRPC frees a SliceBuffer by doing nothing.
 		return mem.BufferSlice{mem.SliceBuffer(m.wire)}, nil
-	case *bodyEcho:
+	case *BodyEcho:
 		_, _, _, _, n := m.sizes()
 		if mem.IsBelowBufferPoolingThreshold(n) {
 			return mem.BufferSlice{mem.SliceBuffer(m.appendWire(make([]byte, 0, n)))}, nil
@@ -44,8 +47,8 @@ func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 		buf := c.pool.Get(n)
 		*buf = m.appendWire((*buf)[:0])
 		return mem.BufferSlice{mem.NewBuffer(buf, c.pool)}, nil
-	case *routeAnswer:
-		if m.destination == "" {
+	case *RouteAnswer:
+		if m.Destination == "" {
 			break // protobuf omits an empty string: leave that to it
 		}
 		return mem.BufferSlice{mem.SliceBuffer(m.appendWire(make([]byte, 0, m.sizes().whole)))}, nil
@@ -53,22 +56,28 @@ func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 	return c.proto.Marshal(v)
 }
 
-func (c codec) Unmarshal(data mem.BufferSlice, v any) error {
-	in, ok := v.(*inbound)
+// Unmarshal decodes into an Inbound without copying the body per message
+// (see Inbound) and leaves any other message to protobuf.
+func (c Codec) Unmarshal(data mem.BufferSlice, v any) error {
+	in, ok := v.(*Inbound)
 	if !ok {
 		return c.proto.Unmarshal(data, v)
 	}
 	return in.unmarshal(data)
 }
 
-// inbound is one stream's receiving side: the last message received, whose
-// request or response body aliases buf until the next message is received.
+// Inbound is one stream's receiving side: the last message received, whose
+// request or response body aliases Buf until the next message is received.
 // The message is embedded so that any other proto codec decodes into it too
 // (copying the body, as usual).
-type inbound struct {
+//
+// Wire and Buf are the buffers it reuses from message to message, exported
+// so that a server can lend it pooled buffers before the first message and
+// take them back (grown) after the last; nothing else should touch them.
+type Inbound struct {
 	extprocv3.ProcessingRequest
-	wire []byte // the message without its body bytes, for proto.Unmarshal
-	buf  []byte // the whole message (several gRPC buffers), or its body
+	Wire []byte // the message without its body bytes, for proto.Unmarshal
+	Buf  []byte // the whole message (several gRPC buffers), or its body
 }
 
 // Field numbers (envoy/service/ext_proc/v3/external_processor.proto).
@@ -86,26 +95,26 @@ const (
 var errMalformedMessage = errors.New("malformed ProcessingRequest")
 
 // unmarshal decodes data as proto.Unmarshal would, with the body's bytes
-// left in in.buf.
-func (in *inbound) unmarshal(data mem.BufferSlice) error {
+// left in in.Buf.
+func (in *Inbound) unmarshal(data mem.BufferSlice) error {
 	var b []byte
 	aliased := len(data) == 1 // gRPC frees data's buffers once this returns
 	if aliased {
 		b = data[0].ReadOnlyData()
 	} else {
-		in.buf = slices.Grow(in.buf[:0], data.Len())
+		in.Buf = slices.Grow(in.Buf[:0], data.Len())
 		for _, d := range data {
-			in.buf = append(in.buf, d.ReadOnlyData()...)
+			in.Buf = append(in.Buf, d.ReadOnlyData()...)
 		}
-		b = in.buf
+		b = in.Buf
 	}
-	body, wire, found, err := splitBody(b, in.wire[:0])
-	in.wire = wire
+	body, wire, found, err := splitBody(b, in.Wire[:0])
+	in.Wire = wire
 	if err != nil {
 		return err
 	}
-	if !decodeFast(in.wire, &in.ProcessingRequest) {
-		if err := proto.Unmarshal(in.wire, &in.ProcessingRequest); err != nil {
+	if !decodeFast(in.Wire, &in.ProcessingRequest) {
+		if err := proto.Unmarshal(in.Wire, &in.ProcessingRequest); err != nil {
 			return err
 		}
 	}
@@ -113,8 +122,8 @@ func (in *inbound) unmarshal(data mem.BufferSlice) error {
 		return nil
 	}
 	if aliased {
-		in.buf = append(in.buf[:0], body...)
-		body = in.buf
+		in.Buf = append(in.Buf[:0], body...)
+		body = in.Buf
 	}
 	switch r := in.ProcessingRequest.GetRequest().(type) {
 	case *extprocv3.ProcessingRequest_RequestBody:

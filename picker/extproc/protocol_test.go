@@ -6,7 +6,11 @@ import (
 	"testing"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/tallyepp/tally/picker/extproc/internal/wire"
 )
 
 func TestAppendEndpoints(t *testing.T) {
@@ -41,6 +45,21 @@ func TestServedForTest(t *testing.T) {
 	} {
 		if got := servedForTest(tc.md); got != tc.want {
 			t.Errorf("servedForTest(%v) = %q, want %q", tc.md, got, tc.want)
+		}
+	}
+}
+
+// The constant answers reach the gateway as the messages they were made from.
+func TestConstantAnswersEncodeAsProtoDoes(t *testing.T) {
+	c := wire.NewCodec(&wire.DirtyPool{})
+	for _, p := range []*wire.PreEncoded{answerResponseHeaders, answerRequestBody, answerResponseBody, answerRequestTrailers, answerResponseTrailers} {
+		got, err := c.Marshal(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var back extprocv3.ProcessingResponse
+		if err := proto.Unmarshal(got.Materialize(), &back); err != nil || !proto.Equal(&back, p) {
+			t.Errorf("constant answer %v decodes as %v (%v)", p, &back, err)
 		}
 	}
 }

@@ -1,4 +1,4 @@
-package extproc
+package wire
 
 import (
 	"bytes"
@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/encoding/protowire"
@@ -27,10 +28,10 @@ func bufferSlice(b []byte, size int) mem.BufferSlice {
 	return s
 }
 
-// checkLikeProto decodes wire with the codec into a reused inbound and
+// checkLikeProto decodes wire with the Codec into a reused Inbound and
 // with proto.Unmarshal, and fails unless both fail or both give equal
 // messages.
-func checkLikeProto(t *testing.T, c codec, in *inbound, wire []byte, bufSize int) {
+func checkLikeProto(t *testing.T, c Codec, in *Inbound, wire []byte, bufSize int) {
 	t.Helper()
 	var want extprocv3.ProcessingRequest
 	wantErr := proto.Unmarshal(wire, &want)
@@ -53,7 +54,7 @@ func TestCodecDecodesAsProtoDoes(t *testing.T) {
 		{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
 			Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":path", RawValue: []byte("/v1/completions")}}}}},
 			MetadataContext: &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{"envoy.lb": meta}},
-			ProtocolConfig:  &extprocv3.ProtocolConfiguration{RequestBodyMode: fullDuplex}},
+			ProtocolConfig:  &extprocv3.ProtocolConfiguration{RequestBodyMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED}},
 		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: true}}},
 		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: body[:10]}}},
 		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{EndOfStream: true}}},
@@ -62,8 +63,8 @@ func TestCodecDecodesAsProtoDoes(t *testing.T) {
 		{Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: &extprocv3.HttpTrailers{}}},
 		{},
 	}
-	c := newCodec(&dirtyPool{})
-	var in inbound // reused, as a stream reuses it
+	c := NewCodec(&DirtyPool{})
+	var in Inbound // reused, as a stream reuses it
 	for _, m := range msgs {
 		wire, err := proto.Marshal(m)
 		if err != nil {
@@ -117,8 +118,8 @@ func TestCodecBodyOutlivesTheReceiveBuffers(t *testing.T) {
 	}
 	for _, size := range []int{0, 4} {
 		data := bufferSlice(wire, size)
-		var in inbound
-		if err := newCodec(&dirtyPool{}).Unmarshal(data, &in); err != nil {
+		var in Inbound
+		if err := NewCodec(&DirtyPool{}).Unmarshal(data, &in); err != nil {
 			t.Fatal(err)
 		}
 		for _, b := range data {
@@ -147,7 +148,7 @@ func gatewayMessages(t testing.TB) []*extprocv3.ProcessingRequest {
 	return []*extprocv3.ProcessingRequest{
 		{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
 			{Key: ":path", RawValue: []byte("/v1/completions")}, {Key: ":method", Value: "POST"}, {Key: "empty"}, {}}}}},
-			ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: fullDuplex, ResponseBodyMode: 99, SendBodyWithoutWaitingForHeaderResponse: true},
+			ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, ResponseBodyMode: 99, SendBodyWithoutWaitingForHeaderResponse: true},
 			MetadataContext: &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
 				"envoy.lb.subset_hint": meta, "": {}}}},
 		{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{}, EndOfStream: true}},
@@ -218,22 +219,22 @@ func FuzzCodecDecodesAsProtoDoes(f *testing.F) {
 		}
 		f.Add(wire, uint8(0))
 	}
-	c := newCodec(&dirtyPool{})
+	c := NewCodec(&DirtyPool{})
 	f.Fuzz(func(t *testing.T, wire []byte, size uint8) {
-		var in inbound
+		var in Inbound
 		checkLikeProto(t, c, &in, wire, int(size))
 	})
 }
 
 // A body echo is written byte for byte as protobuf writes the equivalent
-// message, through the codec (pooled buffer or not) and through a plain
+// message, through the Codec (pooled buffer or not) and through a plain
 // proto codec (ProtoReflect).
 func TestBodyEchoEncodesAsProtoDoes(t *testing.T) {
-	c := newCodec(&dirtyPool{})
+	c := NewCodec(&DirtyPool{})
 	for _, n := range []int{0, 1, 127, 128, 20_000, 62_000} {
 		for _, response := range []bool{false, true} {
 			for _, end := range []bool{false, true} {
-				e := &bodyEcho{response: response, chunk: bytes.Repeat([]byte{'x'}, n), endOfStream: end}
+				e := &BodyEcho{Response: response, Chunk: bytes.Repeat([]byte{'x'}, n), EndOfStream: end}
 				want, err := proto.MarshalOptions{Deterministic: true}.Marshal(e.message())
 				if err != nil {
 					t.Fatal(err)
@@ -256,14 +257,26 @@ func TestBodyEchoEncodesAsProtoDoes(t *testing.T) {
 			}
 		}
 	}
-	for _, p := range []*preEncoded{answerResponseHeaders, answerRequestBody, answerResponseBody, answerRequestTrailers, answerResponseTrailers} {
-		got, err := c.Marshal(p)
+}
+
+// A constant answer is written as protobuf wrote it when it was made.
+func TestPreEncodedEncodesAsProtoDoes(t *testing.T) {
+	c := NewCodec(&DirtyPool{})
+	for _, m := range []*extprocv3.ProcessingResponse{
+		{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}}}},
+		{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}},
+		{},
+	} {
+		want, err := proto.Marshal(m)
 		if err != nil {
 			t.Fatal(err)
 		}
-		var back extprocv3.ProcessingResponse
-		if err := proto.Unmarshal(got.Materialize(), &back); err != nil || !proto.Equal(&back, p.msg) {
-			t.Errorf("constant answer %v decodes as %v (%v)", p.msg, &back, err)
+		got, err := c.Marshal(NewPreEncoded(m))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got.Materialize(), want) {
+			t.Errorf("%v: codec wrote %x, protobuf %x", m, got.Materialize(), want)
 		}
 	}
 }
@@ -271,16 +284,16 @@ func TestBodyEchoEncodesAsProtoDoes(t *testing.T) {
 // The routing answer is written byte for byte as protobuf writes the
 // equivalent message.
 func TestRouteAnswerEncodesAsProtoDoes(t *testing.T) {
-	c := newCodec(&dirtyPool{})
+	c := NewCodec(&DirtyPool{})
 	long := strings.Repeat("10.0.0.1:8000,", 20) + "10.0.0.2:8000" // lengths past one varint byte
-	for _, r := range []routeAnswer{
-		{destination: "10.0.0.7:8000"},
-		{destination: "10.0.0.7:8000,[fd00::1]:8000", contentLength: "32000"},
-		{inBody: true, destination: "[fd00::2]:3000"},
-		{inBody: true, destination: long, contentLength: "1"},
-		{destination: ""},
+	for _, r := range []RouteAnswer{
+		{Destination: "10.0.0.7:8000"},
+		{Destination: "10.0.0.7:8000,[fd00::1]:8000", ContentLength: "32000"},
+		{InBody: true, Destination: "[fd00::2]:3000"},
+		{InBody: true, Destination: long, ContentLength: "1"},
+		{Destination: ""},
 	} {
-		want, err := proto.MarshalOptions{Deterministic: true}.Marshal(r.message())
+		want, err := proto.MarshalOptions{Deterministic: true}.Marshal(r.Message())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -291,13 +304,13 @@ func TestRouteAnswerEncodesAsProtoDoes(t *testing.T) {
 		if !bytes.Equal(got.Materialize(), want) {
 			t.Errorf("%+v: codec wrote %x, protobuf %x", r, got.Materialize(), want)
 		}
-		if r.destination != "" && r.sizes().whole != len(want) {
+		if r.Destination != "" && r.sizes().whole != len(want) {
 			t.Errorf("%+v: size %d, want %d", r, r.sizes().whole, len(want))
 		}
 	}
 }
 
-// BenchmarkDecode compares the codec with plain proto decoding on the
+// BenchmarkDecode compares the Codec with plain proto decoding on the
 // messages of one request: headers with metadata, a 32 KB body, response
 // headers.
 func BenchmarkDecode(b *testing.B) {
@@ -332,8 +345,8 @@ func BenchmarkDecode(b *testing.B) {
 		}
 	})
 	b.Run("codec", func(b *testing.B) {
-		c := newCodec(&dirtyPool{})
-		var in inbound
+		c := NewCodec(&DirtyPool{})
+		var in Inbound
 		data := make([]mem.BufferSlice, len(wires))
 		for i, w := range wires {
 			data[i] = bufferSlice(w, 16384)

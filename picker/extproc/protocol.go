@@ -10,22 +10,23 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
-	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/extproc/internal/wire"
 	"github.com/tallyepp/tally/picker/request"
 )
 
 // Names the picker shares with the gateway. Gateways that implement the
 // Inference Extension (and their Helm charts) use exactly these.
 const (
-	// destinationHeader carries the chosen endpoint, then its fallbacks.
-	destinationHeader = "x-gateway-destination-endpoint"
+	// destinationHeader carries the chosen endpoint, then its fallbacks;
 	// lbNamespace is the dynamic metadata namespace the gateway's load
-	// balancer reads the destination from and writes the served-by into.
-	lbNamespace = "envoy.lb"
-	// destinationKey is the destination's key under lbNamespace.
-	destinationKey = destinationHeader
+	// balancer reads the destination from (under destinationKey) and
+	// writes the served-by into. The routing answer writes them, so they
+	// are defined beside it, in wire.
+	destinationHeader = wire.DestinationHeader
+	lbNamespace       = wire.LBNamespace
+	destinationKey    = wire.DestinationKey
 	// servedKey, under lbNamespace, names the endpoint that actually served
 	// the request (a fallback may have been used).
 	servedKey = "x-gateway-destination-endpoint-served"
@@ -125,23 +126,30 @@ func immediateResponse(httpStatus int, body []byte) *extprocv3.ProcessingRespons
 	}}
 }
 
+// The constant answers, encoded once.
+var (
+	answerResponseHeaders = wire.NewPreEncoded(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
+		ResponseHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{}}}})
+	answerRequestBody = wire.NewPreEncoded(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
+		RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}}}})
+	answerResponseBody = wire.NewPreEncoded(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{
+		ResponseBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}}}})
+	answerRequestTrailers = wire.NewPreEncoded(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
+		RequestTrailers: &extprocv3.TrailersResponse{}}})
+	answerResponseTrailers = wire.NewPreEncoded(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{
+		ResponseTrailers: &extprocv3.TrailersResponse{}}})
+)
+
 // retryAfterSeconds is the retry-after of a 429 or 503: the picker's
 // queues and endpoint set change within a second.
 const retryAfterSeconds = "1"
 
 func answerHeaders(httpStatus int) []*corev3.HeaderValueOption {
-	h := []*corev3.HeaderValueOption{headerOption("content-type", "application/json")}
+	h := []*corev3.HeaderValueOption{wire.HeaderOption("content-type", "application/json")}
 	if httpStatus == 429 || httpStatus == 503 {
-		h = append(h, headerOption("retry-after", retryAfterSeconds))
+		h = append(h, wire.HeaderOption("retry-after", retryAfterSeconds))
 	}
 	return h
-}
-
-func headerOption(key, value string) *corev3.HeaderValueOption {
-	return &corev3.HeaderValueOption{
-		Header:       &corev3.HeaderValue{Key: key, RawValue: []byte(value)},
-		AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD,
-	}
 }
 
 // destinationValue is the destination header's value: the endpoints,
@@ -155,24 +163,6 @@ func destinationValue(eps []netip.AddrPort) string {
 		b.WriteString(ep.String())
 	}
 	return b.String()
-}
-
-// routeTo is what answers a routed request: the destination header (and a
-// route cache clear so the gateway routes on it), and the metadata the
-// gateway's load balancer reads.
-func routeTo(value string) (*extprocv3.CommonResponse, *structpb.Struct) {
-	common := &extprocv3.CommonResponse{
-		ClearRouteCache: true,
-		HeaderMutation: &extprocv3.HeaderMutation{
-			SetHeaders: []*corev3.HeaderValueOption{headerOption(destinationHeader, value)},
-		},
-	}
-	metadata := &structpb.Struct{Fields: map[string]*structpb.Value{
-		lbNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
-			destinationKey: structpb.NewStringValue(value),
-		}}),
-	}}
-	return common, metadata
 }
 
 // unrouted answers request headers the picker writes no destination into.
