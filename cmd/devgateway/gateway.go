@@ -25,12 +25,14 @@ import (
 	"github.com/google/uuid"
 	"google.golang.org/protobuf/types/known/structpb"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
+
+	"github.com/tallyepp/tally/picker/extproc"
 )
 
 // Names of the endpoint picker protocol (the Gateway API Inference
 // Extension's endpoint picker protocol).
 const (
-	destinationHeader = "x-gateway-destination-endpoint"
+	destinationHeader = extproc.DestinationHeader
 	lbMetadataKey     = "envoy.lb"
 	servedMetadataKey = "x-gateway-destination-endpoint-served"
 	requestIDHeader   = "x-request-id"

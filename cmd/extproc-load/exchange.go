@@ -18,6 +18,8 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/tallyepp/tally/picker/extproc"
 )
 
 // maxChunkBytes is the largest body chunk Envoy's ext_proc filter sends or
@@ -25,7 +27,7 @@ import (
 const maxChunkBytes = 62_000
 
 // destinationHeader is the header (and envoy.lb metadata key) a picker sets.
-const destinationHeader = "x-gateway-destination-endpoint"
+const destinationHeader = extproc.DestinationHeader
 
 // client is a gateway's connections to one picker. Envoy multiplexes the
 // streams of each worker thread over one HTTP/2 connection; the client

@@ -16,6 +16,11 @@ import (
 	"github.com/tallyepp/tally/picker/request"
 )
 
+// DestinationHeader is the header in which the picker names the chosen
+// endpoint, then its fallbacks: the one name of it that the repository's
+// gateways and tools use.
+const DestinationHeader = wire.DestinationHeader
+
 // Names the picker shares with the gateway. Gateways that implement the
 // Inference Extension (and their Helm charts) use exactly these.
 const (
