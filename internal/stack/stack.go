@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/netip"
@@ -321,15 +322,28 @@ func (s *Stack) PickerMetricsURL() string { return s.pickerPorts.metricsURL() }
 // HTTPClient is the client the stack uses for its own requests.
 func (s *Stack) HTTPClient() *http.Client { return s.http }
 
+// Ports handed to processes come from below Linux's default ephemeral
+// range (32768-60999): a port from that range, free when chosen, can become
+// the local port of an outgoing connection before the process binds it, or
+// while a picker restarts on it.
+const (
+	minFreePort = 20000
+	maxFreePort = 32767
+)
+
 // freePort finds a port free on the loopback interface. It is free when
 // this returns; a process told to use it binds it soon after.
 func freePort() (int, error) {
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("finding a free port: %w", err)
+	for range 1000 {
+		port := minFreePort + rand.IntN(maxFreePort-minFreePort+1)
+		lis, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port))
+		if err != nil {
+			continue // taken
+		}
+		lis.Close()
+		return port, nil
 	}
-	defer lis.Close()
-	return lis.Addr().(*net.TCPAddr).Port, nil
+	return 0, fmt.Errorf("finding a free port: none of 1000 tried from %d to %d was free", minFreePort, maxFreePort)
 }
 
 // pickerPorts are one picker process's ports.

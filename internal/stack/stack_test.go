@@ -2,7 +2,7 @@ package stack
 
 import (
 	"context"
-	"net"
+	"math/rand/v2"
 	"net/http"
 	"net/netip"
 	"strings"
@@ -10,24 +10,30 @@ import (
 	"time"
 )
 
-// newTestPod serves one pod's simulator on a free 127.0.0.1 port, without
-// an API server: the part of a Stack that holds and counts requests.
+// newTestPod serves one pod's simulator at a pod-like address, without an
+// API server: the part of a Stack that holds and counts requests.
+//
+// The address is a random one in 127.201.0.0/16, port 8000, as pods have
+// IPs of their own: a free 127.0.0.1 port, closed and listened on again
+// (by ResetSimulators too), can meanwhile become the local port of some
+// other test's outgoing connection, whose source is 127.0.0.1.
 func newTestPod(t *testing.T) (*Stack, *Pod) {
 	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := netip.MustParseAddrPort(lis.Addr().String())
-	lis.Close()
 	s := &Stack{
 		opts:     Options{Model: DefaultModel, TimeScale: 10},
 		servedBy: map[string]string{},
 		http:     NewHTTPClient(),
 	}
-	p := &Pod{Name: "sim-0", Addr: addr, stack: s}
+	p := &Pod{Name: "sim-0", stack: s}
 	s.pods = []*Pod{p}
-	if err := p.startSimulator(); err != nil {
+	var err error
+	for range 5 { // another test may hold the same address
+		p.Addr = netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 201, byte(rand.IntN(256)), byte(1 + rand.IntN(254))}), 8000)
+		if err = p.startSimulator(); err == nil {
+			break
+		}
+	}
+	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
