@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -248,22 +249,17 @@ func (p *pickerProcess) logTail() string {
 	return string(data)
 }
 
-// freePorts finds n distinct ports free on loopback.
+// freePorts finds n distinct ports free on loopback (stack.FreePort).
 func freePorts(n int) ([]int, error) {
 	var ports []int
-	var liss []net.Listener
-	defer func() {
-		for _, l := range liss {
-			l.Close()
-		}
-	}()
-	for range n {
-		lis, err := net.Listen("tcp", "127.0.0.1:0")
+	for len(ports) < n {
+		p, err := stack.FreePort()
 		if err != nil {
-			return nil, fmt.Errorf("finding a free port: %w", err)
+			return nil, err
 		}
-		liss = append(liss, lis)
-		ports = append(ports, lis.Addr().(*net.TCPAddr).Port)
+		if !slices.Contains(ports, p) {
+			ports = append(ports, p)
+		}
 	}
 	return ports, nil
 }

@@ -72,7 +72,7 @@ func (s *Stack) StartNGINX(ctx context.Context, opts NGINXOptions) (*NGINX, erro
 	if n.shim, shimAddr, err = startShim(ctx, strings.Replace(name, "nginx", shimBin, 1), shim, s.opts.Output); err != nil {
 		return nil, err
 	}
-	port, err := freePort()
+	port, err := FreePort()
 	if err != nil {
 		return nil, err
 	}

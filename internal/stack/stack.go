@@ -331,9 +331,10 @@ const (
 	maxFreePort = 32767
 )
 
-// freePort finds a port free on the loopback interface. It is free when
-// this returns; a process told to use it binds it soon after.
-func freePort() (int, error) {
+// FreePort finds a port free on the loopback interface, for a process to
+// listen on. It is free when this returns; the process told to use it
+// binds it soon after.
+func FreePort() (int, error) {
 	for range 1000 {
 		port := minFreePort + rand.IntN(maxFreePort-minFreePort+1)
 		lis, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port))
@@ -359,7 +360,7 @@ func freePickerPorts(taken ...pickerPorts) (pickerPorts, error) {
 	}
 	ports := make([]int, 0, 3)
 	for len(ports) < 3 {
-		p, err := freePort()
+		p, err := FreePort()
 		if err != nil {
 			return pickerPorts{}, err
 		}
