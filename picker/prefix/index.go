@@ -159,7 +159,7 @@ func (x *Index) growWords(words int) {
 }
 
 // Remove forgets endpoint id in O(1): it stops being an endpoint at once
-// (it must no longer be passed to Match, Record or Forget), and Tidy frees
+// (it must no longer be passed to Match, Record or ForgetOwn), and Tidy frees
 // its blocks later. Removing an id that is not in use does nothing.
 func (x *Index) Remove(id int) {
 	if id < 0 || id >= len(x.eps) || !x.eps[id].live {
@@ -281,9 +281,6 @@ func (x *Index) checkCapacity(id int) {
 		x.over = append(x.over, id)
 	}
 }
-
-// Forget drops the blocks in hashes from endpoint id, where it holds them.
-func (x *Index) Forget(id int, hashes []uint64) { x.forget(id, hashes, false, 0) }
 
 // ForgetOwn drops the blocks in hashes from endpoint id where it holds them
 // and the last Record to touch them was tagged owner: a block another

@@ -142,8 +142,8 @@ func TestForgetDropsOnlyTheNamedBlocks(t *testing.T) {
 	p := blocks("p", 6)
 	record(x, a, p, 0)
 	record(x, b, p, 0)
-	x.Forget(a, p[3:])
-	x.Forget(a, blocks("unknown", 3))
+	x.forget(a, p[3:], false, 0)
+	x.forget(a, blocks("unknown", 3), false, 0)
 	if got := match(x, p, a, b); !slices.Equal(got, []int{3, 6}) {
 		t.Errorf("after forgetting a's last 3 blocks, match = %v, want [3 6]", got)
 	}
@@ -255,7 +255,7 @@ func testAgainstModel(t *testing.T, capacity int) {
 		case op == 2:
 			id, p := live[rng.IntN(len(live))], prompts[rng.IntN(len(prompts))]
 			lo := rng.IntN(len(p))
-			x.Forget(id, p[lo:])
+			x.forget(id, p[lo:], false, 0)
 			ref.forget(id, p[lo:])
 		case op == 3:
 			id, p := live[rng.IntN(len(live))], prompts[rng.IntN(len(prompts))]
