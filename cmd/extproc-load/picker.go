@@ -13,7 +13,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -81,7 +80,7 @@ func pickerArgs(kind string, c *stack.Cluster, grpcPort, healthPort, metricsPort
 // output in a log file under logDir, and waits until it is ready and lists
 // every pod of the cluster.
 func startPicker(ctx context.Context, kind, bin string, c *stack.Cluster, useTLS bool, extra []string, logDir string) (*pickerProcess, error) {
-	ports, err := freePorts(3)
+	ports, err := stack.FreePorts(3)
 	if err != nil {
 		return nil, err
 	}
@@ -247,19 +246,4 @@ func (p *pickerProcess) logTail() string {
 		data = data[len(data)-keep:]
 	}
 	return string(data)
-}
-
-// freePorts finds n distinct ports free on loopback (stack.FreePort).
-func freePorts(n int) ([]int, error) {
-	var ports []int
-	for len(ports) < n {
-		p, err := stack.FreePort()
-		if err != nil {
-			return nil, err
-		}
-		if !slices.Contains(ports, p) {
-			ports = append(ports, p)
-		}
-	}
-	return ports, nil
 }

@@ -352,21 +352,30 @@ type pickerPorts struct{ grpc, health, metrics int }
 
 func (p pickerPorts) metricsURL() string { return "http://127.0.0.1:" + strconv.Itoa(p.metrics) }
 
+// FreePorts finds n distinct free ports (FreePort), none of them in taken.
+func FreePorts(n int, taken ...int) ([]int, error) {
+	ports := make([]int, 0, n)
+	for len(ports) < n {
+		p, err := FreePort()
+		if err != nil {
+			return nil, err
+		}
+		if !slices.Contains(ports, p) && !slices.Contains(taken, p) {
+			ports = append(ports, p)
+		}
+	}
+	return ports, nil
+}
+
 // freePickerPorts finds three distinct free ports, none of them in taken.
 func freePickerPorts(taken ...pickerPorts) (pickerPorts, error) {
 	var used []int
 	for _, t := range taken {
 		used = append(used, t.grpc, t.health, t.metrics)
 	}
-	ports := make([]int, 0, 3)
-	for len(ports) < 3 {
-		p, err := FreePort()
-		if err != nil {
-			return pickerPorts{}, err
-		}
-		if !slices.Contains(ports, p) && !slices.Contains(used, p) {
-			ports = append(ports, p)
-		}
+	ports, err := FreePorts(3, used...)
+	if err != nil {
+		return pickerPorts{}, err
 	}
 	return pickerPorts{grpc: ports[0], health: ports[1], metrics: ports[2]}, nil
 }
