@@ -267,19 +267,29 @@ func TestShortPromptsDoNotTeachTheRate(t *testing.T) {
 }
 
 func TestTheRateFitSeparatesFixedOverhead(t *testing.T) {
-	clock := newFakeClock()
-	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
-	// The engine prefills 50,000 tokens/s; every first byte also pays 50 ms
-	// of gateway and network, whatever the prompt.
-	for i := range 40 {
-		tokens := 1000 + (i%5)*2000
-		r := mustPick(t, p, Request{Model: model, Prompt: text("o"+string(rune('a'+i)), tokens*4), Stream: true})
-		clock.Advance(50*time.Millisecond + time.Duration(tokens)*time.Second/50_000)
-		r.FirstByte()
-		r.Release()
-	}
-	if rate := statsOf(p, addr(0)).PrefillTokensPerSecond; math.Abs(rate-50_000) > 5_000 {
-		t.Errorf("learned %.0f tokens/s, want about 50000: the fixed 50 ms is not prefill", rate)
+	// The engine prefills 50,000 tokens/s; every first byte also pays a
+	// fixed cost, whatever the prompt. Up to maxPrefillOverhead the fit
+	// takes it as overhead; beyond it, the rest is taken as slower prefill
+	// (a rate learned low, never high).
+	for _, c := range []struct {
+		fixed  time.Duration
+		lo, hi float64
+	}{
+		{25 * time.Millisecond, 45_000, 55_000},
+		{80 * time.Millisecond, 30_000, 50_000},
+	} {
+		clock := newFakeClock()
+		p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+		for i := range 40 {
+			tokens := 1000 + (i%5)*2000
+			r := mustPick(t, p, Request{Model: model, Prompt: text("o"+string(rune('a'+i)), tokens*4), Stream: true})
+			clock.Advance(c.fixed + time.Duration(tokens)*time.Second/50_000)
+			r.FirstByte()
+			r.Release()
+		}
+		if rate := statsOf(p, addr(0)).PrefillTokensPerSecond; rate < c.lo || rate > c.hi {
+			t.Errorf("%v fixed: learned %.0f tokens/s, want %.0f to %.0f", c.fixed, rate, c.lo, c.hi)
+		}
 	}
 }
 

@@ -23,6 +23,15 @@ import "math"
 //     far less time than decoding them takes) is late, not prefill; one that
 //     came after twice what the model says the whole request takes is an
 //     outlier. Neither is learned.
+//   - The fit's overhead is at most maxPrefillOverhead. A sample's tokens
+//     are the drain model's queue ahead of it plus its own, and a model that
+//     drains too fast sees an empty queue where the engine had one: such
+//     samples take longer than their tokens say. Unbounded, the overhead
+//     took that wait (seconds of it under load), the slope flattened, the
+//     rate rose (routesim's picker learned 154,120 tokens/s of engines
+//     that peak at 48,559), the model drained faster still and saw even
+//     less queue. Bounded, a sample that waited for unmodelled work lowers
+//     the rate, so the model drains slower and sees that work.
 //   - Where the engine publishes its own prefill timing (vLLM's prefill time
 //     histogram and prompt token counters), uncached prompt tokens over
 //     prefill seconds is a floor on its rate: requests prefilled together
@@ -67,6 +76,10 @@ const (
 	outlierFactor   = 2.0
 	outlierEvidence = 16
 	minFitSeconds   = 1e-3
+	// maxPrefillOverhead bounds the fit's overhead, in seconds: what a
+	// first byte pays on an idle engine beside prefill (the gateway, the
+	// network, a scheduling step), not time spent queued.
+	maxPrefillOverhead = 0.03
 	// minSizeSpread: below this coefficient of variation of the samples'
 	// tokens, the fit does not separate an overhead.
 	minSizeSpread    = 0.2
@@ -132,6 +145,12 @@ func (f *rateFit) fit() (rate, overhead float64, ok bool) {
 	}
 	slope := (n*f.ts - t*f.s) / den
 	overhead = max((f.s-slope*t)/n, 0)
+	if overhead > maxPrefillOverhead {
+		// The slope of the fit whose intercept is the bound (the origin
+		// sample, with no tokens, does not move it).
+		overhead = maxPrefillOverhead
+		slope = (f.ts - overhead*f.t) / f.tt
+	}
 	if slope <= 0 {
 		return maxPrefillRate, overhead, true // the time does not grow with the work
 	}

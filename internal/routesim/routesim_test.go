@@ -304,3 +304,32 @@ func TestTallySeesBypassAsForeignLoad(t *testing.T) {
 		t.Errorf("%d in flight after the release", inFlight)
 	}
 }
+
+// The picker's learned prefill rate stays near what the engines can do
+// (within the 1.25x an endpoint's own factor may move it by with little
+// evidence).
+// At 3.3 times the sample trace's pace the engines queue work the drain
+// model does not see, so first bytes come later than their modelled queue
+// says (one of 440 modelled tokens took 1.6 s). With the fit's overhead
+// unbounded, that wait went into the overhead, the slope flattened and the
+// rate rose to 154,120 tokens/s against the engines' peak of 48,559.
+func TestLearnedRatesStayWithinTheEngines(t *testing.T) {
+	reqs, err := LoadMooncakeFile(sampleTrace)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := Prepare(reqs, Config{Engines: 4, KVBlocks: engine.DefaultKVBlocks, LoadFactor: 3.3, Seed: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := w.Run(Tally)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ec := w.cfg.EngineConfig()
+	step := ec.StepBaseDuration + time.Duration(ec.StepBudgetTokens)*ec.PrefillDurationPerToken
+	peak := float64(ec.StepBudgetTokens) / step.Seconds()
+	if got := res.LearnedRates.Max; got > 1.25*peak {
+		t.Errorf("the picker learned up to %.0f tokens/s; the engines prefill at most %.0f", got, peak)
+	}
+}
