@@ -56,13 +56,7 @@ func (r *Reservation) Detach() {
 		r.detached = true
 		w := r.row
 		w.detached++
-		r.dPrev, r.dNext = w.dTail, nil
-		if w.dTail != nil {
-			w.dTail.dNext = r
-		} else {
-			w.dHead = r
-		}
-		w.dTail = r
+		w.detachedList.push(r)
 		if r.decoding {
 			p.scheduleDetachedLocked(r, now)
 		}
@@ -97,17 +91,7 @@ func (p *Picker) scheduleDetachedLocked(r *Reservation, end int64) {
 func (p *Picker) unlinkDetachedLocked(r *Reservation) {
 	w := r.row
 	w.detached--
-	if r.dPrev != nil {
-		r.dPrev.dNext = r.dNext
-	} else {
-		w.dHead = r.dNext
-	}
-	if r.dNext != nil {
-		r.dNext.dPrev = r.dPrev
-	} else {
-		w.dTail = r.dPrev
-	}
-	r.dPrev, r.dNext = nil, nil
+	w.detachedList.remove(r)
 	if r.heapIdx >= 0 {
 		heap.Remove(&p.detachedDue, r.heapIdx)
 	}
@@ -130,8 +114,8 @@ func (p *Picker) expireDetachedLocked(now int64) (n int) {
 // engine reports fewer requests than the ledger holds.
 func (p *Picker) shortenDetachedLocked(w *row, excess int, now int64) {
 	busyAt := w.engine.busyAt
-	for r := w.dHead; r != nil && excess > 0; {
-		next := r.dNext
+	for r := w.detachedList.head; r != nil && excess > 0; {
+		next := r.detachLink.next
 		if r.pickedNs+int64(detachArrival) > busyAt {
 			break // the list is in detach order, close to pick order
 		}

@@ -82,11 +82,11 @@ type Ticket struct {
 	seq                uint64 // arrival order
 
 	// Guarded by p.mu.
-	prev, next   *Ticket // in its flow, oldest first
-	older, newer *Ticket // in the queue's arrival list
-	done         bool
-	err          error
-	outcome      int
+	flowLink    link[Ticket] // in its flow, oldest first
+	arrivalLink link[Ticket] // in the queue's arrival list
+	done        bool
+	err         error
+	outcome     int
 	// ready is closed once done is set.
 	ready chan struct{}
 
@@ -97,10 +97,10 @@ type Ticket struct {
 }
 
 type flow struct {
-	id         string
-	band       *band
-	head, tail *Ticket
-	n          int
+	id      string
+	band    *band
+	tickets list[Ticket, flowLinks]
+	n       int
 	// The band's ring of flows with waiting requests.
 	prev, next *flow
 }
@@ -120,8 +120,7 @@ type flowQueue struct {
 	bands        []*band // by priority, highest first
 	n            int
 	bytes        int64
-	oldest       *Ticket
-	newest       *Ticket
+	arrivals     list[Ticket, arrivalLinks]
 	closed       bool
 	seq          uint64 // arrivals so far
 	free         []*row // scratch: unsaturated candidates of a cycle
@@ -240,23 +239,11 @@ func (p *Picker) enqueueLocked(r *Reservation, req Request, now int64) (*Ticket,
 	if f.n == 0 {
 		b.joinRing(f)
 	}
-	t.prev = f.tail
-	if f.tail != nil {
-		f.tail.next = t
-	} else {
-		f.head = t
-	}
-	f.tail = t
+	f.tickets.push(t)
 	f.n++
 	b.n++
 	b.bytes += bytes
-	t.older = q.newest
-	if q.newest != nil {
-		q.newest.newer = t
-	} else {
-		q.oldest = t
-	}
-	q.newest = t
+	q.arrivals.push(t)
 	q.n++
 	q.bytes += bytes
 	return t, nil
@@ -309,33 +296,14 @@ func (p *Picker) finishLocked(t *Ticket, err error, outcome int) {
 	q := &p.queue
 	f := t.flow
 	b := f.band
-	if t.prev != nil {
-		t.prev.next = t.next
-	} else {
-		f.head = t.next
-	}
-	if t.next != nil {
-		t.next.prev = t.prev
-	} else {
-		f.tail = t.prev
-	}
+	f.tickets.remove(t)
 	f.n--
 	if f.n == 0 {
 		b.leaveRing(f)
 	}
 	b.n--
 	b.bytes -= t.bytes
-	if t.older != nil {
-		t.older.newer = t.newer
-	} else {
-		q.oldest = t.newer
-	}
-	if t.newer != nil {
-		t.newer.older = t.older
-	} else {
-		q.newest = t.older
-	}
-	t.prev, t.next, t.older, t.newer = nil, nil, nil, nil
+	q.arrivals.remove(t)
 	q.n--
 	q.bytes -= t.bytes
 	q.outcomes[outcome]++
@@ -375,7 +343,7 @@ func (p *Picker) dispatchLocked(now int64) (placed int) {
 	if q.n == 0 {
 		return 0
 	}
-	for t := q.oldest; t != nil && t.deadline <= now; t = q.oldest {
+	for t := q.arrivals.head; t != nil && t.deadline <= now; t = q.arrivals.head {
 		p.finishLocked(t, ErrQueueTimeout, outcomeEvictedTTL)
 	}
 	for q.n > 0 && len(p.candidates) > 0 {
@@ -462,7 +430,7 @@ func (p *Picker) nextTicketLocked(free []*row, now int64) *Ticket {
 			// none of its may go on the free endpoints (a subset hint).
 			oldest := b.cursor
 			for f, k := b.cursor.next, 1; k < b.activeFlows; f, k = f.next, k+1 {
-				if f.head.seq < oldest.head.seq {
+				if f.tickets.head.seq < oldest.tickets.head.seq {
 					oldest = f
 				}
 			}
@@ -487,11 +455,11 @@ func (p *Picker) nextTicketLocked(free []*row, now int64) *Ticket {
 func (p *Picker) chooseInFlowLocked(f *flow, free []*row, now int64) *Ticket {
 	fc := &p.cfg.FlowControl
 	fcfs := fc.Ordering == v1alpha1.OrderingFCFS ||
-		now-f.head.enqueued >= int64(time.Duration(fc.MaxReorderMilliseconds)*time.Millisecond)
+		now-f.tickets.head.enqueued >= int64(time.Duration(fc.MaxReorderMilliseconds)*time.Millisecond)
 	var best *Ticket
 	bestCost := 0
 	k := 0
-	for t := f.head; t != nil && k < cheapestWindow; t = t.next {
+	for t := f.tickets.head; t != nil && k < cheapestWindow; t = t.flowLink.next {
 		k++
 		cost, ok := p.costOnFreeLocked(t, free, now)
 		if !ok {
@@ -556,7 +524,7 @@ func (p *Picker) nextDueLocked(now int64) int64 {
 		}
 	}
 	due = max(due, int64(minDispatchInterval))
-	if t := p.queue.oldest; t != nil {
+	if t := p.queue.arrivals.head; t != nil {
 		due = min(due, max(t.deadline-now, 0))
 	}
 	return now + due
@@ -604,8 +572,8 @@ func (p *Picker) CloseQueue() int {
 	q := &p.queue
 	q.closed = true
 	n := q.n
-	for q.oldest != nil {
-		p.finishLocked(q.oldest, ErrShuttingDown, outcomeEvictedOther)
+	for q.arrivals.head != nil {
+		p.finishLocked(q.arrivals.head, ErrShuttingDown, outcomeEvictedOther)
 	}
 	return n
 }

@@ -100,7 +100,7 @@ func (p *Picker) flowSnapshot() (gauges []queueGauge, saturation float64, outcom
 		priority        int
 	}
 	idx := map[key]int{}
-	for t := q.oldest; t != nil; t = t.newer {
+	for t := q.arrivals.head; t != nil; t = t.arrivalLink.next {
 		k := key{t.flow.id, t.req.Model, t.flow.band.priority}
 		i, ok := idx[k]
 		if !ok {

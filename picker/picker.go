@@ -204,7 +204,7 @@ type Picker struct {
 	meanPromptTokens float64
 
 	// Reservations not yet released, oldest pick first (for the sweeper).
-	oldest, newest *Reservation
+	picks list[Reservation, pickLinks]
 
 	// The pool's prefill rate, learned from every endpoint's streamed first
 	// bytes (ratefit.go), and the fate of those samples.
@@ -579,7 +579,7 @@ func (p *Picker) Sweep() int {
 	// The list is in lock order, and pick times are read just before the
 	// lock, so a reservation may sit behind one a few microseconds younger:
 	// it is then swept on the next run.
-	for r := p.oldest; r != nil && r.pickedAt.Before(cutoff); r = p.oldest {
+	for r := p.picks.head; r != nil && r.pickedAt.Before(cutoff); r = p.picks.head {
 		if r.detached {
 			p.detachEnds[detachEndSwept]++
 		}

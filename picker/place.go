@@ -79,7 +79,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	r.cachedTokens = p.heldTokens(matched[first])
 	c.hold(r, r.pickedNs)
 	p.meanPromptTokens += (float64(r.promptTokens) - p.meanPromptTokens) * meanPromptWeight
-	p.linkLocked(r)
+	p.picks.push(r)
 	// The head of the prompt (its first 32,000 tokens or so) is recorded
 	// here; a longer tail right after, in a lock hold of its own (Pick), so
 	// that a huge prompt holds this critical section no longer than a

@@ -44,21 +44,21 @@ type Reservation struct {
 	// Detached (detach.go): its row's list of detached reservations, and
 	// its modelled end and place in the picker's schedule once its prefill
 	// is done (heapIdx -1 while not scheduled).
-	detached     bool
-	dPrev, dNext *Reservation
-	doneAt       int64
-	heapIdx      int
+	detached   bool
+	detachLink link[Reservation]
+	doneAt     int64
+	heapIdx    int
 
 	// The drain model of its row, while in prefill: where its prefill ends
 	// in the row's queue, the work (tokens) from joining the queue to its
 	// end, when it joined, and its neighbours in the queue.
-	endPos       float64
-	work         int
-	enqueuedAt   int64
-	qPrev, qNext *Reservation
+	endPos      float64
+	work        int
+	enqueuedAt  int64
+	prefillLink link[Reservation]
 
 	// The sweeper's list, in pick order; guarded by p.mu.
-	older, newer *Reservation
+	pickLink link[Reservation]
 }
 
 // Endpoints lists the chosen endpoint, then the next best by cost (exact ties
@@ -159,7 +159,7 @@ func (p *Picker) releaseLocked(r *Reservation, now int64) *[]uint64 {
 	r.row.drop(r, now)
 	r.prefill = 0
 	r.released = true
-	p.unlinkLocked(r)
+	p.picks.remove(r)
 	buf := r.hashBuf
 	r.hashes, r.hashBuf = nil, nil
 	return buf
@@ -208,30 +208,4 @@ func (r *Reservation) moveLocked(addr netip.AddrPort, now int64) bool {
 	to.hold(r, now)
 	p.index.Record(to.id, r.hashes, r.owner)
 	return p.index.Untidy()
-}
-
-// linkLocked appends r to the sweeper's list: no allocation, the links live
-// in the reservation.
-func (p *Picker) linkLocked(r *Reservation) {
-	r.older, r.newer = p.newest, nil
-	if p.newest != nil {
-		p.newest.newer = r
-	} else {
-		p.oldest = r
-	}
-	p.newest = r
-}
-
-func (p *Picker) unlinkLocked(r *Reservation) {
-	if r.older != nil {
-		r.older.newer = r.newer
-	} else {
-		p.oldest = r.newer
-	}
-	if r.newer != nil {
-		r.newer.older = r.older
-	} else {
-		p.newest = r.older
-	}
-	r.older, r.newer = nil, nil
 }

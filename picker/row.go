@@ -42,10 +42,10 @@ type row struct {
 	// timing sets (ratefit.go).
 	rates endpointRate
 	// Reservations still in prefill, in the order they joined the queue.
-	qHead, qTail *Reservation
+	inPrefill list[Reservation, prefillLinks]
 	// Detached reservations (detach.go), in the order they were detached.
 	detached     int
-	dHead, dTail *Reservation
+	detachedList list[Reservation, detachLinks]
 
 	// What the engine's metrics say (see engine.go).
 	engine engineView
@@ -100,7 +100,7 @@ func (w *row) advance(now int64) {
 func (w *row) drain(now int64) {
 	fromAt, fromOut := w.at, w.posOut
 	w.advance(now)
-	for r := w.qHead; r != nil && (r.endPos <= w.posOut || w.posOut >= w.posIn); r = w.qHead {
+	for r := w.inPrefill.head; r != nil && (r.endPos <= w.posOut || w.posOut >= w.posIn); r = w.inPrefill.head {
 		// When the model's position passed its end: its decoding started
 		// then, not at this (lazy) drain.
 		end := fromAt + int64(max(r.endPos-fromOut, 0)/w.rate*1e9)
@@ -134,13 +134,7 @@ func (w *row) hold(r *Reservation, now int64) {
 	r.endPos = w.posIn
 	r.work = ahead + r.prefill
 	r.enqueuedAt = now
-	r.qPrev, r.qNext = w.qTail, nil
-	if w.qTail != nil {
-		w.qTail.qNext = r
-	} else {
-		w.qHead = r
-	}
-	w.qTail = r
+	w.inPrefill.push(r)
 }
 
 // drop takes r off the row, whatever it holds there.
@@ -172,24 +166,14 @@ func (w *row) endPrefill(r *Reservation, now int64) {
 func (w *row) leaveQueue(r *Reservation, now int64) {
 	w.advance(now)
 	rem := min(float64(r.prefill), max(r.endPos-w.posOut, 0))
-	if r == w.qHead {
+	if r == w.inPrefill.head {
 		w.posOut += rem
 	} else {
 		w.posIn -= rem
 	}
-	if r.qPrev != nil {
-		r.qPrev.qNext = r.qNext
-	} else {
-		w.qHead = r.qNext
-	}
-	if r.qNext != nil {
-		r.qNext.qPrev = r.qPrev
-	} else {
-		w.qTail = r.qPrev
-	}
-	r.qPrev, r.qNext = nil, nil
+	w.inPrefill.remove(r)
 	w.prefill -= r.prefill
-	if w.qHead == nil { // nothing in prefill: the model has nothing queued
+	if w.inPrefill.head == nil { // nothing in prefill: the model has nothing queued
 		w.posIn, w.posOut = 0, 0
 	}
 }

@@ -54,55 +54,36 @@ func (s *scanner) prompt(f field) error {
 	default:
 		return s.typeError(depthTop, promptShapes, f)
 	}
-	if s.open(']') {
-		return nil
-	}
 	// The first element fixes the shape of all of them.
-	first := s.peek()
-	for i, more := 0, true; more; i++ {
-		var err error
-		switch c := s.peek(); {
+	var first byte
+	return s.elements(func(i int) error {
+		c := s.peek()
+		if i == 0 {
+			first = c
+		}
+		switch {
 		case first == '"' && c == '"':
 			if i > 0 {
 				s.dst = append(s.dst, '\n')
 			}
-			err = s.appendString(false)
+			return s.appendString(false)
 		case first == '[' && c == '[':
-			err = s.tokenIDs(depthMessage, f)
+			return s.tokenIDs(depthMessage, f)
 		case (first == '-' || first >= '0' && first <= '9') && (c == '-' || c >= '0' && c <= '9'):
-			err = s.tokenID(f)
-		default:
-			err = s.typeError(depthMessage, promptShapes, f)
+			return s.tokenID(f)
 		}
-		if err != nil {
-			return err
-		}
-		if more, err = s.next(']'); err != nil {
-			return err
-		}
-	}
-	return nil
+		return s.typeError(depthMessage, promptShapes, f)
+	})
 }
 
 // tokenIDs reads an array of token ids at the given depth.
 func (s *scanner) tokenIDs(depth int, f field) error {
-	if s.open(']') {
-		return nil
-	}
-	for more := true; more; {
-		c := s.peek()
-		if c != '-' && (c < '0' || c > '9') {
+	return s.elements(func(int) error {
+		if c := s.peek(); c != '-' && (c < '0' || c > '9') {
 			return s.typeError(depth+1, promptShapes, f)
 		}
-		err := s.tokenID(f)
-		if err != nil {
-			return err
-		}
-		if more, err = s.next(']'); err != nil {
-			return err
-		}
-	}
-	return nil
+		return s.tokenID(f)
+	})
 }
 
 // tokenID appends one token id (a number at pos) as 4 bytes, little-endian.
@@ -135,19 +116,7 @@ func (s *scanner) messages() error {
 	if s.peek() != '[' {
 		return s.typeError(depthTop, `"messages" must be an array`)
 	}
-	if s.open(']') {
-		return nil
-	}
-	for i, more := 0, true; more; i++ {
-		if err := s.message(i); err != nil {
-			return err
-		}
-		var err error
-		if more, err = s.next(']'); err != nil {
-			return err
-		}
-	}
-	return nil
+	return s.elements(s.message)
 }
 
 // message reads messages[i].
@@ -159,69 +128,24 @@ func (s *scanner) message(i int) error {
 		seen  fieldSet
 		order segments
 	)
-	if !s.open('}') {
-		for more := true; more; {
-			f, err := s.key()
-			if err != nil {
-				return err
-			}
-			seen.add(f)
-			rank := -1
-			switch f {
-			case fieldRole:
-				rank = rankRole
-			case fieldContent:
-				rank = rankContent
-			case fieldToolCalls:
-				rank = rankToolCalls
-			case fieldToolCallID:
-				rank = rankToolCallID
-			case fieldName:
-				rank = rankName
-			}
-			if rank >= 0 {
-				s.dst = order.remove(s.dst, rank) // the last one wins
-			}
-			start := len(s.dst)
-			switch f {
-			case fieldRole:
-				if s.peek() != '"' {
-					return s.typeError(depthField, "\"messages[%d].role\" must be a string", i)
-				}
-				s.dst = append(s.dst, markRole...)
-				if err = s.appendString(true); err == nil {
-					s.dst = order.place(s.dst, rankRole, start)
-				}
-			case fieldContent:
-				if err = s.content(i, false); err == nil && len(s.dst) > start {
-					s.dst = order.place(s.dst, rankContent, start)
-				}
-			case fieldToolCalls:
-				switch s.peek() {
-				case 'n':
-					err = s.literal("null")
-				case '[':
-					s.dst = append(s.dst, markToolCalls...)
-					if err = s.appendRaw(depthField); err == nil {
-						s.dst = order.place(s.dst, rankToolCalls, start)
-					}
-				default:
-					return s.typeError(depthField, "\"messages[%d].tool_calls\" must be an array or null", i)
-				}
-			case fieldToolCallID:
-				err = s.optionalString(i, f, markToolCallID, &order, rankToolCallID)
-			case fieldName:
-				err = s.optionalString(i, f, markName, &order, rankName)
-			default:
-				err = s.skipValue(depthField)
-			}
-			if err != nil {
-				return err
-			}
-			if more, err = s.next('}'); err != nil {
-				return err
-			}
+	err := s.members(func(f field) error {
+		seen.add(f)
+		switch f {
+		case fieldRole:
+			return s.role(i, false, &order)
+		case fieldContent:
+			return s.messageContent(i, false, &order)
+		case fieldToolCalls:
+			return s.toolCalls(i, &order)
+		case fieldToolCallID:
+			return s.optionalString(i, f, markToolCallID, &order, rankToolCallID)
+		case fieldName:
+			return s.optionalString(i, f, markName, &order, rankName)
 		}
+		return s.skipValue(depthField)
+	})
+	if err != nil {
+		return err
 	}
 	if !seen.has(fieldRole) {
 		return &Error{Message: fmt.Sprintf("\"messages[%d]\" has no \"role\" field", i)}
@@ -230,8 +154,59 @@ func (s *scanner) message(i int) error {
 	return nil
 }
 
+// role reads the "role" of message i (of "messages", or of a Responses
+// "input"). It, messageContent, toolCalls and optionalString each take out
+// what an earlier key of the same name wrote (the last one wins) and put
+// what they read at its rank in order.
+func (s *scanner) role(i int, responses bool, order *segments) error {
+	if s.peek() != '"' {
+		return s.typeError(depthField, "\"%s[%d].role\" must be a string", listName(responses), i)
+	}
+	s.dst = order.remove(s.dst, rankRole)
+	start := len(s.dst)
+	s.dst = append(s.dst, markRole...)
+	if err := s.appendString(true); err != nil {
+		return err
+	}
+	s.dst = order.place(s.dst, rankRole, start)
+	return nil
+}
+
+// messageContent reads the "content" of message i (see content).
+func (s *scanner) messageContent(i int, responses bool, order *segments) error {
+	s.dst = order.remove(s.dst, rankContent)
+	start := len(s.dst)
+	if err := s.content(i, responses); err != nil {
+		return err
+	}
+	if len(s.dst) > start {
+		s.dst = order.place(s.dst, rankContent, start)
+	}
+	return nil
+}
+
+// toolCalls reads the "tool_calls" of messages[i]: an array, kept as its raw
+// JSON text, or null.
+func (s *scanner) toolCalls(i int, order *segments) error {
+	s.dst = order.remove(s.dst, rankToolCalls)
+	switch s.peek() {
+	case 'n':
+		return s.literal("null")
+	case '[':
+		start := len(s.dst)
+		s.dst = append(s.dst, markToolCalls...)
+		if err := s.appendRaw(depthField); err != nil {
+			return err
+		}
+		s.dst = order.place(s.dst, rankToolCalls, start)
+		return nil
+	}
+	return s.typeError(depthField, "\"messages[%d].tool_calls\" must be an array or null", i)
+}
+
 // optionalString reads a message field that is a string or null.
 func (s *scanner) optionalString(i int, f field, mark string, order *segments, rank int) error {
+	s.dst = order.remove(s.dst, rank)
 	switch s.peek() {
 	case 'n':
 		return s.literal("null")
@@ -270,19 +245,7 @@ func (s *scanner) content(i int, responses bool) error {
 		return s.typeError(depthField, "\"%s[%d].content\" must be a string, an array of parts or null", listName(responses), i)
 	}
 	s.dst = append(s.dst, markContent...)
-	if s.open(']') {
-		return nil
-	}
-	for j, more := 0, true; more; j++ {
-		if err := s.part(i, j, responses); err != nil {
-			return err
-		}
-		var err error
-		if more, err = s.next(']'); err != nil {
-			return err
-		}
-	}
-	return nil
+	return s.elements(func(j int) error { return s.part(i, j, responses) })
 }
 
 // isTextPart reports whether a content part's type says it holds text:
@@ -307,38 +270,28 @@ func (s *scanner) part(i, j int, responses bool) error {
 		isText bool
 		textOK bool // the last "text" was a string (and is in dst[mark:])
 	)
-	if !s.open('}') {
-		for more := true; more; {
-			f, err := s.key()
-			if err != nil {
-				return err
-			}
-			switch {
-			case f == fieldType && s.peek() == '"':
-				at := len(s.dst)
-				err = s.appendString(false)
-				isText = isTextPart(s.dst[at:], responses)
-				s.dst = s.dst[:at]
-			case f == fieldType:
-				isText = false
-				err = s.skipValue(depthInPart)
-			case f == fieldText && s.peek() == '"':
-				s.dst = s.dst[:mark] // the last one wins
-				err = s.appendString(true)
-				textOK = err == nil
-			case f == fieldText:
-				s.dst, textOK = s.dst[:mark], false
-				err = s.skipValue(depthInPart)
-			default:
-				err = s.skipValue(depthInPart)
-			}
-			if err != nil {
-				return err
-			}
-			if more, err = s.next('}'); err != nil {
-				return err
-			}
+	err := s.members(func(f field) error {
+		switch {
+		case f == fieldType && s.peek() == '"':
+			at := len(s.dst)
+			err := s.appendString(false)
+			isText = isTextPart(s.dst[at:], responses)
+			s.dst = s.dst[:at]
+			return err
+		case f == fieldType:
+			isText = false
+		case f == fieldText && s.peek() == '"':
+			s.dst = s.dst[:mark] // the last one wins
+			err := s.appendString(true)
+			textOK = err == nil
+			return err
+		case f == fieldText:
+			s.dst, textOK = s.dst[:mark], false
 		}
+		return s.skipValue(depthInPart)
+	})
+	if err != nil {
+		return err
 	}
 	if isText {
 		if !textOK {
@@ -371,14 +324,20 @@ func (s *scanner) instructions() error {
 	case 'n':
 		return s.literal("null")
 	case '"':
-		s.dst = append(s.dst, markSystem...)
-		if err := s.appendString(true); err != nil {
-			return err
-		}
-		s.dst = append(s.dst, markEnd...)
-		return nil
+		return s.stringMessage(markSystem)
 	}
 	return s.typeError(depthTop, `"instructions" must be a string or null`)
+}
+
+// stringMessage reads the string at pos as the text of a whole message:
+// head holds its role and content markers.
+func (s *scanner) stringMessage(head string) error {
+	s.dst = append(s.dst, head...)
+	if err := s.appendString(true); err != nil {
+		return err
+	}
+	s.dst = append(s.dst, markEnd...)
+	return nil
 }
 
 // responsesInput reads the "input" of a Responses request: a string (read as
@@ -388,29 +347,12 @@ func (s *scanner) responsesInput() error {
 	case 'n':
 		return s.literal("null")
 	case '"':
-		s.dst = append(s.dst, markUser...)
-		if err := s.appendString(true); err != nil {
-			return err
-		}
-		s.dst = append(s.dst, markEnd...)
-		return nil
+		return s.stringMessage(markUser)
 	case '[':
 	default:
 		return s.typeError(depthTop, `"input" must be a string, an array of items or null`)
 	}
-	if s.open(']') {
-		return nil
-	}
-	for i, more := 0, true; more; i++ {
-		if err := s.item(i); err != nil {
-			return err
-		}
-		var err error
-		if more, err = s.next(']'); err != nil {
-			return err
-		}
-	}
-	return nil
+	return s.elements(s.item)
 }
 
 // item reads input[i] of a Responses request. An item whose "type" is absent
@@ -429,48 +371,27 @@ func (s *scanner) item(i int) error {
 		order   segments
 		message = true
 	)
-	if !s.open('}') {
-		for more := true; more; {
-			f, err := s.key()
-			if err != nil {
-				return err
+	err := s.members(func(f field) error {
+		seen.add(f)
+		switch f {
+		case fieldType:
+			if s.peek() != '"' {
+				return s.typeError(depthField, "\"input[%d].type\" must be a string", i)
 			}
-			seen.add(f)
-			switch f {
-			case fieldType:
-				if s.peek() != '"' {
-					return s.typeError(depthField, "\"input[%d].type\" must be a string", i)
-				}
-				at := len(s.dst)
-				err = s.appendString(false)
-				message = string(s.dst[at:]) == "message"
-				s.dst = s.dst[:at]
-			case fieldRole:
-				if s.peek() != '"' {
-					return s.typeError(depthField, "\"input[%d].role\" must be a string", i)
-				}
-				s.dst = order.remove(s.dst, rankRole)
-				at := len(s.dst)
-				s.dst = append(s.dst, markRole...)
-				if err = s.appendString(true); err == nil {
-					s.dst = order.place(s.dst, rankRole, at)
-				}
-			case fieldContent:
-				s.dst = order.remove(s.dst, rankContent)
-				at := len(s.dst)
-				if err = s.content(i, true); err == nil && len(s.dst) > at {
-					s.dst = order.place(s.dst, rankContent, at)
-				}
-			default:
-				err = s.skipValue(depthField)
-			}
-			if err != nil {
-				return err
-			}
-			if more, err = s.next('}'); err != nil {
-				return err
-			}
+			at := len(s.dst)
+			err := s.appendString(false)
+			message = string(s.dst[at:]) == "message"
+			s.dst = s.dst[:at]
+			return err
+		case fieldRole:
+			return s.role(i, true, &order)
+		case fieldContent:
+			return s.messageContent(i, true, &order)
 		}
+		return s.skipValue(depthField)
+	})
+	if err != nil {
+		return err
 	}
 	if !message {
 		s.dst = append(s.dst[:mark], markItem...)

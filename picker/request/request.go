@@ -189,17 +189,10 @@ func ParseKind(kind Kind, body []byte, dst []byte) (Parsed, error) {
 // load alone.
 func KindOfBody(body []byte) (Kind, error) {
 	s := scanner{buf: body}
-	s.skipWS()
-	switch s.peek() {
-	case '{':
-	case 0:
-		if s.pos >= len(s.buf) {
-			return KindOther, &Error{Message: "request body is empty; a JSON object is required"}
-		}
-		fallthrough
-	default:
-		return KindOther, s.typeError(0, "request body must be a JSON object")
+	if err := s.body(); err != nil {
+		return KindOther, err
 	}
+	// Not s.members: the walk stops at the first key that tells.
 	model := false
 	if !s.open('}') {
 		for more := true; more; {
@@ -410,16 +403,8 @@ func promptRank(kind Kind, f field) (int, bool) {
 // request reads the top-level object.
 func (s *scanner) request(kind Kind) (Parsed, error) {
 	var p Parsed
-	s.skipWS()
-	switch s.peek() {
-	case '{':
-	case 0:
-		if s.pos >= len(s.buf) {
-			return p, &Error{Message: "request body is empty; a JSON object is required"}
-		}
-		fallthrough
-	default:
-		return p, s.typeError(0, "request body must be a JSON object")
+	if err := s.body(); err != nil {
+		return p, err
 	}
 	var (
 		seen                fieldSet
@@ -428,45 +413,37 @@ func (s *scanner) request(kind Kind) (Parsed, error) {
 		order               segments // the Prompt's parts, in rank order
 	)
 	read := topFields[kind]
-	if !s.open('}') {
-		for more := true; more; {
-			f, err := s.key()
-			if err != nil {
-				return p, err
-			}
-			if !read.has(f) {
-				f = fieldUnknown // not read on this path
-			}
-			seen.add(f)
-			switch f {
-			case fieldModel:
-				err = s.model(&p)
-			case fieldCacheSalt:
-				err = s.cacheSalt(&p)
-			case fieldStream:
-				p.Stream, err = s.boolean("stream")
-			case fieldMaxTokens, fieldMaxOutputTokens:
-				maxTokens, err = s.tokenLimit(f, 0)
-			case fieldMaxCompletionTokens:
-				maxCompletionTokens, err = s.tokenLimit(f, -1)
-			case fieldUnknown:
-				err = s.skipValue(depthTop)
-			default:
-				rank, _ := promptRank(kind, f)
-				// A repeated field replaces what the earlier one wrote.
-				s.dst = order.remove(s.dst, rank)
-				start := len(s.dst)
-				if err = s.promptField(kind, f); err == nil {
-					s.dst = order.place(s.dst, rank, start)
-				}
-			}
-			if err != nil {
-				return p, err
-			}
-			if more, err = s.next('}'); err != nil {
-				return p, err
+	err := s.members(func(f field) (err error) {
+		if !read.has(f) {
+			f = fieldUnknown // not read on this path
+		}
+		seen.add(f)
+		switch f {
+		case fieldModel:
+			return s.model(&p)
+		case fieldCacheSalt:
+			return s.cacheSalt(&p)
+		case fieldStream:
+			p.Stream, err = s.boolean("stream")
+		case fieldMaxTokens, fieldMaxOutputTokens:
+			maxTokens, err = s.tokenLimit(f, 0)
+		case fieldMaxCompletionTokens:
+			maxCompletionTokens, err = s.tokenLimit(f, -1)
+		case fieldUnknown:
+			return s.skipValue(depthTop)
+		default:
+			rank, _ := promptRank(kind, f)
+			// A repeated field replaces what the earlier one wrote.
+			s.dst = order.remove(s.dst, rank)
+			start := len(s.dst)
+			if err = s.promptField(kind, f); err == nil {
+				s.dst = order.place(s.dst, rank, start)
 			}
 		}
+		return err
+	})
+	if err != nil {
+		return p, err
 	}
 	s.skipWS()
 	if s.pos < len(s.buf) {
@@ -491,6 +468,20 @@ func (s *scanner) request(kind Kind) (Parsed, error) {
 		p.MaxTokens = maxCompletionTokens
 	}
 	return p, nil
+}
+
+// body checks that the body, at pos, begins with a JSON object.
+func (s *scanner) body() error {
+	s.skipWS()
+	switch s.peek() {
+	case '{':
+		return nil
+	case 0:
+		if s.pos >= len(s.buf) {
+			return &Error{Message: "request body is empty; a JSON object is required"}
+		}
+	}
+	return s.typeError(0, "request body must be a JSON object")
 }
 
 // promptField reads a top-level field that adds to Prompt.

@@ -600,6 +600,46 @@ func (s *scanner) open(closer byte) (empty bool) {
 	return false
 }
 
+// elements reads the array at pos (the caller has seen its '['): element
+// reads the i-th element, at pos.
+func (s *scanner) elements(element func(i int) error) error {
+	if s.open(']') {
+		return nil
+	}
+	for i, more := 0, true; more; i++ {
+		if err := element(i); err != nil {
+			return err
+		}
+		var err error
+		if more, err = s.next(']'); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// members reads the object at pos (the caller has seen its '{'): member
+// reads the value, at pos, of a key that names f (fieldUnknown for a key
+// Parse does not read).
+func (s *scanner) members(member func(f field) error) error {
+	if s.open('}') {
+		return nil
+	}
+	for more := true; more; {
+		f, err := s.key()
+		if err != nil {
+			return err
+		}
+		if err = member(f); err != nil {
+			return err
+		}
+		if more, err = s.next('}'); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // unsigned reads a JSON number at pos that must be an integer from 0 to limit.
 // ok is false (with no error) for a valid number that is not such an integer.
 func (s *scanner) unsigned(limit uint64) (v uint64, ok bool, err error) {
