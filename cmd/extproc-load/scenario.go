@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/internal/stack"
 )
 
@@ -97,19 +98,19 @@ func (t *target) cycle(ctx context.Context, req request) (placed, error) {
 // pick. A picker that learns engines' speed from the time to the first
 // byte (Tally does) would learn an impossible one from an instant answer.
 func (t *target) cycleAfter(ctx context.Context, req request, delay time.Duration) (placed, error) {
-	x, err := t.client.open(ctx)
+	x, err := t.client.Open(ctx)
 	if err != nil {
 		return placed{}, err
 	}
-	defer x.cancel()
-	p, err := x.sendRequest(req)
+	defer x.Cancel()
+	p, err := sendRequest(x, req)
 	if err != nil || p.status != 0 {
 		return p, err
 	}
 	release := t.pods.hold(p.endpoint)
 	defer release()
 	sleepCtx(ctx, delay)
-	return p, x.respond(okResponse(p.endpoint, len(req.body)/bytesPerToken))
+	return p, x.Respond(okResponse(p.endpoint, len(req.body)/bytesPerToken))
 }
 
 // placement counts requests per endpoint, in pool order.
@@ -216,13 +217,13 @@ func runBurst(ctx context.Context, t *target, kind string, n, tokens int) (burst
 			<-go1
 			placedOnce := sync.OnceFunc(placedWG.Done)
 			defer placedOnce()
-			x, err := t.client.open(ctx)
+			x, err := t.client.Open(ctx)
 			if err != nil {
 				errs.add(err)
 				return
 			}
-			defer x.cancel()
-			p, err := x.sendRequest(request{id: fmt.Sprintf("burst-%d-%d", nonce, i), path: completionsPath, body: bodies[i]})
+			defer x.Cancel()
+			p, err := sendRequest(x, request{id: fmt.Sprintf("burst-%d-%d", nonce, i), path: completionsPath, body: bodies[i]})
 			if err != nil {
 				errs.add(err)
 				return
@@ -246,7 +247,7 @@ func runBurst(ctx context.Context, t *target, kind string, n, tokens int) (burst
 			case <-ctx.Done():
 				return
 			}
-			if err := x.respond(okResponse(p.endpoint, tokens)); err != nil {
+			if err := x.Respond(okResponse(p.endpoint, tokens)); err != nil {
 				errs.add(err)
 			}
 		})
@@ -515,22 +516,22 @@ func runChurn(ctx context.Context, t *target, n, concurrency, tokens int) (churn
 }
 
 func (t *target) churnOne(ctx context.Context, kind string, req request) error {
-	x, err := t.client.open(ctx)
+	x, err := t.client.Open(ctx)
 	if err != nil {
 		return err
 	}
-	defer x.cancel()
+	defer x.Cancel()
 	if kind == churnCancelBeforePick {
 		// The client goes away while its body is still arriving.
-		if err := x.send(requestHeaders(req)); err != nil {
+		if err := x.Send(x.HeadersMessage(envoyRequest(req))); err != nil {
 			return err
 		}
-		if err := x.send(bodyChunk(req.body[:min(maxChunkBytes, len(req.body)-1)], false)); err != nil && !errors.Is(err, io.EOF) {
+		if err := x.Send(envoy.BodyChunk(req.body[:min(maxChunkBytes, len(req.body)-1)], false)); err != nil && !errors.Is(err, io.EOF) {
 			return err
 		}
 		return nil
 	}
-	p, err := x.sendRequest(req)
+	p, err := sendRequest(x, req)
 	if err != nil || p.status != 0 {
 		return err
 	}
@@ -540,15 +541,15 @@ func (t *target) churnOne(ctx context.Context, kind string, req request) error {
 	case churnCancelAfterPick:
 		return nil
 	case churnUpstream5xx:
-		return x.respond(response{status: 503, servedBy: p.endpoint, chunks: [][]byte{[]byte(`{"error":"overloaded"}`)}})
+		return x.Respond(envoy.Response{Status: 503, ContentType: "application/json", ServedBy: p.endpoint, Chunks: [][]byte{[]byte(`{"error":"overloaded"}`)}})
 	case churnResetMidResponse:
 		ok := okResponse(p.endpoint, len(req.body)/bytesPerToken)
-		if err := x.sendResponseHeaders(ok); err != nil {
+		if err := x.SendResponseHeaders(ok); err != nil {
 			return err
 		}
-		return x.sendResponseChunk(ok.chunks[0], false, true)
+		return x.SendResponseChunk(ok.Chunks[0], false, true)
 	}
-	return x.respond(okResponse(p.endpoint, len(req.body)/bytesPerToken))
+	return x.Respond(okResponse(p.endpoint, len(req.body)/bytesPerToken))
 }
 
 // percentile of sorted durations (nearest rank); 0 if empty.

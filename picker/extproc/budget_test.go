@@ -13,6 +13,7 @@ import (
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
+	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker/extproc"
 )
 
@@ -56,7 +57,7 @@ func TestBufferBudgetHoldsUnderAFloodOfSlowStreams(t *testing.T) {
 	}()
 
 	type slow struct {
-		x    *exchange
+		x    *envoy.Stream
 		body []byte
 		// first is the stream's first answer, read as it comes: a 503 for
 		// a refused stream, the routed headers answer for a held one.
@@ -70,20 +71,20 @@ func TestBufferBudgetHoldsUnderAFloodOfSlowStreams(t *testing.T) {
 		o := &slow{body: completionBody("m", letters(uint64(1_000+i), 16<<10)), first: make(chan *extprocv3.ProcessingResponse, 1)}
 		flood[i] = o
 		wg.Go(func() {
-			if o.x, o.err = f.gw.open(ctx); o.err != nil {
+			if o.x, o.err = f.gw.Open(ctx); o.err != nil {
 				return
 			}
 			go func() {
-				resp, _ := o.x.stream.Recv()
+				resp, _ := o.x.Recv()
 				o.first <- resp // nil if the stream failed
 			}()
-			if o.err = o.x.send(headersMessage("/v1/completions", o.body, fullDuplexMode, false)); o.err != nil {
+			if o.err = o.x.Send(headersMessage("/v1/completions", o.body, fullDuplexMode, false)); o.err != nil {
 				return
 			}
 			// Every byte but not the end of the body: nothing is owed to a
 			// stream that fits, so any answer here is a refusal.
 			for off := 0; off < len(o.body); off += chunkBytes {
-				if err := o.x.send(bodyMessage(o.body[off:min(off+chunkBytes, len(o.body))], false)); err != nil {
+				if err := o.x.Send(envoy.BodyChunk(o.body[off:min(off+chunkBytes, len(o.body))], false)); err != nil {
 					return // refused and ended: the answer is waiting in first
 				}
 				time.Sleep(2 * time.Millisecond)
@@ -142,7 +143,7 @@ func TestBufferBudgetHoldsUnderAFloodOfSlowStreams(t *testing.T) {
 	// The held streams end their bodies (an empty last chunk: no new bytes)
 	// and are routed and answered.
 	for i, o := range held {
-		if err := o.x.send(bodyMessage(nil, true)); err != nil {
+		if err := o.x.Send(envoy.BodyChunk(nil, true)); err != nil {
 			t.Fatalf("held stream %d: %v", i, err)
 		}
 	}
@@ -151,7 +152,7 @@ func TestBufferBudgetHoldsUnderAFloodOfSlowStreams(t *testing.T) {
 			t.Fatalf("held stream %d: not routed", i)
 		}
 		for {
-			resp, err := o.x.stream.Recv()
+			resp, err := o.x.Recv()
 			if err != nil {
 				t.Fatalf("held stream %d: %v", i, err)
 			}
@@ -167,7 +168,7 @@ func TestBufferBudgetHoldsUnderAFloodOfSlowStreams(t *testing.T) {
 		return n == 0, fmt.Sprintf("tally_buffered_request_bytes = %v", n)
 	})
 	for i, o := range held {
-		if err := o.x.respond(okResponse); err != nil {
+		if err := o.x.Respond(okResponse); err != nil {
 			t.Fatalf("held stream %d: %v", i, err)
 		}
 	}
@@ -177,7 +178,7 @@ func TestBufferBudgetHoldsUnderAFloodOfSlowStreams(t *testing.T) {
 		t.Errorf("tally_buffered_request_bytes reached %d, over the budget of %d", maxSeen.Load(), budget)
 	}
 
-	if r, err := f.gw.roundTrip(t.Context(), completion("m", letters(2_000, 8_000))); err != nil || r.destination == "" {
+	if r, err := f.gw.roundTrip(t.Context(), completion("m", letters(2_000, 8_000))); err != nil || r.Destination == "" {
 		t.Fatalf("a request after the flood: %+v, %v", r, err)
 	}
 	cancel()
@@ -213,18 +214,18 @@ func TestDeclaredLengthDoesNotGrowTheHeap(t *testing.T) {
 		return m.HeapAlloc
 	}
 	before := heap()
-	var xs []*exchange
+	var xs []*envoy.Stream
 	for n := batch; n <= streams; n += batch {
 		for range batch {
-			x, err := f.gw.open(ctx)
+			x, err := f.gw.Open(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
 			xs = append(xs, x)
-			if err := x.send(headers); err != nil {
+			if err := x.Send(headers); err != nil {
 				t.Fatal(err)
 			}
-			if err := x.send(bodyMessage([]byte("{"), false)); err != nil {
+			if err := x.Send(envoy.BodyChunk([]byte("{"), false)); err != nil {
 				t.Fatal(err)
 			}
 		}

@@ -59,9 +59,9 @@ func assertEven(t *testing.T, split [3]int) {
 func warmUp(t *testing.T, f *fixture, prompt, ep string) {
 	t.Helper()
 	req := completion("m", prompt)
-	req.hint = hintList(ep)
+	req.SubsetHint = hintList(ep)
 	r, err := f.gw.roundTrip(t.Context(), req)
-	if err != nil || r.destination != ep {
+	if err != nil || r.Destination != ep {
 		t.Fatalf("warm-up request: %+v, %v; want routed to %s", r, err, ep)
 	}
 	if ok, state := ledgerEmpty(f.picker); !ok {
@@ -94,16 +94,16 @@ func burst(t *testing.T, f *fixture, prefix string) [3]int {
 		prompt := prefix + letters(uint64(1_000+i), burstPromptChars-len(prefix))
 		go func() {
 			defer done.Done()
-			x, err := f.gw.open(ctx)
+			x, err := f.gw.Open(ctx)
 			if err != nil {
 				placed.Done()
 				fail(i, err)
 				return
 			}
-			defer x.cancel()
-			r, err := x.sendRequest(completion("m", prompt))
-			if err == nil && r.destination == "" {
-				err = fmt.Errorf("not routed: %+v", r.immediate)
+			defer x.Cancel()
+			r, err := x.SendRequest(completion("m", prompt))
+			if err == nil && r.Destination == "" {
+				err = fmt.Errorf("not routed: %+v", r.Immediate)
 			}
 			placed.Done()
 			if err != nil {
@@ -111,10 +111,10 @@ func burst(t *testing.T, f *fixture, prefix string) [3]int {
 				return
 			}
 			mu.Lock()
-			firsts = append(firsts, r.first())
+			firsts = append(firsts, r.First())
 			mu.Unlock()
 			<-allPlaced
-			if err := x.respond(okResponse); err != nil {
+			if err := x.Respond(okResponse); err != nil {
 				fail(i, err)
 			}
 		}()

@@ -13,15 +13,15 @@ func TestDeliveredCachedTokensAreBookedAgainstThePrediction(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
 	prompt := letters(77, 8000) // 2,000 tokens, 15 blocks of 512 characters
 	req := completion("m", prompt)
-	req.hint = hintList("127.0.0.11:8000")
+	req.SubsetHint = hintList("127.0.0.11:8000")
 	a := netip.MustParseAddrPort("127.0.0.11:8000")
-	noUsage := httpResponse{status: 200, chunks: []string{`{"choices":[{"text":"hi"}]}`}}
+	noUsage := response(200, `{"choices":[{"text":"hi"}]}`)
 	play(t, f, req, noUsage) // records the prompt on A
 
 	// The same prompt again: predicted cached in full; the engine reports
 	// that it had none of it.
-	shortfall := httpResponse{status: 200, chunks: []string{
-		`{"choices":[{"text":"hi"}],"usage":{"prompt_tokens":2000,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}}`}}
+	shortfall := response(200,
+		`{"choices":[{"text":"hi"}],"usage":{"prompt_tokens":2000,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}}`)
 	play(t, f, req, shortfall)
 	s := statsOf(f.picker, a)
 	if s.DeliveredCachedTokens != 0 || s.PredictedCachedTokens == 0 {
@@ -39,24 +39,24 @@ func TestDeliveredCachedTokensAreBookedAgainstThePrediction(t *testing.T) {
 func TestUsageOfAStreamCutAtItsEndStillCounts(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
 	req := completion("m", letters(78, 8000))
-	req.hint = hintList("127.0.0.11:8000")
-	play(t, f, req, httpResponse{status: 200, chunks: []string{`{"choices":[{"text":"hi"}]}`}})
+	req.SubsetHint = hintList("127.0.0.11:8000")
+	play(t, f, req, response(200, `{"choices":[{"text":"hi"}]}`))
 
-	x, err := f.gw.open(t.Context())
+	x, err := f.gw.Open(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := x.sendRequest(req); err != nil {
+	if _, err := x.SendRequest(req); err != nil {
 		t.Fatal(err)
 	}
 	usage := `data: {"choices":[],"usage":{"prompt_tokens":2000,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}}` + "\n\ndata: [DONE]\n\n"
-	if err := x.sendResponseHeaders(httpResponse{status: 200, chunks: []string{usage}}); err != nil {
+	if err := x.SendResponseHeaders(response(200, usage)); err != nil {
 		t.Fatal(err)
 	}
-	if err := x.sendResponseChunk(usage, false); err != nil { // not the last: the client leaves first
+	if err := x.SendResponseChunk([]byte(usage), false, true); err != nil { // not the last: the client leaves first
 		t.Fatal(err)
 	}
-	x.cancel()
+	x.Cancel()
 	eventually(t, "the cancelled stream's usage is read", func() (bool, string) {
 		s := statsOf(f.picker, netip.MustParseAddrPort("127.0.0.11:8000"))
 		return s.PredictedCachedTokens > 0, "A's predicted cached tokens so far: " + strconv.FormatInt(s.PredictedCachedTokens, 10)

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker"
 )
 
@@ -31,30 +32,30 @@ func flowFixture(t *testing.T, edit func(*v1alpha1.FlowControl), o fixtureOption
 }
 
 // bigRequest is 3,000 tokens of prompt (12,000 characters).
-func bigRequest(tag int, headers map[string]string) httpRequest {
+func bigRequest(tag int, headers ...string) envoy.Request {
 	req := completion("m", letters(uint64(tag), 12_000))
-	req.headers = headers
+	req.Headers = append(req.Headers, headers...)
 	return req
 }
 
 // pending is a request whose stream is held open by the picker.
 type pending struct {
-	x    *exchange
+	x    *envoy.Stream
 	done chan struct{}
-	r    routed
+	r    envoy.Routed
 	err  error
 }
 
-func (f *fixture) send(t *testing.T, req httpRequest) *pending {
+func (f *fixture) send(t *testing.T, req envoy.Request) *pending {
 	t.Helper()
-	x, err := f.gw.open(t.Context())
+	x, err := f.gw.Open(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
 	p := &pending{x: x, done: make(chan struct{})}
 	go func() {
 		defer close(p.done)
-		p.r, p.err = x.sendRequest(req)
+		p.r, p.err = x.SendRequest(req)
 	}()
 	return p
 }
@@ -81,33 +82,33 @@ func routedOK(t *testing.T, p *pending, what string) {
 	if !p.answered(10 * time.Second) {
 		t.Fatalf("%s: still held", what)
 	}
-	if p.err != nil || p.r.immediate != nil {
-		t.Fatalf("%s: err %v, immediate %v", what, p.err, p.r.immediate)
+	if p.err != nil || p.r.Immediate != nil {
+		t.Fatalf("%s: err %v, immediate %v", what, p.err, p.r.Immediate)
 	}
 }
 
 func TestHeldStreamsAreDispatchedInPriorityOrder(t *testing.T) {
 	f := flowFixture(t, nil, fixtureOptions{})
-	fill := f.send(t, bigRequest(1, nil))
+	fill := f.send(t, bigRequest(1))
 	routedOK(t, fill, "the first request")
 
-	low := f.send(t, bigRequest(2, map[string]string{"x-gateway-inference-objective": "batch"}))
+	low := f.send(t, bigRequest(2, "x-gateway-inference-objective", "batch"))
 	f.waitingIs(t, 1)
-	unknown := f.send(t, bigRequest(3, map[string]string{"x-gateway-inference-objective": "no-such-objective"}))
+	unknown := f.send(t, bigRequest(3, "x-gateway-inference-objective", "no-such-objective"))
 	f.waitingIs(t, 2)
-	high := f.send(t, bigRequest(4, map[string]string{"x-gateway-inference-objective": "critical"}))
+	high := f.send(t, bigRequest(4, "x-gateway-inference-objective", "critical"))
 	f.waitingIs(t, 3)
 	if low.answered(50 * time.Millisecond) {
-		t.Fatalf("a request was answered while every endpoint is saturated: %v %v", low.r.immediate, low.err)
+		t.Fatalf("a request was answered while every endpoint is saturated: %v %v", low.r.Immediate, low.err)
 	}
 
 	// Each response's end frees the endpoint for one more.
-	if err := fill.x.respond(okResponse); err != nil {
+	if err := fill.x.Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
 	routedOK(t, high, "the critical request")
 	f.waitingIs(t, 2)
-	if err := high.x.respond(okResponse); err != nil {
+	if err := high.x.Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
 	// An unknown objective has priority 0, as batch: the older goes first.
@@ -115,11 +116,11 @@ func TestHeldStreamsAreDispatchedInPriorityOrder(t *testing.T) {
 	if unknown.answered(50 * time.Millisecond) {
 		t.Fatal("two requests were dispatched for one freed slot")
 	}
-	if err := low.x.respond(okResponse); err != nil {
+	if err := low.x.Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
 	routedOK(t, unknown, "the request with an unknown objective")
-	if err := unknown.x.respond(okResponse); err != nil {
+	if err := unknown.x.Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "an empty ledger", func() (bool, string) { return ledgerEmpty(f.picker) })
@@ -138,14 +139,14 @@ func TestFullQueueShedAndTTLAre429WithRetryAfter(t *testing.T) {
 	huge := f.send(t, completion("m", letters(9, 400_000)))
 	routedOK(t, huge, "the huge request")
 
-	waiter := f.send(t, bigRequest(2, nil))
+	waiter := f.send(t, bigRequest(2))
 	f.waitingIs(t, 1)
 	for _, c := range []struct {
 		what string
-		req  httpRequest
+		req  envoy.Request
 	}{
-		{"a request past its band's limit", bigRequest(3, nil)},
-		{"a sheddable request", bigRequest(4, map[string]string{"x-gateway-inference-objective": "best-effort"})},
+		{"a request past its band's limit", bigRequest(3)},
+		{"a sheddable request", bigRequest(4, "x-gateway-inference-objective", "best-effort")},
 	} {
 		p := f.send(t, c.req)
 		if !p.answered(5 * time.Second) {
@@ -160,7 +161,7 @@ func TestFullQueueShedAndTTLAre429WithRetryAfter(t *testing.T) {
 	if l := f.picker.Snapshot(); l.Waiting != 0 || l.InFlight != 1 {
 		t.Fatalf("%d waiting, %d in flight; want 0 and 1 (the huge request)", l.Waiting, l.InFlight)
 	}
-	if err := huge.x.respond(okResponse); err != nil {
+	if err := huge.x.Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "an empty ledger", func() (bool, string) { return ledgerEmpty(f.picker) })
@@ -168,7 +169,7 @@ func TestFullQueueShedAndTTLAre429WithRetryAfter(t *testing.T) {
 
 func assert429(t *testing.T, what string, p *pending) {
 	t.Helper()
-	im := p.r.immediate
+	im := p.r.Immediate
 	if p.err != nil || im == nil || im.GetStatus().GetCode() != 429 {
 		t.Fatalf("%s: err %v, immediate %v; want a 429", what, p.err, im)
 	}
@@ -182,22 +183,22 @@ func assert429(t *testing.T, what string, p *pending) {
 
 func TestDisconnectWhileWaitingLeavesNothingBehind(t *testing.T) {
 	f := flowFixture(t, nil, fixtureOptions{})
-	fill := f.send(t, bigRequest(1, nil))
+	fill := f.send(t, bigRequest(1))
 	routedOK(t, fill, "the first request")
-	gone := f.send(t, bigRequest(2, nil))
+	gone := f.send(t, bigRequest(2))
 	f.waitingIs(t, 1)
-	gone.x.cancel() // the client went away: Envoy resets the stream
+	gone.x.Cancel() // the client went away: Envoy resets the stream
 	f.waitingIs(t, 0)
 	if l := f.picker.Snapshot(); l.InFlight != 1 {
 		t.Fatalf("%d in flight after the waiter left, want 1", l.InFlight)
 	}
-	next := f.send(t, bigRequest(3, nil))
+	next := f.send(t, bigRequest(3))
 	f.waitingIs(t, 1)
-	if err := fill.x.respond(okResponse); err != nil {
+	if err := fill.x.Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
 	routedOK(t, next, "the request after the one that left")
-	if err := next.x.respond(okResponse); err != nil {
+	if err := next.x.Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "an empty ledger", func() (bool, string) { return ledgerEmpty(f.picker) })
@@ -205,9 +206,9 @@ func TestDisconnectWhileWaitingLeavesNothingBehind(t *testing.T) {
 
 func TestShutdownAnswersWaitingRequests503(t *testing.T) {
 	f := flowFixture(t, nil, fixtureOptions{})
-	fill := f.send(t, bigRequest(1, nil))
+	fill := f.send(t, bigRequest(1))
 	routedOK(t, fill, "the first request")
-	w := f.send(t, bigRequest(2, nil))
+	w := f.send(t, bigRequest(2))
 	f.waitingIs(t, 1)
 	if n := f.picker.CloseQueue(); n != 1 {
 		t.Fatalf("CloseQueue answered %d, want 1", n)
@@ -215,10 +216,10 @@ func TestShutdownAnswersWaitingRequests503(t *testing.T) {
 	if !w.answered(5 * time.Second) {
 		t.Fatal("the waiting request was not answered at shutdown")
 	}
-	if im := w.r.immediate; w.err != nil || im == nil || im.GetStatus().GetCode() != 503 {
+	if im := w.r.Immediate; w.err != nil || im == nil || im.GetStatus().GetCode() != 503 {
 		t.Fatalf("at shutdown: err %v, immediate %v; want 503", w.err, im)
 	}
-	if err := fill.x.respond(okResponse); err != nil {
+	if err := fill.x.Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "an empty ledger", func() (bool, string) { return ledgerEmpty(f.picker) })

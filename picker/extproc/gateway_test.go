@@ -3,9 +3,7 @@ package extproc_test
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"net"
 	"net/netip"
@@ -13,8 +11,6 @@ import (
 	"testing"
 	"time"
 
-	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
 	"github.com/go-logr/logr/testr"
@@ -24,6 +20,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
 )
@@ -146,52 +143,28 @@ func serve(t testing.TB, g *grpc.Server, creds grpc.DialOption) *gateway {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return &gateway{client: extprocv3.NewExternalProcessorClient(conn), conn: conn}
+	c := envoy.NewClient(envoy.Options{Destination: extproc.DestinationHeader, Strict: true}, conn)
+	return &gateway{Client: c, conn: conn}
 }
 
+// gateway is the tests' Envoy, strict about the picker's answers.
 type gateway struct {
-	client extprocv3.ExternalProcessorClient
-	conn   *grpc.ClientConn
+	*envoy.Client
+	conn *grpc.ClientConn
 }
 
-// exchange is one HTTP request going through the gateway: one ext_proc stream.
-type exchange struct {
-	stream extprocv3.ExternalProcessor_ProcessClient
-	cancel context.CancelFunc
-	// responseMode is the response body mode the stream announced.
-	responseMode filterv3.ProcessingMode_BodySendMode
+// gatewayHeaders are the headers of a request as Envoy passes them on.
+func gatewayHeaders(method, path string) []string {
+	return []string{":path", path, ":method", method, ":authority", "gateway.example"}
 }
 
-func (g *gateway) open(ctx context.Context) (*exchange, error) {
-	ctx, cancel := context.WithCancel(ctx)
-	s, err := g.client.Process(ctx)
-	if err != nil {
-		cancel()
-		return nil, err
-	}
-	return &exchange{stream: s, cancel: cancel, responseMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED}, nil
+// post is a POST of body to path.
+func post(path string, body []byte) envoy.Request {
+	return envoy.Request{Headers: gatewayHeaders("POST", path), Body: body}
 }
 
-// httpRequest is a client request as the gateway sees it.
-type httpRequest struct {
-	path, method string
-	headers      map[string]string
-	body         []byte // nil: a bodiless request (end_of_stream on the headers)
-	chunkBytes   int    // size of the body chunks the gateway sends; 0: 16 KiB
-	hint         *structpb.Value
-	// mode, when set, is announced in protocol_config for both bodies; unset,
-	// no protocol_config is sent (the gateway's FULL_DUPLEX_STREAMED).
-	mode filterv3.ProcessingMode_BodySendMode
-	// chunked leaves content-length out, as for a chunked HTTP/1.1 body.
-	chunked bool
-	// dropEcho checks the streamed-back body's chunks without keeping
-	// them (routed.body stays nil): a benchmark's gateway, in the picker's
-	// process, then does not run its garbage collector for it.
-	dropEcho bool
-}
-
-func completion(model, prompt string) httpRequest {
-	return httpRequest{path: "/v1/completions", method: "POST", body: completionBody(model, prompt)}
+func completion(model, prompt string) envoy.Request {
+	return post("/v1/completions", completionBody(model, prompt))
 }
 
 func completionBody(model, prompt string) []byte {
@@ -204,280 +177,36 @@ func completionBody(model, prompt string) []byte {
 	return b.Bytes()
 }
 
-// routed is what the gateway learnt from the request path.
-type routed struct {
-	headersAnswer *extprocv3.CommonResponse // the answer to the request headers
-	bodyAnswer    *extprocv3.CommonResponse // the answer to a BUFFERED, STREAMED or BUFFERED_PARTIAL body
-	destination   string                    // the header mutation's value
-	metadata      string                    // the dynamic metadata's value
-	body          []byte                    // the body passed on upstream
-	bodyChunks    []int                     // sizes of the chunks it came back in
-	immediate     *extprocv3.ImmediateResponse
-}
-
-func (r routed) first() string {
-	first, _, _ := strings.Cut(r.destination, ",")
-	return first
-}
-
-// sendRequest plays the request path: headers, body chunks, and the answers
-// the server gives, until the request is routed or refused.
-func (x *exchange) sendRequest(req httpRequest) (routed, error) {
-	headers := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
-		{Key: ":path", RawValue: []byte(req.path)},
-		{Key: ":method", RawValue: []byte(req.method)},
-		{Key: ":authority", RawValue: []byte("gateway.example")},
-	}}
-	if req.body != nil && !req.chunked {
-		headers.Headers = append(headers.Headers, &corev3.HeaderValue{Key: "content-length", RawValue: fmt.Appendf(nil, "%d", len(req.body))})
-	}
-	for k, v := range req.headers {
-		headers.Headers = append(headers.Headers, &corev3.HeaderValue{Key: k, RawValue: []byte(v)})
-	}
-	first := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
-		RequestHeaders: &extprocv3.HttpHeaders{Headers: headers, EndOfStream: req.body == nil},
-	}}
-	if req.hint != nil {
-		first.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
-			"envoy.lb.subset_hint": {Fields: map[string]*structpb.Value{"x-gateway-destination-endpoint-subset": req.hint}},
-		}}
-	}
-	duplex := req.mode == 0 || req.mode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
-	if req.mode != 0 {
-		first.ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: req.mode, ResponseBodyMode: req.mode}
-		x.responseMode = req.mode
-	}
-	if err := x.send(first); err != nil {
-		return routed{}, err
-	}
-
-	var r routed
-	if req.body == nil {
-		return r, x.recvHeadersAnswer(&r)
-	}
-	if !duplex {
-		// Envoy holds the body back until the headers are answered, then
-		// sends it as one message (the modes this helper plays are
-		// BUFFERED, BUFFERED_PARTIAL and a one-chunk STREAMED).
-		if err := x.recvHeadersAnswer(&r); err != nil || r.immediate != nil {
-			return r, err
-		}
-		if err := x.send(bodyMessage(req.body, true)); err != nil {
-			return r, err
-		}
-		resp, err := x.stream.Recv()
-		if err != nil {
-			return r, fmt.Errorf("waiting for the body answer: %w", err)
-		}
-		if r.immediate = resp.GetImmediateResponse(); r.immediate != nil {
-			return r, nil
-		}
-		common := resp.GetRequestBody().GetResponse()
-		if common == nil {
-			return r, fmt.Errorf("answer to the body is %T, want a request body answer", resp.GetResponse())
-		}
-		r.bodyAnswer = common
-		if r.destination == "" { // only BUFFERED routes in the body answer
-			r.destination = destination(common)
-			r.metadata = metadataDestination(resp)
-		}
-		r.body = req.body // the body passes on unless mutated
-		if bm, ok := common.GetBodyMutation().GetMutation().(*extprocv3.BodyMutation_Body); ok {
-			r.body = bm.Body
-		}
-		return r, nil
-	}
-
-	chunk := req.chunkBytes
-	if chunk == 0 {
-		chunk = 16 << 10
-	}
-	for off := 0; ; off += chunk {
-		end := min(off+chunk, len(req.body))
-		if err := x.send(bodyMessage(req.body[off:end], end == len(req.body))); err != nil {
-			if errors.Is(err, io.EOF) {
-				break // the server answered early and closed: read its answer
-			}
-			return r, err
-		}
-		if end == len(req.body) {
-			break
-		}
-	}
-	if err := x.recvHeadersAnswer(&r); err != nil || r.immediate != nil {
-		return r, err
-	}
-	for {
-		resp, err := x.stream.Recv()
-		if err != nil {
-			return r, fmt.Errorf("waiting for the request body: %w", err)
-		}
-		sb := resp.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
-		if sb == nil {
-			return r, fmt.Errorf("got %T while the request body streams back, want streamed request body chunks", resp.GetResponse())
-		}
-		if !req.dropEcho {
-			r.body = append(r.body, sb.GetBody()...)
-		}
-		r.bodyChunks = append(r.bodyChunks, len(sb.GetBody()))
-		if sb.GetEndOfStream() {
-			return r, nil
-		}
-	}
-}
-
-func (x *exchange) recvHeadersAnswer(r *routed) error {
-	resp, err := x.stream.Recv()
-	if err != nil {
-		return fmt.Errorf("waiting for the headers answer: %w", err)
-	}
-	if r.immediate = resp.GetImmediateResponse(); r.immediate != nil {
-		return nil
-	}
-	h := resp.GetRequestHeaders()
-	if h == nil {
-		return fmt.Errorf("answer to the headers is %T, want a request headers answer", resp.GetResponse())
-	}
-	r.headersAnswer = h.GetResponse()
-	r.destination = destination(h.GetResponse())
-	r.metadata = metadataDestination(resp)
-	return nil
-}
-
+// destination is the destination an answer's header mutation sets.
 func destination(c *extprocv3.CommonResponse) string {
-	for _, h := range c.GetHeaderMutation().GetSetHeaders() {
-		if h.GetHeader().GetKey() == "x-gateway-destination-endpoint" {
-			return string(h.GetHeader().GetRawValue()) + h.GetHeader().GetValue()
-		}
-	}
-	return ""
+	d, _ := envoy.HeaderValue(c, extproc.DestinationHeader)
+	return d
 }
 
-func metadataDestination(resp *extprocv3.ProcessingResponse) string {
-	return resp.GetDynamicMetadata().GetFields()["envoy.lb"].GetStructValue().GetFields()["x-gateway-destination-endpoint"].GetStringValue()
+// response is a model server's response, sent as an event stream whatever
+// its body (the picker then answers it chunk for chunk).
+func response(status int, chunks ...string) envoy.Response {
+	r := envoy.Response{Status: status, ContentType: "text/event-stream"}
+	for _, c := range chunks {
+		r.Chunks = append(r.Chunks, []byte(c))
+	}
+	return r
 }
 
-func bodyMessage(b []byte, eos bool) *extprocv3.ProcessingRequest {
-	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
-		RequestBody: &extprocv3.HttpBody{Body: b, EndOfStream: eos},
-	}}
-}
-
-// httpResponse is a model server's response as the gateway sees it.
-type httpResponse struct {
-	status   int
-	servedBy string   // "": no served-by metadata
-	chunks   []string // body chunks; none: end_of_stream on the headers
-}
-
-// sendResponseHeaders plays the response headers and reads their answer.
-func (x *exchange) sendResponseHeaders(resp httpResponse) error {
-	msg := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{
-		ResponseHeaders: &extprocv3.HttpHeaders{
-			Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
-				{Key: ":status", RawValue: fmt.Appendf(nil, "%d", resp.status)},
-				{Key: "content-type", RawValue: []byte("text/event-stream")},
-			}},
-			EndOfStream: len(resp.chunks) == 0,
-		},
-	}}
-	if resp.servedBy != "" {
-		msg.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
-			"envoy.lb": {Fields: map[string]*structpb.Value{"x-gateway-destination-endpoint-served": structpb.NewStringValue(resp.servedBy)}},
-		}}
-	}
-	if err := x.send(msg); err != nil {
-		return err
-	}
-	got, err := x.stream.Recv()
-	if err != nil {
-		return fmt.Errorf("waiting for the response headers answer: %w", err)
-	}
-	if got.GetResponseHeaders() == nil {
-		return fmt.Errorf("answer to the response headers is %T", got.GetResponse())
-	}
-	return nil
-}
-
-// sendResponseChunk plays one response body chunk and checks its answer:
-// in FULL_DUPLEX_STREAMED mode the chunk must come back unchanged.
-func (x *exchange) sendResponseChunk(chunk string, eos bool) error {
-	if err := x.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
-		ResponseBody: &extprocv3.HttpBody{Body: []byte(chunk), EndOfStream: eos},
-	}}); err != nil {
-		return err
-	}
-	got, err := x.stream.Recv()
-	if err != nil {
-		return fmt.Errorf("waiting for the response body answer: %w", err)
-	}
-	common := got.GetResponseBody().GetResponse()
-	if common == nil {
-		return fmt.Errorf("answer to a response body chunk is %T", got.GetResponse())
-	}
-	if x.responseMode != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
-		if common.GetBodyMutation() != nil {
-			return fmt.Errorf("response chunk answered with a body mutation in mode %v: %v", x.responseMode, common)
-		}
-		return nil
-	}
-	sb := common.GetBodyMutation().GetStreamedResponse()
-	if string(sb.GetBody()) != chunk || sb.GetEndOfStream() != eos {
-		return fmt.Errorf("response chunk came back as %q (end %v), want %q (end %v)", sb.GetBody(), sb.GetEndOfStream(), chunk, eos)
-	}
-	return nil
-}
-
-// respond plays a whole response and the end of the stream; it returns once
-// the server has ended the stream (and so has released the request).
-func (x *exchange) respond(resp httpResponse) error {
-	if err := x.sendResponseHeaders(resp); err != nil {
-		return err
-	}
-	for i, c := range resp.chunks {
-		if err := x.sendResponseChunk(c, i == len(resp.chunks)-1); err != nil {
-			return err
-		}
-	}
-	return x.finish()
-}
-
-// finish half-closes the stream as Envoy does and waits for the server to end it.
-func (x *exchange) finish() error {
-	defer x.cancel()
-	if err := x.stream.CloseSend(); err != nil {
-		return err
-	}
-	if _, err := x.stream.Recv(); !errors.Is(err, io.EOF) {
-		return fmt.Errorf("stream end: got %v, want io.EOF", err)
-	}
-	return nil
-}
-
-func (x *exchange) send(m *extprocv3.ProcessingRequest) error {
-	if err := x.stream.Send(m); err != nil {
-		if errors.Is(err, io.EOF) {
-			return err
-		}
-		return fmt.Errorf("sending %T: %w", m.GetRequest(), err)
-	}
-	return nil
-}
-
-var okResponse = httpResponse{status: 200, chunks: []string{`data: {"choices":[{"text":"hi"}]}` + "\n\n", "data: [DONE]\n\n"}}
+var okResponse = response(200, `data: {"choices":[{"text":"hi"}]}`+"\n\n", "data: [DONE]\n\n")
 
 // roundTrip plays a whole request and its 200 response.
-func (g *gateway) roundTrip(ctx context.Context, req httpRequest) (routed, error) {
-	x, err := g.open(ctx)
+func (g *gateway) roundTrip(ctx context.Context, req envoy.Request) (envoy.Routed, error) {
+	x, err := g.Open(ctx)
 	if err != nil {
-		return routed{}, err
+		return envoy.Routed{}, err
 	}
-	defer x.cancel()
-	r, err := x.sendRequest(req)
-	if err != nil || r.immediate != nil {
+	defer x.Cancel()
+	r, err := x.SendRequest(req)
+	if err != nil || r.Immediate != nil {
 		return r, err
 	}
-	return r, x.respond(okResponse)
+	return r, x.Respond(okResponse)
 }
 
 // eventually polls cond until it holds or the deadline passes.

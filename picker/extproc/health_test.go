@@ -92,7 +92,7 @@ func TestSelfSignedTLS(t *testing.T) {
 	extproc.NewServer(p, extproc.Options{MaxRequestBytes: 1 << 20, Log: logr.Discard()}).Register(g)
 	gw := serve(t, g, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{InsecureSkipVerify: true})))
 	r, err := gw.roundTrip(t.Context(), completion("m", "hello over TLS"))
-	if err != nil || r.destination != "127.0.0.11:8000" {
+	if err != nil || r.Destination != "127.0.0.11:8000" {
 		t.Fatalf("got %+v, %v; want routed to A", r, err)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
 )
@@ -52,13 +53,13 @@ func TestLedgerReturnsToZero(t *testing.T) {
 	defer releaseSentinels()
 	sentinels := []string{"127.0.0.11:8000", "127.0.0.12:8000", "127.0.0.13:8000"}
 	for i, ep := range sentinels {
-		x, err := f.gw.open(sentinelCtx)
+		x, err := f.gw.Open(sentinelCtx)
 		if err != nil {
 			t.Fatal(err)
 		}
 		req := completion("m", letters(uint64(9_000+i), 400)) // 100 prefill tokens
-		req.hint = hintList(ep)
-		if r, err := x.sendRequest(req); err != nil || r.destination != ep {
+		req.SubsetHint = hintList(ep)
+		if r, err := x.SendRequest(req); err != nil || r.Destination != ep {
 			t.Fatalf("sentinel on %s: %+v, %v", ep, r, err)
 		}
 	}
@@ -145,48 +146,48 @@ func TestLedgerReturnsToZero(t *testing.T) {
 // playLedgerRequest plays request i, ending it the way its number says. It
 // reports whether the request was routed.
 func playLedgerRequest(ctx context.Context, gw *gateway, i int, prompt string) (bool, error) {
-	x, err := gw.open(ctx)
+	x, err := gw.Open(ctx)
 	if err != nil {
 		return false, err
 	}
-	defer x.cancel()
+	defer x.Cancel()
 	req := completion("m", prompt)
 	switch kind := i % 100; {
 	case kind < 10: // the client goes away mid-response
-		r, err := x.sendRequest(req)
-		if err != nil || r.destination == "" {
+		r, err := x.SendRequest(req)
+		if err != nil || r.Destination == "" {
 			return false, fmt.Errorf("not routed: %+v, %v", r, err)
 		}
-		if err := x.sendResponseHeaders(httpResponse{status: 200, chunks: okResponse.chunks}); err != nil {
+		if err := x.SendResponseHeaders(okResponse); err != nil {
 			return true, err
 		}
 		if kind%2 == 0 {
-			if err := x.sendResponseChunk(okResponse.chunks[0], false); err != nil {
+			if err := x.SendResponseChunk(okResponse.Chunks[0], false, true); err != nil {
 				return true, err
 			}
 		}
-		x.cancel()
+		x.Cancel()
 		return true, nil
 	case kind < 15: // the model server fails
-		r, err := x.sendRequest(req)
-		if err != nil || r.destination == "" {
+		r, err := x.SendRequest(req)
+		if err != nil || r.Destination == "" {
 			return false, fmt.Errorf("not routed: %+v, %v", r, err)
 		}
-		return true, x.respond(httpResponse{status: 503})
+		return true, x.Respond(response(503))
 	case kind < 17: // the stream is reset before the body is complete
-		if err := x.send(postHeaders("/v1/completions")); err != nil {
+		if err := x.Send(postHeaders("/v1/completions")); err != nil {
 			return false, err
 		}
-		if err := x.send(bodyMessage(req.body[:len(req.body)/2], false)); err != nil {
+		if err := x.Send(envoy.BodyChunk(req.Body[:len(req.Body)/2], false)); err != nil {
 			return false, err
 		}
-		x.cancel()
+		x.Cancel()
 		return false, nil
 	default:
-		r, err := x.sendRequest(req)
-		if err != nil || r.destination == "" {
+		r, err := x.SendRequest(req)
+		if err != nil || r.Destination == "" {
 			return false, fmt.Errorf("not routed: %+v, %v", r, err)
 		}
-		return true, x.respond(okResponse)
+		return true, x.Respond(okResponse)
 	}
 }

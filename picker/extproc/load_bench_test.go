@@ -62,21 +62,21 @@ func requestCycles(b *testing.B, flow bool) {
 			i := next
 			next++
 			mu.Unlock()
-			x, err := f.gw.open(context.Background())
+			x, err := f.gw.Open(context.Background())
 			if err != nil {
 				b.Error(err)
 				return
 			}
 			began := time.Now()
-			r, err := x.sendRequest(completion("m", prompt(i)))
+			r, err := x.SendRequest(completion("m", prompt(i)))
 			routedIn := time.Since(began)
-			if err == nil && r.immediate != nil {
-				err = fmt.Errorf("answered %v", r.immediate.GetStatus())
+			if err == nil && r.Immediate != nil {
+				err = fmt.Errorf("answered %v", r.Immediate.GetStatus())
 			}
 			if err == nil {
-				err = x.respond(okResponse)
+				err = x.Respond(okResponse)
 			}
-			x.cancel()
+			x.Cancel()
 			if err != nil {
 				b.Error(err)
 				return
@@ -125,34 +125,34 @@ func BenchmarkSmallBesideHugePrompts(b *testing.B) {
 				// picker's process here, and its own garbage must not be
 				// what the small requests wait for.
 				huge := completion("m", strings.Repeat("y", 8<<20))
-				huge.dropEcho = true
+				huge.DropEcho = true
 				wg.Go(func() {
 					for ctx.Err() == nil {
-						x, err := f.gw.open(ctx)
+						x, err := f.gw.Open(ctx)
 						if err != nil {
 							return
 						}
-						if _, err := x.sendRequest(huge); err == nil {
-							_ = x.respond(okResponse)
+						if _, err := x.SendRequest(huge); err == nil {
+							_ = x.Respond(okResponse)
 						}
-						x.cancel()
+						x.Cancel()
 					}
 				})
 			}
 			var times []time.Duration
 			for i := 0; b.Loop(); i++ {
-				x, err := f.gw.open(context.Background())
+				x, err := f.gw.Open(context.Background())
 				if err != nil {
 					b.Fatal(err)
 				}
 				began := time.Now()
-				r, err := x.sendRequest(completion("m", fmt.Sprintf("small %d %s", i, strings.Repeat("z", 4000))))
+				r, err := x.SendRequest(completion("m", fmt.Sprintf("small %d %s", i, strings.Repeat("z", 4000))))
 				times = append(times, time.Since(began))
-				if err != nil || r.immediate != nil {
-					b.Fatalf("small request: %v %v", err, r.immediate)
+				if err != nil || r.Immediate != nil {
+					b.Fatalf("small request: %v %v", err, r.Immediate)
 				}
-				_ = x.respond(okResponse)
-				x.cancel()
+				_ = x.Respond(okResponse)
+				x.Cancel()
 			}
 			cancel()
 			wg.Wait()

@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
 )
@@ -54,15 +55,6 @@ func (r *recording) all() []picked {
 	return slices.Clone(r.reqs)
 }
 
-func headerOf(c *extprocv3.CommonResponse, key string) (string, bool) {
-	for _, h := range c.GetHeaderMutation().GetSetHeaders() {
-		if h.GetHeader().GetKey() == key {
-			return string(h.GetHeader().GetRawValue()) + h.GetHeader().GetValue(), true
-		}
-	}
-	return "", false
-}
-
 // headersMessage is the request headers of a POST of body to path, with its
 // content-length, announcing mode unless announce is false.
 func headersMessage(path string, body []byte, mode filterv3.ProcessingMode_BodySendMode, announce bool) *extprocv3.ProcessingRequest {
@@ -72,7 +64,7 @@ func headersMessage(path string, body []byte, mode filterv3.ProcessingMode_BodyS
 // headersDeclaring is headersMessage for a body of contentLength bytes.
 func headersDeclaring(path string, contentLength int, mode filterv3.ProcessingMode_BodySendMode, announce bool) *extprocv3.ProcessingRequest {
 	m := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
-		RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap(
+		RequestHeaders: &extprocv3.HttpHeaders{Headers: envoy.HeaderMap(
 			":path", path, ":method", "POST", "content-length", strconv.Itoa(contentLength))},
 	}}
 	if announce {
@@ -112,9 +104,9 @@ func TestEveryBodyModeRoutes(t *testing.T) {
 				return rec
 			}})
 			x := openWithin(t, f)
-			x.responseMode = tc.mode // not announced: the request's mode, inferred, serves the response
+			x.ResponseMode = tc.mode // not announced: the request's mode, inferred, serves the response
 
-			if err := x.send(headersMessage("/v1/completions", body, tc.mode, tc.announce)); err != nil {
+			if err := x.Send(headersMessage("/v1/completions", body, tc.mode, tc.announce)); err != nil {
 				t.Fatal(err)
 			}
 			pieces := split(body, tc.chunks)
@@ -141,7 +133,7 @@ func TestEveryBodyModeRoutes(t *testing.T) {
 			if in := f.picker.Snapshot().InFlight; in != 1 {
 				t.Errorf("in flight %d, want 1", in)
 			}
-			if err := x.respond(okResponse); err != nil {
+			if err := x.Respond(okResponse); err != nil {
 				t.Fatal(err)
 			}
 			if ok, state := ledgerEmpty(f.picker); !ok {
@@ -171,23 +163,23 @@ func split(b []byte, n int) [][]byte {
 
 // playFullDuplex sends the body chunks, then expects the held-back headers
 // answer, routed and restoring content-length, and the body back unchanged.
-func playFullDuplex(t *testing.T, x *exchange, body []byte, pieces [][]byte) {
+func playFullDuplex(t *testing.T, x *envoy.Stream, body []byte, pieces [][]byte) {
 	t.Helper()
 	for i, p := range pieces {
-		if err := x.send(bodyMessage(p, i == len(pieces)-1)); err != nil {
+		if err := x.Send(envoy.BodyChunk(p, i == len(pieces)-1)); err != nil {
 			t.Fatal(err)
 		}
 	}
-	var r routed
-	if err := x.recvHeadersAnswer(&r); err != nil || r.destination == "" || r.metadata != r.destination {
+	var r envoy.Routed
+	if err := x.RecvHeadersAnswer(&r); err != nil || r.Destination == "" || r.Metadata != r.Destination {
 		t.Fatalf("headers answer %+v, %v: want routed", r, err)
 	}
-	if cl, _ := headerOf(r.headersAnswer, "content-length"); cl != strconv.Itoa(len(body)) {
+	if cl, _ := envoy.HeaderValue(r.HeadersAnswer, "content-length"); cl != strconv.Itoa(len(body)) {
 		t.Errorf("content-length in the headers answer = %q, want %d: Envoy drops it in this mode", cl, len(body))
 	}
 	var echoed []byte
 	for {
-		resp, err := x.stream.Recv()
+		resp, err := x.Recv()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -207,47 +199,47 @@ func playFullDuplex(t *testing.T, x *exchange, body []byte, pieces [][]byte) {
 
 // playBuffered expects an unrouted headers answer, then the destination in
 // the answer to the one body message.
-func playBuffered(t *testing.T, x *exchange, body []byte) {
+func playBuffered(t *testing.T, x *envoy.Stream, body []byte) {
 	t.Helper()
-	var r routed
-	if err := x.recvHeadersAnswer(&r); err != nil || r.immediate != nil {
+	var r envoy.Routed
+	if err := x.RecvHeadersAnswer(&r); err != nil || r.Immediate != nil {
 		t.Fatalf("headers answer %+v, %v", r, err)
 	}
-	if r.destination != "" || r.headersAnswer.GetClearRouteCache() {
-		t.Errorf("the headers answer routes already: %v", r.headersAnswer)
+	if r.Destination != "" || r.HeadersAnswer.GetClearRouteCache() {
+		t.Errorf("the headers answer routes already: %v", r.HeadersAnswer)
 	}
-	if err := x.send(bodyMessage(body, true)); err != nil {
+	if err := x.Send(envoy.BodyChunk(body, true)); err != nil {
 		t.Fatal(err)
 	}
-	resp, err := x.stream.Recv()
+	resp, err := x.Recv()
 	if err != nil {
 		t.Fatal(err)
 	}
 	common := resp.GetRequestBody().GetResponse()
-	if d := destination(common); d == "" || metadataDestination(resp) != d || !common.GetClearRouteCache() {
+	if d := destination(common); d == "" || envoy.LBMetadata(resp, extproc.DestinationHeader) != d || !common.GetClearRouteCache() {
 		t.Fatalf("body answer %v: want the destination in its header mutation and metadata", resp)
 	}
-	if cl, ok := headerOf(common, "content-length"); ok {
+	if cl, ok := envoy.HeaderValue(common, "content-length"); ok {
 		t.Errorf("content-length %q set in BUFFERED mode, where Envoy keeps the client's", cl)
 	}
 }
 
 // playLoadOnly expects the headers answer routed at once, then an empty
 // answer to each body message.
-func playLoadOnly(t *testing.T, x *exchange, pieces [][]byte) {
+func playLoadOnly(t *testing.T, x *envoy.Stream, pieces [][]byte) {
 	t.Helper()
-	var r routed
-	if err := x.recvHeadersAnswer(&r); err != nil || r.destination == "" || r.metadata != r.destination || !r.headersAnswer.GetClearRouteCache() {
+	var r envoy.Routed
+	if err := x.RecvHeadersAnswer(&r); err != nil || r.Destination == "" || r.Metadata != r.Destination || !r.HeadersAnswer.GetClearRouteCache() {
 		t.Fatalf("headers answer %+v, %v: want routed on the headers", r, err)
 	}
-	if cl, ok := headerOf(r.headersAnswer, "content-length"); ok {
+	if cl, ok := envoy.HeaderValue(r.HeadersAnswer, "content-length"); ok {
 		t.Errorf("content-length %q set in the headers answer, want the client's left alone", cl)
 	}
 	for i, p := range pieces {
-		if err := x.send(bodyMessage(p, i == len(pieces)-1)); err != nil {
+		if err := x.Send(envoy.BodyChunk(p, i == len(pieces)-1)); err != nil {
 			t.Fatal(err)
 		}
-		resp, err := x.stream.Recv()
+		resp, err := x.Recv()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -290,8 +282,8 @@ func TestLoadOnlyRoutingIsWarnedOnce(t *testing.T) {
 	f := newFixture(t, fixtureOptions{log: &log})
 	for i := range 3 {
 		req := completion("m", letters(uint64(80+i), 500))
-		req.mode = filterv3.ProcessingMode_STREAMED
-		if r, err := f.gw.roundTrip(t.Context(), req); err != nil || r.destination == "" {
+		req.Mode = filterv3.ProcessingMode_STREAMED
+		if r, err := f.gw.roundTrip(t.Context(), req); err != nil || r.Destination == "" {
 			t.Fatalf("request %d: %+v, %v", i, r, err)
 		}
 	}
@@ -317,12 +309,12 @@ func TestMalformedStreamsAreAnsweredNotRouted(t *testing.T) {
 	}
 	bodiless := func(kv ...string) *extprocv3.ProcessingRequest {
 		return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
-			RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap(kv...), EndOfStream: true},
+			RequestHeaders: &extprocv3.HttpHeaders{Headers: envoy.HeaderMap(kv...), EndOfStream: true},
 		}}
 	}
 	body := completionBody("m", letters(90, 400))
 	responseHeaders := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{
-		ResponseHeaders: &extprocv3.HttpHeaders{Headers: headerMap(":status", "200")},
+		ResponseHeaders: &extprocv3.HttpHeaders{Headers: envoy.HeaderMap(":status", "200")},
 	}}
 	responseBody := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
 		ResponseBody: &extprocv3.HttpBody{Body: []byte("data: x\n\n")},
@@ -354,29 +346,29 @@ func TestMalformedStreamsAreAnsweredNotRouted(t *testing.T) {
 		{name: "no :method, bodiless", msgs: msgs(bodiless(":path", "/v1/models")), wantRouted: true, picks: 1},
 		{name: "no :method, body follows", msgs: msgs(
 			&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
-				RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap(":path", "/v1/completions")},
-			}}, bodyMessage(body, true)), wantRouted: true, picks: 1},
-		{name: "no pseudo-headers, completions body", msgs: msgs(shimHeaders(), bodyMessage(body, true)), wantRouted: true, picks: 1},
+				RequestHeaders: &extprocv3.HttpHeaders{Headers: envoy.HeaderMap(":path", "/v1/completions")},
+			}}, envoy.BodyChunk(body, true)), wantRouted: true, picks: 1},
+		{name: "no pseudo-headers, completions body", msgs: msgs(shimHeaders(), envoy.BodyChunk(body, true)), wantRouted: true, picks: 1},
 		{name: "no pseudo-headers, chat body", msgs: msgs(shimHeaders(),
-			bodyMessage([]byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`), true)), wantRouted: true, picks: 1},
+			envoy.BodyChunk([]byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`), true)), wantRouted: true, picks: 1},
 		{name: "no pseudo-headers, embeddings of token ids", msgs: msgs(shimHeaders(),
-			bodyMessage([]byte(`{"input":[[1,2,3]],"model":"m"}`), true)), wantRouted: true, picks: 1},
-		{name: "no pseudo-headers, a model and no prompt", msgs: msgs(shimHeaders(), bodyMessage([]byte(`{"model":"m"}`), true)),
+			envoy.BodyChunk([]byte(`{"input":[[1,2,3]],"model":"m"}`), true)), wantRouted: true, picks: 1},
+		{name: "no pseudo-headers, a model and no prompt", msgs: msgs(shimHeaders(), envoy.BodyChunk([]byte(`{"model":"m"}`), true)),
 			wantStatus: 400, wantInMsg: `none of \"messages\", \"prompt\" or \"input\"`},
-		{name: "no pseudo-headers, malformed JSON", msgs: msgs(shimHeaders(), bodyMessage([]byte(`{"model":`), true)),
+		{name: "no pseudo-headers, malformed JSON", msgs: msgs(shimHeaders(), envoy.BodyChunk([]byte(`{"model":`), true)),
 			wantStatus: 400, wantInMsg: "JSON"},
 		// A broken ext_proc client: the stream ends InvalidArgument, with
 		// a 400 naming the violation while the request is undecided.
-		{name: "body before the headers", msgs: msgs(bodyMessage(body, true)), wantCode: codes.InvalidArgument, wantInMsg: "before the request headers"},
+		{name: "body before the headers", msgs: msgs(envoy.BodyChunk(body, true)), wantCode: codes.InvalidArgument, wantInMsg: "before the request headers"},
 		{name: "trailers before the headers", msgs: msgs(trailers), wantCode: codes.InvalidArgument, wantInMsg: "before the request headers"},
 		{name: "second headers while the body is awaited", msgs: msgs(postHeaders("/v1/completions"), postHeaders("/v1/completions")),
 			wantCode: codes.InvalidArgument, wantInMsg: "second request headers"},
 		{name: "second headers after a bodiless route", msgs: msgs(bodiless(":path", "/v1/models", ":method", "GET"), postHeaders("/v1/completions")),
 			wantCode: codes.InvalidArgument, picks: 1},
-		{name: "second headers after the body", msgs: msgs(postHeaders("/v1/completions"), bodyMessage(body, true), postHeaders("/v1/completions")),
+		{name: "second headers after the body", msgs: msgs(postHeaders("/v1/completions"), envoy.BodyChunk(body, true), postHeaders("/v1/completions")),
 			wantCode: codes.InvalidArgument, picks: 1},
 		{name: "response headers first", msgs: msgs(responseHeaders), wantCode: codes.InvalidArgument, wantInMsg: "before the request was routed"},
-		{name: "response headers before the body ended", msgs: msgs(postHeaders("/v1/completions"), bodyMessage(body[:10], false), responseHeaders),
+		{name: "response headers before the body ended", msgs: msgs(postHeaders("/v1/completions"), envoy.BodyChunk(body[:10], false), responseHeaders),
 			wantCode: codes.InvalidArgument, wantInMsg: "before the request was routed"},
 		{name: "response body before the request was routed", msgs: msgs(postHeaders("/v1/completions"), responseBody),
 			wantCode: codes.InvalidArgument, wantInMsg: "before the request was routed"},
@@ -387,19 +379,19 @@ func TestMalformedStreamsAreAnsweredNotRouted(t *testing.T) {
 				picks = &counting{Picker: p}
 				return picks
 			}})
-			x, err := f.gw.open(t.Context())
+			x, err := f.gw.Open(t.Context())
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer x.cancel()
+			defer x.Cancel()
 			for _, m := range tc.msgs {
-				if err := x.send(m); errors.Is(err, io.EOF) {
+				if err := x.Send(m); errors.Is(err, io.EOF) {
 					break // the server has ended the stream: its answer is waiting
 				} else if err != nil {
 					t.Fatal(err)
 				}
 			}
-			if err := x.stream.CloseSend(); err != nil {
+			if err := x.CloseSend(); err != nil {
 				t.Fatal(err)
 			}
 			var (
@@ -408,7 +400,7 @@ func TestMalformedStreamsAreAnsweredNotRouted(t *testing.T) {
 				end       error
 			)
 			for {
-				resp, err := x.stream.Recv()
+				resp, err := x.Recv()
 				if err != nil {
 					end = err
 					break
@@ -480,17 +472,17 @@ func TestUnannouncedStreamedBodyIsRefused(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
 	x := openWithin(t, f)
 	body := []byte(`{"model":"m","prompt":"` + letters(71, 3000) + `"}`)
-	if err := x.send(headersMessage("/v1/completions", body, filterv3.ProcessingMode_STREAMED, false)); err != nil {
+	if err := x.Send(headersMessage("/v1/completions", body, filterv3.ProcessingMode_STREAMED, false)); err != nil {
 		t.Fatal(err)
 	}
-	var r routed
-	if err := x.recvHeadersAnswer(&r); err != nil || r.immediate != nil || r.destination != "" {
+	var r envoy.Routed
+	if err := x.RecvHeadersAnswer(&r); err != nil || r.Immediate != nil || r.Destination != "" {
 		t.Fatalf("headers answer %+v, %v: want unrouted", r, err)
 	}
-	if err := x.send(bodyMessage(body[:100], false)); err != nil {
+	if err := x.Send(envoy.BodyChunk(body[:100], false)); err != nil {
 		t.Fatal(err)
 	}
-	resp, err := x.stream.Recv()
+	resp, err := x.Recv()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -511,13 +503,13 @@ func TestUnannouncedStreamingGatewayIsNotTimedAgain(t *testing.T) {
 	body := []byte(`{"model":"m","prompt":"` + letters(72, 3000) + `"}`)
 	for i, delay := range []time.Duration{0, 300 * time.Millisecond} {
 		x := openWithin(t, f)
-		if err := x.send(headersMessage("/v1/completions", body, fullDuplexMode, false)); err != nil {
+		if err := x.Send(headersMessage("/v1/completions", body, fullDuplexMode, false)); err != nil {
 			t.Fatal(err)
 		}
 		time.Sleep(delay) // the client's body is late, past unannouncedBodyWait
 		playFullDuplex(t, x, body, split(body, 2))
-		x.responseMode = fullDuplexMode
-		if err := x.respond(okResponse); err != nil {
+		x.ResponseMode = fullDuplexMode
+		if err := x.Respond(okResponse); err != nil {
 			t.Fatalf("request %d: %v", i, err)
 		}
 	}
@@ -525,15 +517,15 @@ func TestUnannouncedStreamingGatewayIsNotTimedAgain(t *testing.T) {
 
 // openWithin opens a stream that a stall fails within seconds rather than
 // at the test's deadline; it ends with the test.
-func openWithin(t *testing.T, f *fixture) *exchange {
+func openWithin(t *testing.T, f *fixture) *envoy.Stream {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
 	t.Cleanup(cancel)
-	x, err := f.gw.open(ctx)
+	x, err := f.gw.Open(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(x.cancel)
+	t.Cleanup(x.Cancel)
 	return x
 }
 
@@ -547,17 +539,17 @@ func TestAShimsLateBodyIsNotTakenForBuffered(t *testing.T) {
 	body := []byte(`{"model":"m","prompt":"` + letters(73, 3000) + `"}`)
 	x := openWithin(t, f)
 	shim := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
-		RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap("content-type", "application/json")},
+		RequestHeaders: &extprocv3.HttpHeaders{Headers: envoy.HeaderMap("content-type", "application/json")},
 	}}
-	if err := x.send(shim); err != nil {
+	if err := x.Send(shim); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(300 * time.Millisecond) // past unannouncedBodyWait
-	if err := x.send(bodyMessage(body, true)); err != nil {
+	if err := x.Send(envoy.BodyChunk(body, true)); err != nil {
 		t.Fatal(err)
 	}
-	var r routed
-	if err := x.recvHeadersAnswer(&r); err != nil || r.destination == "" {
+	var r envoy.Routed
+	if err := x.RecvHeadersAnswer(&r); err != nil || r.Destination == "" {
 		t.Fatalf("headers answer %+v, %v: want the destination in it", r, err)
 	}
 }

@@ -7,10 +7,9 @@ import (
 	"sync"
 	"testing"
 
-	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
 )
@@ -61,11 +60,11 @@ func TestEveryOpenAIPathIsParsed(t *testing.T) {
 	} {
 		t.Run(tc.path, func(t *testing.T) {
 			f, log := logged(t, fixtureOptions{})
-			r, err := f.gw.roundTrip(t.Context(), httpRequest{path: tc.path, method: "POST", body: []byte(tc.body)})
+			r, err := f.gw.roundTrip(t.Context(), post(tc.path, []byte(tc.body)))
 			if err != nil {
 				t.Fatal(err)
 			}
-			if r.immediate != nil || r.destination == "" {
+			if r.Immediate != nil || r.Destination == "" {
 				t.Fatalf("not routed: %+v", r)
 			}
 			req := log.last(t)
@@ -103,19 +102,19 @@ func TestSubsetHintByIP(t *testing.T) {
 			f := newFixture(t, fixtureOptions{endpoints: eps})
 			for range 4 {
 				req := completion("m", letters(7, 800))
-				req.hint = tc.hint
+				req.SubsetHint = tc.hint
 				r, err := f.gw.roundTrip(t.Context(), req)
 				if err != nil {
 					t.Fatal(err)
 				}
 				if tc.want == nil {
-					if r.immediate.GetStatus().GetCode() != 503 {
+					if r.Immediate.GetStatus().GetCode() != 503 {
 						t.Fatalf("got %+v, want a 503", r)
 					}
 					return
 				}
-				if !slices.Contains(tc.want, r.first()) {
-					t.Fatalf("destination %q (immediate %v), want one of %q", r.destination, r.immediate, tc.want)
+				if !slices.Contains(tc.want, r.First()) {
+					t.Fatalf("destination %q (immediate %v), want one of %q", r.Destination, r.Immediate, tc.want)
 				}
 			}
 		})
@@ -140,27 +139,27 @@ func TestConformanceSelectionReplacesTheHint(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newFixture(t, fixtureOptions{conformanceTestHooks: tc.hooks})
-			x, err := f.gw.open(t.Context())
+			x, err := f.gw.Open(t.Context())
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer x.cancel()
+			defer x.Cancel()
 			req := completion("m", letters(9, 800))
-			req.hint = hintList(epA.String())
+			req.SubsetHint = hintList(epA.String())
 			if tc.selection != "" {
-				req.headers = map[string]string{"test-epp-endpoint-selection": tc.selection}
+				req.Headers = append(req.Headers, "test-epp-endpoint-selection", tc.selection)
 			}
-			r, err := x.sendRequest(req)
+			r, err := x.SendRequest(req)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if r.destination != tc.want {
-				t.Fatalf("destination %q (immediate %v), want %q", r.destination, r.immediate, tc.want)
+			if r.Destination != tc.want {
+				t.Fatalf("destination %q (immediate %v), want %q", r.Destination, r.Immediate, tc.want)
 			}
-			if err := x.send(responseHeaders(tc.want)); err != nil {
+			if err := x.Send(x.ResponseHeadersMessage(envoy.Response{Status: 200, ServedBy: tc.want})); err != nil {
 				t.Fatal(err)
 			}
-			answer, err := x.stream.Recv()
+			answer, err := x.Recv()
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -173,22 +172,9 @@ func TestConformanceSelectionReplacesTheHint(t *testing.T) {
 			if served != tc.served {
 				t.Errorf("x-conformance-test-served-endpoint %q, want %q", served, tc.served)
 			}
-			if err := x.finish(); err != nil {
+			if err := x.Finish(); err != nil {
 				t.Fatal(err)
 			}
 		})
-	}
-}
-
-// responseHeaders is a bodiless 200 response served by served.
-func responseHeaders(served string) *extprocv3.ProcessingRequest {
-	return &extprocv3.ProcessingRequest{
-		Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
-			Headers:     &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte("200")}}},
-			EndOfStream: true,
-		}},
-		MetadataContext: &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
-			"envoy.lb": {Fields: map[string]*structpb.Value{"x-gateway-destination-endpoint-served": structpb.NewStringValue(served)}},
-		}},
 	}
 }

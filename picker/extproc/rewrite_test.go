@@ -7,6 +7,7 @@ import (
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 
+	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker"
 )
 
@@ -19,28 +20,28 @@ func TestModelRewriteRewritesTheBodyAndWhatIsScored(t *testing.T) {
 	for _, mode := range []filterv3.ProcessingMode_BodySendMode{0, filterv3.ProcessingMode_BUFFERED} {
 		t.Run(mode.String(), func(t *testing.T) {
 			f, log := logged(t, fixtureOptions{rewrites: rw})
-			x, err := f.gw.open(t.Context())
+			x, err := f.gw.Open(t.Context())
 			if err != nil {
 				t.Fatal(err)
 			}
-			r, err := x.sendRequest(httpRequest{path: "/v1/completions", method: "POST", body: body, mode: mode})
-			if err != nil || r.immediate != nil {
-				t.Fatalf("err %v, immediate %v", err, r.immediate)
+			r, err := x.SendRequest(envoy.Request{Headers: gatewayHeaders("POST", "/v1/completions"), Body: body, Mode: mode})
+			if err != nil || r.Immediate != nil {
+				t.Fatalf("err %v, immediate %v", err, r.Immediate)
 			}
-			if !bytes.Equal(r.body, want) {
-				t.Errorf("body sent on:\n %s\nwant\n %s", r.body, want)
+			if !bytes.Equal(r.Body, want) {
+				t.Errorf("body sent on:\n %s\nwant\n %s", r.Body, want)
 			}
-			answer := r.headersAnswer
+			answer := r.HeadersAnswer
 			if mode == filterv3.ProcessingMode_BUFFERED {
-				answer = r.bodyAnswer
+				answer = r.BodyAnswer
 			}
-			if cl, _ := headerOf(answer, "content-length"); cl != strconv.Itoa(len(want)) {
+			if cl, _ := envoy.HeaderValue(answer, "content-length"); cl != strconv.Itoa(len(want)) {
 				t.Errorf("content-length %q, want %d", cl, len(want))
 			}
 			if got := log.last(t).Model; got != "llama-v2é" {
 				t.Errorf("the picker scored model %q, want the target llama-v2é", got)
 			}
-			if err := x.respond(okResponse); err != nil {
+			if err := x.Respond(okResponse); err != nil {
 				t.Fatal(err)
 			}
 			if got := f.counter(t, "inference_extension_model_rewrite_decisions_total",
@@ -57,7 +58,7 @@ func TestModelRewriteRewritesTheBodyAndWhatIsScored(t *testing.T) {
 	f, log := logged(t, fixtureOptions{rewrites: rw})
 	other := completion("mistral", letters(6, 400))
 	r, err := f.gw.roundTrip(t.Context(), other)
-	if err != nil || !bytes.Equal(r.body, other.body) || log.last(t).Model != "mistral" {
-		t.Errorf("an unmatched model: err %v, body changed %v, scored %q", err, !bytes.Equal(r.body, other.body), log.last(t).Model)
+	if err != nil || !bytes.Equal(r.Body, other.Body) || log.last(t).Model != "mistral" {
+		t.Errorf("an unmatched model: err %v, body changed %v, scored %q", err, !bytes.Equal(r.Body, other.Body), log.last(t).Model)
 	}
 }

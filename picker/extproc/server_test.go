@@ -13,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc/codes"
@@ -21,6 +20,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
 )
@@ -48,51 +48,51 @@ func TestRoutesOneRequestAndReleasesIt(t *testing.T) {
 	ctx := t.Context()
 	req := completion("m", letters(1, 4000))
 
-	x, err := f.gw.open(ctx)
+	x, err := f.gw.Open(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := x.sendRequest(req)
+	r, err := x.SendRequest(req)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r.immediate != nil {
-		t.Fatalf("refused with %v %s", r.immediate.GetStatus().GetCode(), r.immediate.GetBody())
+	if r.Immediate != nil {
+		t.Fatalf("refused with %v %s", r.Immediate.GetStatus().GetCode(), r.Immediate.GetBody())
 	}
-	if !r.headersAnswer.GetClearRouteCache() {
+	if !r.HeadersAnswer.GetClearRouteCache() {
 		t.Error("the routed headers answer does not clear the route cache")
 	}
-	eps := strings.Split(r.destination, ",")
-	if len(eps) != 3 || r.metadata != r.destination {
-		t.Errorf("destination header %q, metadata %q: want the same list of the 3 endpoints in both", r.destination, r.metadata)
+	eps := strings.Split(r.Destination, ",")
+	if len(eps) != 3 || r.Metadata != r.Destination {
+		t.Errorf("destination header %q, metadata %q: want the same list of the 3 endpoints in both", r.Destination, r.Metadata)
 	}
-	if !bytes.Equal(r.body, req.body) {
-		t.Errorf("the body came back changed (%d bytes, sent %d)", len(r.body), len(req.body))
+	if !bytes.Equal(r.Body, req.Body) {
+		t.Errorf("the body came back changed (%d bytes, sent %d)", len(r.Body), len(req.Body))
 	}
 	if l := f.picker.Snapshot(); l.InFlight != 1 || l.PrefillTokens != 1000 {
 		t.Errorf("while the request is in flight: totals in-flight=%d prefill=%d, want 1 and 1000 (4000 chars / 4)", l.InFlight, l.PrefillTokens)
 	}
-	if s := statsOf(f.picker, netip.MustParseAddrPort(r.first())); s.InFlight != 1 {
-		t.Errorf("the chosen endpoint %s holds %d requests, want 1", r.first(), s.InFlight)
+	if s := statsOf(f.picker, netip.MustParseAddrPort(r.First())); s.InFlight != 1 {
+		t.Errorf("the chosen endpoint %s holds %d requests, want 1", r.First(), s.InFlight)
 	}
 
-	if err := x.sendResponseHeaders(httpResponse{status: 200, chunks: okResponse.chunks}); err != nil {
+	if err := x.SendResponseHeaders(okResponse); err != nil {
 		t.Fatal(err)
 	}
-	if err := x.sendResponseChunk(okResponse.chunks[0], false); err != nil {
+	if err := x.SendResponseChunk(okResponse.Chunks[0], false, true); err != nil {
 		t.Fatal(err)
 	}
-	s := statsOf(f.picker, netip.MustParseAddrPort(r.first()))
+	s := statsOf(f.picker, netip.MustParseAddrPort(r.First()))
 	if s.InFlight != 1 || s.PrefillTokens != 0 || s.Decoding != 1 {
 		t.Errorf("after the first response bytes: %+v, want in-flight 1, prefill 0, decoding 1", s)
 	}
-	if err := x.sendResponseChunk(okResponse.chunks[1], true); err != nil {
+	if err := x.SendResponseChunk(okResponse.Chunks[1], true, true); err != nil {
 		t.Fatal(err)
 	}
 	if ok, state := ledgerEmpty(f.picker); !ok {
 		t.Errorf("after the response's end: %s", state)
 	}
-	if err := x.finish(); err != nil {
+	if err := x.Finish(); err != nil {
 		t.Fatal(err)
 	}
 	if got := f.counter(t, "tally_requests_total", map[string]string{"code": "200"}); got != 1 {
@@ -103,23 +103,23 @@ func TestRoutesOneRequestAndReleasesIt(t *testing.T) {
 func TestLargeBodyPassesThroughInChunks(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
 	req := completion("m", letters(2, 5<<20))
-	req.chunkBytes = 64 << 10
+	req.ChunkBytes = 64 << 10
 	r, err := f.gw.roundTrip(t.Context(), req)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r.immediate != nil {
-		t.Fatalf("refused with %v %s", r.immediate.GetStatus().GetCode(), r.immediate.GetBody())
+	if r.Immediate != nil {
+		t.Fatalf("refused with %v %s", r.Immediate.GetStatus().GetCode(), r.Immediate.GetBody())
 	}
-	if !bytes.Equal(r.body, req.body) {
-		t.Fatalf("the body came back changed: %d bytes, sent %d", len(r.body), len(req.body))
+	if !bytes.Equal(r.Body, req.Body) {
+		t.Fatalf("the body came back changed: %d bytes, sent %d", len(r.Body), len(req.Body))
 	}
-	for i, n := range r.bodyChunks {
+	for i, n := range r.BodyChunks {
 		if n > 62_000 {
 			t.Fatalf("chunk %d has %d bytes, want at most 62000", i, n)
 		}
 	}
-	t.Logf("%d bytes came back in %d chunks", len(r.body), len(r.bodyChunks))
+	t.Logf("%d bytes came back in %d chunks", len(r.Body), len(r.BodyChunks))
 	if ok, state := ledgerEmpty(f.picker); !ok {
 		t.Error(state)
 	}
@@ -127,22 +127,22 @@ func TestLargeBodyPassesThroughInChunks(t *testing.T) {
 
 func TestBodilessRequestIsRoutedOnItsHeaders(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
-	x, err := f.gw.open(t.Context())
+	x, err := f.gw.Open(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := x.sendRequest(httpRequest{path: "/v1/models", method: "GET"})
+	r, err := x.SendRequest(envoy.Request{Headers: gatewayHeaders("GET", "/v1/models")})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r.immediate != nil || r.destination == "" || r.destination != r.metadata || !r.headersAnswer.GetClearRouteCache() {
+	if r.Immediate != nil || r.Destination == "" || r.Destination != r.Metadata || !r.HeadersAnswer.GetClearRouteCache() {
 		t.Fatalf("got %+v, want a routed headers answer", r)
 	}
 	if l := f.picker.Snapshot(); l.InFlight != 1 || l.PrefillTokens != 0 {
 		t.Errorf("totals in-flight=%d prefill=%d, want 1 request with no prefill", l.InFlight, l.PrefillTokens)
 	}
 	// A response without a body ends on its headers.
-	if err := x.respond(httpResponse{status: 200}); err != nil {
+	if err := x.Respond(response(200)); err != nil {
 		t.Fatal(err)
 	}
 	if ok, state := ledgerEmpty(f.picker); !ok {
@@ -153,32 +153,32 @@ func TestBodilessRequestIsRoutedOnItsHeaders(t *testing.T) {
 func TestBufferedModeRoutesInTheBodyAnswer(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
 	req := completion("m", letters(3, 2000))
-	req.mode = filterv3.ProcessingMode_BUFFERED
-	req.headers = map[string]string{"x-gateway-destination-endpoint": "10.9.9.9:80"} // a client trying to choose
-	x, err := f.gw.open(t.Context())
+	req.Mode = filterv3.ProcessingMode_BUFFERED
+	req.Headers = append(req.Headers, "x-gateway-destination-endpoint", "10.9.9.9:80") // a client trying to choose
+	x, err := f.gw.Open(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := x.sendRequest(req)
+	r, err := x.SendRequest(req)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r.immediate != nil {
-		t.Fatalf("refused with %v %s", r.immediate.GetStatus().GetCode(), r.immediate.GetBody())
+	if r.Immediate != nil {
+		t.Fatalf("refused with %v %s", r.Immediate.GetStatus().GetCode(), r.Immediate.GetBody())
 	}
-	if destination(r.headersAnswer) != "" || r.headersAnswer.GetClearRouteCache() {
-		t.Errorf("the headers answer routes already: %v", r.headersAnswer)
+	if destination(r.HeadersAnswer) != "" || r.HeadersAnswer.GetClearRouteCache() {
+		t.Errorf("the headers answer routes already: %v", r.HeadersAnswer)
 	}
-	if !slices.Contains(r.headersAnswer.GetHeaderMutation().GetRemoveHeaders(), "x-gateway-destination-endpoint") {
-		t.Errorf("the headers answer keeps the client's x-gateway-destination-endpoint: %v", r.headersAnswer)
+	if !slices.Contains(r.HeadersAnswer.GetHeaderMutation().GetRemoveHeaders(), "x-gateway-destination-endpoint") {
+		t.Errorf("the headers answer keeps the client's x-gateway-destination-endpoint: %v", r.HeadersAnswer)
 	}
-	if len(strings.Split(r.destination, ",")) != 3 || r.metadata != r.destination {
-		t.Errorf("body answer: destination %q, metadata %q, want the 3 endpoints in both", r.destination, r.metadata)
+	if len(strings.Split(r.Destination, ",")) != 3 || r.Metadata != r.Destination {
+		t.Errorf("body answer: destination %q, metadata %q, want the 3 endpoints in both", r.Destination, r.Metadata)
 	}
 	if in := f.picker.Snapshot().InFlight; in != 1 {
 		t.Errorf("in flight %d, want 1", in)
 	}
-	if err := x.respond(okResponse); err != nil {
+	if err := x.Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
 	if ok, state := ledgerEmpty(f.picker); !ok {
@@ -190,25 +190,25 @@ func TestRequestTrailersEndTheBody(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
 	body := completionBody("m", letters(4, 1000))
 	// Plays the messages itself: the body ends with trailers, not end_of_stream.
-	x, err := f.gw.open(t.Context())
+	x, err := f.gw.Open(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
 	msgs := []*extprocv3.ProcessingRequest{
 		postHeaders("/v1/completions"),
-		bodyMessage(body, false),
+		envoy.BodyChunk(body, false),
 		{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{}}},
 	}
 	for _, m := range msgs {
-		if err := x.send(m); err != nil {
+		if err := x.Send(m); err != nil {
 			t.Fatal(err)
 		}
 	}
-	var got routed
-	if err := x.recvHeadersAnswer(&got); err != nil || got.destination == "" {
+	var got envoy.Routed
+	if err := x.RecvHeadersAnswer(&got); err != nil || got.Destination == "" {
 		t.Fatalf("headers answer: %+v, %v; want routed", got, err)
 	}
-	resp, err := x.stream.Recv()
+	resp, err := x.Recv()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -216,10 +216,10 @@ func TestRequestTrailersEndTheBody(t *testing.T) {
 	if !bytes.Equal(sb.GetBody(), body) || sb.GetEndOfStream() {
 		t.Fatalf("body answer %v: want the body unchanged and not ending the stream (trailers follow)", resp)
 	}
-	if resp, err = x.stream.Recv(); err != nil || resp.GetRequestTrailers() == nil {
+	if resp, err = x.Recv(); err != nil || resp.GetRequestTrailers() == nil {
 		t.Fatalf("got %v, %v; want the trailers answer", resp, err)
 	}
-	if err := x.respond(okResponse); err != nil {
+	if err := x.Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
 	if ok, state := ledgerEmpty(f.picker); !ok {
@@ -243,17 +243,17 @@ func TestSubsetHint(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newFixture(t, fixtureOptions{})
 			req := completion("m", letters(5, 800))
-			req.hint = tc.hint
+			req.SubsetHint = tc.hint
 			r, err := f.gw.roundTrip(t.Context(), req)
 			if err != nil {
 				t.Fatal(err)
 			}
 			if tc.want == nil {
-				if r.immediate.GetStatus().GetCode() != 503 {
+				if r.Immediate.GetStatus().GetCode() != 503 {
 					t.Fatalf("got %+v, want a 503", r)
 				}
-			} else if !slices.Contains(tc.want, r.destination) {
-				t.Fatalf("destination %q (immediate %v), want one of %q", r.destination, r.immediate, tc.want)
+			} else if !slices.Contains(tc.want, r.Destination) {
+				t.Fatalf("destination %q (immediate %v), want one of %q", r.Destination, r.Immediate, tc.want)
 			}
 			if ok, state := ledgerEmpty(f.picker); !ok {
 				t.Error(state)
@@ -266,13 +266,13 @@ func TestIPv6EndpointsAreBracketed(t *testing.T) {
 	v6 := netip.MustParseAddrPort("[::1]:8001")
 	f := newFixture(t, fixtureOptions{endpoints: endpoints(v6)})
 	req := completion("m", letters(6, 800))
-	req.hint = hintList("[::1]:8001")
+	req.SubsetHint = hintList("[::1]:8001")
 	r, err := f.gw.roundTrip(t.Context(), req)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r.destination != "[::1]:8001" || r.metadata != "[::1]:8001" {
-		t.Fatalf("destination %q, metadata %q, want [::1]:8001", r.destination, r.metadata)
+	if r.Destination != "[::1]:8001" || r.Metadata != "[::1]:8001" {
+		t.Fatalf("destination %q, metadata %q, want [::1]:8001", r.Destination, r.Metadata)
 	}
 }
 
@@ -283,54 +283,54 @@ func TestErrorsAreAnsweredAsJSON(t *testing.T) {
 		name string
 		opts fixtureOptions
 		// hold, when set, is routed first and kept in flight.
-		hold       *httpRequest
-		req        httpRequest
+		hold       *envoy.Request
+		req        envoy.Request
 		wantStatus int32
 		wantInMsg  string
 	}{
-		{name: "bad JSON", req: httpRequest{path: "/v1/completions", method: "POST", body: []byte(`{"model":"m","prompt":`)}, wantStatus: 400},
-		{name: "no model", req: httpRequest{path: "/v1/completions", method: "POST", body: []byte(`{"prompt":"hello"}`)}, wantStatus: 400},
+		{name: "bad JSON", req: post("/v1/completions", []byte(`{"model":"m","prompt":`)), wantStatus: 400},
+		{name: "no model", req: post("/v1/completions", []byte(`{"prompt":"hello"}`)), wantStatus: 400},
 		{
 			name: "body too large", opts: fixtureOptions{maxRequestBytes: 4096},
-			req:        httpRequest{path: "/v1/completions", method: "POST", body: completionBody("m", letters(7, 10_000)), chunkBytes: 1024},
+			req:        envoy.Request{Headers: gatewayHeaders("POST", "/v1/completions"), Body: completionBody("m", letters(7, 10_000)), ChunkBytes: 1024},
 			wantStatus: 413, wantInMsg: "maxRequestBytes",
 		},
 		{
 			// No content-length to refuse on: the chunks are counted as they come.
 			name: "body too large, chunked", opts: fixtureOptions{maxRequestBytes: 4096},
-			req:        httpRequest{path: "/v1/completions", method: "POST", body: completionBody("m", letters(7, 10_000)), chunkBytes: 1024, chunked: true},
+			req:        envoy.Request{Headers: gatewayHeaders("POST", "/v1/completions"), Body: completionBody("m", letters(7, 10_000)), ChunkBytes: 1024, Chunked: true},
 			wantStatus: 413, wantInMsg: "maxRequestBytes",
 		},
 		{
 			name: "buffer budget exhausted", opts: fixtureOptions{maxBufferedRequestBytes: 4096},
-			req:        httpRequest{path: "/v1/completions", method: "POST", body: completionBody("m", letters(7, 10_000)), chunkBytes: 1024},
+			req:        envoy.Request{Headers: gatewayHeaders("POST", "/v1/completions"), Body: completionBody("m", letters(7, 10_000)), ChunkBytes: 1024},
 			wantStatus: 503, wantInMsg: "budget 4096 bytes",
 		},
 		{
 			name: "body too large, buffered", opts: fixtureOptions{maxRequestBytes: 4096},
-			req:        httpRequest{path: "/v1/completions", method: "POST", body: completionBody("m", letters(7, 10_000)), mode: filterv3.ProcessingMode_BUFFERED},
+			req:        envoy.Request{Headers: gatewayHeaders("POST", "/v1/completions"), Body: completionBody("m", letters(7, 10_000)), Mode: filterv3.ProcessingMode_BUFFERED},
 			wantStatus: 413, wantInMsg: "maxRequestBytes",
 		},
-		{name: "no eligible endpoint", req: func() httpRequest {
+		{name: "no eligible endpoint", req: func() envoy.Request {
 			r := completion("m", "hello")
-			r.hint = hintList("127.0.0.99:8000")
+			r.SubsetHint = hintList("127.0.0.99:8000")
 			return r
 		}(), wantStatus: 503},
 		{
 			name: "every endpoint saturated", opts: fixtureOptions{cfg: &saturated, endpoints: endpoints(epA)},
-			hold: &httpRequest{path: "/v1/completions", method: "POST", body: completionBody("m", "first")},
+			hold: new(post("/v1/completions", completionBody("m", "first"))),
 			req:  completion("m", "second"), wantStatus: 429,
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newFixture(t, tc.opts)
 			if tc.hold != nil {
-				x, err := f.gw.open(t.Context())
+				x, err := f.gw.Open(t.Context())
 				if err != nil {
 					t.Fatal(err)
 				}
-				defer x.cancel()
-				if r, err := x.sendRequest(*tc.hold); err != nil || r.destination == "" {
+				defer x.Cancel()
+				if r, err := x.SendRequest(*tc.hold); err != nil || r.Destination == "" {
 					t.Fatalf("holding request: %+v, %v", r, err)
 				}
 			}
@@ -338,7 +338,7 @@ func TestErrorsAreAnsweredAsJSON(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			im := r.immediate
+			im := r.Immediate
 			if int32(im.GetStatus().GetCode()) != tc.wantStatus {
 				t.Fatalf("got %+v, want an immediate %d", r, tc.wantStatus)
 			}
@@ -389,27 +389,27 @@ func TestFallbackListIsBestFirst(t *testing.T) {
 			ep    string
 			chars int
 		}{{"127.0.0.11:8000", 8000}, {"127.0.0.12:8000", 4000}} {
-			x, err := f.gw.open(ctx)
+			x, err := f.gw.Open(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
 			req := completion("m", letters(uint64(10+i), hold.chars))
-			req.hint = hintList(hold.ep)
-			if r, err := x.sendRequest(req); err != nil || r.destination != hold.ep {
+			req.SubsetHint = hintList(hold.ep)
+			if r, err := x.SendRequest(req); err != nil || r.Destination != hold.ep {
 				t.Fatalf("holding request on %s: %+v, %v", hold.ep, r, err)
 			}
 		}
-		x, err := f.gw.open(ctx)
+		x, err := f.gw.Open(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
-		r, err := x.sendRequest(completion("m", letters(20, 400)))
+		r, err := x.SendRequest(completion("m", letters(20, 400)))
 		if err != nil {
 			t.Fatal(err)
 		}
 		want := strings.Join([]string{"127.0.0.13:8000", "127.0.0.12:8000", "127.0.0.11:8000"}[:fallbacks], ",")
-		if r.destination != want || r.metadata != want {
-			t.Errorf("fallbackEndpoints %d: destination %q, metadata %q, want %q", fallbacks, r.destination, r.metadata, want)
+		if r.Destination != want || r.Metadata != want {
+			t.Errorf("fallbackEndpoints %d: destination %q, metadata %q, want %q", fallbacks, r.Destination, r.Metadata, want)
 		}
 		cancel()
 		eventually(t, "cancelled streams are released", func() (bool, string) { return ledgerEmpty(f.picker) })
@@ -419,15 +419,15 @@ func TestFallbackListIsBestFirst(t *testing.T) {
 func TestEndpointRemovedWhileRequestsAreInFlight(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
 	ctx := t.Context()
-	var held []*exchange
+	var held []*envoy.Stream
 	for i, ep := range []string{"127.0.0.11:8000", "127.0.0.12:8000", "127.0.0.12:8000", "127.0.0.13:8000"} {
-		x, err := f.gw.open(ctx)
+		x, err := f.gw.Open(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
 		req := completion("m", letters(uint64(30+i), 1200))
-		req.hint = hintList(ep)
-		if r, err := x.sendRequest(req); err != nil || r.destination != ep {
+		req.SubsetHint = hintList(ep)
+		if r, err := x.SendRequest(req); err != nil || r.Destination != ep {
 			t.Fatalf("request on %s: %+v, %v", ep, r, err)
 		}
 		held = append(held, x)
@@ -436,21 +436,21 @@ func TestEndpointRemovedWhileRequestsAreInFlight(t *testing.T) {
 	// gets its row back, with them.
 	f.picker.Replace(endpoints(epA, epC))
 	f.picker.Replace(endpoints(epA, epB, epC))
-	x, err := f.gw.open(ctx)
+	x, err := f.gw.Open(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	req := completion("m", letters(40, 1200))
-	req.hint = hintList("127.0.0.12:8000")
-	if r, err := x.sendRequest(req); err != nil || r.destination != "127.0.0.12:8000" {
+	req.SubsetHint = hintList("127.0.0.12:8000")
+	if r, err := x.SendRequest(req); err != nil || r.Destination != "127.0.0.12:8000" {
 		t.Fatalf("new request on B: %+v, %v", r, err)
 	}
 	// One old B request ends normally, the other by a disconnect.
-	if err := held[1].respond(okResponse); err != nil {
+	if err := held[1].Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
-	held[2].cancel()
-	if err := held[0].respond(okResponse); err != nil {
+	held[2].Cancel()
+	if err := held[0].Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "old requests released from B's row, leaving the new one", func() (bool, string) {
@@ -465,10 +465,10 @@ func TestEndpointRemovedWhileRequestsAreInFlight(t *testing.T) {
 			t.Errorf("negative count: %s", statsString(s))
 		}
 	}
-	if err := held[3].respond(okResponse); err != nil {
+	if err := held[3].Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
-	if err := x.respond(okResponse); err != nil {
+	if err := x.Respond(okResponse); err != nil {
 		t.Fatal(err)
 	}
 	if ok, state := ledgerEmpty(f.picker); !ok {
@@ -478,18 +478,20 @@ func TestEndpointRemovedWhileRequestsAreInFlight(t *testing.T) {
 
 func TestServedByMovesTheReservation(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
-	x, err := f.gw.open(t.Context())
+	x, err := f.gw.Open(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
 	req := completion("m", letters(50, 2000))
-	req.hint = hintList("127.0.0.11:8000", "127.0.0.12:8000")
-	if r, err := x.sendRequest(req); err != nil || r.first() != "127.0.0.11:8000" && r.first() != "127.0.0.12:8000" {
+	req.SubsetHint = hintList("127.0.0.11:8000", "127.0.0.12:8000")
+	if r, err := x.SendRequest(req); err != nil || r.First() != "127.0.0.11:8000" && r.First() != "127.0.0.12:8000" {
 		t.Fatalf("got %+v, %v", r, err)
 	}
 	// The gateway fell back to C, which was not even in the hint: the picker
 	// follows where the load really went.
-	if err := x.sendResponseHeaders(httpResponse{status: 200, servedBy: "127.0.0.13:8000", chunks: okResponse.chunks}); err != nil {
+	servedByC := okResponse
+	servedByC.ServedBy = "127.0.0.13:8000"
+	if err := x.SendResponseHeaders(servedByC); err != nil {
 		t.Fatal(err)
 	}
 	c := statsOf(f.picker, epC)
@@ -499,16 +501,16 @@ func TestServedByMovesTheReservation(t *testing.T) {
 	if l := f.picker.Snapshot(); l.InFlight != 1 || l.PrefillTokens != 500 {
 		t.Errorf("totals in-flight=%d prefill=%d, want the one request, counted once", l.InFlight, l.PrefillTokens)
 	}
-	if err := x.sendResponseChunk(okResponse.chunks[0], false); err != nil {
+	if err := x.SendResponseChunk(okResponse.Chunks[0], false, true); err != nil {
 		t.Fatal(err)
 	}
 	if c := statsOf(f.picker, epC); c.Decoding != 1 || c.PrefillTokens != 0 {
 		t.Errorf("C after the first bytes: %s", statsString(c))
 	}
-	if err := x.sendResponseChunk(okResponse.chunks[1], true); err != nil {
+	if err := x.SendResponseChunk(okResponse.Chunks[1], true, true); err != nil {
 		t.Fatal(err)
 	}
-	if err := x.finish(); err != nil {
+	if err := x.Finish(); err != nil {
 		t.Fatal(err)
 	}
 	if ok, state := ledgerEmpty(f.picker); !ok {
@@ -529,34 +531,34 @@ func (p panicky) Admit(ctx context.Context, req picker.Request) (*picker.Reserva
 func TestPanicInOneStreamIsAnswered500(t *testing.T) {
 	f := newFixture(t, fixtureOptions{wrap: func(p extproc.Picker) extproc.Picker { return panicky{p} }})
 	ctx := t.Context()
-	before, err := f.gw.open(ctx)
+	before, err := f.gw.Open(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r, err := before.sendRequest(completion("m", letters(60, 1000))); err != nil || r.destination == "" {
+	if r, err := before.SendRequest(completion("m", letters(60, 1000))); err != nil || r.Destination == "" {
 		t.Fatalf("got %+v, %v", r, err)
 	}
 
-	x, err := f.gw.open(ctx)
+	x, err := f.gw.Open(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := x.sendRequest(completion("boom", letters(61, 1000)))
+	r, err := x.SendRequest(completion("boom", letters(61, 1000)))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r.immediate.GetStatus().GetCode() != 500 {
+	if r.Immediate.GetStatus().GetCode() != 500 {
 		t.Fatalf("got %+v, want an immediate 500", r)
 	}
-	if _, err := x.stream.Recv(); status.Code(err) != codes.Internal {
+	if _, err := x.Recv(); status.Code(err) != codes.Internal {
 		t.Errorf("stream ended with %v, want an Internal error for this stream", err)
 	}
 
 	// The stream that was already running and a new one both still work.
-	if err := before.respond(okResponse); err != nil {
+	if err := before.Respond(okResponse); err != nil {
 		t.Fatalf("the stream open during the panic: %v", err)
 	}
-	if r, err := f.gw.roundTrip(ctx, completion("m", letters(62, 1000))); err != nil || r.destination == "" {
+	if r, err := f.gw.roundTrip(ctx, completion("m", letters(62, 1000))); err != nil || r.Destination == "" {
 		t.Fatalf("a stream after the panic: %+v, %v", r, err)
 	}
 	if got := f.counter(t, "tally_stream_panics_total", nil); got != 1 {
@@ -574,18 +576,10 @@ func statsString(s picker.EndpointStats) string {
 	return fmt.Sprintf("%s: in-flight=%d prefill=%d decoding=%d", s.Endpoint.Address, s.InFlight, s.PrefillTokens, s.Decoding)
 }
 
-func headerMap(kv ...string) *corev3.HeaderMap {
-	h := &corev3.HeaderMap{}
-	for i := 0; i+1 < len(kv); i += 2 {
-		h.Headers = append(h.Headers, &corev3.HeaderValue{Key: kv[i], RawValue: []byte(kv[i+1])})
-	}
-	return h
-}
-
 // postHeaders is the headers message of a request whose body follows.
 func postHeaders(path string) *extprocv3.ProcessingRequest {
 	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
-		RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap(":path", path, ":method", "POST")},
+		RequestHeaders: &extprocv3.HttpHeaders{Headers: envoy.HeaderMap(":path", path, ":method", "POST")},
 	}}
 }
 
@@ -596,17 +590,17 @@ func TestDeclaredLengthIsRefusedOnTheHeaders(t *testing.T) {
 	// Without the check the server would wait for the body: bounded.
 	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
 	defer cancel()
-	x, err := f.gw.open(ctx)
+	x, err := f.gw.Open(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer x.cancel()
-	if err := x.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
-		RequestHeaders: &extprocv3.HttpHeaders{Headers: headerMap(":path", "/v1/completions", ":method", "POST", "content-length", "4097")},
+	defer x.Cancel()
+	if err := x.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
+		RequestHeaders: &extprocv3.HttpHeaders{Headers: envoy.HeaderMap(":path", "/v1/completions", ":method", "POST", "content-length", "4097")},
 	}}); err != nil {
 		t.Fatal(err)
 	}
-	resp, err := x.stream.Recv()
+	resp, err := x.Recv()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -620,10 +614,10 @@ func TestDeclaredLengthIsRefusedOnTheHeaders(t *testing.T) {
 func TestMalformedContentLengthIsIgnored(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
 	req := completion("m", letters(3, 400))
-	req.chunked = true
-	req.headers = map[string]string{"content-length": "12abc"}
+	req.Chunked = true
+	req.Headers = append(req.Headers, "content-length", "12abc")
 	r, err := f.gw.roundTrip(t.Context(), req)
-	if err != nil || r.immediate != nil || !bytes.Equal(r.body, req.body) {
-		t.Fatalf("err %v, immediate %v, body intact %v; want routed", err, r.immediate, bytes.Equal(r.body, req.body))
+	if err != nil || r.Immediate != nil || !bytes.Equal(r.Body, req.Body) {
+		t.Fatalf("err %v, immediate %v, body intact %v; want routed", err, r.Immediate, bytes.Equal(r.Body, req.Body))
 	}
 }

@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
 )
@@ -55,24 +56,24 @@ func newUpstreamFixture(t *testing.T, maxModels int) *fixture {
 }
 
 // play sends req and answers it with resp, failing the test on any error.
-func play(t *testing.T, f *fixture, req httpRequest, resp httpResponse) routed {
+func play(t *testing.T, f *fixture, req envoy.Request, resp envoy.Response) envoy.Routed {
 	t.Helper()
-	x, err := f.gw.open(t.Context())
+	x, err := f.gw.Open(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer x.cancel()
-	r, err := x.sendRequest(req)
+	defer x.Cancel()
+	r, err := x.SendRequest(req)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r.immediate != nil {
-		if err := x.finish(); err != nil {
+	if r.Immediate != nil {
+		if err := x.Finish(); err != nil {
 			t.Fatal(err)
 		}
 		return r
 	}
-	if err := x.respond(resp); err != nil {
+	if err := x.Respond(resp); err != nil {
 		t.Fatal(err)
 	}
 	return r
@@ -93,21 +94,21 @@ func TestUpstreamRequestMetrics(t *testing.T) {
 
 	// A streamed chat completion whose client asked for usage: the final
 	// data event carries it, cut across two of the server's writes.
-	streamed := httpRequest{path: "/v1/chat/completions", method: "POST", body: []byte(
-		`{"model":"llama-stream","stream":true,"stream_options":{"include_usage":true},` +
-			`"messages":[{"role":"user","content":"` + letters(1, 3000) + `"}]}`)}
+	streamed := post("/v1/chat/completions", []byte(
+		`{"model":"llama-stream","stream":true,"stream_options":{"include_usage":true},`+
+			`"messages":[{"role":"user","content":"`+letters(1, 3000)+`"}]}`))
 	events := `data: {"choices":[{"delta":{"content":"hel"}}],"usage":null}` + "\n\n" +
 		`data: {"choices":[{"delta":{"content":"lo"}}],"usage":null}` + "\n\n" +
 		`data: {"choices":[],"usage":{"prompt_tokens":700,"completion_tokens":20,"total_tokens":720,"prompt_tokens_details":{"cached_tokens":512}}}` + "\n\n" +
 		"data: [DONE]\n\n"
-	play(t, f, streamed, httpResponse{status: 200, chunks: chunked(events, 90)})
+	play(t, f, streamed, response(200, chunked(events, 90)...))
 
 	// A non-streamed completion: usage at the end of a body larger than what
 	// the picker keeps of it, in writes of 3000 bytes.
 	plain := completion("llama-json", letters(2, 2000))
 	body := `{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"` + letters(3, 20_000) +
 		`","finish_reason":"length"}],"usage":{"prompt_tokens":30,"total_tokens":330,"completion_tokens":300},"kv_transfer_params":null}`
-	play(t, f, plain, httpResponse{status: 200, chunks: chunked(body, 3000)})
+	play(t, f, plain, response(200, chunked(body, 3000)...))
 
 	// A streamed response without usage (the client did not ask): counted,
 	// timed, no tokens.
@@ -115,10 +116,10 @@ func TestUpstreamRequestMetrics(t *testing.T) {
 
 	// Errors: one the picker answers (no model known: the body is not
 	// JSON), one the model server answers.
-	if r := play(t, f, httpRequest{path: "/v1/completions", method: "POST", body: []byte("not json")}, httpResponse{}); r.immediate == nil {
+	if r := play(t, f, post("/v1/completions", []byte("not json")), envoy.Response{}); r.Immediate == nil {
 		t.Fatal("a body that is not JSON was routed")
 	}
-	play(t, f, completion("llama-json", letters(5, 2000)), httpResponse{status: 500, chunks: []string{`{"error":"engine died"}`}})
+	play(t, f, completion("llama-json", letters(5, 2000)), response(500, `{"error":"engine died"}`))
 
 	want := `# HELP inference_objective_request_total Requests routed to an endpoint, by model (target_model_name: the model an InferenceModelRewrite sent it to, else the same) and priority (its InferenceObjective's).
 # TYPE inference_objective_request_total counter
@@ -166,7 +167,7 @@ inference_pool_ready_pods{name="pool-a"} 3
 		{"inference_objective_request_ttft_seconds", stream, 1, math.NaN(), upstreamLatencyBuckets},
 		{"inference_objective_request_ttft_seconds", json, 3, math.NaN(), upstreamLatencyBuckets},
 		{"inference_objective_response_sizes", stream, 1, float64(len(events)), nil},
-		{"inference_objective_request_sizes", stream, 1, float64(len(streamed.body)), nil},
+		{"inference_objective_request_sizes", stream, 1, float64(len(streamed.Body)), nil},
 		{"inference_objective_normalized_time_per_output_token_seconds", json, 1, math.NaN(), nil},
 		{"inference_extension_scheduler_e2e_duration_seconds", nil, 4, math.NaN(),
 			[]float64{0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1}},
@@ -209,32 +210,32 @@ func TestUpstreamUsageInOtherResponseShapes(t *testing.T) {
 	usage := `{"choices":[{"text":"hi"}],"usage":{"prompt_tokens":40,"completion_tokens":4}}`
 
 	buffered := completion("buffered", letters(1, 1000))
-	buffered.mode = filterv3.ProcessingMode_BUFFERED
-	play(t, f, buffered, httpResponse{status: 200, chunks: []string{usage}})
+	buffered.Mode = filterv3.ProcessingMode_BUFFERED
+	play(t, f, buffered, response(200, usage))
 
-	x, err := f.gw.open(t.Context())
+	x, err := f.gw.Open(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer x.cancel()
-	if r, err := x.sendRequest(completion("gzipped", letters(2, 1000))); err != nil || r.immediate != nil {
-		t.Fatalf("routing: %v %v", err, r.immediate)
+	defer x.Cancel()
+	if r, err := x.SendRequest(completion("gzipped", letters(2, 1000))); err != nil || r.Immediate != nil {
+		t.Fatalf("routing: %v %v", err, r.Immediate)
 	}
 	for _, m := range []*extprocv3.ProcessingRequest{
 		{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
-			Headers: headerMap(":status", "200", "content-type", "application/json", "content-encoding", "gzip"),
+			Headers: envoy.HeaderMap(":status", "200", "content-type", "application/json", "content-encoding", "gzip"),
 		}}},
 		// Not really gzip: if the picker read it, it would find usage.
 		{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte(usage), EndOfStream: true}}},
 	} {
-		if err := x.send(m); err != nil {
+		if err := x.Send(m); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := x.stream.Recv(); err != nil {
+		if _, err := x.Recv(); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := x.finish(); err != nil {
+	if err := x.Finish(); err != nil {
 		t.Fatal(err)
 	}
 
@@ -251,13 +252,13 @@ func TestUpstreamUsageInOtherResponseShapes(t *testing.T) {
 
 func TestUpstreamRunningRequestsWhileTheResponseStreams(t *testing.T) {
 	f := newUpstreamFixture(t, 0)
-	x, err := f.gw.open(t.Context())
+	x, err := f.gw.Open(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer x.cancel()
-	if r, err := x.sendRequest(completion("m", letters(1, 1000))); err != nil || r.immediate != nil {
-		t.Fatalf("routing: %v %v", err, r.immediate)
+	defer x.Cancel()
+	if r, err := x.SendRequest(completion("m", letters(1, 1000))); err != nil || r.Immediate != nil {
+		t.Fatalf("routing: %v %v", err, r.Immediate)
 	}
 	running := func() float64 {
 		return f.counter(t, "inference_objective_running_requests", map[string]string{"model_name": "m"})
@@ -267,10 +268,10 @@ func TestUpstreamRunningRequestsWhileTheResponseStreams(t *testing.T) {
 	}
 	// The client goes away mid-response: no longer running, and not timed
 	// (the response was not seen to its end).
-	if err := x.sendResponseHeaders(httpResponse{status: 200, chunks: []string{"x"}}); err != nil {
+	if err := x.SendResponseHeaders(response(200, "x")); err != nil {
 		t.Fatal(err)
 	}
-	x.cancel()
+	x.Cancel()
 	eventually(t, "the stream has ended", func() (bool, string) {
 		return running() == 0, fmt.Sprintf("running %g", running())
 	})
