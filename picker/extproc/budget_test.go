@@ -78,7 +78,7 @@ func TestBufferBudgetHoldsUnderAFloodOfSlowStreams(t *testing.T) {
 				resp, _ := o.x.Recv()
 				o.first <- resp // nil if the stream failed
 			}()
-			if o.err = o.x.Send(headersMessage("/v1/completions", o.body, fullDuplexMode, false)); o.err != nil {
+			if o.err = o.x.Send(headersMessage("/v1/completions", o.body, fullDuplexMode, true)); o.err != nil {
 				return
 			}
 			// Every byte but not the end of the body: nothing is owed to a
@@ -205,7 +205,7 @@ func TestDeclaredLengthDoesNotGrowTheHeap(t *testing.T) {
 	f := newFixture(t, fixtureOptions{quiet: true, maxRequestBytes: declaredBytes})
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
-	headers := headersDeclaring("/v1/completions", declaredBytes, fullDuplexMode, false)
+	headers := headersDeclaring("/v1/completions", declaredBytes, fullDuplexMode, true)
 
 	heap := func() uint64 {
 		runtime.GC()
