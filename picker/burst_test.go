@@ -36,7 +36,7 @@ func burst(t *testing.T, p *Picker, prompts [][]byte) map[netip.AddrPort]int {
 		if errs[i] != nil {
 			t.Fatalf("pick %d: %v", i, errs[i])
 		}
-		split[r.Endpoint()]++
+		split[endpointOf(r)]++
 	}
 	if in := p.Snapshot().InFlight; in != len(prompts) {
 		t.Errorf("ledger holds %d requests after the burst, want %d", in, len(prompts))
@@ -67,7 +67,7 @@ func warm(t *testing.T, p *Picker, shared []byte) netip.AddrPort {
 	r := mustPick(t, p, Request{Model: model, Prompt: shared})
 	r.FirstByte()
 	r.Release()
-	return r.Endpoint()
+	return endpointOf(r)
 }
 
 func splitString(p *Picker, split map[netip.AddrPort]int, holder netip.AddrPort) string {

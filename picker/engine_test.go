@@ -20,8 +20,8 @@ func TestForeignLoadSteersPicksAway(t *testing.T) {
 	}
 	for i := range 5 {
 		r := mustPick(t, p, Request{Model: model, Prompt: text("new"+string(rune('a'+i)), 400)})
-		if r.Endpoint() != b {
-			t.Fatalf("pick %d went to %s, want b: a's engine is busy with foreign work", i, r.Endpoint())
+		if endpointOf(r) != b {
+			t.Fatalf("pick %d went to %s, want b: a's engine is busy with foreign work", i, endpointOf(r))
 		}
 	}
 	// Scrapes stop: the foreign load fades.
@@ -65,18 +65,18 @@ func TestFailingScrapesExcludeAnEndpointUntilOneSucceeds(t *testing.T) {
 		}
 	}
 	for range 4 {
-		if r := mustPick(t, p, Request{Model: model}); r.Endpoint() != a {
+		if r := mustPick(t, p, Request{Model: model}); endpointOf(r) != a {
 			continue
 		}
 		t.Fatal("an endpoint failing its scrapes was picked")
 	}
 	// The gateway's hint names only the failing endpoint: it can serve,
 	// its scrapes only correct the ledger.
-	if r, err := p.Pick(on(a, nil)); err != nil || r.Endpoint() != a {
+	if r, err := p.Pick(on(a, nil)); err != nil || endpointOf(r) != a {
 		t.Errorf("a subset naming only the failing endpoint: %v; want it routed there", err)
 	}
 	r, err := p.Pick(Request{Model: model, Subset: []netip.AddrPort{a, b}, HasSubset: true})
-	if err != nil || r.Endpoint() != b {
+	if err != nil || endpointOf(r) != b {
 		t.Errorf("a subset naming the failing endpoint and a healthy one: %v; want the healthy one", err)
 	}
 	// Every endpoint failing: none is excluded.
@@ -104,8 +104,8 @@ func TestADeliveredShortfallKeepsTheBlocksTheEngineRecomputed(t *testing.T) {
 	prompt := text("cached?", 64*100) // 100 blocks, 1,600 tokens
 	mustPick(t, p, on(a, prompt)).Release()
 	r := mustPick(t, p, on(a, prompt))
-	if r.CachedTokens() != 1600 {
-		t.Fatalf("predicted %d cached tokens, want 1600", r.CachedTokens())
+	if cachedTokens(r) != 1600 {
+		t.Fatalf("predicted %d cached tokens, want 1600", cachedTokens(r))
 	}
 	r.Delivered(1600, 400) // only the first quarter came from its cache
 	r.Delivered(1600, 0)   // a second report has no effect
@@ -117,8 +117,8 @@ func TestADeliveredShortfallKeepsTheBlocksTheEngineRecomputed(t *testing.T) {
 	if s.DeliveredCachedTokens != 400 || s.PredictedCachedTokens != 1600 {
 		t.Errorf("delivered/predicted = %d/%d, want 400/1600", s.DeliveredCachedTokens, s.PredictedCachedTokens)
 	}
-	if r2 := mustPick(t, p, on(a, prompt)); r2.CachedTokens() != 1600 {
-		t.Errorf("the next pick predicts %d cached tokens, want 1600", r2.CachedTokens())
+	if r2 := mustPick(t, p, on(a, prompt)); cachedTokens(r2) != 1600 {
+		t.Errorf("the next pick predicts %d cached tokens, want 1600", cachedTokens(r2))
 	}
 }
 

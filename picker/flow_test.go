@@ -88,7 +88,7 @@ func TestWaitsWhileEverythingIsSaturatedAndDispatchesOnRelease(t *testing.T) {
 	}
 	fill[1].Release()
 	r := placed(t, tk)
-	if got := r.Endpoint(); got != fill[1].Endpoints()[0] {
+	if got := endpointOf(r); got != fill[1].Endpoints()[0] {
 		t.Errorf("placed on %v, want the freed endpoint %v", got, fill[1].Endpoints()[0])
 	}
 	if l := p.Snapshot(); l.Waiting != 0 || l.InFlight != 2 {

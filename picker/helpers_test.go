@@ -154,3 +154,22 @@ func newFakeClock() *fakeClock {
 
 func (c *fakeClock) Now() time.Time          { return time.Unix(0, c.ns.Load()) }
 func (c *fakeClock) Advance(d time.Duration) { c.ns.Add(int64(d)) }
+
+// endpointOf is the endpoint now holding r: the chosen one, or the one
+// named by ServedBy.
+func endpointOf(r *Reservation) netip.AddrPort {
+	r.p.mu.Lock()
+	defer r.p.mu.Unlock()
+	return r.row.ep.Address
+}
+
+// promptTokens is r's estimated prompt tokens.
+func promptTokens(r *Reservation) int { return r.promptTokens }
+
+// cachedTokens is the prompt tokens the endpoint holding r held in its
+// prefix index when it took r.
+func cachedTokens(r *Reservation) int {
+	r.p.mu.Lock()
+	defer r.p.mu.Unlock()
+	return r.cachedTokens
+}

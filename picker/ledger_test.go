@@ -33,7 +33,7 @@ func TestAFlappingPodKeepsItsRow(t *testing.T) {
 		t.Fatalf("after a left: %d current, %d retained, %d in flight; want 2, 1, 2", len(l.Endpoints), len(l.Retained), l.InFlight)
 	}
 	for range 4 {
-		if r := mustPick(t, p, Request{Model: model, Prompt: prompt}); r.Endpoint() == a {
+		if r := mustPick(t, p, Request{Model: model, Prompt: prompt}); endpointOf(r) == a {
 			t.Fatal("a retained endpoint was picked")
 		} else {
 			r.Release()
@@ -190,8 +190,8 @@ func TestOnlyTheFirstPromptBlocksAreRecorded(t *testing.T) {
 	p := newPicker(t, 1, cfg, Options{})
 	prompt := text("huge", 100*64)
 	r := mustPick(t, p, Request{Model: model, Prompt: prompt})
-	if r.PromptTokens() != 100*64/4 {
-		t.Errorf("prompt tokens = %d, want every token counted (%d)", r.PromptTokens(), 100*64/4)
+	if promptTokens(r) != 100*64/4 {
+		t.Errorf("prompt tokens = %d, want every token counted (%d)", promptTokens(r), 100*64/4)
 	}
 	p.mu.Lock()
 	n := p.index.Len(p.rows[0].id)
@@ -200,8 +200,8 @@ func TestOnlyTheFirstPromptBlocksAreRecorded(t *testing.T) {
 		t.Errorf("recorded %d blocks, want the cap of 10", n)
 	}
 	again := mustPick(t, p, Request{Model: model, Prompt: prompt})
-	if want := (7*64 + 3*1024) / 4; again.CachedTokens() != want {
-		t.Errorf("a repeat matched %d cached tokens, want the %d the 10 blocks cover", again.CachedTokens(), want)
+	if want := (7*64 + 3*1024) / 4; cachedTokens(again) != want {
+		t.Errorf("a repeat matched %d cached tokens, want the %d the 10 blocks cover", cachedTokens(again), want)
 	}
 	// A prompt that parts in the coarse tail matches up to the block
 	// where it parts.
@@ -234,12 +234,12 @@ func TestServedByBooksTheServingEndpointsPrediction(t *testing.T) {
 	prompt := text("held by b", 64*100) // 100 blocks, 1,600 tokens
 	mustPick(t, p, on(b, prompt)).Release()
 	r := mustPick(t, p, on(a, prompt)) // a holds none of it
-	if r.CachedTokens() != 0 {
-		t.Fatalf("predicted %d cached tokens on a, want 0", r.CachedTokens())
+	if cachedTokens(r) != 0 {
+		t.Fatalf("predicted %d cached tokens on a, want 0", cachedTokens(r))
 	}
 	r.ServedBy(b)
-	if r.CachedTokens() != 1600 {
-		t.Errorf("after ServedBy(b), CachedTokens() = %d, want b's 1600", r.CachedTokens())
+	if cachedTokens(r) != 1600 {
+		t.Errorf("after ServedBy(b), CachedTokens() = %d, want b's 1600", cachedTokens(r))
 	}
 	r.Delivered(1600, 1600)
 	r.Release()

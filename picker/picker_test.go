@@ -20,8 +20,8 @@ func TestLedgerCountsPrefillDecodingAndRelease(t *testing.T) {
 	prompt := text("p", 1000) // 250 tokens; 15 full blocks of 64 characters
 
 	r1 := mustPick(t, p, Request{Model: model, Prompt: prompt})
-	if r1.PromptTokens() != 250 || r1.CachedTokens() != 0 {
-		t.Errorf("fresh prompt: %d prompt / %d cached tokens, want 250 / 0", r1.PromptTokens(), r1.CachedTokens())
+	if promptTokens(r1) != 250 || cachedTokens(r1) != 0 {
+		t.Errorf("fresh prompt: %d prompt / %d cached tokens, want 250 / 0", promptTokens(r1), cachedTokens(r1))
 	}
 	if got := statsOf(p, a); got.InFlight != 1 || got.PrefillTokens != 250 || got.Decoding != 0 {
 		t.Errorf("after one pick: %+v, want 1 in flight, 250 prefill", got)
@@ -29,8 +29,8 @@ func TestLedgerCountsPrefillDecodingAndRelease(t *testing.T) {
 
 	// The same prompt again: 15 blocks (960 characters) are held, 40 are not.
 	r2 := mustPick(t, p, Request{Model: model, Prompt: prompt})
-	if r2.CachedTokens() != 240 {
-		t.Errorf("repeated prompt: %d cached tokens, want 240", r2.CachedTokens())
+	if cachedTokens(r2) != 240 {
+		t.Errorf("repeated prompt: %d cached tokens, want 240", cachedTokens(r2))
 	}
 	if got := statsOf(p, a).PrefillTokens; got != 250+10 {
 		t.Errorf("prefill after a cached repeat = %d, want 260", got)
@@ -38,8 +38,8 @@ func TestLedgerCountsPrefillDecodingAndRelease(t *testing.T) {
 
 	tiny := mustPick(t, p, Request{Model: model, Prompt: []byte("hi!")})
 	bare := mustPick(t, p, Request{Model: model})
-	if tiny.PromptTokens() != 1 || bare.PromptTokens() != 0 {
-		t.Errorf("prompt tokens of 3 characters = %d (want 1), of none = %d (want 0)", tiny.PromptTokens(), bare.PromptTokens())
+	if promptTokens(tiny) != 1 || promptTokens(bare) != 0 {
+		t.Errorf("prompt tokens of 3 characters = %d (want 1), of none = %d (want 0)", promptTokens(tiny), promptTokens(bare))
 	}
 	if got := statsOf(p, a); got.InFlight != 4 || got.PrefillTokens != 261 {
 		t.Errorf("with a tiny and a promptless request: %+v, want 4 in flight, 261 prefill", got)
@@ -116,22 +116,22 @@ func TestCriticalSectionPublishesBeforeUnlock(t *testing.T) {
 	}
 	// so an unrelated request of the same size goes to b (1000+1000 > 100+1000),
 	r2 := mustPick(t, p, Request{Model: model, Prompt: text("unrelated", 4000)})
-	if r2.Endpoint() != b {
-		t.Errorf("pick #2 went to %s: it did not see #1's reservation on %s", r2.Endpoint(), a)
+	if endpointOf(r2) != b {
+		t.Errorf("pick #2 went to %s: it did not see #1's reservation on %s", endpointOf(r2), a)
 	}
 	// and its prompt's blocks are recorded on a: a request extending x finds them.
 	r3 := mustPick(t, p, Request{Model: model, Prompt: join(x, text("follow-up", 400))})
 	want := 62 * 64 / 4
-	if r3.Endpoint() != a || r3.CachedTokens() != want {
+	if endpointOf(r3) != a || cachedTokens(r3) != want {
 		t.Errorf("pick #3 went to %s with %d cached tokens, want %s with %d: #1's prefix record was not visible",
-			r3.Endpoint(), r3.CachedTokens(), a, want)
+			endpointOf(r3), cachedTokens(r3), a, want)
 	}
 
 	close(resume)
 	select {
 	case r1 := <-first:
-		if r1 != nil && r1.Endpoint() != a {
-			t.Errorf("pick #1 went to %s, want %s", r1.Endpoint(), a)
+		if r1 != nil && endpointOf(r1) != a {
+			t.Errorf("pick #1 went to %s, want %s", endpointOf(r1), a)
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("pick #1 did not return after resuming")
@@ -154,7 +154,7 @@ func TestTiesAreBrokenAtRandomNotByListOrder(t *testing.T) {
 				prompt = text(string(rune('a'+i%26))+string(rune(i)), 256)
 			}
 			r := mustPick(t, p, Request{Model: model, Prompt: prompt})
-			counts[r.Endpoint()]++
+			counts[endpointOf(r)]++
 			r.Release()
 		}
 		// A fair coin stays within 10% of half in 2000 tosses except with
@@ -199,8 +199,8 @@ func TestFallbackListIsOrderedByCost(t *testing.T) {
 		if got := r.Endpoints(); !slices.Equal(got, want) {
 			t.Errorf("%s: Endpoints() = %v, want %v", tc.name, got, want)
 		}
-		if r.Endpoint() != r.Endpoints()[0] {
-			t.Errorf("%s: Endpoint() %s is not the first of Endpoints()", tc.name, r.Endpoint())
+		if endpointOf(r) != r.Endpoints()[0] {
+			t.Errorf("%s: Endpoint() %s is not the first of Endpoints()", tc.name, endpointOf(r))
 		}
 	}
 }
@@ -225,14 +225,14 @@ func TestSubsetRestrictsCandidates(t *testing.T) {
 	req := Request{Model: model, Prompt: text("s", 400), HasSubset: true, Subset: []netip.AddrPort{unknown, b, mapped, b}}
 	for range 10 {
 		r := mustPick(t, p, req)
-		if r.Endpoint() != b || len(r.Endpoints()) != 1 {
+		if endpointOf(r) != b || len(r.Endpoints()) != 1 {
 			t.Fatalf("subset {%s}: picked %v", b, r.Endpoints())
 		}
 	}
 
 	// Without HasSubset the list is ignored.
 	req.HasSubset = false
-	if r := mustPick(t, p, req); r.Endpoint() == b {
+	if r := mustPick(t, p, req); endpointOf(r) == b {
 		t.Errorf("without HasSubset, the loaded endpoint %s was picked", b)
 	}
 }
@@ -282,8 +282,8 @@ func TestSaturation(t *testing.T) {
 		}
 		held[0].Release()
 		r := mustPick(t, p, Request{Model: model})
-		if r.Endpoint() != held[0].Endpoint() {
-			t.Errorf("after a release, picked %s, want the endpoint with room %s", r.Endpoint(), held[0].Endpoint())
+		if endpointOf(r) != endpointOf(held[0]) {
+			t.Errorf("after a release, picked %s, want the endpoint with room %s", endpointOf(r), endpointOf(held[0]))
 		}
 	})
 
@@ -297,15 +297,15 @@ func TestSaturation(t *testing.T) {
 		mustPick(t, p, on(b, text("some", 2000)))         // b: 500 prefill
 		// A request that a already holds whole is cheaper on a, but a is saturated.
 		r := mustPick(t, p, Request{Model: model, Prompt: text("full", 4000)})
-		if r.Endpoint() != b || len(r.Endpoints()) != 1 {
+		if endpointOf(r) != b || len(r.Endpoints()) != 1 {
 			t.Errorf("picked %v, want only %s: a saturated endpoint is neither chosen nor a fallback", r.Endpoints(), b)
 		}
 		if _, err := p.Pick(Request{Model: model}); !errors.Is(err, ErrSaturated) {
 			t.Errorf("with both over the prefill limit: err = %v, want ErrSaturated", err)
 		}
 		full.FirstByte() // a's prefill is done: it has room again
-		if r := mustPick(t, p, Request{Model: model}); r.Endpoint() != a {
-			t.Errorf("after a's first byte, picked %s, want %s", r.Endpoint(), a)
+		if r := mustPick(t, p, Request{Model: model}); endpointOf(r) != a {
+			t.Errorf("after a's first byte, picked %s, want %s", endpointOf(r), a)
 		}
 	})
 }
@@ -332,8 +332,8 @@ func TestServedByMovesTheReservation(t *testing.T) {
 	if got := statsOf(p, b); got.InFlight != 1 || got.PrefillTokens != 1000 {
 		t.Errorf("after ServedBy(b), b = %+v, want 1 in flight, 1000 prefill", got)
 	}
-	if r.Endpoint() != b {
-		t.Errorf("Endpoint() = %s after ServedBy(b)", r.Endpoint())
+	if endpointOf(r) != b {
+		t.Errorf("Endpoint() = %s after ServedBy(b)", endpointOf(r))
 	}
 	if got := heldBlocks(p, prompt, b); got != 62 {
 		t.Errorf("b holds %d blocks of the prompt, want 62", got)

@@ -66,26 +66,6 @@ type Reservation struct {
 // not listed. The slice is shared: do not modify it.
 func (r *Reservation) Endpoints() []netip.AddrPort { return r.endpoints[:r.nEndpoints] }
 
-// Endpoint returns the endpoint currently holding the reservation: the
-// chosen one, or the one named by ServedBy.
-func (r *Reservation) Endpoint() netip.AddrPort {
-	r.p.mu.Lock()
-	defer r.p.mu.Unlock()
-	return r.row.ep.Address
-}
-
-// PromptTokens is the estimated number of prompt tokens.
-func (r *Reservation) PromptTokens() int { return r.promptTokens }
-
-// CachedTokens is the estimated number of prompt tokens the endpoint holding
-// the reservation held in its prefix index when it took it: the chosen one at
-// pick time, or the one named by ServedBy.
-func (r *Reservation) CachedTokens() int {
-	r.p.mu.Lock()
-	defer r.p.mu.Unlock()
-	return r.cachedTokens
-}
-
 // FirstByte marks the first response bytes: the endpoint has computed the
 // prompt, so what is left of the prefill is released and the request is
 // decoding. For a streamed request it also teaches the endpoint's prefill

@@ -70,10 +70,10 @@ func TestPrefixesNeverMatchAcrossModels(t *testing.T) {
 	p := newPicker(t, 1, testConfig(), Options{})
 	prompt := text("shared", 8000)
 	mustPick(t, p, Request{Model: "base", Prompt: prompt}).Release()
-	if r := mustPick(t, p, Request{Model: "adapter-a", Prompt: prompt}); r.CachedTokens() != 0 {
-		t.Errorf("adapter-a found %d cached tokens of base's prompt, want 0", r.CachedTokens())
+	if r := mustPick(t, p, Request{Model: "adapter-a", Prompt: prompt}); cachedTokens(r) != 0 {
+		t.Errorf("adapter-a found %d cached tokens of base's prompt, want 0", cachedTokens(r))
 	}
-	if r := mustPick(t, p, Request{Model: "base", Prompt: prompt}); r.CachedTokens() < 1900 {
-		t.Errorf("base found %d cached tokens of its own prompt, want about 2,000", r.CachedTokens())
+	if r := mustPick(t, p, Request{Model: "base", Prompt: prompt}); cachedTokens(r) < 1900 {
+		t.Errorf("base found %d cached tokens of its own prompt, want about 2,000", cachedTokens(r))
 	}
 }

@@ -26,8 +26,8 @@ func TestCacheSaltSeparatesPrefixes(t *testing.T) {
 		{"no salt", "", false},
 	} {
 		r := mustPick(t, p, salted(tc.salt))
-		if got := r.CachedTokens() > 0; got != tc.wantCached {
-			t.Errorf("%s: %d cached tokens on the endpoint that holds the tenant-a prefix; want cached %v", tc.name, r.CachedTokens(), tc.wantCached)
+		if got := cachedTokens(r) > 0; got != tc.wantCached {
+			t.Errorf("%s: %d cached tokens on the endpoint that holds the tenant-a prefix; want cached %v", tc.name, cachedTokens(r), tc.wantCached)
 		}
 		r.Release()
 	}

@@ -59,7 +59,7 @@ func TestSubsetMatchesByIP(t *testing.T) {
 						t.Fatalf("picked %v, want only endpoints of %v", r.Endpoints(), tc.want)
 					}
 				}
-				got = append(got, r.Endpoint().String())
+				got = append(got, endpointOf(r).String())
 				// Held, and with no prefix to share: load spreads the
 				// picks over every candidate.
 			}
@@ -85,7 +85,7 @@ func TestSubsetByIPDoesNotAllocate(t *testing.T) {
 		if err := p.placeLocked(r, req); err != nil {
 			t.Fatal(err)
 		}
-		if e := r.endpoints[0]; e != addr(3) && e != addr(5) && e != addr(7) { // r.Endpoint() would take the lock held here
+		if e := r.endpoints[0]; e != addr(3) && e != addr(5) && e != addr(7) { // endpointOf(r) would take the lock held here
 			t.Fatalf("picked %s, outside the hint", e)
 		}
 		p.releaseLocked(r, 0)
