@@ -206,7 +206,7 @@ func TestOnlyTheFirstPromptBlocksAreRecorded(t *testing.T) {
 	// A prompt that parts in the coarse tail matches up to the block
 	// where it parts.
 	other := append(prompt[:7*64+1024+10:7*64+1024+10], text("elsewhere", 5000)...)
-	if got, want := mustPick(t, p, Request{Model: model, Prompt: other}).CachedTokens(), (7*64+1024)/4; got != want {
+	if got, want := cachedTokens(mustPick(t, p, Request{Model: model, Prompt: other})), (7*64+1024)/4; got != want {
 		t.Errorf("a prompt parting in the second coarse block matched %d tokens, want %d", got, want)
 	}
 }

@@ -68,10 +68,10 @@ func TestMetricsMatchStats(t *testing.T) {
 	gauge("tally_endpoint_decoding_requests", "Requests on the endpoint past their first response byte.",
 		func(s EndpointStats) int { return s.Decoding })
 	inFlight := p.Snapshot().InFlight
-	prompt, cached := 0, 0
+	promptSum, cachedSum := 0, 0
 	for _, r := range picked {
-		prompt += promptTokens(r)
-		cached += cachedTokens(r)
+		promptSum += promptTokens(r)
+		cachedSum += cachedTokens(r)
 	}
 	fmt.Fprintf(&want, `# HELP tally_endpoints Endpoints in the pool.
 # TYPE tally_endpoints gauge
@@ -93,10 +93,10 @@ tally_prompt_tokens_total %d
 # HELP tally_prefix_cached_tokens_total Estimated prompt tokens found in the chosen endpoint's prefix index; divided by tally_prompt_tokens_total it is the prefix hit rate.
 # TYPE tally_prefix_cached_tokens_total counter
 tally_prefix_cached_tokens_total %d
-`, len(p.Stats()), inFlight, len(picked), prompt, cached)
+`, len(p.Stats()), inFlight, len(picked), promptSum, cachedSum)
 
-	if inFlight != 2 || cached == 0 {
-		t.Fatalf("scenario went wrong: %d in flight (want 2), %d cached tokens (want > 0)", inFlight, cached)
+	if inFlight != 2 || cachedSum == 0 {
+		t.Fatalf("scenario went wrong: %d in flight (want 2), %d cached tokens (want > 0)", inFlight, cachedSum)
 	}
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want.String()),
 		"tally_endpoint_inflight_requests", "tally_endpoint_prefill_tokens", "tally_endpoint_decoding_requests",

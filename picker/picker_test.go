@@ -74,7 +74,7 @@ func TestCostWeighsDecodingRequests(t *testing.T) {
 		dec := mustPick(t, p, on(addr(0), nil))
 		dec.FirstByte()
 		mustPick(t, p, on(addr(1), text("queued", 400))) // 100 prefill tokens
-		if got := mustPick(t, p, Request{Model: model}).Endpoint(); got != addr(tc.want) {
+		if got := endpointOf(mustPick(t, p, Request{Model: model})); got != addr(tc.want) {
 			t.Errorf("decode weight %d: picked %s, want %s", tc.weight, got, addr(tc.want))
 		}
 	}

@@ -146,7 +146,7 @@ func TestAnEndpointWhoseScrapesFailLeavesTheCandidatesAndComesBack(t *testing.T)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if r.Endpoint() == bad {
+		if r.Endpoints()[0] == bad {
 			t.Fatal("picked the endpoint whose scrapes fail")
 		}
 		r.Release()
@@ -185,7 +185,7 @@ func TestForeignRequestsOnTheEngineSteerPicks(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if r.Endpoint() != eps[1].Address {
+		if r.Endpoints()[0] != eps[1].Address {
 			t.Fatalf("pick %d went to sim-0, which runs 4 requests that did not come through the picker", i)
 		}
 	}
@@ -271,7 +271,7 @@ func TestAnEndpointWhoseMetricsWereNeverReadKeepsServing(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		seen[r.Endpoint()]++
+		seen[r.Endpoints()[0]]++
 	}
 	if seen[bad] == 0 || seen[odd] == 0 {
 		t.Errorf("placements %v: the endpoint never read (%v) and the one of an unknown engine type (%v) must both serve", seen, bad, odd)
