@@ -97,6 +97,10 @@ type engineView struct {
 	cacheTokens       int
 	kvUsage           float64 // -1: not published
 	delivered, predic int64   // cached prompt tokens delivered by the engine, and predicted
+	// The share of predicted cached tokens the engine delivered, a decayed
+	// mean over its recent predictions (trustSum over trustWeight); see
+	// cacheTrust.
+	trustSum, trustWeight float64
 	// LoRA (adapters.go): whether the engine publishes its adapters, its
 	// base model, the adapters of its running and waiting requests, and
 	// how many it runs at once.
@@ -104,6 +108,48 @@ type engineView struct {
 	model                            string
 	runningAdapters, waitingAdapters []string
 	maxLoRAs                         int
+}
+
+// How the prefix index's predictions on an endpoint are trusted: each
+// response that reports its cached tokens, of a request predicted to find
+// some, adds the share delivered (at most 1) to a mean decayed by
+// cacheTrustDecay at each, which starts from cacheTrustPrior samples of
+// full trust. An engine that delivers at least cacheTrustFull of them is
+// trusted in full: engines deliver less than predicted for reasons that
+// pass (an eviction, a prefix another request is still computing), and
+// prefix affinity is worth keeping through them.
+const (
+	cacheTrustDecay = 0.9
+	cacheTrustPrior = 2
+	cacheTrustFull  = 0.5
+)
+
+// learnCacheTrust takes a response's delivered cached tokens against the
+// predicted.
+func (e *engineView) learnCacheTrust(delivered, predicted int) {
+	if predicted <= 0 {
+		return
+	}
+	if e.trustWeight == 0 {
+		e.trustSum, e.trustWeight = cacheTrustPrior, cacheTrustPrior
+	}
+	e.trustSum = e.trustSum*cacheTrustDecay + min(float64(delivered)/float64(predicted), 1)
+	e.trustWeight = e.trustWeight*cacheTrustDecay + 1
+}
+
+// cacheTrust is the share of the prefix index's predicted cached tokens the
+// endpoint's engine is taken to hold: 1 until responses say it delivers
+// less than cacheTrustFull of them, then in proportion. An
+// engine without prefix caching delivers none of them, and one that evicts
+// early delivers part: the index still records every prompt it served (a
+// shortfall does not forget, as the engine recomputed the blocks), so
+// without this a non-caching engine would keep drawing repeats on a cache
+// it does not have.
+func (e *engineView) cacheTrust() float64 {
+	if e.trustWeight == 0 {
+		return 1
+	}
+	return min(e.trustSum/e.trustWeight/cacheTrustFull, 1)
 }
 
 // foreignCost is the foreign load's share of the endpoint's cost at now.

@@ -122,6 +122,47 @@ func TestADeliveredShortfallKeepsTheBlocksTheEngineRecomputed(t *testing.T) {
 	}
 }
 
+// An engine without prefix caching delivers none of the cached tokens the
+// index predicts there, and the index keeps recording what it served. The
+// repeats of a prompt must stop going to it for a cache it does not have:
+// once its responses have said so, its predicted hits count for what it
+// delivers. An engine that caches keeps them.
+func TestAnEngineThatNeverCachesStopsDrawingRepeats(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		delivers func(predicted int) int // a's cached tokens, given the prediction
+		wantOnA  bool                    // where the last repeats go
+	}{
+		{"a caches", func(n int) int { return n }, true},
+		{"a never caches", func(int) int { return 0 }, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPicker(t, 2, testConfig(), Options{})
+			a, b := addr(0), addr(1)
+			mustPick(t, p, on(a, text("other work", 64*50))) // 800 tokens held on a throughout
+			prompt := text("repeated", 64*100)                // 100 blocks, 1,600 tokens
+			mustPick(t, p, on(a, prompt)).Release()
+			var last []netip.AddrPort
+			for range 12 {
+				r := mustPick(t, p, Request{Model: model, Prompt: prompt})
+				at := endpointOf(r)
+				if at == a {
+					r.Delivered(1600, tc.delivers(cachedTokens(r)))
+				} else {
+					r.Delivered(1600, cachedTokens(r)) // b caches
+				}
+				r.Release()
+				last = append(last, at)
+			}
+			for i, at := range last[8:] {
+				if (at == a) != tc.wantOnA {
+					t.Errorf("repeat %d went to %v (a is %v, b %v); a's cache trust %.2f", 8+i, at, a, b, statsOf(p, a).CacheTrust)
+				}
+			}
+		})
+	}
+}
+
 // A scrape read while requests were still in flight and observed after
 // they ended is not foreign load: the counts are compared with the ledger at
 // its fullest since the last scrape. Without that, a burst right after

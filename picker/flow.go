@@ -501,7 +501,7 @@ func (p *Picker) costOnFreeLocked(t *Ticket, free []*row, now int64) (cost int, 
 	p.index.Match(t.r.hashes, ids, matched)
 	for i, c := range rows {
 		// The cost placeLocked will weigh.
-		x := c.queued() + c.engine.foreignCost(now) + p.uncachedTokens(t.r.promptChars, matched[i]) +
+		x := c.queued() + c.engine.foreignCost(now) + p.uncachedTokens(c, t.r.promptChars, matched[i]) +
 			p.cfg.DecodeWeightTokens*c.decoding
 		if i == 0 || x < cost {
 			cost = x

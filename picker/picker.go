@@ -138,6 +138,10 @@ type EndpointStats struct {
 	// Cached prompt tokens its engine delivered, and the picker predicted,
 	// over the responses that reported usage.
 	DeliveredCachedTokens, PredictedCachedTokens int64
+	// CacheTrust is the share of the prefix index's predicted cached tokens
+	// its cost counts as cached: recent responses' delivered share (1 until
+	// one says otherwise).
+	CacheTrust float64
 	// Adapters counts its requests in flight by LoRA adapter (nil: none);
 	// RunningAdapters, WaitingAdapters and MaxLoRAs are what its engine
 	// last said of its adapters (adapters.go).
@@ -511,7 +515,7 @@ func (p *Picker) Snapshot() Ledger {
 			ForeignRequests: e.foreign, ForeignTokens: e.foreignCost(now), Unhealthy: e.unhealthy,
 			KVCacheUsage:          -1,
 			PrefixCapacityBlocks:  p.index.Capacity(w.id),
-			DeliveredCachedTokens: e.delivered, PredictedCachedTokens: e.predic,
+			DeliveredCachedTokens: e.delivered, PredictedCachedTokens: e.predic, CacheTrust: e.cacheTrust(),
 			Adapters: maps.Clone(w.adapterRefs), RunningAdapters: e.runningAdapters,
 			WaitingAdapters: e.waitingAdapters, MaxLoRAs: e.maxLoRAs}
 		if e.scraped {

@@ -33,7 +33,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	for i, c := range cands {
 		queued := c.queued()
 		foreign := c.engine.foreignCost(r.pickedNs)
-		c.uncached = p.uncachedTokens(r.promptChars, matched[i])
+		c.uncached = p.uncachedTokens(c, r.promptChars, matched[i])
 		c.cost = queued + foreign + c.uncached + p.cfg.DecodeWeightTokens*c.decoding
 		c.saturated = p.overLimitLocked(c, queued)
 		c.taken = c.saturated
@@ -114,12 +114,15 @@ func (p *Picker) heldTokens(matchedBlocks int) int {
 	return p.blocks.chars(matchedBlocks) / p.cfg.CharsPerToken
 }
 
-// uncachedTokens estimates the prompt tokens an endpoint holding
-// matchedBlocks leading blocks still has to prefill: at least one for any
-// prompt, since the last token is always computed.
-func (p *Picker) uncachedTokens(promptChars, matchedBlocks int) int {
+// uncachedTokens estimates the prompt tokens w, whose prefix index holds
+// matchedBlocks leading blocks of the prompt, still has to prefill: the
+// rest of the prompt, and of the held part what w's engine has lately not
+// delivered from its cache (engineView.cacheTrust); at least one token for
+// any prompt, since the last token is always computed.
+func (p *Picker) uncachedTokens(w *row, promptChars, matchedBlocks int) int {
 	if promptChars == 0 {
 		return 0
 	}
-	return max(p.tokens(promptChars-p.blocks.chars(matchedBlocks)), 1)
+	held := float64(p.blocks.chars(matchedBlocks)) * w.engine.cacheTrust()
+	return max(p.tokens(promptChars-int(held)), 1)
 }

@@ -120,8 +120,10 @@ func (r *Reservation) Delivered(promptTokens, cachedTokens int) {
 	}
 	r.delivered = true
 	e := &r.row.engine
-	e.delivered += int64(min(max(cachedTokens, 0), promptTokens))
+	delivered := min(max(cachedTokens, 0), promptTokens)
+	e.delivered += int64(delivered)
 	e.predic += int64(r.cachedTokens)
+	e.learnCacheTrust(delivered, r.cachedTokens)
 }
 
 // releaseLocked releases r if it is still held and returns its hash buffer
@@ -181,7 +183,7 @@ func (r *Reservation) moveLocked(addr netip.AddrPort, now int64) bool {
 	r.heldBefore = matched[0]
 	r.cachedTokens = p.heldTokens(matched[0])
 	if !r.decoding {
-		r.prefill = p.uncachedTokens(r.promptChars, matched[0])
+		r.prefill = p.uncachedTokens(to, r.promptChars, matched[0])
 	}
 	r.row = to
 	r.tailOn = nil // recorded whole just below

@@ -147,6 +147,8 @@ type ledgerRow struct {
 	PrefixCapacityBlocks  int   `json:"prefixCapacityBlocks"`
 	DeliveredCachedTokens int64 `json:"deliveredCachedTokens"`
 	PredictedCachedTokens int64 `json:"predictedCachedTokens"`
+	// CacheTrust is the share of predicted cached tokens the cost counts.
+	CacheTrust float64 `json:"cacheTrust"`
 	// Adapters counts the requests in flight by LoRA adapter.
 	Adapters map[string]int `json:"adapters,omitempty"`
 }
@@ -187,6 +189,7 @@ func ledgerJSON(l picker.Ledger) ledger {
 				PrefixCapacityBlocks:   s.PrefixCapacityBlocks,
 				DeliveredCachedTokens:  s.DeliveredCachedTokens,
 				PredictedCachedTokens:  s.PredictedCachedTokens,
+				CacheTrust:             s.CacheTrust,
 				Adapters:               s.Adapters,
 			}
 			if s.Scraped {
