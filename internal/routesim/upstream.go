@@ -4,6 +4,7 @@ import (
 	"math/rand/v2"
 	"time"
 
+	"github.com/tallyepp/tally/internal/lru"
 	"github.com/tallyepp/tally/internal/modelsim/engine"
 )
 
@@ -128,23 +129,16 @@ func (p *upstreamLike) observe(stats []engine.Stats) {
 
 // blockLRU is one server's approximate prefix memory: a set of block
 // hashes of bounded size, the least recently added or matched forgotten
-// first. Invariant: idx and the list hold the same hashes, at most cap.
+// first. Invariant: idx and order hold the same entries, at most cap.
 type blockLRU struct {
-	cap        int
-	idx        map[uint64]int32
-	nodes      []lruNode
-	head, tail int32 // most recent at head
+	cap    int
+	idx    map[uint64]int32 // hash -> its entry in hashes and order
+	hashes []uint64
+	order  *lru.List
 }
-
-type lruNode struct {
-	hash       uint64
-	prev, next int32
-}
-
-const lruNone int32 = -1
 
 func newBlockLRU(capacity int) *blockLRU {
-	return &blockLRU{cap: capacity, idx: make(map[uint64]int32), head: lruNone, tail: lruNone}
+	return &blockLRU{cap: capacity, idx: make(map[uint64]int32), order: lru.New(0)}
 }
 
 // leading counts the leading hashes held; a lookup is not a use (only
@@ -162,47 +156,21 @@ func (l *blockLRU) leading(hashes []uint64) int {
 
 func (l *blockLRU) add(h uint64) {
 	if i, ok := l.idx[h]; ok {
-		l.unlink(i)
-		l.pushFront(i)
+		l.order.Remove(i)
+		l.order.PushBack(i)
 		return
 	}
 	var i int32
 	switch {
 	case len(l.idx) >= l.cap:
-		i = l.tail
-		l.unlink(i)
-		delete(l.idx, l.nodes[i].hash)
+		i, _ = l.order.Oldest()
+		l.order.Remove(i)
+		delete(l.idx, l.hashes[i])
 	default:
-		l.nodes = append(l.nodes, lruNode{})
-		i = int32(len(l.nodes) - 1)
+		l.hashes = append(l.hashes, 0)
+		i = int32(len(l.hashes) - 1)
 	}
-	l.nodes[i].hash = h
+	l.hashes[i] = h
 	l.idx[h] = i
-	l.pushFront(i)
-}
-
-func (l *blockLRU) unlink(i int32) {
-	n := &l.nodes[i]
-	if n.prev != lruNone {
-		l.nodes[n.prev].next = n.next
-	} else {
-		l.head = n.next
-	}
-	if n.next != lruNone {
-		l.nodes[n.next].prev = n.prev
-	} else {
-		l.tail = n.prev
-	}
-	n.prev, n.next = lruNone, lruNone
-}
-
-func (l *blockLRU) pushFront(i int32) {
-	n := &l.nodes[i]
-	n.prev, n.next = lruNone, l.head
-	if l.head != lruNone {
-		l.nodes[l.head].prev = i
-	} else {
-		l.tail = i
-	}
-	l.head = i
+	l.order.PushBack(i)
 }

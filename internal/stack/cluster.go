@@ -7,21 +7,14 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"slices"
 	"sync"
 	"time"
 
 	"golang.org/x/sync/errgroup"
-	"k8s.io/apimachinery/pkg/runtime"
-	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
-
-	"github.com/tallyepp/tally/internal/testenv"
 )
 
 // podCreateWorkers bounds the pods created at once: a thousand pods are
@@ -50,11 +43,8 @@ type ClusterOptions struct {
 // any picker (Tally's or the upstream one) against the same pool. Create it
 // with StartCluster and always Stop it.
 type Cluster struct {
-	opts       ClusterOptions
-	env        *envtest.Environment
-	kube       client.Client
-	dir        string
-	kubeconfig string
+	opts ClusterOptions
+	apiServer
 
 	mu      sync.Mutex
 	addrs   []netip.AddrPort
@@ -90,43 +80,12 @@ func StartCluster(ctx context.Context, opts ClusterOptions) (_ *Cluster, err err
 			err = errors.Join(err, c.Stop())
 		}
 	}()
-	if c.dir, err = os.MkdirTemp("", "tally-cluster-"); err != nil {
-		return nil, fmt.Errorf("creating a temporary directory: %w", err)
-	}
-	var cfg *rest.Config
-	if c.env, cfg, err = testenv.Start(); err != nil {
-		return nil, fmt.Errorf("starting the API server: %w", err)
-	}
 	// Creating many pods is many calls: no client-side rate limit.
-	cfg = rest.CopyConfig(cfg)
-	cfg.QPS, cfg.Burst = 1000, 2000
-	scheme := runtime.NewScheme()
-	if err := clientgoscheme.AddToScheme(scheme); err != nil {
+	if err := c.apiServer.start("tally-cluster", func(cfg *rest.Config) { cfg.QPS, cfg.Burst = 1000, 2000 }); err != nil {
 		return nil, err
 	}
-	if err := infv1.Install(scheme); err != nil {
+	if err := createPool(ctx, c.kube, opts.Namespace, opts.PoolName, opts.TargetPort, infv1.EndpointPickerFailClose); err != nil {
 		return nil, err
-	}
-	if c.kube, err = client.New(cfg, client.Options{Scheme: scheme}); err != nil {
-		return nil, fmt.Errorf("creating an API client: %w", err)
-	}
-	user, err := c.env.AddUser(envtest.User{Name: "tally-cluster", Groups: []string{"system:masters"}}, nil)
-	if err != nil {
-		return nil, fmt.Errorf("adding an API server user: %w", err)
-	}
-	data, err := user.KubeConfig()
-	if err != nil {
-		return nil, fmt.Errorf("writing a kubeconfig: %w", err)
-	}
-	c.kubeconfig = filepath.Join(c.dir, "kubeconfig")
-	if err := os.WriteFile(c.kubeconfig, data, 0o600); err != nil {
-		return nil, fmt.Errorf("writing a kubeconfig: %w", err)
-	}
-	if err := createNamespace(ctx, c.kube, opts.Namespace); err != nil {
-		return nil, err
-	}
-	if err := c.kube.Create(ctx, newPool(opts.Namespace, opts.PoolName, opts.TargetPort, infv1.EndpointPickerFailClose)); err != nil {
-		return nil, fmt.Errorf("creating InferencePool %s/%s: %w", opts.Namespace, opts.PoolName, err)
 	}
 	if err := c.AddPods(ctx, opts.Pods); err != nil {
 		return nil, err
@@ -219,15 +178,6 @@ func (c *Cluster) Stop() error {
 	for _, srv := range servers {
 		srv.Close()
 	}
-	if c.env != nil {
-		if err := c.env.Stop(); err != nil {
-			errs = append(errs, fmt.Errorf("stopping the API server: %w", err))
-		}
-		c.env = nil
-	}
-	if c.dir != "" {
-		errs = append(errs, os.RemoveAll(c.dir))
-		c.dir = ""
-	}
+	errs = append(errs, c.apiServer.stop())
 	return errors.Join(errs...)
 }

@@ -27,6 +27,17 @@ const (
 // template labels would.
 var podSelectorLabel = map[string]string{"app": "sim"}
 
+// createPool creates the namespace, if it is not there, and the pool in it.
+func createPool(ctx context.Context, c client.Client, namespace, name string, targetPort int32, mode infv1.EndpointPickerFailureMode) error {
+	if err := createNamespace(ctx, c, namespace); err != nil {
+		return err
+	}
+	if err := c.Create(ctx, newPool(namespace, name, targetPort, mode)); err != nil {
+		return fmt.Errorf("creating InferencePool %s/%s: %w", namespace, name, err)
+	}
+	return nil
+}
+
 func newPool(namespace, name string, targetPort int32, mode infv1.EndpointPickerFailureMode) *infv1.InferencePool {
 	labels := make(map[infv1.LabelKey]infv1.LabelValue, len(podSelectorLabel))
 	for k, v := range podSelectorLabel {

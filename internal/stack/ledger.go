@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"net/netip"
 	"slices"
@@ -123,24 +124,16 @@ func (l Ledger) RowAt(addr netip.AddrPort) (LedgerEndpoint, bool) {
 // readLedger reads /debug/ledger from the picker whose metrics server is at
 // metricsURL.
 func readLedger(ctx context.Context, c *http.Client, metricsURL string) (Ledger, error) {
-	ctx, cancel := context.WithTimeout(ctx, requestTimeout)
-	defer cancel()
 	url := metricsURL + "/debug/ledger"
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	var l Ledger
+	err := getFromPicker(ctx, c, url, "the ledger", func(body io.Reader) error {
+		if err := json.NewDecoder(body).Decode(&l); err != nil {
+			return fmt.Errorf("decoding the ledger from %s: %w", url, err)
+		}
+		return nil
+	})
 	if err != nil {
 		return Ledger{}, err
-	}
-	resp, err := c.Do(req)
-	if err != nil {
-		return Ledger{}, fmt.Errorf("reading the ledger: %w", err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return Ledger{}, fmt.Errorf("reading the ledger: GET %s: HTTP %d", url, resp.StatusCode)
-	}
-	var l Ledger
-	if err := json.NewDecoder(resp.Body).Decode(&l); err != nil {
-		return Ledger{}, fmt.Errorf("decoding the ledger from %s: %w", url, err)
 	}
 	return l, nil
 }

@@ -70,26 +70,39 @@ func (s *Stack) PickerMetrics(ctx context.Context) (Metrics, error) {
 }
 
 func readMetrics(ctx context.Context, c *http.Client, metricsURL string) (Metrics, error) {
-	ctx, cancel := context.WithTimeout(ctx, requestTimeout)
-	defer cancel()
 	url := metricsURL + "/metrics"
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	var families Metrics
+	err := getFromPicker(ctx, c, url, "the picker's metrics", func(body io.Reader) error {
+		var err error
+		parser := expfmt.NewTextParser(model.UTF8Validation)
+		if families, err = parser.TextToMetricFamilies(body); err != nil {
+			return fmt.Errorf("parsing the picker's metrics from %s: %w", url, err)
+		}
+		return nil
+	})
 	if err != nil {
 		return nil, err
 	}
+	return families, nil
+}
+
+// getFromPicker GETs url from the picker within requestTimeout and hands
+// the body of a 200 answer to read; what names what is read, in errors.
+func getFromPicker(ctx context.Context, c *http.Client, url, what string, read func(body io.Reader) error) error {
+	ctx, cancel := context.WithTimeout(ctx, requestTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
 	resp, err := c.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("reading the picker's metrics: %w", err)
+		return fmt.Errorf("reading %s: %w", what, err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		body, _ := io.ReadAll(io.LimitReader(resp.Body, 600))
-		return nil, fmt.Errorf("reading the picker's metrics: GET %s: HTTP %d: %s", url, resp.StatusCode, body)
+		return fmt.Errorf("reading %s: GET %s: HTTP %d: %s", what, url, resp.StatusCode, body)
 	}
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	families, err := parser.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		return nil, fmt.Errorf("parsing the picker's metrics from %s: %w", url, err)
-	}
-	return families, nil
+	return read(resp.Body)
 }

@@ -2,7 +2,6 @@ package stack
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -167,14 +166,7 @@ func (n *NGINX) ErrorLog() (string, error) {
 }
 
 func (n *NGINX) stop() error {
-	var errs []error
-	if n.nginx != nil {
-		errs = append(errs, n.nginx.Stop())
-	}
-	if n.shim != nil {
-		errs = append(errs, n.shim.Stop())
-	}
-	if err := errors.Join(errs...); err != nil {
+	if err := stopAll(n.nginx, n.shim); err != nil {
 		return fmt.Errorf("stopping NGINX: %w", err)
 	}
 	return nil

@@ -147,3 +147,15 @@ func (p *Process) waitFor(ctx context.Context, what string, timeout, interval ti
 		}
 	}
 }
+
+// stopAll stops the processes in order, passing over those never started
+// (nil), and joins what they report.
+func stopAll(ps ...*Process) error {
+	var errs []error
+	for _, p := range ps {
+		if p != nil {
+			errs = append(errs, p.Stop())
+		}
+	}
+	return errors.Join(errs...)
+}

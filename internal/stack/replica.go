@@ -2,7 +2,6 @@ package stack
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strconv"
 )
@@ -92,14 +91,7 @@ func (r *Replica) WaitForEndpoints(ctx context.Context, pods ...string) error {
 func (r *Replica) Kill() { r.picker.Kill() }
 
 func (r *Replica) stop() error {
-	var errs []error
-	if r.gateway != nil {
-		errs = append(errs, r.gateway.Stop())
-	}
-	if r.picker != nil {
-		errs = append(errs, r.picker.Stop())
-	}
-	if err := errors.Join(errs...); err != nil {
+	if err := stopAll(r.gateway, r.picker); err != nil {
 		return fmt.Errorf("stopping picker replica %s: %w", r.name, err)
 	}
 	return nil

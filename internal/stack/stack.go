@@ -21,15 +21,11 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-	"k8s.io/apimachinery/pkg/runtime"
-	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
 	"github.com/tallyepp/tally/internal/modelsim/server"
-	"github.com/tallyepp/tally/internal/testenv"
 )
 
 // Defaults of Options.
@@ -149,12 +145,8 @@ func (o *Options) setDefaults() error {
 // Stack is Tally running end to end on loopback. Create it with Start and
 // always Stop it.
 type Stack struct {
-	opts       Options
-	env        *envtest.Environment
-	restConfig *rest.Config
-	kube       client.Client
-	dir        string
-	kubeconfig string
+	opts Options
+	apiServer
 
 	pickerPorts pickerPorts
 	picker      *Process
@@ -186,30 +178,11 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 			err = errors.Join(err, s.Stop())
 		}
 	}()
-	if s.dir, err = os.MkdirTemp("", "tally-stack-"); err != nil {
-		return nil, fmt.Errorf("creating a temporary directory: %w", err)
-	}
-	if s.env, s.restConfig, err = testenv.Start(); err != nil {
-		return nil, fmt.Errorf("starting the API server: %w", err)
-	}
-	scheme := runtime.NewScheme()
-	if err := clientgoscheme.AddToScheme(scheme); err != nil {
+	if err := s.apiServer.start("tally-stack", nil); err != nil {
 		return nil, err
 	}
-	if err := infv1.Install(scheme); err != nil {
+	if err := createPool(ctx, s.kube, opts.Namespace, opts.PoolName, opts.TargetPort, opts.FailureMode); err != nil {
 		return nil, err
-	}
-	if s.kube, err = client.New(s.restConfig, client.Options{Scheme: scheme}); err != nil {
-		return nil, fmt.Errorf("creating an API client: %w", err)
-	}
-	if err := s.writeKubeconfig(); err != nil {
-		return nil, err
-	}
-	if err := createNamespace(ctx, s.kube, opts.Namespace); err != nil {
-		return nil, err
-	}
-	if err := s.kube.Create(ctx, newPool(opts.Namespace, opts.PoolName, opts.TargetPort, opts.FailureMode)); err != nil {
-		return nil, fmt.Errorf("creating InferencePool %s/%s: %w", opts.Namespace, opts.PoolName, err)
 	}
 	for range opts.Pods {
 		if _, err := s.AddPod(ctx, true); err != nil {
@@ -231,24 +204,6 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	return s, nil
 }
 
-// writeKubeconfig writes a kubeconfig for the picker and the gateway. They
-// run as an administrator: RBAC is the install tests' concern, not this one's.
-func (s *Stack) writeKubeconfig() error {
-	user, err := s.env.AddUser(envtest.User{Name: "tally-stack", Groups: []string{"system:masters"}}, nil)
-	if err != nil {
-		return fmt.Errorf("adding an API server user: %w", err)
-	}
-	data, err := user.KubeConfig()
-	if err != nil {
-		return fmt.Errorf("writing a kubeconfig: %w", err)
-	}
-	s.kubeconfig = filepath.Join(s.dir, "kubeconfig")
-	if err := os.WriteFile(s.kubeconfig, data, 0o600); err != nil {
-		return fmt.Errorf("writing a kubeconfig: %w", err)
-	}
-	return nil
-}
-
 // Stop stops everything the stack started, in reverse order, and removes
 // its temporary files. It is safe to call more than once.
 func (s *Stack) Stop() error {
@@ -261,12 +216,7 @@ func (s *Stack) Stop() error {
 		errs = append(errs, r.stop())
 	}
 	s.replicas = nil
-	if s.gateway != nil {
-		errs = append(errs, s.gateway.Stop())
-	}
-	if s.picker != nil {
-		errs = append(errs, s.picker.Stop())
-	}
+	errs = append(errs, stopAll(s.gateway, s.picker))
 	s.mu.Lock()
 	pods := s.pods
 	hold := s.hold
@@ -278,16 +228,7 @@ func (s *Stack) Stop() error {
 	for _, p := range pods {
 		p.stopSimulator()
 	}
-	if s.env != nil {
-		if err := s.env.Stop(); err != nil {
-			errs = append(errs, fmt.Errorf("stopping the API server: %w", err))
-		}
-		s.env = nil
-	}
-	if s.dir != "" {
-		errs = append(errs, os.RemoveAll(s.dir))
-		s.dir = ""
-	}
+	errs = append(errs, s.apiServer.stop())
 	if t, ok := s.http.Transport.(*http.Transport); ok {
 		t.CloseIdleConnections()
 	}

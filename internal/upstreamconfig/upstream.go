@@ -265,42 +265,33 @@ type params struct {
 }
 
 func (p *params) int(key string) (int, bool, error) {
-	raw, ok := p.values[key]
-	if !ok {
-		return 0, false, nil
-	}
-	p.used[key] = true
-	var f float64
-	if err := json.Unmarshal(raw, &f); err != nil || f != math.Trunc(f) || math.Abs(f) > 1e15 {
-		return 0, false, fmt.Errorf("EndpointPickerConfig: %s.parameters.%s: %s is invalid: must be an integer", p.path, key, raw)
-	}
-	return int(f), true, nil
+	f, ok, err := param(p, key, "an integer", func(f float64) bool { return f == math.Trunc(f) && math.Abs(f) <= 1e15 })
+	return int(f), ok, err
 }
 
 func (p *params) float(key string) (float64, bool, error) {
-	raw, ok := p.values[key]
-	if !ok {
-		return 0, false, nil
-	}
-	p.used[key] = true
-	var f float64
-	if err := json.Unmarshal(raw, &f); err != nil {
-		return 0, false, fmt.Errorf("EndpointPickerConfig: %s.parameters.%s: %s is invalid: must be a number", p.path, key, raw)
-	}
-	return f, true, nil
+	return param[float64](p, key, "a number", nil)
 }
 
 func (p *params) str(key string) (string, bool, error) {
+	return param[string](p, key, "a string", nil)
+}
+
+// param decodes key's value, if there is one, and marks the key consumed.
+// A value that does not decode into a T, or that valid (when not nil)
+// refuses, is an error saying it must be want.
+func param[T any](p *params, key, want string, valid func(T) bool) (T, bool, error) {
+	var v T
 	raw, ok := p.values[key]
 	if !ok {
-		return "", false, nil
+		return v, false, nil
 	}
 	p.used[key] = true
-	var s string
-	if err := json.Unmarshal(raw, &s); err != nil {
-		return "", false, fmt.Errorf("EndpointPickerConfig: %s.parameters.%s: %s is invalid: must be a string", p.path, key, raw)
+	if err := json.Unmarshal(raw, &v); err != nil || (valid != nil && !valid(v)) {
+		var zero T
+		return zero, false, fmt.Errorf("EndpointPickerConfig: %s.parameters.%s: %s is invalid: must be %s", p.path, key, raw, want)
 	}
-	return s, true, nil
+	return v, true, nil
 }
 
 func (m *mapper) plugin(path string, p upstreamPlugin) error {

@@ -72,6 +72,8 @@ import (
 	"math"
 	"slices"
 	"time"
+
+	"github.com/tallyepp/tally/internal/lru"
 )
 
 // Defaults, fitted to vLLM 0.8.4 serving an 8B model on one H100.
@@ -288,14 +290,10 @@ func (s Stats) KVCacheUsage() float64 {
 	return float64(s.KVBlocksInUse) / float64(s.KVBlocks)
 }
 
-const noBlock int32 = -1
-
 type block struct {
 	hash   uint64
 	hashed bool // hash is registered in Engine.byHash for this block
 	ref    int32
-	// LRU links, meaningful while hashed && ref == 0.
-	prev, next int32
 }
 
 type requestState uint8
@@ -335,11 +333,12 @@ type Engine struct {
 	cfg Config
 	now time.Duration
 
-	blocks           []block
-	free             []int32
-	lruHead, lruTail int32 // least recently used at the head
-	lruLen           int
-	byHash           map[uint64]int32
+	blocks []block
+	free   []int32
+	// evictable holds the cached blocks no request holds (hashed, ref 0),
+	// the least recently released first.
+	evictable *lru.List
+	byHash    map[uint64]int32
 
 	requests map[string]*request
 	waiting  []*request // FIFO
@@ -366,13 +365,12 @@ func New(cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e := &Engine{
-		cfg:      cfg,
-		blocks:   make([]block, cfg.KVBlocks),
-		free:     make([]int32, cfg.KVBlocks),
-		lruHead:  noBlock,
-		lruTail:  noBlock,
-		byHash:   make(map[uint64]int32),
-		requests: make(map[string]*request),
+		cfg:       cfg,
+		blocks:    make([]block, cfg.KVBlocks),
+		free:      make([]int32, cfg.KVBlocks),
+		evictable: lru.New(cfg.KVBlocks),
+		byHash:    make(map[uint64]int32),
+		requests:  make(map[string]*request),
 	}
 	if cfg.MaxLoRAs > 0 {
 		e.slots = make([]loraSlot, cfg.MaxLoRAs)
@@ -522,8 +520,8 @@ func (e *Engine) Stats() Stats {
 	s.RunningRequests = len(e.running)
 	s.WaitingRequests = len(e.waiting)
 	s.KVBlocks = e.cfg.KVBlocks
-	s.KVBlocksCached = e.lruLen
-	s.KVBlocksInUse = e.cfg.KVBlocks - len(e.free) - e.lruLen
+	s.KVBlocksCached = e.evictable.Len()
+	s.KVBlocksInUse = e.cfg.KVBlocks - len(e.free) - e.evictable.Len()
 	s.QueuedPrefillTokens = e.queuedPrefillTokens()
 	s.RunningAdapters = len(e.loraRunning)
 	return s
@@ -617,7 +615,7 @@ func (e *Engine) admit(r *request) bool {
 	bs := e.cfg.BlockSizeTokens
 	hits, hitsEvictable := e.cachedPrefix(r)
 	need := e.BlocksNeeded(r.PromptTokens, r.OutputTokens)
-	if need-hits > len(e.free)+e.lruLen-hitsEvictable {
+	if need-hits > len(e.free)+e.evictable.Len()-hitsEvictable {
 		return false
 	}
 	r.blocks = make([]int32, 0, need)
@@ -625,7 +623,7 @@ func (e *Engine) admit(r *request) bool {
 		idx := e.byHash[r.BlockHashes[i]]
 		b := &e.blocks[idx]
 		if b.ref == 0 {
-			e.lruRemove(idx)
+			e.evictable.Remove(idx)
 		}
 		b.ref++
 		r.blocks = append(r.blocks, idx)
@@ -802,7 +800,7 @@ func (e *Engine) release(r *request) {
 			continue
 		}
 		if b.hashed {
-			e.lruPushTail(idx)
+			e.evictable.PushBack(idx)
 		} else {
 			e.free = append(e.free, idx)
 		}
@@ -817,11 +815,11 @@ func (e *Engine) allocate() int32 {
 		idx = e.free[n-1]
 		e.free = e.free[:n-1]
 	} else {
-		idx = e.lruHead
-		if idx == noBlock {
+		var ok bool
+		if idx, ok = e.evictable.Oldest(); !ok {
 			panic("engine: no block to allocate; admit checked there was one")
 		}
-		e.lruRemove(idx)
+		e.evictable.Remove(idx)
 		b := &e.blocks[idx]
 		delete(e.byHash, b.hash)
 		b.hashed = false
@@ -829,32 +827,4 @@ func (e *Engine) allocate() int32 {
 	}
 	e.blocks[idx].ref = 1
 	return idx
-}
-
-func (e *Engine) lruPushTail(idx int32) {
-	b := &e.blocks[idx]
-	b.prev, b.next = e.lruTail, noBlock
-	if e.lruTail != noBlock {
-		e.blocks[e.lruTail].next = idx
-	} else {
-		e.lruHead = idx
-	}
-	e.lruTail = idx
-	e.lruLen++
-}
-
-func (e *Engine) lruRemove(idx int32) {
-	b := &e.blocks[idx]
-	if b.prev != noBlock {
-		e.blocks[b.prev].next = b.next
-	} else {
-		e.lruHead = b.next
-	}
-	if b.next != noBlock {
-		e.blocks[b.next].prev = b.prev
-	} else {
-		e.lruTail = b.prev
-	}
-	b.prev, b.next = noBlock, noBlock
-	e.lruLen--
 }

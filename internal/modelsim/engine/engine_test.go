@@ -661,20 +661,15 @@ func checkInvariants(t *testing.T, e *Engine) {
 		}
 	}
 	n := 0
-	prev := noBlock
-	for idx := e.lruHead; idx != noBlock; idx = e.blocks[idx].next {
-		if e.blocks[idx].prev != prev {
-			t.Fatalf("LRU link broken at block %d", idx)
-		}
-		prev = idx
+	for idx := range e.evictable.All() {
 		place[idx] += 2
 		n++
 		if !e.blocks[idx].hashed {
 			t.Fatalf("LRU block %d is not hashed", idx)
 		}
 	}
-	if n != e.lruLen || prev != e.lruTail {
-		t.Fatalf("LRU list has %d blocks ending at %d, recorded %d ending at %d", n, prev, e.lruLen, e.lruTail)
+	if n != e.evictable.Len() {
+		t.Fatalf("LRU list has %d blocks, recorded %d", n, e.evictable.Len())
 	}
 	for idx := range e.blocks {
 		b := e.blocks[idx]
