@@ -178,8 +178,5 @@ var _ = Describe("The ledger's prefill under a non-streaming workload", Ordered,
 			Expect(engine).To(BeNumerically(">=", prefillMinQueued), "the load kept %s's queue non-trivial: %s", p.Name, avg)
 			Expect(ledger).To(BeNumerically("~", engine, prefillTolerance*engine), "%s: the ledger's prefill against the engine's: %s", p.Name, avg)
 		}
-	}, SpecTimeout(2*time.Minute),
-		// The engines run in real time on cores the picker, the gateway and
-		// the API server share: a starved moment can skew one run's rates.
-		FlakeAttempts(3))
+	}, SpecTimeout(2*time.Minute))
 })
