@@ -112,7 +112,7 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 			c.loraFull = true // not full, but not needed: taken out below
 			continue
 		}
-		c.cost += int(float64(p.cfg.LoRALoadMilliseconds) * c.rate / 1000)
+		c.cost += int(p.loraLoad.seconds * c.rate)
 		if m := c.engine.maxLoRAs; m > 0 && c.activeAdapters() >= m {
 			c.loraFull = true
 			continue
@@ -129,6 +129,36 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 		}
 	}
 	return full
+}
+
+// loraLoadFit learns what loading an adapter takes: a streamed request
+// placed where its adapter was not resident waits for the load before its
+// prefill, so its first byte, less what the prefill model says its queue
+// and prompt took, is one sample. Left in the rate fit, such samples
+// dragged the prefill rate down; the configured loraLoadMilliseconds
+// enters as loraLoadPrior samples, and each sample weighs the earlier ones
+// by loraLoadDecay (a memory of about ten loads).
+type loraLoadFit struct {
+	sum, weight, seconds float64
+}
+
+const (
+	loraLoadPrior = 2
+	loraLoadDecay = 0.9
+	// maxLoRALoadSeconds bounds one sample: a first byte later than that
+	// beyond its prefill waited for something else.
+	maxLoRALoadSeconds = 600
+)
+
+func newLoRALoadFit(ms int) loraLoadFit {
+	s := float64(ms) / 1000
+	return loraLoadFit{sum: s * loraLoadPrior, weight: loraLoadPrior, seconds: s}
+}
+
+func (f *loraLoadFit) learn(seconds float64) {
+	f.sum = f.sum*loraLoadDecay + min(max(seconds, 0), maxLoRALoadSeconds)
+	f.weight = f.weight*loraLoadDecay + 1
+	f.seconds = f.sum / f.weight
 }
 
 // holdAdapter and dropAdapter count r's adapter on its row.

@@ -2,7 +2,9 @@ package picker
 
 import (
 	"fmt"
+	"math"
 	"testing"
+	"time"
 )
 
 const baseModel = "base"
@@ -141,5 +143,45 @@ func TestAnIdleAdapterInItsSlotStillCountsAsLoaded(t *testing.T) {
 	p.mu.Unlock()
 	if resident {
 		t.Error("after two other adapters took endpoint 0's two slots, sql still counts as loaded there")
+	}
+}
+
+// A streamed request that waited for its adapter to load teaches the load
+// time, not the prefill rate: with a load of 1.5 s where 200 ms is
+// configured, the charge for a load becomes about 1.5 s, and the rate stays
+// what base-model requests show. Left in the rate fit, each such first byte
+// counted the load as prefill.
+func TestTheAdapterLoadTimeIsLearnedApartFromTheRate(t *testing.T) {
+	const (
+		rate    = 50_000.0
+		load    = 1500 * time.Millisecond
+		outputs = 16
+	)
+	clock := newFakeClock()
+	p := newPicker(t, 3, testConfig(), Options{Now: clock.Now})
+	observeLoRA(p, 64, nil)
+	for i := range 60 {
+		model, tokens, wait := baseModel, 8000, time.Duration(0)
+		if i%2 == 1 {
+			model, tokens, wait = fmt.Sprint("adapter-", i), 4000, load // never loaded before
+		}
+		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("load", i), tokens*4), Stream: true})
+		clock.Advance(wait + 10*time.Millisecond + time.Duration(float64(tokens)/rate*float64(time.Second)))
+		r.FirstByte()
+		clock.Advance((outputs - 1) * 8 * time.Millisecond)
+		r.Completed(outputs)
+		r.Release()
+	}
+	l := p.Snapshot()
+	if got := l.LoRALoadSeconds; math.Abs(got-load.Seconds()) > 0.15*load.Seconds() {
+		t.Errorf("learned a load time of %.3f s, want about %.1f", got, load.Seconds())
+	}
+	for _, s := range l.Endpoints {
+		if math.Abs(s.PrefillTokensPerSecond-rate) > 0.25*rate {
+			t.Errorf("%v: prefill rate %.0f tokens/s, want about %.0f: loads are not prefill", s.Endpoint.Address, s.PrefillTokensPerSecond, rate)
+		}
+	}
+	if n := l.RateSamples[rateSampleAdapterLoad]; n != 30 {
+		t.Errorf("%d samples taken as adapter loads, want 30", n)
 	}
 }

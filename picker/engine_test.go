@@ -140,7 +140,7 @@ func TestAnEngineThatNeverCachesStopsDrawingRepeats(t *testing.T) {
 			p := newPicker(t, 2, testConfig(), Options{})
 			a, b := addr(0), addr(1)
 			mustPick(t, p, on(a, text("other work", 64*50))) // 800 tokens held on a throughout
-			prompt := text("repeated", 64*100)                // 100 blocks, 1,600 tokens
+			prompt := text("repeated", 64*100)               // 100 blocks, 1,600 tokens
 			mustPick(t, p, on(a, prompt)).Release()
 			var last []netip.AddrPort
 			for range 12 {

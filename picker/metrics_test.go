@@ -128,8 +128,8 @@ func TestPickerWithoutRegistererStillCollects(t *testing.T) {
 	// gauge per endpoint; of the engines' view, before any scrape, 2 gauges
 	// and 2 counters per endpoint; detached
 	// reservations, a gauge, a counter and 3 ends.
-	// The prefill rate's samples, 4 results.
-	if got, want := testutil.CollectAndCount(p), 4*2+3+3+3+1+2+2+2+4*2+5+4; got != want {
+	// The prefill rate's samples, 5 results.
+	if got, want := testutil.CollectAndCount(p), 4*2+3+3+3+1+2+2+2+4*2+5+5; got != want {
 		t.Errorf("collected %d metrics, want %d", got, want)
 	}
 }

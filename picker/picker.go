@@ -163,6 +163,9 @@ type Ledger struct {
 	// RateSamples counts the streamed first bytes offered to the prefill
 	// rate, by what became of them (ratefit.go, rateSampleNames).
 	RateSamples [numRateSamples]uint64
+	// LoRALoadSeconds is what placement charges for loading an adapter:
+	// loraLoadMilliseconds until first bytes have taught it.
+	LoRALoadSeconds float64
 	// Endpoints are the current endpoints, sorted by address.
 	Endpoints []EndpointStats
 	// Retained are endpoints that left the set and keep their row (in flight
@@ -214,6 +217,9 @@ type Picker struct {
 	// bytes (ratefit.go), and the fate of those samples.
 	pool        poolRate
 	rateSamples [numRateSamples]uint64
+	// What loading an adapter takes, learned from the first bytes of
+	// requests that waited for one (adapters.go).
+	loraLoad loraLoadFit
 
 	// Detached reservations past their prefill, by modelled end, and the
 	// pool's decode model they end by (detach.go); why they ended.
@@ -267,6 +273,7 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 		// Until picks teach it: a guess at one request's prompt.
 		meanPromptTokens: defaultForeignRequestTokens,
 		pool:             newPoolRate(float64(cfg.PrefillTokensPerSecond)),
+		loraLoad:         newLoRALoadFit(cfg.LoRALoadMilliseconds),
 		decodeNsPerToken: defaultDecodeNsPerToken,
 		meanOutputTokens: defaultOutputTokens,
 		flowOn:           cfg.FlowControl.Enabled,
@@ -507,6 +514,7 @@ func (p *Picker) Snapshot() Ledger {
 	l.DetachEnds = p.detachEnds
 	l.Waiting = p.queue.n
 	l.RateSamples = p.rateSamples
+	l.LoRALoadSeconds = p.loraLoad.seconds
 	for _, w := range p.byKey {
 		e := &w.engine
 		s := EndpointStats{Endpoint: w.ep, InFlight: w.inFlight, PrefillTokens: w.queued(),

@@ -69,6 +69,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	c := cands[first]
 	if p.isAdapter(c, req.Model) {
 		r.adapter = req.Model
+		r.adapterLoad = !c.adapterResident(req.Model)
 	}
 	p.owners++
 	r.owner = p.owners

@@ -102,10 +102,13 @@ const (
 	rateSampleShort   // less than minLearnTokens of work
 	rateSampleLate    // came with the whole response
 	rateSampleOutlier // after twice the modelled whole request
+	// It waited for its adapter to load: it teaches the load time, not the
+	// rate (adapters.go).
+	rateSampleAdapterLoad
 	numRateSamples
 )
 
-var rateSampleNames = [numRateSamples]string{"learned", "short", "late", "outlier"}
+var rateSampleNames = [numRateSamples]string{"learned", "short", "late", "outlier", "adapter_load"}
 
 // rateFit fits seconds = overhead + tokens/rate by least squares over
 // exponentially decayed sums: the time to a first byte includes fixed
@@ -245,6 +248,11 @@ func (p *Picker) learnPrefillLocked(r *Reservation, now int64) {
 			p.rateSamples[rateSampleLate]++
 			return
 		}
+	}
+	if r.adapterLoad {
+		p.rateSamples[rateSampleAdapterLoad]++
+		p.loraLoad.learn(seconds - p.pool.overhead - float64(r.work)/w.rate)
+		return
 	}
 	if p.pool.samples >= outlierEvidence {
 		whole := p.pool.overhead + float64(r.work)/w.rate + p.expectedOutputTokens(r)*p.decodeNsPerToken/1e9

@@ -22,8 +22,11 @@ type Reservation struct {
 	stream       bool
 	maxTokens    int    // the request's max_tokens; 0 when it gives none
 	adapter      string // its LoRA adapter on its row's engine; "" for the base model
-	endpoints    [maxFallbackEndpoints]netip.AddrPort
-	nEndpoints   int
+	// adapterLoad: its adapter was not resident on its row when it took
+	// it, so its first byte waits for the load (adapters.go).
+	adapterLoad bool
+	endpoints   [maxFallbackEndpoints]netip.AddrPort
+	nEndpoints  int
 
 	// Guarded by p.mu.
 	row          *row // current holder; its counters include this reservation until released
@@ -187,6 +190,7 @@ func (r *Reservation) moveLocked(addr netip.AddrPort, now int64) bool {
 	}
 	r.row = to
 	r.tailOn = nil // recorded whole just below
+	r.adapterLoad = r.adapter != "" && !to.adapterResident(r.adapter)
 	to.hold(r, now)
 	p.index.Record(to.id, r.hashes, r.owner)
 	return p.index.Untidy()

@@ -122,7 +122,9 @@ type PickerConfig struct {
 	PrefillTokensPerSecond int `json:"prefillTokensPerSecond,omitempty"`
 	// LoRALoadMilliseconds is what a request for a LoRA adapter costs more
 	// on an endpoint whose engine has not loaded it (an engine that
-	// publishes vLLM's lora_requests_info): about the time to load it.
+	// publishes vLLM's lora_requests_info): about the time to load it. It
+	// is the starting value: the picker learns the load time from the
+	// streamed first bytes of requests that waited for a load.
 	LoRALoadMilliseconds int `json:"loraLoadMilliseconds,omitempty"`
 	// Saturation, when set, answers 429 once every candidate endpoint is over
 	// a limit. Off by default: requests queue on the model servers instead.

@@ -170,9 +170,11 @@ type ledgerEngine struct {
 // ledger is /debug/ledger: one snapshot of the picker's ledger, its totals
 // and rows read under one hold of its lock.
 type ledger struct {
-	InFlight      int         `json:"inFlight"`
-	PrefillTokens int         `json:"prefillTokens"`
-	Endpoints     []ledgerRow `json:"endpoints"`
+	InFlight      int `json:"inFlight"`
+	PrefillTokens int `json:"prefillTokens"`
+	// LoRALoadSeconds is what placement charges for loading an adapter.
+	LoRALoadSeconds float64     `json:"loraLoadSeconds"`
+	Endpoints       []ledgerRow `json:"endpoints"`
 	// Retained are endpoints that left the set and keep their row.
 	Retained []ledgerRow `json:"retained"`
 }
@@ -201,5 +203,5 @@ func ledgerJSON(l picker.Ledger) ledger {
 		}
 		return out
 	}
-	return ledger{InFlight: l.InFlight, PrefillTokens: l.PrefillTokens, Endpoints: rows(l.Endpoints), Retained: rows(l.Retained)}
+	return ledger{InFlight: l.InFlight, PrefillTokens: l.PrefillTokens, LoRALoadSeconds: l.LoRALoadSeconds, Endpoints: rows(l.Endpoints), Retained: rows(l.Retained)}
 }
