@@ -46,7 +46,14 @@ import "math"
 // Bounds and weights of the learning.
 const (
 	minPrefillRate = 1.0
-	maxPrefillRate = 1e8
+	// maxPrefillRate is more than any engine prefills (a large batch on
+	// the fastest accelerators is some tens of thousands of tokens a
+	// second). First bytes that imply more did not wait for a prefill: a
+	// cache the prefix index did not predict, a server that answers at
+	// once. Learned from those, rates of millions drained a 32,000-token
+	// prompt in the model within milliseconds, and a burst was placed on
+	// those milliseconds instead of its queues.
+	maxPrefillRate = 1e6
 	// poolRateDecay weighs earlier samples in the pool's fit by this much
 	// at each new one: a memory of about 20 samples.
 	poolRateDecay = 0.95

@@ -221,3 +221,26 @@ func TestAFasterEnginesTimingIsLearnedWithEvidence(t *testing.T) {
 		t.Errorf("rates %.0f: the engine timed twice as fast is floored only %.2fx higher, want at least 1.6x", rs, ratio)
 	}
 }
+
+// First bytes that come at once (a server that answers without a prefill,
+// a cache the index did not predict) teach no more than maxPrefillRate.
+func TestInstantFirstBytesTeachABoundedRate(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 3, testConfig(), Options{Now: clock.Now})
+	for i := range 60 {
+		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("instant", i), (2000+i*100)*4), Stream: true})
+		clock.Advance(time.Millisecond)
+		r.FirstByte()
+		clock.Advance(400 * time.Millisecond) // 16 tokens, decoded as they come
+		r.Completed(16)
+		r.Release()
+	}
+	for _, r := range rates(p) {
+		if r > maxPrefillRate {
+			t.Fatalf("learned %.0f tokens/s from first bytes 1 ms after the pick, want at most %.0f", r, float64(maxPrefillRate))
+		}
+	}
+	if r := rates(p)[0]; r < maxPrefillRate/2 {
+		t.Errorf("learned %.0f tokens/s from first bytes 1 ms after the pick, want near the bound", r)
+	}
+}
