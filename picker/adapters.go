@@ -112,7 +112,7 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 			c.loraFull = true // not full, but not needed: taken out below
 			continue
 		}
-		c.cost += int(p.loraLoad.seconds * c.rate)
+		c.cost += int(p.loraLoad.mean() * c.rate)
 		if m := c.engine.maxLoRAs; m > 0 && c.activeAdapters() >= m {
 			c.loraFull = true
 			continue
@@ -131,17 +131,14 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 	return full
 }
 
-// loraLoadFit learns what loading an adapter takes: a streamed request
-// placed where its adapter was not resident waits for the load before its
+// What loading an adapter takes is learned: a streamed request placed
+// where its adapter was not resident waits for the load before its
 // prefill, so its first byte, less what the prefill model says its queue
-// and prompt took, is one sample. Left in the rate fit, such samples
-// dragged the prefill rate down; the configured loraLoadMilliseconds
-// enters as loraLoadPrior samples, and each sample weighs the earlier ones
-// by loraLoadDecay (a memory of about ten loads).
-type loraLoadFit struct {
-	sum, weight, seconds float64
-}
-
+// and prompt took, is one sample (learnPrefillLocked). Left in the rate
+// fit, such samples dragged the prefill rate down. The samples' mean
+// (Picker.loraLoad) starts from loraLoadPrior samples of the configured
+// loraLoadMilliseconds, and each sample weighs the earlier ones by
+// loraLoadDecay (a memory of about ten loads).
 const (
 	loraLoadPrior = 2
 	loraLoadDecay = 0.9
@@ -149,17 +146,6 @@ const (
 	// beyond its prefill waited for something else.
 	maxLoRALoadSeconds = 600
 )
-
-func newLoRALoadFit(ms int) loraLoadFit {
-	s := float64(ms) / 1000
-	return loraLoadFit{sum: s * loraLoadPrior, weight: loraLoadPrior, seconds: s}
-}
-
-func (f *loraLoadFit) learn(seconds float64) {
-	f.sum = f.sum*loraLoadDecay + min(max(seconds, 0), maxLoRALoadSeconds)
-	f.weight = f.weight*loraLoadDecay + 1
-	f.seconds = f.sum / f.weight
-}
 
 // holdAdapter and dropAdapter count r's adapter on its row.
 func (w *row) holdAdapter(r *Reservation) {

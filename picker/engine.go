@@ -97,10 +97,9 @@ type engineView struct {
 	cacheTokens       int
 	kvUsage           float64 // -1: not published
 	delivered, predic int64   // cached prompt tokens delivered by the engine, and predicted
-	// The share of predicted cached tokens the engine delivered, a decayed
-	// mean over its recent predictions (trustSum over trustWeight); see
-	// cacheTrust.
-	trustSum, trustWeight float64
+	// The share of predicted cached tokens the engine delivered, a mean
+	// over its recent predictions; see cacheTrust.
+	delivery decayedMean
 	// LoRA (adapters.go): whether the engine publishes its adapters, its
 	// base model, the adapters of its running and waiting requests, and
 	// how many it runs at once.
@@ -130,11 +129,10 @@ func (e *engineView) learnCacheTrust(delivered, predicted int) {
 	if predicted <= 0 {
 		return
 	}
-	if e.trustWeight == 0 {
-		e.trustSum, e.trustWeight = cacheTrustPrior, cacheTrustPrior
+	if e.delivery.weight == 0 {
+		e.delivery = startedAt(1, cacheTrustPrior)
 	}
-	e.trustSum = e.trustSum*cacheTrustDecay + min(float64(delivered)/float64(predicted), 1)
-	e.trustWeight = e.trustWeight*cacheTrustDecay + 1
+	e.delivery.add(min(float64(delivered)/float64(predicted), 1), cacheTrustDecay)
 }
 
 // cacheTrust is the share of the prefix index's predicted cached tokens the
@@ -146,10 +144,10 @@ func (e *engineView) learnCacheTrust(delivered, predicted int) {
 // without this a non-caching engine would keep drawing repeats on a cache
 // it does not have.
 func (e *engineView) cacheTrust() float64 {
-	if e.trustWeight == 0 {
+	if e.delivery.weight == 0 {
 		return 1
 	}
-	return min(e.trustSum/e.trustWeight/cacheTrustFull, 1)
+	return min(e.delivery.mean()/cacheTrustFull, 1)
 }
 
 // foreignCost is the foreign load's share of the endpoint's cost at now.

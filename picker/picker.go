@@ -219,7 +219,7 @@ type Picker struct {
 	rateSamples [numRateSamples]uint64
 	// What loading an adapter takes, learned from the first bytes of
 	// requests that waited for one (adapters.go).
-	loraLoad loraLoadFit
+	loraLoad decayedMean
 
 	// Detached reservations past their prefill, by modelled end, and the
 	// pool's decode model they end by (detach.go); why they ended.
@@ -273,7 +273,7 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 		// Until picks teach it: a guess at one request's prompt.
 		meanPromptTokens: defaultForeignRequestTokens,
 		pool:             newPoolRate(float64(cfg.PrefillTokensPerSecond)),
-		loraLoad:         newLoRALoadFit(cfg.LoRALoadMilliseconds),
+		loraLoad:         startedAt(float64(cfg.LoRALoadMilliseconds)/1000, loraLoadPrior),
 		decodeNsPerToken: defaultDecodeNsPerToken,
 		meanOutputTokens: defaultOutputTokens,
 		flowOn:           cfg.FlowControl.Enabled,
@@ -514,7 +514,7 @@ func (p *Picker) Snapshot() Ledger {
 	l.DetachEnds = p.detachEnds
 	l.Waiting = p.queue.n
 	l.RateSamples = p.rateSamples
-	l.LoRALoadSeconds = p.loraLoad.seconds
+	l.LoRALoadSeconds = p.loraLoad.mean()
 	for _, w := range p.byKey {
 		e := &w.engine
 		s := EndpointStats{Endpoint: w.ep, InFlight: w.inFlight, PrefillTokens: w.queued(),

@@ -117,6 +117,28 @@ const (
 
 var rateSampleNames = [numRateSamples]string{"learned", "short", "late", "outlier", "adapter_load"}
 
+// decayedMean is a mean in which each value added weighs the earlier ones
+// by a decay, so that it follows what the latest values say. Its zero value
+// holds nothing; startedAt holds prior samples of a starting value.
+type decayedMean struct{ sum, weight float64 }
+
+func startedAt(value, prior float64) decayedMean {
+	return decayedMean{sum: value * prior, weight: prior}
+}
+
+func (m *decayedMean) add(x, decay float64) {
+	m.sum = m.sum*decay + x
+	m.weight = m.weight*decay + 1
+}
+
+// mean is the mean (0 while the mean holds nothing).
+func (m decayedMean) mean() float64 {
+	if m.weight == 0 {
+		return 0
+	}
+	return m.sum / m.weight
+}
+
 // rateFit fits seconds = overhead + tokens/rate by least squares over
 // exponentially decayed sums: the time to a first byte includes fixed
 // costs (the gateway, the network, the engine's scheduling step) that are
@@ -177,10 +199,10 @@ type poolRate struct {
 	// all given a new one only when the pool's moves past rateReapply.
 	applied float64
 	// The engines' timing: the mean of every window's log rate, decayed
-	// by poolRateDecay at each (floorLog over floorWeight), its floor
-	// (0 before any window), and the floor the rows last took.
-	floorLog, floorWeight float64
-	floor, floorApplied   float64
+	// by poolRateDecay at each, its floor (0 before any window), and the
+	// floor the rows last took.
+	floorLog            decayedMean
+	floor, floorApplied float64
 }
 
 func newPoolRate(rate float64) poolRate {
@@ -258,7 +280,8 @@ func (p *Picker) learnPrefillLocked(r *Reservation, now int64) {
 	}
 	if r.adapterLoad {
 		p.rateSamples[rateSampleAdapterLoad]++
-		p.loraLoad.learn(seconds - p.pool.overhead - float64(r.work)/w.rate)
+		load := seconds - p.pool.overhead - float64(r.work)/w.rate
+		p.loraLoad.add(min(max(load, 0), maxLoRALoadSeconds), loraLoadDecay)
 		return
 	}
 	if p.pool.samples >= outlierEvidence {
@@ -311,9 +334,8 @@ func (p *Picker) observePrefillTimingLocked(w *row, s EngineStats, now int64) {
 		}
 		e.floorWindows = e.floorWindows*poolRateDecay + 1
 		pool := &p.pool
-		pool.floorLog = pool.floorLog*poolRateDecay + math.Log(sample)
-		pool.floorWeight = pool.floorWeight*poolRateDecay + 1
-		pool.floor = math.Exp(pool.floorLog / pool.floorWeight)
+		pool.floorLog.add(math.Log(sample), poolRateDecay)
+		pool.floor = math.Exp(pool.floorLog.mean())
 		if pool.floorApplied == 0 || math.Abs(pool.floor/pool.floorApplied-1) > rateReapply {
 			pool.floorApplied = pool.floor
 			p.setRatesLocked(now)
