@@ -52,6 +52,7 @@ import (
 	logf "sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/internal/modelsim/server"
 	"github.com/tallyepp/tally/internal/stack"
 	"github.com/tallyepp/tally/internal/testenv"
 )
@@ -186,6 +187,10 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 		fmt.Fprintln(stdout)
 		writeStreamingTable(stdout, runs)
 	}
+	if opts.lateFirstBytes > 0 {
+		fmt.Fprintln(stdout)
+		writeLateTable(stdout, runs)
+	}
 	fmt.Fprintf(stdout, "Demo took %.0fs of wall time.\n", time.Since(started).Seconds())
 	failed := 0
 	for _, sum := range summaries {
@@ -294,7 +299,7 @@ func runPolicies(ctx context.Context, s *stack.Stack, policies []policy, workloa
 			}
 			runs = append(runs, replayed{
 				summary: stack.Summarize(pol.name, w.name, results, s.PodNames(), s.ServedBy, wall, w.timeScale),
-				times:   splitByStreaming(w.requests, results, w.timeScale),
+				times:   splitByStreaming(w.requests, results, w.timeScale, opts.lateFirstBytes),
 				swaps:   adapterLoads(s), // every request ended: nothing loads any more
 			})
 			if pol.ledger != nil {
@@ -330,9 +335,9 @@ func withNonStreaming(trace []stack.TraceRequest, reqs []stack.Request, fraction
 	}
 	for i := range reqs {
 		if _, frac := math.Modf(float64(i+1) * 0.6180339887498949); frac < fraction {
-			at := reqs[i].At
+			at, key := reqs[i].At, reqs[i].DrawKey
 			reqs[i] = stack.Completion(stack.DefaultModel, trace[i].PromptText(), trace[i].OutputTokens, false)
-			reqs[i].At = at
+			reqs[i].At, reqs[i].DrawKey = at, key
 		}
 	}
 	return reqs
@@ -341,24 +346,57 @@ func withNonStreaming(trace []stack.TraceRequest, reqs []stack.Request, fraction
 // streamingTimes are a replay's successful requests split by streaming: a
 // streamed request's TTFT is when its first token arrives; a non-streamed
 // one's client sees nothing before the whole response, so only its latency
-// is shown.
+// is shown. With --late-first-byte-fraction, the streamed TTFTs are split
+// again into the responses the simulators sent on time and those they held
+// back whole (their TTFT is their latency, whatever the routing).
 type streamingTimes struct {
 	streamedTTFT, nonStreamedLatency []time.Duration
+	onTimeTTFT, heldBackTTFT         []time.Duration
 }
 
-func splitByStreaming(reqs []stack.Request, results []stack.Result, timeScale float64) streamingTimes {
+func splitByStreaming(reqs []stack.Request, results []stack.Result, timeScale, lateFraction float64) streamingTimes {
 	var t streamingTimes
 	for i, r := range results {
 		if r.Err != nil {
 			continue
 		}
-		if reqs[i].Stream {
-			t.streamedTTFT = append(t.streamedTTFT, time.Duration(float64(r.TTFT)*timeScale))
-		} else {
+		if !reqs[i].Stream {
 			t.nonStreamedLatency = append(t.nonStreamedLatency, time.Duration(float64(r.Latency)*timeScale))
+			continue
+		}
+		ttft := time.Duration(float64(r.TTFT) * timeScale)
+		t.streamedTTFT = append(t.streamedTTFT, ttft)
+		key := reqs[i].DrawKey
+		if key == "" {
+			key = r.ID
+		}
+		if server.HoldsBack(lateFraction, key) {
+			t.heldBackTTFT = append(t.heldBackTTFT, ttft)
+		} else {
+			t.onTimeTTFT = append(t.onTimeTTFT, ttft)
 		}
 	}
 	return t
+}
+
+// writeLateTable shows each replay's streamed TTFTs: all of them as the
+// clients saw them, and those of the responses sent on time, which say how
+// well the requests were placed.
+func writeLateTable(w io.Writer, runs []replayed) {
+	fmt.Fprintln(w, "With late first bytes (simulated seconds; held back: responses the simulators sent whole at their end):")
+	fmt.Fprintf(w, "%-12s %-9s %9s %9s %9s   %8s %9s %9s %9s   %9s\n", "policy", "workload",
+		"TTFT p50", "TTFT p90", "TTFT p99", "on time", "TTFT p50", "TTFT p90", "TTFT p99", "held back")
+	for _, r := range runs {
+		sum, t := r.summary, r.times
+		if len(t.streamedTTFT) == 0 {
+			continue
+		}
+		fmt.Fprintf(w, "%-12s %-9s %8.3fs %8.3fs %8.3fs   %8d %8.3fs %8.3fs %8.3fs   %9d\n", sum.Policy, sum.Workload,
+			stack.Percentile(t.streamedTTFT, 50).Seconds(), stack.Percentile(t.streamedTTFT, 90).Seconds(),
+			stack.Percentile(t.streamedTTFT, 99).Seconds(), len(t.onTimeTTFT),
+			stack.Percentile(t.onTimeTTFT, 50).Seconds(), stack.Percentile(t.onTimeTTFT, 90).Seconds(),
+			stack.Percentile(t.onTimeTTFT, 99).Seconds(), len(t.heldBackTTFT))
+	}
 }
 
 func writeStreamingTable(w io.Writer, runs []replayed) {

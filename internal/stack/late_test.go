@@ -2,9 +2,12 @@ package stack
 
 import (
 	"context"
+	"fmt"
+	"strconv"
 	"testing"
 
 	"github.com/tallyepp/tally/internal/modelsim/engine"
+	"github.com/tallyepp/tally/internal/modelsim/server"
 )
 
 func TestLateFirstByteFractionReachesTheSimulators(t *testing.T) {
@@ -13,8 +16,8 @@ func TestLateFirstByteFractionReachesTheSimulators(t *testing.T) {
 	if err := s.ResetSimulators(0); err != nil {
 		t.Fatal(err)
 	}
-	if cfg := s.simulatorConfig(); cfg.LateFirstByteFraction != 1 || cfg.RequestIDHeader != RequestIDHeader {
-		t.Fatalf("simulator config: late fraction %v, request id header %q; want 1 and %q", cfg.LateFirstByteFraction, cfg.RequestIDHeader, RequestIDHeader)
+	if cfg := s.simulatorConfig(); cfg.LateFirstByteFraction != 1 || cfg.RequestIDHeader != DrawKeyHeader {
+		t.Fatalf("simulator config: late fraction %v, request id header %q; want 1 and %q", cfg.LateFirstByteFraction, cfg.RequestIDHeader, DrawKeyHeader)
 	}
 	const tokens = 50
 	r := Send(context.Background(), s.HTTPClient(), p.URL(), "late-0", Completion(DefaultModel, "hello there", tokens, true))
@@ -25,5 +28,41 @@ func TestLateFirstByteFractionReachesTheSimulators(t *testing.T) {
 	// simulators run 10 times faster than real time.
 	if atLeast := tokens * engine.DefaultStepBaseDuration / 10; r.TTFT < atLeast || r.CompletionTokens != tokens {
 		t.Fatalf("first event after %v of a %v response with %d tokens; want the whole generation, at least %v, and %d tokens", r.TTFT, r.Latency, r.CompletionTokens, atLeast, tokens)
+	}
+}
+
+// The simulators draw a response's fate from its draw key, not its id: the
+// same trace request replayed under two policies' ids is held back alike,
+// and a client can tell which responses were held back (server.HoldsBack).
+func TestLateResponsesFollowTheDrawKey(t *testing.T) {
+	s, p := newTestPod(t)
+	const fraction = 0.5
+	s.opts.LateFirstByteFraction = fraction
+	if err := s.ResetSimulators(0); err != nil {
+		t.Fatal(err)
+	}
+	const tokens = 20
+	atLeast := tokens * engine.DefaultStepBaseDuration / 10
+	held := 0
+	for i := range 8 {
+		key := TraceDrawKey(i)
+		want := server.HoldsBack(fraction, key)
+		if want {
+			held++
+		}
+		for _, policy := range []string{"tally", "round-robin"} {
+			req := Completion(DefaultModel, fmt.Sprintf("request %d", i), tokens, true)
+			req.DrawKey = key
+			r := Send(context.Background(), s.HTTPClient(), p.URL(), policy+"-"+strconv.Itoa(i), req)
+			if r.Err != nil {
+				t.Fatal(r.Err)
+			}
+			if got := r.TTFT >= atLeast; got != want {
+				t.Errorf("%s request %d (draw key %s): first event after %v of %v, held back %v; want held back %v", policy, i, key, r.TTFT, r.Latency, got, want)
+			}
+		}
+	}
+	if held == 0 || held == 8 {
+		t.Fatalf("%d of 8 draw keys held back at fraction %v: the test needs both kinds", held, fraction)
 	}
 }

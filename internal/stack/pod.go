@@ -270,8 +270,9 @@ func (s *Stack) simulatorConfig() server.Config {
 		cfg.Engine.LoRALoadTime = s.opts.LoRALoadTime
 	}
 	// The gateway names a request that comes without an x-request-id at
-	// random; the stack's own id is the same on every run.
-	cfg.RequestIDHeader = RequestIDHeader
+	// random; the stack's draw key is the same on every run, and for every
+	// policy that replays the same trace.
+	cfg.RequestIDHeader = DrawKeyHeader
 	return cfg
 }
 

@@ -20,6 +20,11 @@ import (
 // each request without trusting the gateway to say.
 const RequestIDHeader = "X-Tally-Request-Id"
 
+// DrawKeyHeader carries each replayed request's Request.DrawKey (its id when
+// it has none): the simulators of a Stack draw from it which responses they
+// hold back (Options.LateFirstByteFraction).
+const DrawKeyHeader = "X-Tally-Draw-Key"
+
 const defaultProgressInterval = 3 * time.Second
 
 // Result is what one replayed request measured, client side.
@@ -156,6 +161,11 @@ func sendBody(ctx context.Context, client *http.Client, baseURL, id string, req 
 	httpReq.ContentLength = size
 	httpReq.Header.Set("Content-Type", "application/json")
 	httpReq.Header.Set(RequestIDHeader, id)
+	drawKey := req.DrawKey
+	if drawKey == "" {
+		drawKey = id
+	}
+	httpReq.Header.Set(DrawKeyHeader, drawKey)
 	for k, v := range req.Headers {
 		httpReq.Header.Set(k, v)
 	}

@@ -72,8 +72,9 @@ type Options struct {
 	// LateFirstByteFraction is the fraction of streamed responses each
 	// simulator holds back whole until their last token, as a buffering
 	// proxy would (server.Config's field of that name; 0 streams them all).
-	// A request's fate follows its id in RequestIDHeader, so a replay holds
-	// back the same requests on every run and whichever pod serves them.
+	// A request's fate follows its draw key (DrawKeyHeader), so a replay
+	// holds back the same requests on every run, whichever pod serves them,
+	// and a trace the same requests for every policy (TraceWorkload).
 	LateFirstByteFraction float64
 	// LoRAAdapters are LoRA adapter names each simulator serves besides
 	// Model (server.Config.LoRAModules); none leaves LoRA off. MaxLoRAs is

@@ -3,6 +3,7 @@ package stack
 import (
 	"encoding/json"
 	"fmt"
+	"strconv"
 	"time"
 )
 
@@ -24,6 +25,11 @@ type Request struct {
 	// Headers are sent besides the content type and the request id (the
 	// flow control headers, for example).
 	Headers map[string]string
+	// DrawKey is sent in DrawKeyHeader; "" sends the request's id. The
+	// simulators draw which responses they hold back from it, so requests
+	// that share a key (one trace request replayed by two policies) are
+	// held back alike.
+	DrawKey string
 }
 
 type completionBody struct {
@@ -71,9 +77,13 @@ func TraceWorkload(trace []TraceRequest, model string, timeScale float64) []Requ
 	for i, t := range trace {
 		out[i] = Completion(model, t.PromptText(), t.OutputTokens, true)
 		out[i].At = time.Duration(float64(t.Arrival-start) / timeScale)
+		out[i].DrawKey = TraceDrawKey(i)
 	}
 	return out
 }
+
+// TraceDrawKey is the DrawKey of a trace's i-th request in TraceWorkload.
+func TraceDrawKey(i int) string { return "trace-" + strconv.Itoa(i) }
 
 // Burst describes n requests sent at once that share a system prompt.
 type Burst struct {

@@ -442,15 +442,22 @@ func (s *Server) snapshot(p *pending) (tokens, cached int, finished bool) {
 // its prompt (promptKey) when it has none, drawn against
 // LateFirstByteFraction.
 func (s *Server) lateFirstBytes(requestID string, promptKey uint64) bool {
-	f := s.cfg.LateFirstByteFraction
-	if f == 0 {
-		return false
-	}
-	h := promptKey
 	if requestID != "" {
-		h = xxhash.Sum64String(requestID)
+		return HoldsBack(s.cfg.LateFirstByteFraction, requestID)
 	}
-	return float64(h>>11)/(1<<53) < f // the top 53 bits, uniform in [0, 1)
+	return drawnBelow(promptKey, s.cfg.LateFirstByteFraction)
+}
+
+// HoldsBack reports whether a server whose LateFirstByteFraction is
+// fraction holds back the streamed response of the request whose
+// RequestIDHeader is id, so that a client can tell its late responses
+// from the others.
+func HoldsBack(fraction float64, id string) bool {
+	return drawnBelow(xxhash.Sum64String(id), fraction)
+}
+
+func drawnBelow(h uint64, fraction float64) bool {
+	return fraction > 0 && float64(h>>11)/(1<<53) < fraction // the top 53 bits, uniform in [0, 1)
 }
 
 // fault draws which injected fault, if any, hits a request.
