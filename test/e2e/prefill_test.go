@@ -98,6 +98,83 @@ func (a *prefillAverages) String() string {
 	return b.String()
 }
 
+// lateFirstPodIP keeps the late first bytes spec's pods off the others'.
+var lateFirstPodIP = netip.MustParseAddr("127.0.50.2")
+
+// runPrefillWorkload runs prefillClients closed-loop clients (client c
+// streams when stream(c)) through ps for the warm-up and the measured
+// time, samples the ledger's and the engines' queued prefill meanwhile, and
+// checks what holds whatever the responses' timing: every request served,
+// at least 250 of them, the learned rates of the identical engines within
+// 15% of each other, and each engine's queue tracked by the ledger within
+// prefillTolerance.
+func runPrefillWorkload(ctx context.Context, ps *stack.Stack, stream func(client int) bool) stack.Ledger {
+	run, stop := context.WithCancel(ctx)
+	defer stop()
+	var (
+		mu      sync.Mutex
+		results []stack.Result
+		streams int
+		wg      sync.WaitGroup
+	)
+	for c := range prefillClients {
+		stream := stream(c)
+		wg.Go(func() {
+			for run.Err() == nil {
+				r := stack.Send(run, ps.HTTPClient(), ps.GatewayURL(), nextID("prefill"), distinctRequest(stream))
+				if run.Err() != nil {
+					return // cut by the end of the run
+				}
+				mu.Lock()
+				results = append(results, r)
+				if stream {
+					streams++
+				}
+				mu.Unlock()
+			}
+		})
+	}
+
+	avg := &prefillAverages{ledger: map[string]float64{}, engine: map[string]float64{}}
+	start := time.Now()
+	tick := time.NewTicker(prefillSampling)
+	for time.Since(start) < prefillWarmUp+prefillMeasured {
+		<-tick.C
+		if time.Since(start) >= prefillWarmUp {
+			Expect(avg.sample(ctx, ps)).To(Succeed())
+		}
+	}
+	tick.Stop()
+	stop()
+	wg.Wait()
+	expectLedgerDrains(ctx, ps)
+	l, err := ps.Ledger(ctx)
+	Expect(err).NotTo(HaveOccurred())
+	lo, hi := math.Inf(1), 0.0
+	for _, e := range l.Endpoints {
+		fmt.Fprintf(GinkgoWriter, "%s: learned prefill rate %.0f tokens/s\n", e.Pod, e.PrefillTokensPerSecond)
+		lo, hi = min(lo, e.PrefillTokensPerSecond), max(hi, e.PrefillTokensPerSecond)
+	}
+
+	AddReportEntry("prefill averages", avg.String())
+	fmt.Fprintf(GinkgoWriter, "%d requests (%d streamed) in %v: %s\n", len(results), streams, prefillWarmUp+prefillMeasured, avg)
+	for _, r := range results {
+		Expect(r.Err).NotTo(HaveOccurred())
+		Expect(r.Status).To(Equal(http.StatusOK))
+	}
+	Expect(streams).To(BeNumerically(">", 0))
+	// Identical simulators: identical learned rates, within 15%.
+	Expect(len(results)).To(BeNumerically(">=", 250), "a run of at least 250 requests")
+	Expect(hi/lo).To(BeNumerically("<=", 1.15), "learned rates of identical engines: %+v", l.Endpoints)
+	for _, p := range ps.Pods() {
+		engine := avg.engine[p.Name] / float64(avg.samples)
+		ledger := avg.ledger[p.Name] / float64(avg.samples)
+		Expect(engine).To(BeNumerically(">=", prefillMinQueued), "the load kept %s's queue non-trivial: %s", p.Name, avg)
+		Expect(ledger).To(BeNumerically("~", engine, prefillTolerance*engine), "%s: the ledger's prefill against the engine's: %s", p.Name, avg)
+	}
+	return l
+}
+
 var _ = Describe("The ledger's prefill under a non-streaming workload", Ordered, func() {
 	var ps *stack.Stack
 
@@ -114,69 +191,40 @@ var _ = Describe("The ledger's prefill under a non-streaming workload", Ordered,
 	}, NodeTimeout(2*time.Minute))
 
 	It("tracks each engine's queued prefill within 25% over a mix of streaming and non-streaming requests", func(ctx SpecContext) {
-		run, stop := context.WithCancel(ctx)
-		defer stop()
-		var (
-			mu      sync.Mutex
-			results []stack.Result
-			streams int
-			wg      sync.WaitGroup
-		)
-		for c := range prefillClients {
-			stream := c%2 == 0
-			wg.Go(func() {
-				for run.Err() == nil {
-					r := stack.Send(run, ps.HTTPClient(), ps.GatewayURL(), nextID("prefill"), distinctRequest(stream))
-					if run.Err() != nil {
-						return // cut by the end of the run
-					}
-					mu.Lock()
-					results = append(results, r)
-					if stream {
-						streams++
-					}
-					mu.Unlock()
-				}
-			})
-		}
+		runPrefillWorkload(ctx, ps, func(c int) bool { return c%2 == 0 })
+	}, SpecTimeout(2*time.Minute))
+})
 
-		avg := &prefillAverages{ledger: map[string]float64{}, engine: map[string]float64{}}
-		start := time.Now()
-		tick := time.NewTicker(prefillSampling)
-		for time.Since(start) < prefillWarmUp+prefillMeasured {
-			<-tick.C
-			if time.Since(start) >= prefillWarmUp {
-				Expect(avg.sample(ctx, ps)).To(Succeed())
-			}
-		}
-		tick.Stop()
-		stop()
-		wg.Wait()
-		expectLedgerDrains(ctx, ps)
-		l, err := ps.Ledger(ctx)
+var _ = Describe("The ledger's prefill when half the streamed first bytes come late", Ordered, func() {
+	var ps *stack.Stack
+
+	BeforeAll(func(ctx SpecContext) {
+		// The simulators hold half the responses back whole until their
+		// last token, as a buffering proxy would: their first bytes say
+		// nothing of prefill.
+		ps = startStack(ctx, stack.Options{
+			Namespace:             "e2e-late",
+			PoolName:              "late-pool",
+			Pods:                  3,
+			FirstPodIP:            lateFirstPodIP,
+			TimeScale:             1,
+			LateFirstByteFraction: 0.5,
+		})
+	}, NodeTimeout(2*time.Minute))
+
+	It("learns the same rates, tracks each engine's queued prefill within 25%, and learns nothing from the late first bytes", func(ctx SpecContext) {
+		runPrefillWorkload(ctx, ps, func(int) bool { return true })
+		m, err := ps.PickerMetrics(ctx)
 		Expect(err).NotTo(HaveOccurred())
-		lo, hi := math.Inf(1), 0.0
-		for _, e := range l.Endpoints {
-			fmt.Fprintf(GinkgoWriter, "%s: learned prefill rate %.0f tokens/s\n", e.Pod, e.PrefillTokensPerSecond)
-			lo, hi = min(lo, e.PrefillTokensPerSecond), max(hi, e.PrefillTokensPerSecond)
-		}
-
-		AddReportEntry("prefill averages", avg.String())
-		fmt.Fprintf(GinkgoWriter, "%d requests (%d streamed) in %v: %s\n", len(results), streams, prefillWarmUp+prefillMeasured, avg)
-		for _, r := range results {
-			Expect(r.Err).NotTo(HaveOccurred())
-			Expect(r.Status).To(Equal(http.StatusOK))
-		}
-		Expect(streams).To(BeNumerically(">", 0))
-		// Identical simulators: identical learned rates, within 15%.
-		Expect(len(results)).To(BeNumerically(">=", 250), "a run of at least 250 mixed requests")
-		Expect(hi/lo).To(BeNumerically("<=", 1.15), "learned rates of identical engines: %+v", l.Endpoints)
-		Expect(len(results) - streams).To(BeNumerically(">", 0))
-		for _, p := range ps.Pods() {
-			engine := avg.engine[p.Name] / float64(avg.samples)
-			ledger := avg.ledger[p.Name] / float64(avg.samples)
-			Expect(engine).To(BeNumerically(">=", prefillMinQueued), "the load kept %s's queue non-trivial: %s", p.Name, avg)
-			Expect(ledger).To(BeNumerically("~", engine, prefillTolerance*engine), "%s: the ledger's prefill against the engine's: %s", p.Name, avg)
-		}
+		const name = "tally_prefill_rate_samples_total"
+		learned, _ := m.Value(name, "result", "learned")
+		late, _ := m.Value(name, "result", "late")
+		outlier, _ := m.Value(name, "result", "outlier")
+		fmt.Fprintf(GinkgoWriter, "first bytes offered to the rate: %.0f learned, %.0f late, %.0f outliers\n", learned, late, outlier)
+		// About half of the responses were held back; each is refused as
+		// late (or as an outlier), and the rest taught the rate.
+		offered := learned + late + outlier
+		Expect(learned).To(BeNumerically(">", 0.35*offered), "first bytes learned: %.0f of %.0f", learned, offered)
+		Expect(late+outlier).To(BeNumerically(">", 0.35*offered), "first bytes refused as late: %.0f of %.0f", late+outlier, offered)
 	}, SpecTimeout(2*time.Minute))
 })
