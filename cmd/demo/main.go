@@ -366,11 +366,7 @@ func splitByStreaming(reqs []stack.Request, results []stack.Result, timeScale, l
 		}
 		ttft := time.Duration(float64(r.TTFT) * timeScale)
 		t.streamedTTFT = append(t.streamedTTFT, ttft)
-		key := reqs[i].DrawKey
-		if key == "" {
-			key = r.ID
-		}
-		if server.HoldsBack(lateFraction, key) {
+		if server.HoldsBack(lateFraction, reqs[i].DrawKeyOf(r.ID)) {
 			t.heldBackTTFT = append(t.heldBackTTFT, ttft)
 		} else {
 			t.onTimeTTFT = append(t.onTimeTTFT, ttft)

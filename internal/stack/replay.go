@@ -161,11 +161,7 @@ func sendBody(ctx context.Context, client *http.Client, baseURL, id string, req 
 	httpReq.ContentLength = size
 	httpReq.Header.Set("Content-Type", "application/json")
 	httpReq.Header.Set(RequestIDHeader, id)
-	drawKey := req.DrawKey
-	if drawKey == "" {
-		drawKey = id
-	}
-	httpReq.Header.Set(DrawKeyHeader, drawKey)
+	httpReq.Header.Set(DrawKeyHeader, req.DrawKeyOf(id))
 	for k, v := range req.Headers {
 		httpReq.Header.Set(k, v)
 	}

@@ -32,6 +32,15 @@ type Request struct {
 	DrawKey string
 }
 
+// DrawKeyOf is the key the simulators draw from for the request sent with
+// id: its DrawKey, or id when it has none.
+func (r Request) DrawKeyOf(id string) string {
+	if r.DrawKey == "" {
+		return id
+	}
+	return r.DrawKey
+}
+
 type completionBody struct {
 	Model         string         `json:"model"`
 	Prompt        string         `json:"prompt"`
