@@ -20,7 +20,13 @@ import "slices"
 //     endpoints as its size needs, not on every one (the load cost alone
 //     would spread a large burst everywhere);
 //   - an endpoint running max_lora other adapters is not a candidate,
-//     unless every candidate is such an endpoint.
+//     unless every candidate is such an endpoint;
+//   - an endpoint where an adapter waits for a slot (starving: vLLM admits
+//     other adapters' requests past it) is not a candidate for any other
+//     adapter's request, unless every candidate is full: more requests for
+//     the adapters holding its slots would keep them held. There the
+//     starving adapter is not loaded, so its own requests avoid the
+//     endpoint as any full one.
 //
 // Base-model requests, and engines that publish no adapters, are scored as
 // before.
@@ -44,6 +50,9 @@ func (p *Picker) isAdapter(c *row, model string) bool {
 // until another needs it, and publishes only running and waiting ones).
 func (c *row) adapterResident(model string) bool {
 	e := &c.engine
+	if c.starving(model) {
+		return false
+	}
 	return c.adapterRefs[model] > 0 || slices.Contains(e.runningAdapters, model) ||
 		slices.Contains(e.waitingAdapters, model) || slices.Contains(c.recentAdapters, model)
 }
@@ -52,7 +61,31 @@ func (c *row) adapterResident(model string) bool {
 // the affinity of a burst follows these, not an adapter idle in a slot.
 func (c *row) adapterActive(model string) bool {
 	e := &c.engine
+	if c.starving(model) {
+		return false
+	}
 	return c.adapterRefs[model] > 0 || slices.Contains(e.runningAdapters, model) || slices.Contains(e.waitingAdapters, model)
+}
+
+// starving reports whether model's requests wait on c's engine for a slot
+// (at its last scrape): waiting there, not running, with every slot held by
+// running adapters. vLLM admits other adapters' waiting requests past them,
+// so while the running adapters' requests keep coming they wait on.
+func (c *row) starving(model string) bool {
+	e := &c.engine
+	return e.maxLoRAs > 0 && len(e.runningAdapters) >= e.maxLoRAs &&
+		slices.Contains(e.waitingAdapters, model) && !slices.Contains(e.runningAdapters, model)
+}
+
+// starves reports whether some adapter other than model starves on c: a
+// request for one of c's running adapters there would keep its slot held.
+func (c *row) starves(model string) bool {
+	for _, a := range c.engine.waitingAdapters {
+		if a != model && c.starving(a) {
+			return true
+		}
+	}
+	return false
 }
 
 // useAdapter records that a is in use on c: the most recent of its last
@@ -102,6 +135,10 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 	}
 	for _, c := range cands {
 		c.loraFull = false
+		if !c.taken && p.isAdapter(c, model) && c.starves(model) {
+			c.loraFull = true
+			continue
+		}
 		if c.taken || !p.isAdapter(c, model) || c.adapterResident(model) {
 			if !c.taken {
 				open++
