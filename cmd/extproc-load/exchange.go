@@ -4,6 +4,10 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -13,6 +17,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/tallyepp/tally/internal/envoy"
+	"github.com/tallyepp/tally/internal/ngfshim"
 	"github.com/tallyepp/tally/picker/extproc"
 )
 
@@ -24,6 +29,9 @@ const maxChunkBytes = 62_000
 type client struct {
 	*envoy.Client
 	conns []*grpc.ClientConn
+	// addr is the picker's address, which NGF's NJS names to its shim in
+	// X-EPP-Host and X-EPP-Port.
+	addr string
 }
 
 // dial connects to a picker's ext_proc port. With useTLS the certificate is
@@ -33,7 +41,7 @@ func dial(addr string, useTLS bool, conns int) (*client, error) {
 	if useTLS {
 		creds = credentials.NewTLS(&tls.Config{InsecureSkipVerify: true}) //nolint:gosec // a benchmark of a self-signed picker
 	}
-	c := &client{}
+	c := &client{addr: addr}
 	var ccs []grpc.ClientConnInterface
 	for range max(conns, 1) {
 		// Large windows, as Envoy's defaults are: a 128 KiB prompt should
@@ -124,6 +132,73 @@ func sendRequest(x *envoy.Stream, req request) (placed, error) {
 		return p, errors.New("the headers answer names no destination endpoint")
 	}
 	p.routed = time.Since(start)
+	return p, nil
+}
+
+// ngfHeaders are req's headers as NGF's shim receives them from NJS: the
+// client's own (Go's server keeps Host apart, so it is not among them) and
+// the X-EPP-* pair naming the picker. No pseudo-headers: NGF has none.
+func ngfHeaders(req request, picker string) http.Header {
+	h := http.Header{}
+	h.Set("Content-Type", "application/json")
+	h.Set("Content-Length", strconv.Itoa(len(req.body)))
+	h.Set("User-Agent", "extproc-load")
+	h.Set("X-Request-Id", req.id)
+	if host, port, err := net.SplitHostPort(picker); err == nil {
+		h.Set(ngfshim.PickerHostHeader, host)
+		h.Set(ngfshim.PickerPortHeader, port)
+	}
+	return h
+}
+
+// sendNGF plays the request path as NGF's shim does (internal/ngfshim):
+// the headers, the whole body in one message, the half-close, then the
+// answers until the picker ends the stream. There is never a response
+// phase, so the picker detaches the request's reservation at the
+// half-close. pick and routed both run to the stream's end: only then
+// does the shim answer NGINX.
+func sendNGF(x *envoy.Stream, req request, picker string) (placed, error) {
+	var p placed
+	start := time.Now()
+	withBody := len(req.body) > 0
+	// As NGF's shim does, a failed send ends the exchange: an answer the
+	// picker sent before it is never read.
+	if err := x.Send(ngfshim.RequestHeaders(ngfHeaders(req, picker), !withBody)); err != nil {
+		return p, fmt.Errorf("sending the request headers: %w", err)
+	}
+	if withBody {
+		if err := x.Send(ngfshim.RequestBody(req.body)); err != nil {
+			return p, fmt.Errorf("sending the request body: %w", err)
+		}
+	}
+	if err := x.CloseSend(); err != nil {
+		return p, fmt.Errorf("half-closing the stream: %w", err)
+	}
+	for {
+		resp, err := x.Recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return p, fmt.Errorf("reading the picker's answer: %w", err)
+		}
+		if ir := resp.GetImmediateResponse(); ir != nil {
+			p.pick = time.Since(start)
+			p.status = int(ir.GetStatus().GetCode())
+			return p, nil
+		}
+		for _, h := range resp.GetRequestHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
+			// NGF reads raw_value only.
+			if h.GetHeader().GetKey() == ngfshim.DestinationHeader {
+				p.endpoint = string(h.GetHeader().GetRawValue())
+			}
+		}
+	}
+	p.pick = time.Since(start)
+	p.routed = p.pick
+	if p.endpoint == "" {
+		return p, errors.New("the picker's answers name no destination endpoint in raw_value")
+	}
 	return p, nil
 }
 

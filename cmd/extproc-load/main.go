@@ -16,7 +16,10 @@
 //	        its endpoint until all are placed; --kind fresh (no shared
 //	        prefix), cold (a 512-token prefix nobody holds), shared (a
 //	        512-token prefix one pod holds: warmed first) or long (a
-//	        30,000-token one). Prints the placement per endpoint.
+//	        30,000-token one). Prints the placement per endpoint. With
+//	        --gateway ngf the requests (and the warm one) come as NGINX
+//	        Gateway Fabric's shim sends them (internal/ngfshim): no response
+//	        phase, so the picker detaches their reservations.
 //	load    --concurrency C clients doing complete cycles for --duration
 //	        (after --warmup): requests/s, time to pick p50/p99/p999, and the
 //	        picker's CPU time per request and peak RSS (/proc/<pid>/stat and
@@ -25,7 +28,8 @@
 //	        cancelled after it, answered 503 upstream, reset mid-response;
 //	        then reads Tally's /debug/ledger and reports whether it emptied
 //	        (skipped for the upstream picker, which has no ledger); with
-//	        --then-bursts K, then K bursts of 128 x 32,000 tokens of --kind.
+//	        --then-bursts K, then K bursts of 128 x 32,000 tokens of --kind
+//	        (through --gateway; the churn itself is Envoy's).
 //	bench   every scenario, for Tally and the upstream picker side by side
 //	        in one run, at 3, 16, 128 and 1,000 endpoints; writes markdown
 //	        tables with ratios into --out between marker comments (--quick:
@@ -59,6 +63,12 @@ import (
 	"github.com/tallyepp/tally/internal/stack"
 )
 
+// The gateways whose exchange --gateway plays.
+const (
+	gatewayEnvoy = "envoy"
+	gatewayNGF   = "ngf"
+)
+
 type options struct {
 	// Where the picker is.
 	addr        string
@@ -72,6 +82,7 @@ type options struct {
 	conns       int
 	pickerArgs  stringList
 	keepLogs    bool
+	gateway     string
 	// Scenario settings.
 	n           int
 	kind        string
@@ -106,6 +117,7 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	fs.BoolVar(&o.useTLS, "tls", false, "speak TLS to the picker (certificate not verified); a started picker serves TLS then")
 	fs.IntVar(&o.conns, "conns", 2, "gRPC connections to the picker (Envoy opens one per worker thread)")
 	fs.BoolVar(&o.keepLogs, "keep-logs", false, "leave the started pickers' logs in their temporary directory")
+	fs.StringVar(&o.gateway, "gateway", gatewayEnvoy, "burst and churn's --then-bursts: the gateway whose ext_proc exchange the bursts play: envoy, or ngf (NGINX Gateway Fabric's shim: no pseudo-headers, the body in one message, a half-close, no response phase)")
 	fs.Var(&o.pickerArgs, "picker-arg", "extra flag for a started picker (repeatable)")
 	fs.IntVar(&o.n, "n", 0, "burst and churn: requests (default 128 for burst, 500 for churn)")
 	fs.StringVar(&o.kind, "kind", kindShared, "burst: prompt kind: "+strings.Join(burstKinds, ", "))
@@ -144,6 +156,10 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 		o.tokens = d[1]
 	}
 	switch {
+	case o.gateway != gatewayEnvoy && o.gateway != gatewayNGF:
+		return "", o, fmt.Errorf("flag --gateway: %q is invalid: want %s or %s", o.gateway, gatewayEnvoy, gatewayNGF)
+	case o.gateway == gatewayNGF && (cmd == "load" || cmd == "bench"):
+		return "", o, fmt.Errorf("flag --gateway: %s plays only burst and churn's --then-bursts, not %s", o.gateway, cmd)
 	case o.picker != pickerTally && o.picker != pickerUpstream:
 		return "", o, fmt.Errorf("flag --picker: %q is invalid: want tally or upstream", o.picker)
 	case o.pods < 1:
@@ -222,6 +238,7 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 		defer func() { err = errors.Join(err, pt.stop()) }()
 		t = pt.target
 	}
+	t.gateway = o.gateway
 	switch cmd {
 	case "burst":
 		r, err := runBurst(ctx, t, o.kind, o.n, o.tokens)

@@ -108,6 +108,53 @@ func TestBurstPlacesEveryRequest(t *testing.T) {
 	}
 }
 
+// TestBurstThroughNGF plays the bursts as NGF's shim does: every request
+// placed, a fresh burst spread within one of even, though the picker
+// never sees a response phase (it detaches each reservation at the
+// half-close, so they still count while the burst is placed).
+func TestBurstThroughNGF(t *testing.T) {
+	tg, p := inProcessTally(t)
+	tg.gateway = gatewayNGF
+	for _, tc := range []struct {
+		kind      string
+		n, tokens int
+	}{
+		{kindFresh, 30, 2_000},
+		{kindShared, 30, 2_000},
+		{kindLong, 6, 31_000},
+	} {
+		t.Run(tc.kind, func(t *testing.T) {
+			r, err := runBurst(t.Context(), tg, tc.kind, tc.n, tc.tokens)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r.errors != 0 || r.refused != 0 {
+				t.Fatalf("%d failed (first: %s), %d refused", r.errors, r.firstError, r.refused)
+			}
+			if got := r.placement.total(); got != tc.n {
+				t.Fatalf("placement %s sums to %d, want %d", r.placement.spread(), got, tc.n)
+			}
+			if warm := tc.kind == kindShared || tc.kind == kindLong; warm != (r.warm != "") {
+				t.Errorf("warm endpoint %q for kind %s", r.warm, tc.kind)
+			}
+			t.Logf("placed %s", r.placement.spread())
+			if tc.kind == kindFresh {
+				even := tc.n / len(smokeEndpoints)
+				for _, e := range smokeEndpoints {
+					if c := r.placement.counts[e]; c < even-1 || c > even+1 {
+						t.Errorf("fresh burst placed %s: %s has %d, want %d ± 1", r.placement.spread(), e, c, even)
+					}
+				}
+			}
+		})
+	}
+	// The detached reservations are still in the ledger: NGF never told
+	// the picker they ended.
+	if snap := p.Snapshot(); snap.InFlight == 0 {
+		t.Errorf("no request in flight after NGF bursts: want the detached reservations")
+	}
+}
+
 func TestLoadMeasuresRequestsLatencyAndCPU(t *testing.T) {
 	tg, _ := inProcessTally(t)
 	r, err := runLoad(t.Context(), tg, 4, 2_000, 200*time.Millisecond, time.Second)
@@ -180,6 +227,7 @@ func TestFlagsAreChecked(t *testing.T) {
 		{"load", "--duration", "0s"},
 		{"burst", "fresh"},
 		{"--addr", "127.0.0.1:1", "bench"},
+		{"--gateway", "ngf", "load"},
 	} {
 		var out, errs bytes.Buffer
 		code := run(context.Background(), args, &out, &errs)
@@ -190,6 +238,16 @@ func TestFlagsAreChecked(t *testing.T) {
 		if code != want {
 			t.Errorf("%q: exit %d, want %d; stderr: %s", args, code, want, errs.String())
 		}
+	}
+}
+
+func TestAnInvalidGatewayIsNamed(t *testing.T) {
+	var out, errs bytes.Buffer
+	if code := run(context.Background(), []string{"--gateway", "haproxy", "burst"}, &out, &errs); code != 2 {
+		t.Fatalf("exit %d, want 2; stderr: %s", code, errs.String())
+	}
+	if !strings.Contains(errs.String(), "--gateway") || !strings.Contains(errs.String(), `"haproxy"`) {
+		t.Errorf("stderr %q names neither the flag nor the value", errs.String())
 	}
 }
 

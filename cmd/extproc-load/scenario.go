@@ -48,6 +48,21 @@ type target struct {
 	// endpoints as first seen.
 	endpoints []string
 	log       io.Writer
+	// gateway is the gateway the requests of bursts (and their warm
+	// requests) come through: gatewayEnvoy ("" too) or gatewayNGF.
+	gateway string
+}
+
+// ngf says requests go through NGINX Gateway Fabric's shim: no response
+// phase, so nothing to answer on the stream.
+func (t *target) ngf() bool { return t.gateway == gatewayNGF }
+
+// send plays req's request path as t's gateway does.
+func (t *target) send(x *envoy.Stream, req request) (placed, error) {
+	if t.ngf() {
+		return sendNGF(x, req, t.client.addr)
+	}
+	return sendRequest(x, req)
 }
 
 func (t *target) logf(format string, args ...any) {
@@ -103,13 +118,17 @@ func (t *target) cycleAfter(ctx context.Context, req request, delay time.Duratio
 		return placed{}, err
 	}
 	defer x.Cancel()
-	p, err := sendRequest(x, req)
+	p, err := t.send(x, req)
 	if err != nil || p.status != 0 {
 		return p, err
 	}
 	release := t.pods.hold(p.endpoint)
 	defer release()
 	sleepCtx(ctx, delay)
+	if t.ngf() {
+		// NGINX proxies the request itself: the stream has ended.
+		return p, nil
+	}
 	return p, x.Respond(okResponse(p.endpoint, len(req.body)/bytesPerToken))
 }
 
@@ -174,7 +193,8 @@ type burstResult struct {
 
 // runBurst sends n requests of tokens tokens at once, each held open at its
 // endpoint until all n are placed, then answers them all. For the shared
-// and long kinds one request warms the prefix first.
+// and long kinds one request warms the prefix first. Through NGF there is
+// nothing to answer: the pods' hold ends when all are placed.
 func runBurst(ctx context.Context, t *target, kind string, n, tokens int) (burstResult, error) {
 	if !slices.Contains(burstKinds, kind) {
 		return burstResult{}, fmt.Errorf("burst prompt kind %q is invalid: want one of %s", kind, strings.Join(burstKinds, ", "))
@@ -223,7 +243,7 @@ func runBurst(ctx context.Context, t *target, kind string, n, tokens int) (burst
 				return
 			}
 			defer x.Cancel()
-			p, err := sendRequest(x, request{id: fmt.Sprintf("burst-%d-%d", nonce, i), path: completionsPath, body: bodies[i]})
+			p, err := t.send(x, request{id: fmt.Sprintf("burst-%d-%d", nonce, i), path: completionsPath, body: bodies[i]})
 			if err != nil {
 				errs.add(err)
 				return
@@ -245,6 +265,11 @@ func runBurst(ctx context.Context, t *target, kind string, n, tokens int) (burst
 			select {
 			case <-answer:
 			case <-ctx.Done():
+				return
+			}
+			if t.ngf() {
+				// The request finishes at the engine, where the picker
+				// does not see it: its reservation was detached.
 				return
 			}
 			if err := x.Respond(okResponse(p.endpoint, tokens)); err != nil {

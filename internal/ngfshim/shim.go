@@ -168,7 +168,7 @@ func (s *Shim) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // it returns the status to answer NJS with.
 func send(stream extprocv3.ExternalProcessor_ProcessClient, r *http.Request) (int, error) {
 	withBody := hasBody(r)
-	if err := stream.Send(requestHeaders(r.Header, !withBody)); err != nil {
+	if err := stream.Send(RequestHeaders(r.Header, !withBody)); err != nil {
 		return http.StatusBadGateway, fmt.Errorf("sending the request headers: %w", err)
 	}
 	if withBody {
@@ -176,9 +176,7 @@ func send(stream extprocv3.ExternalProcessor_ProcessClient, r *http.Request) (in
 		if err != nil {
 			return http.StatusInternalServerError, fmt.Errorf("reading the request body: %w", err)
 		}
-		if err := stream.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
-			RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: true},
-		}}); err != nil {
+		if err := stream.Send(RequestBody(body)); err != nil {
 			return http.StatusBadGateway, fmt.Errorf("sending the request body: %w", err)
 		}
 	}
@@ -194,12 +192,13 @@ func hasBody(r *http.Request) bool {
 	return r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0
 }
 
-// requestHeaders builds the RequestHeaders message from the HTTP headers as
+// RequestHeaders builds the RequestHeaders message from the HTTP headers as
 // Go's server holds them: without Host (Go moves it to r.Host, so NGF never
 // sends it) and with the X-EPP-* headers NJS added. Keys are lowercased,
 // values go in value. They are sorted only so that logs and tests read the
-// same each time; NGF sends them in map order.
-func requestHeaders(h http.Header, endOfStream bool) *extprocv3.ProcessingRequest {
+// same each time; NGF sends them in map order. It is exported for the load
+// tool (cmd/extproc-load), which plays NGF's exchange without HTTP.
+func RequestHeaders(h http.Header, endOfStream bool) *extprocv3.ProcessingRequest {
 	list := make([]*corev3.HeaderValue, 0, len(h))
 	for _, key := range slices.Sorted(maps.Keys(h)) {
 		for _, v := range h[key] {
@@ -211,5 +210,12 @@ func requestHeaders(h http.Header, endOfStream bool) *extprocv3.ProcessingReques
 			Headers:     &corev3.HeaderMap{Headers: list},
 			EndOfStream: endOfStream,
 		},
+	}}
+}
+
+// RequestBody is NGF's one body message: the whole body, with end_of_stream.
+func RequestBody(body []byte) *extprocv3.ProcessingRequest {
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
+		RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: true},
 	}}
 }
