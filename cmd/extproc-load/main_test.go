@@ -111,9 +111,11 @@ func TestBurstPlacesEveryRequest(t *testing.T) {
 // TestBurstThroughNGF plays the bursts as NGF's shim does: every request
 // placed, a fresh burst spread within one of even, though the picker
 // never sees a response phase (it detaches each reservation at the
-// half-close, so they still count while the burst is placed).
+// half-close, so they still count while the burst is placed). Whether they
+// are still in flight afterwards depends on how long the test took, so
+// that is not asserted.
 func TestBurstThroughNGF(t *testing.T) {
-	tg, p := inProcessTally(t)
+	tg, _ := inProcessTally(t)
 	tg.gateway = gatewayNGF
 	for _, tc := range []struct {
 		kind      string
@@ -147,11 +149,6 @@ func TestBurstThroughNGF(t *testing.T) {
 				}
 			}
 		})
-	}
-	// The detached reservations are still in the ledger: NGF never told
-	// the picker they ended.
-	if snap := p.Snapshot(); snap.InFlight == 0 {
-		t.Errorf("no request in flight after NGF bursts: want the detached reservations")
 	}
 }
 
