@@ -562,6 +562,14 @@ func (t *target) churnOne(ctx context.Context, kind string, req request) error {
 	}
 	release := t.pods.hold(p.endpoint)
 	defer release()
+	if kind == churnComplete || kind == churnResetMidResponse {
+		// Their first bytes come after the prefill, as an engine's would:
+		// instant ones teach the picker an impossible prefill rate (it
+		// learned its bound, 1,000,000 tokens/s), and the reservations of
+		// a gateway that ends the stream at the pick (NGF) then drain at
+		// once in its model.
+		sleepCtx(ctx, prefillTime(len(req.body)/bytesPerToken))
+	}
 	switch kind {
 	case churnCancelAfterPick:
 		return nil
