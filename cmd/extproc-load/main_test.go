@@ -71,84 +71,56 @@ func inProcessTally(t *testing.T) (*target, *picker.Picker) {
 	return &target{name: "tally", client: c, prompts: newPrompts(1), pods: newPods(), pid: os.Getpid(), ledger: ledger, endpoints: smokeEndpoints}, p
 }
 
+// TestBurstPlacesEveryRequest plays the bursts through each gateway: every
+// request placed, a fresh burst spread within one of even. Through NGF's
+// shim the picker never sees a response phase: it detaches each
+// reservation at the half-close, so they still count while the burst is
+// placed.
 func TestBurstPlacesEveryRequest(t *testing.T) {
-	tg, _ := inProcessTally(t)
-	for _, tc := range []struct {
-		kind      string
-		n, tokens int
-	}{
-		{kindFresh, 30, 2_000},
-		{kindCold, 30, 2_000},
-		{kindShared, 30, 2_000},
-		{kindLong, 6, 31_000},
-	} {
-		t.Run(tc.kind, func(t *testing.T) {
-			r, err := runBurst(t.Context(), tg, tc.kind, tc.n, tc.tokens)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if r.errors != 0 || r.refused != 0 {
-				t.Fatalf("%d failed (first: %s), %d refused", r.errors, r.firstError, r.refused)
-			}
-			if got := r.placement.total(); got != tc.n {
-				t.Fatalf("placement %s sums to %d, want %d", r.placement.spread(), got, tc.n)
-			}
-			if warm := tc.kind == kindShared || tc.kind == kindLong; warm != (r.warm != "") {
-				t.Errorf("warm endpoint %q for kind %s", r.warm, tc.kind)
-			}
-			if r.pickP50 <= 0 || r.pickP50 > r.pickP99 {
-				t.Errorf("pick p50 %v, p99 %v: want 0 < p50 <= p99", r.pickP50, r.pickP99)
-			}
-			var out bytes.Buffer
-			printBurst(&out, r)
-			if !strings.Contains(out.String(), "placed "+strconv.Itoa(tc.n)+", refused 0, failed 0") {
-				t.Errorf("output does not report %d placed:\n%s", tc.n, out.String())
-			}
-		})
-	}
-}
-
-// TestBurstThroughNGF plays the bursts as NGF's shim does: every request
-// placed, a fresh burst spread within one of even, though the picker
-// never sees a response phase (it detaches each reservation at the
-// half-close, so they still count while the burst is placed). Whether they
-// are still in flight afterwards depends on how long the test took, so
-// that is not asserted.
-func TestBurstThroughNGF(t *testing.T) {
-	tg, _ := inProcessTally(t)
-	tg.gateway = gatewayNGF
-	for _, tc := range []struct {
-		kind      string
-		n, tokens int
-	}{
-		{kindFresh, 30, 2_000},
-		{kindShared, 30, 2_000},
-		{kindLong, 6, 31_000},
-	} {
-		t.Run(tc.kind, func(t *testing.T) {
-			r, err := runBurst(t.Context(), tg, tc.kind, tc.n, tc.tokens)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if r.errors != 0 || r.refused != 0 {
-				t.Fatalf("%d failed (first: %s), %d refused", r.errors, r.firstError, r.refused)
-			}
-			if got := r.placement.total(); got != tc.n {
-				t.Fatalf("placement %s sums to %d, want %d", r.placement.spread(), got, tc.n)
-			}
-			if warm := tc.kind == kindShared || tc.kind == kindLong; warm != (r.warm != "") {
-				t.Errorf("warm endpoint %q for kind %s", r.warm, tc.kind)
-			}
-			t.Logf("placed %s", r.placement.spread())
-			if tc.kind == kindFresh {
-				even := tc.n / len(smokeEndpoints)
-				for _, e := range smokeEndpoints {
-					if c := r.placement.counts[e]; c < even-1 || c > even+1 {
-						t.Errorf("fresh burst placed %s: %s has %d, want %d ± 1", r.placement.spread(), e, c, even)
+	for _, gateway := range []string{gatewayEnvoy, gatewayNGF} {
+		tg, _ := inProcessTally(t)
+		tg.gateway = gateway
+		for _, tc := range []struct {
+			kind      string
+			n, tokens int
+		}{
+			{kindFresh, 30, 2_000},
+			{kindCold, 30, 2_000},
+			{kindShared, 30, 2_000},
+			{kindLong, 6, 31_000},
+		} {
+			t.Run(gateway+"/"+tc.kind, func(t *testing.T) {
+				r, err := runBurst(t.Context(), tg, tc.kind, tc.n, tc.tokens)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if r.errors != 0 || r.refused != 0 {
+					t.Fatalf("%d failed (first: %s), %d refused", r.errors, r.firstError, r.refused)
+				}
+				if got := r.placement.total(); got != tc.n {
+					t.Fatalf("placement %s sums to %d, want %d", r.placement.spread(), got, tc.n)
+				}
+				if warm := tc.kind == kindShared || tc.kind == kindLong; warm != (r.warm != "") {
+					t.Errorf("warm endpoint %q for kind %s", r.warm, tc.kind)
+				}
+				if r.pickP50 <= 0 || r.pickP50 > r.pickP99 {
+					t.Errorf("pick p50 %v, p99 %v: want 0 < p50 <= p99", r.pickP50, r.pickP99)
+				}
+				if tc.kind == kindFresh {
+					even := tc.n / len(smokeEndpoints)
+					for _, e := range smokeEndpoints {
+						if c := r.placement.counts[e]; c < even-1 || c > even+1 {
+							t.Errorf("fresh burst placed %s: %s has %d, want %d ± 1", r.placement.spread(), e, c, even)
+						}
 					}
 				}
-			}
-		})
+				var out bytes.Buffer
+				printBurst(&out, r)
+				if !strings.Contains(out.String(), "placed "+strconv.Itoa(tc.n)+", refused 0, failed 0") {
+					t.Errorf("output does not report %d placed:\n%s", tc.n, out.String())
+				}
+			})
+		}
 	}
 }
 
