@@ -8,7 +8,7 @@
 //
 // Usage:
 //
-//	extproc-load burst|load|churn|bench [flags]
+//	extproc-load burst|load|churn|stagger|bench [flags]
 //
 // Scenarios:
 //
@@ -30,6 +30,10 @@
 //	        (skipped for the upstream picker, which has no ledger); with
 //	        --then-bursts K, then K bursts of 128 x 32,000 tokens of --kind
 //	        (through --gateway; the churn itself is Envoy's).
+//	stagger --n requests of --tokens tokens, one every --every, each held
+//	        at its endpoint for --hold, then answered (through --gateway);
+//	        prints the busiest endpoint's count over the even share at the
+//	        most uneven moment once as many requests end as arrive.
 //	bench   every scenario, for Tally and the upstream picker side by side
 //	        in one run, at 3, 16, 128 and 1,000 endpoints; writes markdown
 //	        tables with ratios into --out between marker comments (--quick:
@@ -91,6 +95,7 @@ type options struct {
 	thenBursts  int
 	duration    time.Duration
 	warmup      time.Duration
+	every, hold time.Duration
 	// bench.
 	quick bool
 	out   string
@@ -117,7 +122,7 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	fs.BoolVar(&o.useTLS, "tls", false, "speak TLS to the picker (certificate not verified); a started picker serves TLS then")
 	fs.IntVar(&o.conns, "conns", 2, "gRPC connections to the picker (Envoy opens one per worker thread)")
 	fs.BoolVar(&o.keepLogs, "keep-logs", false, "leave the started pickers' logs in their temporary directory")
-	fs.StringVar(&o.gateway, "gateway", gatewayEnvoy, "burst and churn's --then-bursts: the gateway whose ext_proc exchange the bursts play: envoy, or ngf (NGINX Gateway Fabric's shim: no pseudo-headers, the body in one message, a half-close, no response phase)")
+	fs.StringVar(&o.gateway, "gateway", gatewayEnvoy, "burst, stagger and churn's --then-bursts: the gateway whose ext_proc exchange the bursts play: envoy, or ngf (NGINX Gateway Fabric's shim: no pseudo-headers, the body in one message, a half-close, no response phase)")
 	fs.Var(&o.pickerArgs, "picker-arg", "extra flag for a started picker (repeatable)")
 	fs.IntVar(&o.n, "n", 0, "burst and churn: requests (default 128 for burst, 500 for churn)")
 	fs.StringVar(&o.kind, "kind", kindShared, "burst: prompt kind: "+strings.Join(burstKinds, ", "))
@@ -125,6 +130,8 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	fs.IntVar(&o.concurrency, "concurrency", 16, "load and churn: concurrent clients")
 	fs.IntVar(&o.thenBursts, "then-bursts", 0, "churn: once the ledger is empty, this many bursts of 128 × 32,000 tokens of --kind, each placement printed")
 	fs.DurationVar(&o.duration, "duration", 10*time.Second, "load: the measured window")
+	fs.DurationVar(&o.every, "every", 20*time.Millisecond, "stagger: the interval between requests")
+	fs.DurationVar(&o.hold, "hold", 2*time.Second, "stagger: how long each request is held at its endpoint")
 	fs.DurationVar(&o.warmup, "warmup", 2*time.Second, "load: run this long before the window")
 	fs.IntVar(&o.runs, "runs", 1, "bench: runs of the loads at 3 endpoints, alternating between the pickers; the tables give medians")
 	fs.BoolVar(&o.quick, "quick", false, "bench: the short version (about 90 seconds on 2 cores)")
@@ -135,7 +142,7 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 		return "", o, err
 	}
 	if fs.NArg() == 0 {
-		return "", o, errors.New("want a scenario: burst, load, churn or bench")
+		return "", o, errors.New("want a scenario: burst, load, churn, stagger or bench")
 	}
 	cmd := fs.Arg(0)
 	if err := fs.Parse(fs.Args()[1:]); err != nil {
@@ -144,10 +151,10 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	if fs.NArg() != 0 {
 		return "", o, fmt.Errorf("want one scenario, got %q and then %q", cmd, fs.Args())
 	}
-	defaults := map[string][2]int{"burst": {128, 32_000}, "load": {0, 8_000}, "churn": {500, 8_000}, "bench": {0, 0}}
+	defaults := map[string][2]int{"burst": {128, 32_000}, "load": {0, 8_000}, "churn": {500, 8_000}, "stagger": {500, 8_000}, "bench": {0, 0}}
 	d, ok := defaults[cmd]
 	if !ok {
-		return "", o, fmt.Errorf("scenario %q is invalid: want burst, load, churn or bench", cmd)
+		return "", o, fmt.Errorf("scenario %q is invalid: want burst, load, churn, stagger or bench", cmd)
 	}
 	if o.n == 0 {
 		o.n = d[0]
@@ -159,7 +166,7 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	case o.gateway != gatewayEnvoy && o.gateway != gatewayNGF:
 		return "", o, fmt.Errorf("flag --gateway: %q is invalid: want %s or %s", o.gateway, gatewayEnvoy, gatewayNGF)
 	case o.gateway == gatewayNGF && (cmd == "load" || cmd == "bench"):
-		return "", o, fmt.Errorf("flag --gateway: %s plays only burst and churn's --then-bursts, not %s", o.gateway, cmd)
+		return "", o, fmt.Errorf("flag --gateway: %s plays only burst, stagger and churn's --then-bursts, not %s", o.gateway, cmd)
 	case o.picker != pickerTally && o.picker != pickerUpstream:
 		return "", o, fmt.Errorf("flag --picker: %q is invalid: want tally or upstream", o.picker)
 	case o.pods < 1:
@@ -168,6 +175,10 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 		return "", o, fmt.Errorf("flag --n: %d is invalid: want 1 or more", o.n)
 	case o.concurrency < 1:
 		return "", o, fmt.Errorf("flag --concurrency: %d is invalid: want 1 or more", o.concurrency)
+	case o.every <= 0:
+		return "", o, fmt.Errorf("flag --every: %v is invalid: want more than 0", o.every)
+	case o.hold <= 0:
+		return "", o, fmt.Errorf("flag --hold: %v is invalid: want more than 0", o.hold)
 	case o.duration <= 0:
 		return "", o, fmt.Errorf("flag --duration: %v is invalid: want more than 0", o.duration)
 	case o.warmup < 0:
@@ -252,6 +263,12 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 			return err
 		}
 		printLoad(stdout, r)
+	case "stagger":
+		r, err := runStagger(ctx, t, o.n, o.tokens, o.every, o.hold)
+		if err != nil {
+			return err
+		}
+		printStagger(stdout, r)
 	case "churn":
 		r, err := runChurn(ctx, t, o.n, o.concurrency, o.tokens)
 		if err != nil {

@@ -47,6 +47,15 @@ func (p *pods) hold(endpoint string) (release func()) {
 	return func() { once.Do(func() { c.Add(-1) }) }
 }
 
+// counts reads what the tool holds at each endpoint, in order.
+func (p *pods) counts(endpoints []string) []int64 {
+	out := make([]int64, len(endpoints))
+	for i, e := range endpoints {
+		out[i] = p.counter(e).Load()
+	}
+	return out
+}
+
 // handler serves one pod's address.
 func (p *pods) handler(addr netip.AddrPort) http.Handler {
 	c := p.counter(addr.String())
