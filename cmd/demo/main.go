@@ -370,9 +370,6 @@ func splitByStreaming(reqs []stack.Request, results []stack.Result, timeScale, l
 			t.heldBackTTFT = append(t.heldBackTTFT, ttft)
 		} else {
 			t.onTimeTTFT = append(t.onTimeTTFT, ttft)
-			if ttft > 1200*time.Millisecond {
-				fmt.Fprintf(os.Stderr, "DBG ontime i=%d prompt=%d cached=%d out=%d ttft=%.3f lat=%.3f\n", i, r.PromptTokens, r.CachedTokens, r.CompletionTokens, ttft.Seconds(), float64(r.Latency)*timeScale/1e9)
-			}
 		}
 	}
 	return t
