@@ -4,7 +4,6 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"strconv"
@@ -174,28 +173,16 @@ func sendNGF(x *envoy.Stream, req request, picker string) (placed, error) {
 	if err := x.CloseSend(); err != nil {
 		return p, fmt.Errorf("half-closing the stream: %w", err)
 	}
-	for {
-		resp, err := x.Recv()
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if err != nil {
-			return p, fmt.Errorf("reading the picker's answer: %w", err)
-		}
-		if ir := resp.GetImmediateResponse(); ir != nil {
-			p.pick = time.Since(start)
-			p.status = int(ir.GetStatus().GetCode())
-			return p, nil
-		}
-		for _, h := range resp.GetRequestHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
-			// NGF reads raw_value only.
-			if h.GetHeader().GetKey() == ngfshim.DestinationHeader {
-				p.endpoint = string(h.GetHeader().GetRawValue())
-			}
-		}
-	}
+	a, err := ngfshim.ReadAnswer(x)
 	p.pick = time.Since(start)
-	p.routed = p.pick
+	if err != nil {
+		return p, fmt.Errorf("reading the picker's answer: %w", err)
+	}
+	if ir := a.Immediate; ir != nil {
+		p.status = int(ir.GetStatus().GetCode())
+		return p, nil
+	}
+	p.endpoint, p.routed = a.Endpoint, p.pick
 	if p.endpoint == "" {
 		return p, errors.New("the picker's answers name no destination endpoint in raw_value")
 	}

@@ -125,43 +125,75 @@ func (s *Shim) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, err.Error(), status)
 		return
 	}
-	var endpoint string
+	a, err := ReadAnswer(stream)
+	if a.Named {
+		w.Header().Set(DestinationHeader, a.Endpoint)
+	}
+	if a.InValue != "" {
+		log.Warn("the picker set the destination in value, not raw_value: NGF reads raw_value", "value", a.InValue)
+	}
+	if err != nil {
+		log.Warn("reading the picker's answer", "picker", target, "err", err)
+		http.Error(w, fmt.Sprintf("reading the picker's answer: %v", err), http.StatusBadGateway)
+		return
+	}
+	if ir := a.Immediate; ir != nil {
+		status := int(ir.GetStatus().GetCode())
+		if status < 100 || status > 999 {
+			// NGF's shim would panic writing it, and NGINX would see the
+			// connection drop; either way NGINX gets no endpoint.
+			status = http.StatusBadGateway
+		}
+		log.Debug("immediate response", "path", r.URL.Path, "status", status, "body_bytes", len(ir.GetBody()))
+		http.Error(w, string(ir.GetBody()), status)
+		return
+	}
+	log.Debug("picked", "path", r.URL.Path, "endpoint", a.Endpoint)
+	w.WriteHeader(http.StatusOK)
+}
+
+// Answer is what the picker answered one exchange, read as NGF reads it.
+type Answer struct {
+	// Immediate is the picker's ImmediateResponse; nil when it sent none.
+	Immediate *extprocv3.ImmediateResponse
+	// Endpoint is the destination header's raw_value in the last header
+	// mutation that set it, and Named says one did (NGF passes even an
+	// empty one on). NGF reads raw_value only: InValue is a destination
+	// the picker put in value instead, which leaves NGINX without one.
+	Endpoint string
+	Named    bool
+	InValue  string
+}
+
+// ReadAnswer reads the picker's answers as NGF's shim does: until the
+// picker ends the stream, or sends an ImmediateResponse. On an error, the
+// answer holds what was read before it.
+func ReadAnswer(stream interface {
+	Recv() (*extprocv3.ProcessingResponse, error)
+}) (Answer, error) {
+	var a Answer
 	for {
 		resp, err := stream.Recv()
 		if errors.Is(err, io.EOF) {
-			break
+			return a, nil
 		}
 		if err != nil {
-			log.Warn("reading the picker's answer", "picker", target, "err", err)
-			http.Error(w, fmt.Sprintf("reading the picker's answer: %v", err), http.StatusBadGateway)
-			return
+			return a, err
 		}
 		if ir := resp.GetImmediateResponse(); ir != nil {
-			status := int(ir.GetStatus().GetCode())
-			if status < 100 || status > 999 {
-				// NGF's shim would panic writing it, and NGINX would see the
-				// connection drop; either way NGINX gets no endpoint.
-				status = http.StatusBadGateway
-			}
-			log.Debug("immediate response", "path", r.URL.Path, "status", status, "body_bytes", len(ir.GetBody()))
-			http.Error(w, string(ir.GetBody()), status)
-			return
+			a.Immediate = ir
+			return a, nil
 		}
 		for _, h := range resp.GetRequestHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
 			if h.GetHeader().GetKey() != DestinationHeader {
 				continue
 			}
-			// NGF reads raw_value only: a picker that put the endpoint in
-			// value would leave NGINX without one.
-			endpoint = string(h.GetHeader().GetRawValue())
-			if endpoint == "" && h.GetHeader().GetValue() != "" {
-				log.Warn("the picker set the destination in value, not raw_value: NGF reads raw_value", "value", h.GetHeader().GetValue())
+			a.Endpoint, a.Named = string(h.GetHeader().GetRawValue()), true
+			if a.Endpoint == "" && h.GetHeader().GetValue() != "" {
+				a.InValue = h.GetHeader().GetValue()
 			}
-			w.Header().Set(DestinationHeader, endpoint)
 		}
 	}
-	log.Debug("picked", "path", r.URL.Path, "endpoint", endpoint)
-	w.WriteHeader(http.StatusOK)
 }
 
 // send sends r's headers and body, then half-closes the stream. On failure
