@@ -21,6 +21,7 @@ type metrics struct {
 
 	// Gauges read from the ledger at scrape time.
 	endpointInFlight, endpointPrefill, endpointDecoding, endpointPrefillRate *prometheus.Desc
+	endpointUtilization, workWeight                                          *prometheus.Desc
 	endpoints, retained, inFlight                                            *prometheus.Desc
 	// Detached reservations (detach.go): detached so far, held now, ended.
 	detached                    prometheus.Counter
@@ -86,6 +87,12 @@ func newMetrics(poolName string, flowControl bool) *metrics {
 		"Estimated prefill tokens outstanding on the endpoint.", []string{"endpoint"}, nil)
 	m.endpointDecoding = prometheus.NewDesc("tally_endpoint_decoding_requests",
 		"Requests on the endpoint past their first response byte.", []string{"endpoint"}, nil)
+	m.endpointUtilization = prometheus.NewDesc("tally_endpoint_prefill_utilization",
+		"Share of the last 20 s or so (a decayed mean) during which the picker's model had prefill queued on the endpoint.",
+		[]string{"endpoint"}, nil)
+	m.workWeight = prometheus.NewDesc("tally_uncached_token_weight",
+		"What an uncached prompt token costs a pick, relative to a queued one: 1/(1 - the pool's mean prefill utilization), at most 1.5.",
+		nil, nil)
 	m.endpointPrefillRate = prometheus.NewDesc("tally_endpoint_prefill_tokens_per_second",
 		"The endpoint's prefill rate in the drain model: learned from streamed first bytes, the configured starting value until then.",
 		[]string{"endpoint"}, nil)
@@ -172,7 +179,7 @@ func (m *metrics) collectors() []prometheus.Collector {
 // Describe implements prometheus.Collector.
 func (p *Picker) Describe(ch chan<- *prometheus.Desc) {
 	m := p.metrics
-	for _, d := range []*prometheus.Desc{m.endpointInFlight, m.endpointPrefill, m.endpointDecoding, m.endpointPrefillRate, m.endpoints, m.retained, m.inFlight,
+	for _, d := range []*prometheus.Desc{m.endpointInFlight, m.endpointPrefill, m.endpointDecoding, m.endpointPrefillRate, m.endpointUtilization, m.workWeight, m.endpoints, m.retained, m.inFlight,
 		m.detachedActive, m.detachedEnd, m.rateSamples,
 		m.poolReadyPods, m.poolAvgQueue, m.poolPerPodQueue, m.poolAvgRunning, m.poolAvgKVCache,
 		m.engineRunning, m.engineWaiting, m.foreignRequests, m.foreignTokens, m.endpointHealthy,
@@ -196,11 +203,13 @@ func (p *Picker) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(m.endpointPrefill, prometheus.GaugeValue, float64(s.PrefillTokens), ep)
 		ch <- prometheus.MustNewConstMetric(m.endpointDecoding, prometheus.GaugeValue, float64(s.Decoding), ep)
 		ch <- prometheus.MustNewConstMetric(m.endpointPrefillRate, prometheus.GaugeValue, s.PrefillTokensPerSecond, ep)
+		ch <- prometheus.MustNewConstMetric(m.endpointUtilization, prometheus.GaugeValue, s.Utilization, ep)
 		m.collectEngine(ch, s, ep)
 	}
 	ch <- prometheus.MustNewConstMetric(m.endpoints, prometheus.GaugeValue, float64(len(l.Endpoints)))
 	ch <- prometheus.MustNewConstMetric(m.retained, prometheus.GaugeValue, float64(len(l.Retained)))
 	ch <- prometheus.MustNewConstMetric(m.inFlight, prometheus.GaugeValue, float64(l.InFlight))
+	ch <- prometheus.MustNewConstMetric(m.workWeight, prometheus.GaugeValue, l.WorkWeight)
 	ch <- prometheus.MustNewConstMetric(m.detachedActive, prometheus.GaugeValue, float64(l.Detached))
 	for i, n := range l.DetachEnds {
 		ch <- prometheus.MustNewConstMetric(m.detachedEnd, prometheus.CounterValue, float64(n), detachEndNames[i])

@@ -123,13 +123,13 @@ tally_prefix_cached_tokens_total %d
 func TestPickerWithoutRegistererStillCollects(t *testing.T) {
 	p := newPicker(t, 2, testConfig(), Options{})
 	mustPick(t, p, Request{Model: model})
-	// 4 gauges per endpoint, 3 pool gauges, 3 pick results, 3 counters, 1
+	// 5 gauges per endpoint, 4 pool gauges, 3 pick results, 3 counters, 1
 	// histogram; under upstream names, 2 histograms, 2 pool gauges and 1
 	// gauge per endpoint; of the engines' view, before any scrape, 2 gauges
 	// and 2 counters per endpoint; detached
 	// reservations, a gauge, a counter and 3 ends.
 	// The prefill rate's samples, 5 results.
-	if got, want := testutil.CollectAndCount(p), 4*2+3+3+3+1+2+2+2+4*2+5+5; got != want {
+	if got, want := testutil.CollectAndCount(p), 5*2+4+3+3+1+2+2+2+4*2+5+5; got != want {
 		t.Errorf("collected %d metrics, want %d", got, want)
 	}
 }

@@ -122,6 +122,9 @@ type EndpointStats struct {
 	// PrefillTokensPerSecond is the endpoint's prefill rate: learned from
 	// streamed first bytes, the configured starting value until then.
 	PrefillTokensPerSecond float64
+	// Utilization is the share of the last 20 s or so (a decayed mean)
+	// during which the drain model had prefill queued on it.
+	Utilization float64
 	// What its engine's metrics said at the last scrape (Scraped false:
 	// never scraped): running and waiting requests, the requests beyond the
 	// ledger (foreign) and their cost now, and whether it is failing scrapes.
@@ -166,6 +169,9 @@ type Ledger struct {
 	// LoRALoadSeconds is what placement charges for loading an adapter:
 	// loraLoadMilliseconds until first bytes have taught it.
 	LoRALoadSeconds float64
+	// WorkWeight is what an uncached prompt token costs a pick over the
+	// current endpoints, relative to a queued one (place.go, workWeight).
+	WorkWeight float64
 	// Endpoints are the current endpoints, sorted by address.
 	Endpoints []EndpointStats
 	// Retained are endpoints that left the set and keep their row (in flight
@@ -515,10 +521,14 @@ func (p *Picker) Snapshot() Ledger {
 	l.Waiting = p.queue.n
 	l.RateSamples = p.rateSamples
 	l.LoRALoadSeconds = p.loraLoad.mean()
+	l.WorkWeight = 1
+	if len(p.rows) > 0 {
+		l.WorkWeight = workWeight(p.rows)
+	}
 	for _, w := range p.byKey {
 		e := &w.engine
 		s := EndpointStats{Endpoint: w.ep, InFlight: w.inFlight, PrefillTokens: w.queued(),
-			Decoding: w.decoding, Detached: w.detached, PrefillTokensPerSecond: w.rate,
+			Decoding: w.decoding, Detached: w.detached, PrefillTokensPerSecond: w.rate, Utilization: w.utilization,
 			Scraped: e.scraped, EngineRunning: e.running, EngineWaiting: e.waiting,
 			ForeignRequests: e.foreign, ForeignTokens: e.foreignCost(now), Unhealthy: e.unhealthy,
 			KVCacheUsage:          -1,

@@ -3,6 +3,7 @@ package picker
 import (
 	"context"
 	"errors"
+	"math"
 	"math/rand/v2"
 	"net/netip"
 	"slices"
@@ -77,6 +78,49 @@ func TestCostWeighsDecodingRequests(t *testing.T) {
 		if got := endpointOf(mustPick(t, p, Request{Model: model})); got != addr(tc.want) {
 			t.Errorf("decode weight %d: picked %s, want %s", tc.weight, got, addr(tc.want))
 		}
+	}
+}
+
+// A shared prefix pulls harder on a pool that has been busy: its uncached
+// tokens weigh 1/(1-ρ), at most maxWorkWeight, so the same pick that goes
+// to an idle endpoint on a fresh pool stays with the prefix's holder after
+// sustained load, and goes elsewhere again once the load has long passed.
+func TestSustainedLoadWeighsUncachedTokens(t *testing.T) {
+	prefix := text("shared", 4000)                                            // 62 blocks of 64 characters: 992 tokens
+	req := Request{Model: model, Prompt: join(prefix, text("question", 200))} // 1,050 tokens
+	for _, tc := range []struct {
+		name       string
+		busy, idle time.Duration // each endpoint's backlog, then idle time
+		want       int
+		weight     float64
+	}{
+		// Weight 1: 1,250 queued + 58 uncached on the holder > 1,050.
+		{name: "fresh pool", want: 1, weight: 1},
+		// Weight 1.5: 1,250 + 87 < 1,575.
+		{name: "after 40 s of backlog", busy: 40 * time.Second, want: 0, weight: maxWorkWeight},
+		{name: "long after it", busy: 40 * time.Second, idle: 5 * time.Minute, want: 1, weight: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			clk := newFakeClock()
+			p := newPicker(t, 2, testConfig(), Options{Now: clk.Now})
+			if tc.busy > 0 {
+				rate := statsOf(p, addr(0)).PrefillTokensPerSecond
+				backlog := text("backlog", int(rate*tc.busy.Seconds())*4)
+				a, b := mustPick(t, p, on(addr(0), backlog)), mustPick(t, p, on(addr(1), backlog))
+				clk.Advance(tc.busy)
+				a.Release()
+				b.Release()
+				clk.Advance(tc.idle)
+			}
+			if got := p.Snapshot().WorkWeight; math.Abs(got-tc.weight) > 0.01 {
+				t.Errorf("work weight %.3f, want %.3f", got, tc.weight)
+			}
+			mustPick(t, p, on(addr(0), prefix))               // the holder: 1,000 tokens queued
+			mustPick(t, p, on(addr(0), text("filler", 1000))) // 250 more
+			if got := endpointOf(mustPick(t, p, req)); got != addr(tc.want) {
+				t.Errorf("picked %s, want %s (ledger %+v)", got, addr(tc.want), p.Stats())
+			}
+		})
 	}
 }
 

@@ -11,6 +11,11 @@ package picker
 // tokens, a shared prefix pulls only as much as the tokens it saves: once the
 // queue on its holder is longer than the saving, the next request goes
 // elsewhere (and records the prefix there too).
+//
+// The request's own uncached tokens are weighted by the pool's load
+// (workWeight): a token computed on a busy pool also delays the requests
+// that queue behind it, so under sustained load a prefix is worth more than
+// the wait it saves this request alone.
 func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	cands := p.candidatesLocked(req)
 	if len(cands) == 0 {
@@ -29,12 +34,13 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 		p.expireDetachedLocked(r.pickedNs)
 	}
 
+	weight := workWeight(cands)
 	eligible, free := 0, 0
 	for i, c := range cands {
 		queued := c.queued()
 		foreign := c.engine.foreignCost(r.pickedNs)
 		c.uncached = p.uncachedTokens(c, r.promptChars, matched[i])
-		c.cost = queued + foreign + c.uncached + p.cfg.DecodeWeightTokens*c.decoding
+		c.cost = queued + foreign + int(float64(c.uncached)*weight) + p.cfg.DecodeWeightTokens*c.decoding
 		c.saturated = p.overLimitLocked(c, queued)
 		c.taken = c.saturated
 		if !c.saturated {
@@ -88,6 +94,30 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	p.index.Record(c.id, r.hashes[:min(len(r.hashes), p.blocks.inLock)], r.owner)
 	r.tailOn = c
 	return nil
+}
+
+// maxWorkWeight bounds workWeight. On a saturated pool a prefix held by one
+// endpoint then pulls at most 1.5 times the tokens it saves: a held burst of
+// 128 requests of 32,000 tokens over 3 pods, sharing 30,000 tokens that one
+// pod holds, leaves that pod under half of it (at weight 1 it takes 15
+// requests more than the others before they take their first; at 1.5, 22).
+// On a trace replay at 50% and 80% prefill load, weights up to 1.5 took
+// most of what unbounded ones gained (cmd/routesim; docs/benchmarks.md).
+const maxWorkWeight = 1.5
+
+// workWeight is what one uncached prompt token costs on cands' pool,
+// relative to a queued one: 1/(1-ρ), bounded by maxWorkWeight, for the
+// pool's mean utilization ρ (drained first). In a queue busy a share ρ of
+// the time, work added now delays the requests that arrive while it runs
+// by about ρ/(1-ρ) of its length, on top of the request's own wait; an
+// idle pool weighs a token as its wait alone.
+func workWeight(cands []*row) float64 {
+	u := 0.0
+	for _, c := range cands {
+		u += c.utilization
+	}
+	u /= float64(len(cands))
+	return 1 / max(1-u, 1/maxWorkWeight)
 }
 
 // bestLocked returns the index of the cheapest candidate not yet taken,

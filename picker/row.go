@@ -3,6 +3,7 @@ package picker
 import (
 	"math"
 	"net/netip"
+	"time"
 )
 
 // row is one endpoint's line in the ledger. Reservations point at their row,
@@ -37,6 +38,9 @@ type row struct {
 	rate          float64 // tokens per second
 	posIn, posOut float64
 	at            int64
+	// utilization is the share of recent time (a decayed mean over
+	// utilizationWindow) during which the model had prefill queued here.
+	utilization float64
 	// How this endpoint's prefill differs from the pool's, learned from
 	// its streamed first bytes, and the floor its engine's own prefill
 	// timing sets (ratefit.go).
@@ -84,13 +88,25 @@ func key(a netip.AddrPort) netip.AddrPort {
 	return netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
 }
 
+// utilizationWindow is the memory of a row's utilization: long enough that
+// a burst on an idle pool does not count as sustained load (a held burst of
+// 128 × 32,000 tokens over 3 pods keeps each busy for about 27 s at
+// 50,000 tokens/s, and starts from none), short enough to follow a trace's
+// load as it changes.
+const utilizationWindow = 20 * time.Second
+
 // advance moves the drain model to now: the queue has drained at rate since
-// the last update, never past what was queued.
+// the last update, never past what was queued; utilization takes in the
+// share of the interval the queue was not empty.
 func (w *row) advance(now int64) {
 	if now <= w.at {
 		return
 	}
-	w.posOut = min(w.posIn, w.posOut+w.rate*float64(now-w.at)/1e9)
+	dt := float64(now - w.at)
+	busy := min(dt, float64(w.queued())/w.rate*1e9)
+	keep := math.Exp(-dt / float64(utilizationWindow))
+	w.utilization = w.utilization*keep + busy/dt*(1-keep)
+	w.posOut = min(w.posIn, w.posOut+w.rate*dt/1e9)
 	w.at = now
 }
 

@@ -138,6 +138,9 @@ type ledgerRow struct {
 	PrefillTokens          int     `json:"prefillTokens"`
 	Decoding               int     `json:"decoding"`
 	PrefillTokensPerSecond float64 `json:"prefillTokensPerSecond"`
+	// Utilization is the share of recent time the model had prefill
+	// queued here.
+	Utilization float64 `json:"utilization"`
 	// The engine's side (picker/engine.go): its last scrape (absent before
 	// the first), the load beyond the ledger, the prefix index's size and
 	// the cached tokens delivered against those predicted.
@@ -173,8 +176,11 @@ type ledger struct {
 	InFlight      int `json:"inFlight"`
 	PrefillTokens int `json:"prefillTokens"`
 	// LoRALoadSeconds is what placement charges for loading an adapter.
-	LoRALoadSeconds float64     `json:"loraLoadSeconds"`
-	Endpoints       []ledgerRow `json:"endpoints"`
+	LoRALoadSeconds float64 `json:"loraLoadSeconds"`
+	// WorkWeight is what an uncached prompt token costs a pick, relative
+	// to a queued one.
+	WorkWeight float64     `json:"workWeight"`
+	Endpoints  []ledgerRow `json:"endpoints"`
 	// Retained are endpoints that left the set and keep their row.
 	Retained []ledgerRow `json:"retained"`
 }
@@ -187,6 +193,7 @@ func ledgerJSON(l picker.Ledger) ledger {
 				Pod: s.Endpoint.Pod, UID: s.Endpoint.UID, Endpoint: s.Endpoint.Address.String(),
 				InFlight: s.InFlight, PrefillTokens: s.PrefillTokens, Decoding: s.Decoding,
 				PrefillTokensPerSecond: s.PrefillTokensPerSecond,
+				Utilization:            s.Utilization,
 				Unhealthy:              s.Unhealthy,
 				PrefixCapacityBlocks:   s.PrefixCapacityBlocks,
 				DeliveredCachedTokens:  s.DeliveredCachedTokens,
@@ -203,5 +210,5 @@ func ledgerJSON(l picker.Ledger) ledger {
 		}
 		return out
 	}
-	return ledger{InFlight: l.InFlight, PrefillTokens: l.PrefillTokens, LoRALoadSeconds: l.LoRALoadSeconds, Endpoints: rows(l.Endpoints), Retained: rows(l.Retained)}
+	return ledger{InFlight: l.InFlight, PrefillTokens: l.PrefillTokens, LoRALoadSeconds: l.LoRALoadSeconds, WorkWeight: l.WorkWeight, Endpoints: rows(l.Endpoints), Retained: rows(l.Retained)}
 }
