@@ -49,7 +49,10 @@ type Cluster struct {
 	mu      sync.Mutex
 	addrs   []netip.AddrPort
 	servers []*http.Server
-	nextIP  netip.Addr
+	// listeners are the servers', closed by Stop itself: srv.Close closes
+	// only those its Serve has taken in (see Pod.stopSimulator).
+	listeners []net.Listener
+	nextIP    netip.Addr
 }
 
 // StartCluster starts the API server, creates the namespace, the pool and
@@ -143,6 +146,7 @@ func (c *Cluster) serve(addr netip.AddrPort) error {
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
 	c.mu.Lock()
 	c.servers = append(c.servers, srv)
+	c.listeners = append(c.listeners, lis)
 	c.mu.Unlock()
 	go srv.Serve(lis)
 	return nil
@@ -172,11 +176,14 @@ func (c *Cluster) Client() client.Client { return c.kube }
 func (c *Cluster) Stop() error {
 	var errs []error
 	c.mu.Lock()
-	servers := c.servers
-	c.servers = nil
+	servers, listeners := c.servers, c.listeners
+	c.servers, c.listeners = nil, nil
 	c.mu.Unlock()
 	for _, srv := range servers {
 		srv.Close()
+	}
+	for _, lis := range listeners {
+		lis.Close() // already closed when Serve had taken it in
 	}
 	errs = append(errs, c.apiServer.stop())
 	return errors.Join(errs...)

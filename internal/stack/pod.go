@@ -31,6 +31,11 @@ type Pod struct {
 	served int
 	sim    *server.Server
 	srv    *http.Server
+	// lis is srv's listener, closed by stopSimulator itself: srv.Close
+	// closes only the listeners its Serve has taken in, and a simulator
+	// reset right after it started (its Serve goroutine not yet running)
+	// left the address bound, so the new one failed to listen on it.
+	lis net.Listener
 	// metricsFailing survives a simulator's replacement.
 	metricsFailing bool
 }
@@ -331,7 +336,7 @@ func (p *Pod) startSimulator() error {
 	srv := &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
 	p.mu.Lock()
 	sim.FailMetrics(p.metricsFailing)
-	p.sim, p.srv = sim, srv
+	p.sim, p.srv, p.lis = sim, srv, lis
 	p.mu.Unlock()
 	go srv.Serve(lis)
 	return nil
@@ -339,11 +344,12 @@ func (p *Pod) startSimulator() error {
 
 func (p *Pod) stopSimulator() {
 	p.mu.Lock()
-	sim, srv := p.sim, p.srv
-	p.sim, p.srv = nil, nil
+	sim, srv, lis := p.sim, p.srv, p.lis
+	p.sim, p.srv, p.lis = nil, nil, nil
 	p.mu.Unlock()
 	if srv != nil {
 		srv.Close()
+		lis.Close() // already closed when Serve had taken it in
 	}
 	if sim != nil {
 		sim.Close()
