@@ -521,10 +521,7 @@ func (p *Picker) Snapshot() Ledger {
 	l.Waiting = p.queue.n
 	l.RateSamples = p.rateSamples
 	l.LoRALoadSeconds = p.loraLoad.mean()
-	l.WorkWeight = 1
-	if len(p.rows) > 0 {
-		l.WorkWeight = workWeight(p.rows)
-	}
+	l.WorkWeight = workWeight(p.rows)
 	for _, w := range p.byKey {
 		e := &w.engine
 		s := EndpointStats{Endpoint: w.ep, InFlight: w.inFlight, PrefillTokens: w.queued(),

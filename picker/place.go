@@ -110,8 +110,11 @@ const maxWorkWeight = 1.5
 // pool's mean utilization ρ (drained first). In a queue busy a share ρ of
 // the time, work added now delays the requests that arrive while it runs
 // by about ρ/(1-ρ) of its length, on top of the request's own wait; an
-// idle pool weighs a token as its wait alone.
+// idle pool weighs a token as its wait alone, and so does an empty one.
 func workWeight(cands []*row) float64 {
+	if len(cands) == 0 {
+		return 1
+	}
 	u := 0.0
 	for _, c := range cands {
 		u += c.utilization

@@ -88,11 +88,10 @@ func key(a netip.AddrPort) netip.AddrPort {
 	return netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
 }
 
-// utilizationWindow is the memory of a row's utilization: long enough that
-// a burst on an idle pool does not count as sustained load (a held burst of
-// 128 × 32,000 tokens over 3 pods keeps each busy for about 27 s at
-// 50,000 tokens/s, and starts from none), short enough to follow a trace's
-// load as it changes.
+// utilizationWindow is the memory of a row's utilization. A burst on an
+// idle pool is placed from none; after about 8 s of unbroken backlog a
+// pool's weight reaches maxWorkWeight (ρ = 1/3), and from a full minute of
+// it, idle time brings the weight back within 1% of 1 in about 90 s.
 const utilizationWindow = 20 * time.Second
 
 // advance moves the drain model to now: the queue has drained at rate since
