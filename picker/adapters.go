@@ -18,7 +18,10 @@ import "slices"
 //     queued prefill within twice the pool's even share, only such
 //     endpoints are candidates: a burst for an adapter loads it on as few
 //     endpoints as its size needs, not on every one (the load cost alone
-//     would spread a large burst everywhere);
+//     would spread a large burst everywhere). An endpoint that holds more
+//     of the prompt than every such endpoint (cached there for the same
+//     adapter) stays a candidate, and the cost decides: its cache can save
+//     more than the load costs;
 //   - an endpoint running max_lora other adapters is not a candidate,
 //     unless every candidate is such an endpoint;
 //   - an endpoint where an adapter waits for a slot (starving: vLLM admits
@@ -127,9 +130,12 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 			n++
 		}
 	}
-	affine := false
+	affine, affineUncached := false, 0
 	for _, c := range cands {
 		if !c.taken && p.isAdapter(c, model) && c.adapterActive(model) && (c.queued()+c.uncached)*n <= 2*total {
+			if !affine || c.uncached < affineUncached {
+				affineUncached = c.uncached
+			}
 			affine = true
 		}
 	}
@@ -145,7 +151,7 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 			}
 			continue
 		}
-		if affine {
+		if affine && c.uncached >= affineUncached {
 			c.loraFull = true // not full, but not needed: taken out below
 			continue
 		}

@@ -3,6 +3,7 @@ package picker
 import (
 	"fmt"
 	"math"
+	"net/netip"
 	"testing"
 	"time"
 )
@@ -211,5 +212,37 @@ func TestTheAdapterLoadTimeIsLearnedApartFromTheRate(t *testing.T) {
 	}
 	if n := l.RateSamples[rateSampleAdapterLoad]; n != 30 {
 		t.Errorf("%d samples taken as adapter loads, want 30", n)
+	}
+}
+
+// A burst for an adapter stays on the endpoints where it is active, but an
+// endpoint that holds more of the request's prompt than any of them (a
+// prefix cached for the same adapter there earlier) is still a candidate:
+// its cache saves more than the adapter's load costs.
+func TestAnEndpointHoldingThePromptIsNotPassedOver(t *testing.T) {
+	p := newPicker(t, 3, testConfig(), Options{})
+	observeLoRA(p, 2, map[int][]string{0: {"sql"}})
+	only := func(e int, model string, prompt []byte) Request {
+		return Request{Model: model, Prompt: prompt, Subset: []netip.AddrPort{addr(e)}, HasSubset: true}
+	}
+	shared := text("report", 32_000) // 8,000 tokens
+	mustPick(t, p, only(1, "sql", shared)).Release()
+	// Endpoint 1 then runs two other adapters, which push sql out of its
+	// slots, and goes idle: sql is neither active nor resident there.
+	observeLoRA(p, 2, map[int][]string{0: {"sql"}, 1: {"x", "y"}})
+	observeLoRA(p, 2, map[int][]string{0: {"sql"}})
+	// 10,000 tokens queued everywhere, so endpoint 0, where sql runs, can
+	// take the request within twice the even share.
+	for e := range 3 {
+		mustPick(t, p, only(e, baseModel, text(fmt.Sprint("base", e), 40_000)))
+	}
+	r := mustPick(t, p, Request{Model: "sql", Prompt: append(append([]byte(nil), shared...), text("question", 400)...)})
+	if got := r.Endpoints()[0]; got != addr(1) {
+		t.Fatalf("a request whose 8,000-token prefix endpoint 1 holds went to %v, want %v: its cache saves more than a load costs", got, addr(1))
+	}
+	// Without the prefix, sql's requests stay where it is active.
+	r = mustPick(t, p, Request{Model: "sql", Prompt: text("other", 32_400)})
+	if got := r.Endpoints()[0]; got != addr(0) {
+		t.Fatalf("a request for sql sharing nothing went to %v, want %v, where sql runs", got, addr(0))
 	}
 }
