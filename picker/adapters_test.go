@@ -240,9 +240,4 @@ func TestAnEndpointHoldingThePromptIsNotPassedOver(t *testing.T) {
 	if got := r.Endpoints()[0]; got != addr(1) {
 		t.Fatalf("a request whose 8,000-token prefix endpoint 1 holds went to %v, want %v: its cache saves more than a load costs", got, addr(1))
 	}
-	// Without the prefix, sql's requests stay where it is active.
-	r = mustPick(t, p, Request{Model: "sql", Prompt: text("other", 32_400)})
-	if got := r.Endpoints()[0]; got != addr(0) {
-		t.Fatalf("a request for sql sharing nothing went to %v, want %v, where sql runs", got, addr(0))
-	}
 }
