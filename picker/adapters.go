@@ -29,7 +29,14 @@ import "slices"
 //     adapter's request, unless every candidate is full: more requests for
 //     the adapters holding its slots would keep them held. There the
 //     starving adapter is not loaded, so its own requests avoid the
-//     endpoint as any full one.
+//     endpoint as any full one;
+//   - these two exclusions hold while an endpoint with room can take the
+//     request with its queued prefill within openSlack times the pool's
+//     even share. Beyond that every candidate is full as far as they go,
+//     and the cost decides: a slot on a full endpoint frees when its
+//     adapters' requests end, sooner than a queue several times the
+//     others' drains (on a busy pool the open endpoints were left with
+//     queues of seconds while the full ones idled).
 //
 // Base-model requests, and engines that publish no adapters, are scored as
 // before.
@@ -116,9 +123,19 @@ func (c *row) activeAdapters() int {
 	return n
 }
 
+// openSlack bounds, in even shares of the pool's queued prefill, the queue
+// an endpoint with room for an adapter may take a request to while the
+// full and starving endpoints are kept out. It is above the affinity's 2,
+// so a burst that fills the adapter's endpoints spreads to open ones
+// before full ones. In the routing simulator (4 engines, where 4 never
+// gives way), 3 cut the TTFT tail at every load; 2.5 gave way too soon on
+// a loaded pool and swapped adapters more.
+const openSlack = 3
+
 // adapterCostLocked adds what model's adapter costs on each candidate and
-// takes out those with no room for it, unless every candidate is full. It
-// returns how many candidates it took out.
+// takes out those with no room for it, unless no candidate with room can
+// take the request within openSlack even shares. It returns how many
+// candidates it took out.
 func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int) (full int) {
 	open := 0
 	// The pool's even share of queued prefill, this request included, and
@@ -146,7 +163,7 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 			continue
 		}
 		if c.taken || !p.isAdapter(c, model) || c.adapterResident(model) {
-			if !c.taken {
+			if !c.taken && (c.queued()+c.uncached)*n <= openSlack*total {
 				open++
 			}
 			continue
@@ -160,10 +177,12 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 			c.loraFull = true
 			continue
 		}
-		open++
+		if (c.queued()+c.uncached)*n <= openSlack*total {
+			open++
+		}
 	}
 	if open == 0 {
-		return 0 // every candidate is full: the cost decides
+		return 0 // every candidate is full, or has a long queue: the cost decides
 	}
 	for _, c := range cands {
 		if c.loraFull {

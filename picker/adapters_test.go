@@ -241,3 +241,38 @@ func TestAnEndpointHoldingThePromptIsNotPassedOver(t *testing.T) {
 		t.Fatalf("a request whose 8,000-token prefix endpoint 1 holds went to %v, want %v: its cache saves more than a load costs", got, addr(1))
 	}
 }
+
+// The full endpoints are kept out only while an endpoint with room can take
+// the request within three even shares of the pool's queued prefill: a
+// slot frees when the adapters holding it finish, sooner than a queue
+// several times the others' drains.
+func TestAFullEndpointGivesWayOnlyToALongQueue(t *testing.T) {
+	for _, c := range []struct {
+		name       string
+		fullQueued int // base-model tokens queued on each full endpoint
+		openQueued int // and on the endpoint with a free slot
+		wantFull   bool
+		why        string
+	}{
+		{"open queue within three shares", 10_000, 40_000, false, "the open endpoint's 40,000 tokens are within three even shares (70,400 / 4)"},
+		{"open queue past three shares", 0, 40_000, true, "the open endpoint holds the pool's whole queue, past three even shares"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p := newPicker(t, 4, testConfig(), Options{})
+			observeLoRA(p, 2, map[int][]string{0: {"a", "b"}, 1: {"c", "d"}, 2: {"e", "f"}})
+			only := func(e int, prompt []byte) Request {
+				return Request{Model: baseModel, Prompt: prompt, Subset: []netip.AddrPort{addr(e)}, HasSubset: true}
+			}
+			for e := range 3 {
+				if c.fullQueued > 0 {
+					mustPick(t, p, only(e, text(fmt.Sprint("full", e), 4*c.fullQueued)))
+				}
+			}
+			mustPick(t, p, only(3, text("open", 4*c.openQueued)))
+			r := mustPick(t, p, Request{Model: "new", Prompt: text("new", 1600)})
+			if got := r.Endpoints()[0]; (got != addr(3)) != c.wantFull {
+				t.Fatalf("a request for a new adapter went to %v (endpoint 3 has the free slot); want full endpoint %v: %s", got, c.wantFull, c.why)
+			}
+		})
+	}
+}
