@@ -42,9 +42,10 @@ demo: envtest-assets build ## Start a local stack (API server, simulators, epp, 
 	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" bin/demo $(DEMO_ARGS)
 
 .PHONY: fuzz
-fuzz: ## Fuzz the request parser, then ext_proc streams of any message order, for FUZZTIME each (default 2m).
+fuzz: ## Fuzz the request parser, then ext_proc streams of any message order (flow control off, then holding them), for FUZZTIME each (default 2m).
 	$(GO) test -run '^$$' -fuzz=FuzzParse -fuzztime=$(FUZZTIME) ./picker/request
 	$(GO) test -run '^$$' -fuzz=FuzzStreamsLeaveNothingBehind -fuzztime=$(FUZZTIME) ./picker/extproc
+	$(GO) test -run '^$$' -fuzz=FuzzHeldStreamsLeaveNothingBehind -fuzztime=$(FUZZTIME) ./picker/extproc
 
 .PHONY: bench-micro
 bench-micro: ## Run the picker's Go benchmarks (one pick, parsing, hashing, request cycles in-process).

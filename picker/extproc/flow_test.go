@@ -14,7 +14,7 @@ import (
 // flowFixture is one endpoint with flow control on: at the default 10,000
 // tokens/s and 250 ms, one request of 3,000 tokens saturates it, and with
 // the fixture's clock standing still only a response's end frees it.
-func flowFixture(t *testing.T, edit func(*v1alpha1.FlowControl), o fixtureOptions) *fixture {
+func flowFixture(t testing.TB, edit func(*v1alpha1.FlowControl), o fixtureOptions) *fixture {
 	cfg := v1alpha1.Default()
 	cfg.FlowControl.Enabled = true
 	if edit != nil {

@@ -12,6 +12,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
 	"github.com/tallyepp/tally/internal/envoy"
+	"github.com/tallyepp/tally/picker"
 )
 
 // FuzzStreamsLeaveNothingBehind plays an arbitrary sequence of ext_proc
@@ -25,6 +26,34 @@ func FuzzStreamsLeaveNothingBehind(f *testing.F) {
 	var offset atomic.Int64
 	start := time.Now()
 	fx := newFixture(f, fixtureOptions{quiet: true, now: func() time.Time { return start.Add(time.Duration(offset.Load())) }})
+	fuzzStreams(f, fx, &offset, nil)
+}
+
+// FuzzHeldStreamsLeaveNothingBehind is FuzzStreamsLeaveNothingBehind with
+// flow control on and the one endpoint saturated while the stream plays:
+// a request the stream completes waits in the picker's queue, and leaves
+// it when the gateway goes away.
+func FuzzHeldStreamsLeaveNothingBehind(f *testing.F) {
+	var offset atomic.Int64
+	start := time.Now()
+	fx := flowFixture(f, nil, fixtureOptions{quiet: true, now: func() time.Time { return start.Add(time.Duration(offset.Load())) }})
+	var inputs atomic.Uint64
+	fuzzStreams(f, fx, &offset, func(t *testing.T) func() {
+		// With the clock standing still, 3,000 tokens keep it saturated: a
+		// prompt of its own each time, which no earlier one left cached.
+		r, err := fx.picker.Pick(picker.Request{Model: "m", Prompt: []byte(letters(1000+inputs.Add(1), 12_000))})
+		if err != nil {
+			t.Fatalf("saturating the endpoint: %v", err)
+		}
+		return r.Release
+	})
+}
+
+// fuzzStreams is the body of both: saturate, when given, runs before each
+// input's stream and returns what ends it (idempotent): once the gateway
+// went away, or once it half-closed, so that a request it waits on is
+// dispatched.
+func fuzzStreams(f *testing.F, fx *fixture, offset *atomic.Int64, saturate func(*testing.T) func()) {
 	// Each op is a byte, and most take the next byte as their argument
 	// (see player.play).
 	for _, seed := range [][]byte{
@@ -66,6 +95,11 @@ func FuzzStreamsLeaveNothingBehind(f *testing.F) {
 				}
 			}
 		}()
+		unsaturate := func() {}
+		if saturate != nil {
+			unsaturate = saturate(t)
+			defer unsaturate()
+		}
 		p := player{x: x, open: true, body: completionBody("m", letters(uint64(len(ops)), 3000))}
 		for i := 0; i < len(ops) && p.open; i++ {
 			var arg byte
@@ -80,6 +114,8 @@ func FuzzStreamsLeaveNothingBehind(f *testing.F) {
 		// ends the stream (NGF's shim); then, or at once, it goes away:
 		// the stream ends whatever its state.
 		if !p.open {
+			// Its request may wait in the picker's queue: capacity frees.
+			unsaturate()
 			select {
 			case <-ended:
 			case <-time.After(5 * time.Second):
@@ -88,6 +124,7 @@ func FuzzStreamsLeaveNothingBehind(f *testing.F) {
 		}
 		x.Cancel()
 		<-ended
+		unsaturate()
 		// The server may take up the stream only after the gateway went
 		// away, and release what it reserved then: the ledger must empty,
 		// not be empty at once.
