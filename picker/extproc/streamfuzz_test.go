@@ -32,11 +32,15 @@ func FuzzStreamsLeaveNothingBehind(f *testing.F) {
 // FuzzHeldStreamsLeaveNothingBehind is FuzzStreamsLeaveNothingBehind with
 // flow control on and the one endpoint saturated while the stream plays:
 // a request the stream completes waits in the picker's queue, and leaves
-// it when the gateway goes away.
+// it when the gateway goes away. Its model is rewritten too (a split of
+// two targets), so its body is mutated on the way.
 func FuzzHeldStreamsLeaveNothingBehind(f *testing.F) {
 	var offset atomic.Int64
 	start := time.Now()
-	fx := flowFixture(f, nil, fixtureOptions{quiet: true, now: func() time.Time { return start.Add(time.Duration(offset.Load())) }})
+	rw := &picker.Rewrites{}
+	rw.ReplaceRewrites([]picker.RewriteRule{{Name: "split", Models: []string{"m"},
+		Targets: []picker.RewriteTarget{{Model: "m-a", Weight: 1}, {Model: "m-bb", Weight: 1}}}})
+	fx := flowFixture(f, nil, fixtureOptions{quiet: true, rewrites: rw, now: func() time.Time { return start.Add(time.Duration(offset.Load())) }})
 	var inputs atomic.Uint64
 	fuzzStreams(f, fx, &offset, func(t *testing.T) func() {
 		// With the clock standing still, 3,000 tokens keep it saturated: a
