@@ -32,11 +32,11 @@ import "slices"
 //     endpoint as any full one;
 //   - these two exclusions hold while an endpoint with room can take the
 //     request with its queued prefill within openSlack times the pool's
-//     even share. Beyond that every candidate is full as far as they go,
-//     and the cost decides: a slot on a full endpoint frees when its
-//     adapters' requests end, sooner than a queue several times the
-//     others' drains (on a busy pool the open endpoints were left with
-//     queues of seconds while the full ones idled).
+//     even share. Beyond that they give way, and the cost decides: a slot
+//     on a full endpoint frees when its adapters' requests end, sooner
+//     than a queue several times the others' drains (on a busy pool the
+//     open endpoints were left with queues of seconds while the full ones
+//     idled).
 //
 // Base-model requests, and engines that publish no adapters, are scored as
 // before.
@@ -147,9 +147,10 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 			n++
 		}
 	}
+	within := func(c *row, shares int) bool { return (c.queued()+c.uncached)*n <= shares*total }
 	affine, affineUncached := false, 0
 	for _, c := range cands {
-		if !c.taken && p.isAdapter(c, model) && c.adapterActive(model) && (c.queued()+c.uncached)*n <= 2*total {
+		if !c.taken && p.isAdapter(c, model) && c.adapterActive(model) && within(c, 2) {
 			if !affine || c.uncached < affineUncached {
 				affineUncached = c.uncached
 			}
@@ -163,7 +164,7 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 			continue
 		}
 		if c.taken || !p.isAdapter(c, model) || c.adapterResident(model) {
-			if !c.taken && (c.queued()+c.uncached)*n <= openSlack*total {
+			if !c.taken && within(c, openSlack) {
 				open++
 			}
 			continue
@@ -177,7 +178,7 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 			c.loraFull = true
 			continue
 		}
-		if (c.queued()+c.uncached)*n <= openSlack*total {
+		if within(c, openSlack) {
 			open++
 		}
 	}
