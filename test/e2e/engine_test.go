@@ -322,6 +322,11 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 
 	It("leaves a pod whose metrics fail out of the picks until they succeed again", func(ctx SpecContext) {
 		pod1 := pods[1]
+		// The last scrape before the metrics fail stays the picker's view
+		// of pod1's engine: it must see the engine idle, not still running
+		// a request of the spec before (the bursts below wait for every
+		// engine's last scrape to be idle).
+		expectLedgerDrains(ctx, es)
 		pod1.FailMetrics(true)
 		DeferCleanup(func() { pod1.FailMetrics(false) })
 		unhealthy := func(want bool) func(g Gomega) {
