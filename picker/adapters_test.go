@@ -3,7 +3,6 @@ package picker
 import (
 	"fmt"
 	"math"
-	"net/netip"
 	"testing"
 	"time"
 )
@@ -17,6 +16,13 @@ func observeLoRA(p *Picker, maxLoRAs int, running map[int][]string) {
 		p.ObserveEngine(addr(i), EngineStats{Model: baseModel, HasLoRA: true, MaxLoRAs: maxLoRAs,
 			RunningAdapters: running[i]})
 	}
+}
+
+// onAs is on for endpoint e, with model as the request's model.
+func onAs(e int, model string, prompt []byte) Request {
+	r := on(addr(e), prompt)
+	r.Model = model
+	return r
 }
 
 func placements(t *testing.T, p *Picker, n int, model string, prompt func(i int) []byte) (map[int]int, []*Reservation) {
@@ -222,11 +228,8 @@ func TestTheAdapterLoadTimeIsLearnedApartFromTheRate(t *testing.T) {
 func TestAnEndpointHoldingThePromptIsNotPassedOver(t *testing.T) {
 	p := newPicker(t, 3, testConfig(), Options{})
 	observeLoRA(p, 2, map[int][]string{0: {"sql"}})
-	only := func(e int, model string, prompt []byte) Request {
-		return Request{Model: model, Prompt: prompt, Subset: []netip.AddrPort{addr(e)}, HasSubset: true}
-	}
 	shared := text("report", 32_000) // 8,000 tokens
-	mustPick(t, p, only(1, "sql", shared)).Release()
+	mustPick(t, p, onAs(1, "sql", shared)).Release()
 	// Endpoint 1 then runs two other adapters, which push sql out of its
 	// slots, and goes idle: sql is neither active nor resident there.
 	observeLoRA(p, 2, map[int][]string{0: {"sql"}, 1: {"x", "y"}})
@@ -234,7 +237,7 @@ func TestAnEndpointHoldingThePromptIsNotPassedOver(t *testing.T) {
 	// 10,000 tokens queued everywhere, so endpoint 0, where sql runs, can
 	// take the request within twice the even share.
 	for e := range 3 {
-		mustPick(t, p, only(e, baseModel, text(fmt.Sprint("base", e), 40_000)))
+		mustPick(t, p, onAs(e, baseModel, text(fmt.Sprint("base", e), 40_000)))
 	}
 	r := mustPick(t, p, Request{Model: "sql", Prompt: append(append([]byte(nil), shared...), text("question", 400)...)})
 	if got := r.Endpoints()[0]; got != addr(1) {
@@ -260,15 +263,12 @@ func TestAFullEndpointGivesWayOnlyToALongQueue(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			p := newPicker(t, 4, testConfig(), Options{})
 			observeLoRA(p, 2, map[int][]string{0: {"a", "b"}, 1: {"c", "d"}, 2: {"e", "f"}})
-			only := func(e int, prompt []byte) Request {
-				return Request{Model: baseModel, Prompt: prompt, Subset: []netip.AddrPort{addr(e)}, HasSubset: true}
-			}
 			for e := range 3 {
 				if c.fullQueued > 0 {
-					mustPick(t, p, only(e, text(fmt.Sprint("full", e), 4*c.fullQueued)))
+					mustPick(t, p, onAs(e, baseModel, text(fmt.Sprint("full", e), 4*c.fullQueued)))
 				}
 			}
-			mustPick(t, p, only(3, text("open", 4*c.openQueued)))
+			mustPick(t, p, onAs(3, baseModel, text("open", 4*c.openQueued)))
 			r := mustPick(t, p, Request{Model: "new", Prompt: text("new", 1600)})
 			if got := r.Endpoints()[0]; (got != addr(3)) != c.wantFull {
 				t.Fatalf("a request for a new adapter went to %v (endpoint 3 has the free slot); want full endpoint %v: %s", got, c.wantFull, c.why)
