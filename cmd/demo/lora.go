@@ -103,7 +103,33 @@ func writeLoRATable(w io.Writer, opts options, runs []replayed) error {
 		}
 		fmt.Fprintf(tw, "%s\t%d\t%.3fs\t%.3fs\t%d\t%.1f\t%d\t\n", s.Policy, s.Requests, s.TTFTP50.Seconds(), s.TTFTP99.Seconds(), r.swaps, per, s.Errors)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if line := loraP99Ratio(runs); line != "" {
+		fmt.Fprintln(w, line)
+	}
+	return nil
+}
+
+// loraP99Ratio says how Tally's lora TTFT p99 compares with the best of
+// the baselines (every other policy's lora row): "" without both.
+func loraP99Ratio(runs []replayed) string {
+	var tally, best *stack.Summary
+	for i := range runs {
+		s := &runs[i].summary
+		switch {
+		case s.Workload != loraWorkload || s.TTFTP99 <= 0:
+		case s.Policy == "tally":
+			tally = s
+		case best == nil || s.TTFTP99 < best.TTFTP99:
+			best = s
+		}
+	}
+	if tally == nil || best == nil {
+		return ""
+	}
+	return fmt.Sprintf("tally's TTFT p99 is %.2fx the best baseline's (%s, %.3fs).", tally.TTFTP99.Seconds()/best.TTFTP99.Seconds(), best.Policy, best.TTFTP99.Seconds())
 }
 
 // loraWorkload names the workload of the LoRA section.

@@ -29,6 +29,12 @@
 // times (its saturation threshold and reordering bound) are divided by it,
 // so that they mean in simulated time what the defaults mean in real time.
 //
+// With --upstream-bin (make demo passes bin/upstream-epp, which `make
+// upstream-epp` builds), "upstream" replays every workload through the
+// upstream picker (gateway-api-inference-extension v1.5.0's cmd/epp) and a
+// gateway of its own: its default scorers, plus its lora-affinity-scorer
+// when the simulators serve adapters (upstream.go).
+//
 // With --keep the stack stays up after the table until Ctrl-C. Whatever
 // happens, everything the demo started is stopped before it exits; a failure
 // (including any failed request) exits with status 1, a bad flag with status 2.
@@ -160,6 +166,9 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 		fmt.Fprintf(stdout, "Flow control picker %s up, gateway %s, config %s\n", r.Name(), r.GatewayURL(), cfg)
 		pols = slices.Insert(pols, 1, flowPolicy(r))
 	}
+	if opts.upstreamBin != "" {
+		pols = slices.Insert(pols, len(pols)-1, upstreamPolicy(s, opts.upstreamBin, len(adapters) > 0, stdout))
+	}
 
 	runs, err := runPolicies(ctx, s, pols, workloads, opts, stdout)
 	if err != nil {
@@ -174,6 +183,9 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 		return err
 	}
 	fmt.Fprintln(stdout, "tally: through the dev gateway and the picker; round-robin: the same requests straight to the pods in turn.")
+	if opts.upstreamBin != "" {
+		fmt.Fprintln(stdout, "upstream: through the upstream picker (v1.5.0) and a gateway of its own.")
+	}
 	if opts.flow {
 		fmt.Fprintln(stdout, "tally-flow: through a second picker with flow control on (and its gateway), the mooncake trace only; 429: requests it refused.")
 	}
@@ -221,6 +233,10 @@ type policy struct {
 	ledger func(ctx context.Context) (stack.Ledger, error)
 	// traceOnly: the policy replays the mooncake trace alone.
 	traceOnly bool
+	// start and done, when set, run before the policy's first workload
+	// and after its last.
+	start func(context.Context) error
+	done  func() error
 }
 
 func tallyPolicy(s *stack.Stack) policy {
@@ -265,6 +281,11 @@ func runPolicies(ctx context.Context, s *stack.Stack, policies []policy, workloa
 	pods := s.Pods()
 	var runs []replayed
 	for _, pol := range policies {
+		if pol.start != nil {
+			if err := pol.start(ctx); err != nil {
+				return nil, err
+			}
+		}
 		for _, w := range workloads {
 			if pol.traceOnly && w.name != "mooncake" {
 				continue
@@ -306,6 +327,11 @@ func runPolicies(ctx context.Context, s *stack.Stack, policies []policy, workloa
 				if err := waitLedgerIdle(ctx, pol.ledger); err != nil {
 					return nil, fmt.Errorf("after %s: %w", label, err)
 				}
+			}
+		}
+		if pol.done != nil {
+			if err := pol.done(); err != nil {
+				return nil, fmt.Errorf("after %s: %w", pol.name, err)
 			}
 		}
 	}
@@ -484,6 +510,7 @@ type options struct {
 	userTokens     int
 	burstMaxTokens int
 	gatewayListen  string
+	upstreamBin    string
 	// The LoRA section (lora.go); adapters 0 leaves it out.
 	adapters        int
 	adapterRequests int
@@ -515,6 +542,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.userTokens, "user-tokens", 256, "tokens of each burst request's own user turn")
 	fs.IntVar(&o.burstMaxTokens, "burst-max-tokens", 64, "tokens each burst request generates")
 	fs.StringVar(&o.gatewayListen, "gateway-listen", "localhost:8080", "the gateway's listen address")
+	fs.StringVar(&o.upstreamBin, "upstream-bin", "", "the upstream picker's binary (make upstream-epp builds bin/upstream-epp); given, row upstream replays every workload through it (make demo passes it)")
 	fs.IntVar(&o.adapters, "adapters", 8, "LoRA adapters each simulator serves besides the base model, for the lora rows (0: no LoRA section)")
 	fs.IntVar(&o.adapterRequests, "adapter-requests", 100, "with --adapters: the lora rows replay the first N requests of the trace, each for an adapter")
 	fs.Float64Var(&o.adapterZipf, "adapter-zipf", 1.1, "with --adapters: the adapter of rank k is drawn with weight 1/k^s (0: every adapter alike)")
@@ -566,6 +594,13 @@ func (o options) validate() error {
 	}
 	if o.traceRequests < 0 {
 		errs = append(errs, fmt.Errorf("flag --trace-requests: %d is invalid: must be 0 (all) or more", o.traceRequests))
+	}
+	if o.upstreamBin != "" {
+		if st, err := os.Stat(o.upstreamBin); err != nil {
+			errs = append(errs, fmt.Errorf("flag --upstream-bin: %w (make upstream-epp builds bin/upstream-epp)", err))
+		} else if st.IsDir() {
+			errs = append(errs, fmt.Errorf("flag --upstream-bin: %s is a directory, not the upstream picker's binary", o.upstreamBin))
+		}
 	}
 	if o.adapters < 0 || o.adapters > maxAdapters {
 		errs = append(errs, fmt.Errorf("flag --adapters: %d is invalid: must be from 0 (no LoRA section) to %d", o.adapters, maxAdapters))

@@ -3,8 +3,11 @@ package main
 import (
 	"bytes"
 	"context"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/internal/stack"
@@ -126,6 +129,28 @@ func TestFlowPickerConfigScalesTheDefaults(t *testing.T) {
 	}
 }
 
+// --upstream-bin must name a file: a missing one or a directory is refused
+// before anything starts, naming the flag.
+func TestUpstreamBinFlag(t *testing.T) {
+	dir := t.TempDir()
+	bin := filepath.Join(dir, "upstream-epp")
+	if err := os.WriteFile(bin, []byte("#!/bin/sh\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if o, err := parseFlags([]string{"--upstream-bin=" + bin}, &bytes.Buffer{}); err != nil || o.upstreamBin != bin {
+		t.Errorf("--upstream-bin=%s: %+v, %v", bin, o, err)
+	}
+	for _, c := range []struct{ arg, want string }{
+		{"--upstream-bin=" + filepath.Join(dir, "none"), "flag --upstream-bin: stat " + filepath.Join(dir, "none") + ": no such file"},
+		{"--upstream-bin=" + dir, "flag --upstream-bin: " + dir + " is a directory"},
+	} {
+		var stdout, stderr bytes.Buffer
+		if code := run(context.Background(), []string{c.arg}, &stdout, &stderr); code != exitBadUsage || !strings.Contains(stderr.String(), c.want) {
+			t.Errorf("%s: exit %d, stderr %q; want %d naming %q", c.arg, code, stderr.String(), exitBadUsage, c.want)
+		}
+	}
+}
+
 func TestLoRAFlags(t *testing.T) {
 	o, err := parseFlags(nil, &bytes.Buffer{})
 	if err != nil {
@@ -194,5 +219,30 @@ func TestLoRAPickerArgs(t *testing.T) {
 	}
 	if got := loraPickerArgs(5, []string{"--config-texts=1"}); got == nil {
 		t.Errorf("--config-texts is another flag")
+	}
+}
+
+// The LoRA section compares Tally's p99 with the best baseline's, lora
+// rows only.
+func TestLoRAP99RatioTakesTheBestBaseline(t *testing.T) {
+	row := func(policy, workload string, p99 time.Duration) replayed {
+		return replayed{summary: stack.Summary{Policy: policy, Workload: workload, TTFTP99: p99}}
+	}
+	runs := []replayed{
+		row("tally", "mooncake", time.Second),
+		row("tally", loraWorkload, 2*time.Second),
+		row("upstream", loraWorkload, 4*time.Second),
+		row("round-robin", "mooncake", time.Second),
+		row("round-robin", loraWorkload, 2500*time.Millisecond),
+	}
+	want := "tally's TTFT p99 is 0.80x the best baseline's (round-robin, 2.500s)."
+	if got := loraP99Ratio(runs); got != want {
+		t.Errorf("got %q, want %q", got, want)
+	}
+	if got := loraP99Ratio(runs[:3]); !strings.Contains(got, "0.50x the best baseline's (upstream") {
+		t.Errorf("with upstream alone: %q", got)
+	}
+	if got := loraP99Ratio(runs[:2]); got != "" {
+		t.Errorf("no baseline: %q, want none", got)
 	}
 }

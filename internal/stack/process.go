@@ -37,7 +37,13 @@ const keptOutputLines = 20
 // stdout or stderr goes to out (nil: nowhere) prefixed with its name, and
 // to onLine when set (it runs on the reading goroutine: keep it short).
 func startProcess(name, path string, args []string, out io.Writer, onLine func(string)) (*Process, error) {
-	cmd := exec.Command(path, args...)
+	return startCommand(name, exec.Command(path, args...), out, onLine)
+}
+
+// startCommand starts cmd as startProcess does: cmd sets what startProcess
+// does not (an environment, for one).
+func startCommand(name string, cmd *exec.Cmd, out io.Writer, onLine func(string)) (*Process, error) {
+	path := cmd.Path
 	cmd.SysProcAttr = childProcAttr()
 	pr, pw, err := os.Pipe()
 	if err != nil {

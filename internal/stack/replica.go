@@ -90,6 +90,10 @@ func (r *Replica) WaitForEndpoints(ctx context.Context, pods ...string) error {
 // Kill kills the replica's picker (SIGKILL), as a crash would.
 func (r *Replica) Kill() { r.picker.Kill() }
 
+// Stop stops the replica's gateway and picker, before the stack's end
+// (Stop on the stack stops them too).
+func (r *Replica) Stop() error { return r.stop() }
+
 func (r *Replica) stop() error {
 	if err := stopAll(r.gateway, r.picker); err != nil {
 		return fmt.Errorf("stopping picker replica %s: %w", r.name, err)
