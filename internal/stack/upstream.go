@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
-	"strings"
 	"time"
 )
 
@@ -65,6 +64,7 @@ func (r *Replica) waitUpstreamReady(ctx context.Context, pods int) error {
 	last := "not serving"
 	err := r.picker.waitFor(ctx, "the upstream picker to serve every pod", upstreamReadyTimeout, pollInterval, func(ctx context.Context) bool {
 		if ok, err := pickerReady(ctx, r.ports.health); !ok || err != nil {
+			last = fmt.Sprintf("not serving (%v)", err)
 			return false
 		}
 		m, err := r.Metrics(ctx)
@@ -84,8 +84,8 @@ func (r *Replica) waitUpstreamReady(ctx context.Context, pods int) error {
 		conn.Close()
 		return true
 	})
-	if err != nil && !strings.Contains(err.Error(), last) {
+	if err != nil {
 		return fmt.Errorf("%w (last: %s)", err, last)
 	}
-	return err
+	return nil
 }
