@@ -57,6 +57,9 @@ func TestEveryOpenAIPathIsParsed(t *testing.T) {
 		{"/v1/chat/completions/", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`, "", "\x00Ruser\x00Chi\x00E"},
 		{"/v1/responses", `{"model":"m","instructions":"S","input":"hi","cache_salt":"s"}`, "s", "\x00Rsystem\x00CS\x00E\x00Ruser\x00Chi\x00E"},
 		{"/team/v1/embeddings", `{"model":"m","input":["a","b"]}`, "", "a\nb"},
+		// Azure OpenAI's deployment path, with no /v1: the upstream picker
+		// reads it by its suffix too.
+		{"/openai/deployments/gpt/chat/completions?api-version=2024-10-21", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`, "", "\x00Ruser\x00Chi\x00E"},
 	} {
 		t.Run(tc.path, func(t *testing.T) {
 			f, log := logged(t, fixtureOptions{})

@@ -23,9 +23,12 @@
 // # Paths
 //
 // A path is matched by its suffix, its query string and one trailing slash
-// cut: "/v1/completions", "/v1/chat/completions", "/v1/responses" and
-// "/v1/embeddings", under any prefix ("/openai/v1/completions"). Any other
-// path is KindOther and its body is not read.
+// cut, as the upstream picker matches it: "/completions",
+// "/chat/completions", "/responses" and "/embeddings", under any prefix
+// ("/v1/completions", "/openai/v1/completions", Azure's
+// "/openai/deployments/d/chat/completions", Vertex AI's
+// "/v1/projects/p/locations/l/endpoints/openapi/chat/completions"). Any
+// other path is KindOther and its body is not read.
 //
 // # Prompt format
 //
@@ -226,21 +229,21 @@ func KindOfBody(body []byte) (Kind, error) {
 }
 
 // kindOf matches the path by its suffix, after the query string and one
-// trailing slash are cut: the same APIs are served under any prefix (an
-// Azure-style "/openai/v1/...", a gateway's route prefix).
+// trailing slash are cut: the same APIs are served under any prefix (a
+// version, a provider's deployment path, a gateway's route prefix).
 func kindOf(path string) Kind {
 	if i := strings.IndexByte(path, '?'); i >= 0 {
 		path = path[:i]
 	}
 	path = strings.TrimSuffix(path, "/")
 	switch {
-	case strings.HasSuffix(path, "/v1/chat/completions"):
+	case strings.HasSuffix(path, "/chat/completions"):
 		return KindChat
-	case strings.HasSuffix(path, "/v1/completions"):
+	case strings.HasSuffix(path, "/completions"):
 		return KindCompletions
-	case strings.HasSuffix(path, "/v1/responses"):
+	case strings.HasSuffix(path, "/responses"):
 		return KindResponses
-	case strings.HasSuffix(path, "/v1/embeddings"):
+	case strings.HasSuffix(path, "/embeddings"):
 		return KindEmbeddings
 	}
 	return KindOther
