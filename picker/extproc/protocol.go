@@ -239,14 +239,18 @@ func servedBy(md *corev3.Metadata) (netip.AddrPort, bool) {
 	return ap, err == nil
 }
 
-// Headers a gateway sends for flow control, as the upstream picker reads
-// them (gateway-api-inference-extension v1.5.0, pkg/epp/metadata).
+// Headers a gateway sends for flow control and model rewrites, as the
+// upstream picker reads them (gateway-api-inference-extension v1.5.0,
+// pkg/epp/metadata).
 const (
 	// objectiveHeader names the request's InferenceObjective: its
 	// priority band.
 	objectiveHeader = "x-gateway-inference-objective"
 	// fairnessHeader names the request's flow inside its band.
 	fairnessHeader = "x-gateway-inference-fairness-id"
+	// modelRewriteHeader names the model the request is sent on as, when
+	// no InferenceModelRewrite rule matches its model.
+	modelRewriteHeader = "x-gateway-model-name-rewrite"
 )
 
 // Names of the conformance test hooks (Options.ConformanceTestHooks), as the

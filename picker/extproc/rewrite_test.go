@@ -8,6 +8,7 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 
 	"github.com/tallyepp/tally/internal/envoy"
+	"github.com/tallyepp/tally/picker/extproc"
 	"github.com/tallyepp/tally/picker"
 )
 
@@ -60,5 +61,45 @@ func TestModelRewriteRewritesTheBodyAndWhatIsScored(t *testing.T) {
 	r, err := f.gw.roundTrip(t.Context(), other)
 	if err != nil || !bytes.Equal(r.Body, other.Body) || log.last(t).Model != "mistral" {
 		t.Errorf("an unmatched model: err %v, body changed %v, scored %q", err, !bytes.Equal(r.Body, other.Body), log.last(t).Model)
+	}
+}
+
+// A gateway's x-gateway-model-name-rewrite header names the model a
+// request is sent on as where no rule matches its model (the upstream
+// picker's behaviour); a matching rule wins over it.
+func TestTheModelNameRewriteHeaderAppliesWhereNoRuleMatches(t *testing.T) {
+	rw := &picker.Rewrites{}
+	rw.ReplaceRewrites([]picker.RewriteRule{{Name: "canary", Models: []string{"llama"},
+		Targets: []picker.RewriteTarget{{Model: "llama-v2", Weight: 1}}}})
+	prompt := letters(7, 500)
+	for _, tc := range []struct {
+		name     string
+		rewrites extproc.Rewrites
+		model    string
+		want     string
+	}{
+		{"no rules", nil, "mistral", "mistral-v3"},
+		{"no rule for the model", rw, "mistral", "mistral-v3"},
+		{"a rule for the model", rw, "llama", "llama-v2"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f, log := logged(t, fixtureOptions{rewrites: tc.rewrites})
+			req := completion(tc.model, prompt)
+			req.Headers = append(req.Headers, "x-gateway-model-name-rewrite", "mistral-v3")
+			r, err := f.gw.roundTrip(t.Context(), req)
+			if err != nil || r.Immediate != nil {
+				t.Fatalf("err %v, immediate %v", err, r.Immediate)
+			}
+			want := completionBody(tc.want, prompt)
+			if !bytes.Equal(r.Body, want) {
+				t.Errorf("body sent on:\n %s\nwant\n %s", r.Body, want)
+			}
+			if cl, _ := envoy.HeaderValue(r.HeadersAnswer, "content-length"); cl != strconv.Itoa(len(want)) {
+				t.Errorf("content-length %q, want %d", cl, len(want))
+			}
+			if got := log.last(t).Model; got != tc.want {
+				t.Errorf("the picker scored model %q, want %q", got, tc.want)
+			}
+		})
 	}
 }

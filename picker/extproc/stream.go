@@ -52,6 +52,9 @@ type stream struct {
 	// The request's InferenceObjective and flow (flow control's priority
 	// band and fairness), from the gateway's headers.
 	objective, fairnessID string
+	// modelHeader is the gateway's x-gateway-model-name-rewrite: the
+	// model to send on when no rewrite rule matches ("" for none).
+	modelHeader string
 
 	// body holds the request body while it arrives: nil before its first
 	// chunk, and again once the body has been passed on.
@@ -154,6 +157,7 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 		}
 	}
 	st.objective, st.fairnessID = headerValue(headers, objectiveHeader), headerValue(headers, fairnessHeader)
+	st.modelHeader = headerValue(headers, modelRewriteHeader)
 	var bad []string
 	st.subset, st.hasSubset, bad = subsetHint(md)
 	if len(bad) > 0 {
@@ -551,17 +555,25 @@ func (st *stream) parse() (picker.Request, error) {
 
 // rewriteModel applies the pool's model rewrites to a parsed request: the
 // model the picker scores and the body sent on name the target, and the
-// body is otherwise passed on byte for byte.
+// body is otherwise passed on byte for byte. Where no rule matches, the
+// gateway's x-gateway-model-name-rewrite header names the target, as with
+// the upstream picker.
 func (st *stream) rewriteModel(req *picker.Request) {
-	rw := st.s.opts.Rewrites
-	if rw == nil || st.body == nil {
+	if st.body == nil {
 		return
 	}
-	target, rule, ok := rw.Rewrite(req.Model, rand.IntN)
-	if !ok {
+	target, rule, ok := req.Model, "", false
+	if rw := st.s.opts.Rewrites; rw != nil {
+		target, rule, ok = rw.Rewrite(req.Model, rand.IntN)
+	}
+	switch {
+	case ok:
+		st.s.upstream.rewrite(rule, req.Model, target)
+	case st.modelHeader != "":
+		target = st.modelHeader
+	default:
 		return
 	}
-	st.s.upstream.rewrite(rule, req.Model, target)
 	st.up.model, st.up.target = req.Model, target
 	if target == req.Model {
 		return
