@@ -8,8 +8,8 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 
 	"github.com/tallyepp/tally/internal/envoy"
-	"github.com/tallyepp/tally/picker/extproc"
 	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/extproc"
 )
 
 func TestModelRewriteRewritesTheBodyAndWhatIsScored(t *testing.T) {
