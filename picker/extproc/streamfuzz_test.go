@@ -255,7 +255,7 @@ func (p *player) play(op, arg byte) (usedArg bool) {
 // body); 2: a content-length of bodyLen; 3: the chat path; 4 and 5: the
 // protocol_config's body mode (none, FULL_DUPLEX_STREAMED, BUFFERED,
 // STREAMED); 6: header values in value rather than raw_value; 7: an
-// objective header.
+// objective header and a model-name rewrite header.
 func fuzzHeaders(arg byte, bodyLen int) *extprocv3.ProcessingRequest {
 	path := "/v1/completions"
 	if arg&8 != 0 {
@@ -270,7 +270,7 @@ func fuzzHeaders(arg byte, bodyLen int) *extprocv3.ProcessingRequest {
 		kv = append(kv, "content-length", strconv.Itoa(bodyLen))
 	}
 	if arg&128 != 0 {
-		kv = append(kv, "x-gateway-inference-objective", "critical")
+		kv = append(kv, "x-gateway-inference-objective", "critical", "x-gateway-model-name-rewrite", "model-v2")
 	}
 	headers := envoy.HeaderMap(kv...)
 	if arg&64 != 0 {
