@@ -2,10 +2,12 @@ package extproc_test
 
 import (
 	"bytes"
+	"slices"
 	"strconv"
 	"testing"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
 	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker"
@@ -99,6 +101,68 @@ func TestTheModelNameRewriteHeaderAppliesWhereNoRuleMatches(t *testing.T) {
 			}
 			if got := log.last(t).Model; got != tc.want {
 				t.Errorf("the picker scored model %q, want %q", got, tc.want)
+			}
+		})
+	}
+}
+
+// After a rewrite, the response says the model the client asked for, as
+// with the upstream picker: each "model" field naming the target, compact
+// or spaced, in every chunk streamed back; the content-length goes when
+// the names' lengths differ. Other mentions of the target stay.
+func TestTheResponseNamesTheClientsModel(t *testing.T) {
+	for _, tc := range []struct {
+		name, model, target string
+	}{
+		{"longer target", "llama", "llama-v2-canary"},
+		{"target of the same length", "llama", "llamb"},
+		{"no rewrite", "mistral", "mistral"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rw := &picker.Rewrites{}
+			rw.ReplaceRewrites([]picker.RewriteRule{{Name: "canary", Models: []string{"llama"},
+				Targets: []picker.RewriteTarget{{Model: tc.target, Weight: 1}}}})
+			f := newFixture(t, fixtureOptions{rewrites: rw})
+			x, err := f.gw.Open(t.Context())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer x.Cancel()
+			if r, err := x.SendRequest(completion(tc.model, letters(8, 300))); err != nil || r.Immediate != nil {
+				t.Fatalf("err %v, immediate %v", err, r.Immediate)
+			}
+			headers := x.ResponseHeadersMessage(response(200, "x"))
+			if err := x.Send(headers); err != nil {
+				t.Fatal(err)
+			}
+			answer, err := x.Recv()
+			if err != nil {
+				t.Fatal(err)
+			}
+			removed := answer.GetResponseHeaders().GetResponse().GetHeaderMutation().GetRemoveHeaders()
+			if want := len(tc.model) != len(tc.target); slices.Contains(removed, "content-length") != want {
+				t.Errorf("removed headers %q; want content-length removed: %v", removed, want)
+			}
+			chunks := []string{
+				`data: {"id":"c1","model":"` + tc.target + `","choices":[{"text":"` + tc.target + `"}]}` + "\n\n",
+				`{"id": "c2", "model": "` + tc.target + `", "object": "text_completion"}`,
+			}
+			want := []string{
+				`data: {"id":"c1","model":"` + tc.model + `","choices":[{"text":"` + tc.target + `"}]}` + "\n\n",
+				`{"id": "c2", "model": "` + tc.model + `", "object": "text_completion"}`,
+			}
+			for i, c := range chunks {
+				if err := x.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
+					ResponseBody: &extprocv3.HttpBody{Body: []byte(c), EndOfStream: i == len(chunks)-1}}}); err != nil {
+					t.Fatal(err)
+				}
+				answer, err := x.Recv()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := string(answer.GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetBody()); got != want[i] {
+					t.Errorf("chunk %d came back as\n %s\nwant\n %s", i, got, want[i])
+				}
 			}
 		})
 	}

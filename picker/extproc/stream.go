@@ -1,12 +1,14 @@
 package extproc
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
 	"runtime/debug"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -67,6 +69,10 @@ type stream struct {
 	// a model rewrite replaced it in body.
 	modelStart, modelEnd int
 	rewritten            bool
+	// restore, once the response headers came after a rewrite: each
+	// "model" field naming the target, and the same naming the client's
+	// model, with and without a space after the colon (modelRestorer).
+	restore [][2][]byte
 	// decided: the request phase is over (routed, or left to the gateway).
 	decided bool
 	// loadOnly: routed on its headers while its body passes by unread.
@@ -394,15 +400,58 @@ func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders)
 	if h.GetEndOfStream() {
 		st.responseEnd()
 	}
-	if !st.s.opts.ConformanceTestHooks {
+	if st.rewritten && st.responseMode == fullDuplex && !h.GetEndOfStream() {
+		st.restore = modelRestorer(st.up.target, st.up.model)
+	}
+	// The body's length changes when the client's model name is put back
+	// in place of a target of another length.
+	lengthChanges := len(st.restore) > 0 && len(st.up.target) != len(st.up.model)
+	if !st.s.opts.ConformanceTestHooks && !lengthChanges {
 		return st.send(answerResponseHeaders)
 	}
-	common := &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-		wire.HeaderOption(testServedHeader, servedForTest(md)),
-	}}}
+	mutation := &extprocv3.HeaderMutation{}
+	if st.s.opts.ConformanceTestHooks {
+		mutation.SetHeaders = []*corev3.HeaderValueOption{wire.HeaderOption(testServedHeader, servedForTest(md))}
+	}
+	if lengthChanges {
+		mutation.RemoveHeaders = []string{"content-length"}
+	}
 	return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
-		ResponseHeaders: &extprocv3.HeadersResponse{Response: common},
+		ResponseHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{HeaderMutation: mutation}},
 	}})
+}
+
+// modelRestorer pairs each "model" field naming target, as a JSON encoder
+// writes it (compact, or with a space after the colon), with the same
+// field naming model: the response says the model the client asked for,
+// as with the upstream picker.
+func modelRestorer(target, model string) [][2][]byte {
+	t, m := jsonString(target), jsonString(model)
+	return [][2][]byte{
+		{[]byte(`"model":` + t), []byte(`"model":` + m)},
+		{[]byte(`"model": ` + t), []byte(`"model": ` + m)},
+	}
+}
+
+// jsonString quotes s as a JSON string, without escaping HTML characters.
+func jsonString(s string) string {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	_ = enc.Encode(s) // cannot fail: a string
+	return strings.TrimSuffix(b.String(), "\n")
+}
+
+// restoreModel puts the client's model name back in a response chunk:
+// each field the chunk holds whole (a field split across two chunks stays
+// as the model server wrote it).
+func (st *stream) restoreModel(chunk []byte) []byte {
+	for _, p := range st.restore {
+		if bytes.Contains(chunk, p[0]) {
+			chunk = bytes.ReplaceAll(chunk, p[0], p[1])
+		}
+	}
+	return chunk
 }
 
 func (st *stream) responseBody(b *extprocv3.HttpBody) error {
@@ -415,7 +464,7 @@ func (st *stream) responseBody(b *extprocv3.HttpBody) error {
 		st.responseEnd()
 	}
 	if st.responseMode == fullDuplex {
-		return st.send(&wire.BodyEcho{Response: true, Chunk: b.GetBody(), EndOfStream: b.GetEndOfStream()})
+		return st.send(&wire.BodyEcho{Response: true, Chunk: st.restoreModel(b.GetBody()), EndOfStream: b.GetEndOfStream()})
 	}
 	return st.send(answerResponseBody)
 }

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/netip"
@@ -10,7 +11,11 @@ import (
 
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"github.com/tallyepp/tally/api/v1alpha2"
+	"github.com/tallyepp/tally/controllers"
 	"github.com/tallyepp/tally/internal/stack"
 )
 
@@ -116,6 +121,46 @@ var _ = Describe("LoRA adapters", Ordered, func() {
 		Expect(total(delta(before, served()))).To(Equal(9))
 		for _, r := range results {
 			Expect(r.Status).To(Equal(http.StatusOK))
+		}
+		expectLedgerDrains(ctx, ls)
+	})
+
+	It("sends a rewritten model on as its target and answers with the model asked for", func(ctx SpecContext) {
+		kube, err := client.New(ls.RestConfig(), client.Options{Scheme: controllers.Scheme()})
+		Expect(err).NotTo(HaveOccurred())
+		// The simulators serve no model "assistant": a request for it
+		// succeeds only if the body sent on names the adapter.
+		Expect(kube.Create(ctx, &v1alpha2.InferenceModelRewrite{
+			ObjectMeta: metav1.ObjectMeta{Name: "assistant", Namespace: ls.Options().Namespace},
+			Spec: v1alpha2.InferenceModelRewriteSpec{
+				PoolRef: &v1alpha2.PoolObjectReference{Name: v1alpha2.ObjectName(ls.Options().PoolName)},
+				Rules: []v1alpha2.InferenceModelRewriteRule{{
+					Matches: []v1alpha2.Match{{Model: &v1alpha2.ModelMatch{Value: "assistant"}}},
+					Targets: []v1alpha2.TargetModel{{ModelRewrite: "sql"}},
+				}},
+			},
+		})).To(Succeed())
+		for _, streamed := range []bool{false, true} {
+			var body []byte
+			// Until the picker has the rewrite, the simulator answers 404.
+			eventually(ctx, func(g Gomega) {
+				r := stack.Completion("assistant", "Rewritten, please answer briefly "+nextID("assistant"), 4, streamed)
+				var status int
+				status, body = postVia(ctx, ls, ls.GatewayURL(), r.Path, r.Body, nextID("assistant"))
+				g.Expect(status).To(Equal(http.StatusOK), "body: %.300s", body)
+			}).WithTimeout(30 * time.Second).Should(Succeed())
+			var models []string
+			if streamed {
+				for _, e := range parseSSE(body) {
+					models = append(models, e.Model)
+				}
+			} else {
+				var r completionResponse
+				Expect(json.Unmarshal(body, &r)).To(Succeed())
+				models = append(models, r.Model)
+			}
+			Expect(models).NotTo(BeEmpty())
+			Expect(models).To(HaveEach("assistant"), "streamed %v: the model field of every answer; body %.300s", streamed, body)
 		}
 		expectLedgerDrains(ctx, ls)
 	})

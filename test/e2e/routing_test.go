@@ -128,6 +128,7 @@ func rawPostTo(ctx context.Context, baseURL string, body []byte) (int, []byte) {
 
 type completionResponse struct {
 	Object  string `json:"object"`
+	Model   string `json:"model"`
 	Choices []struct {
 		Text         string  `json:"text"`
 		FinishReason *string `json:"finish_reason"`
