@@ -29,11 +29,7 @@ type Replica struct {
 // replica with a picker configuration of its own (--config-text) is
 // another picker beside the first.
 func (s *Stack) StartReplica(ctx context.Context, extraArgs ...string) (_ *Replica, err error) {
-	taken := []pickerPorts{s.pickerPorts}
-	for _, r := range s.replicas {
-		taken = append(taken, r.ports)
-	}
-	ports, err := freePickerPorts(taken...)
+	ports, err := s.replicaPorts()
 	if err != nil {
 		return nil, err
 	}
@@ -49,6 +45,16 @@ func (s *Stack) StartReplica(ctx context.Context, extraArgs ...string) (_ *Repli
 		return nil, err
 	}
 	return r, nil
+}
+
+// replicaPorts finds free ports for another picker, none of them the
+// first picker's or another replica's.
+func (s *Stack) replicaPorts() (pickerPorts, error) {
+	taken := []pickerPorts{s.pickerPorts}
+	for _, r := range s.replicas {
+		taken = append(taken, r.ports)
+	}
+	return freePickerPorts(taken...)
 }
 
 // Name is the replica's process name in the stack's output.

@@ -23,11 +23,7 @@ const upstreamReadyTimeout = 2 * time.Minute
 // the kubeconfig from $KUBECONFIG: it has no --kubeconfig flag. The replica
 // has no ledger: Ledger fails on it.
 func (s *Stack) StartUpstream(ctx context.Context, bin string, extraArgs ...string) (_ *Replica, err error) {
-	taken := []pickerPorts{s.pickerPorts}
-	for _, r := range s.replicas {
-		taken = append(taken, r.ports)
-	}
-	ports, err := freePickerPorts(taken...)
+	ports, err := s.replicaPorts()
 	if err != nil {
 		return nil, err
 	}
