@@ -55,7 +55,7 @@ func (s *Stack) StartUpstream(ctx context.Context, bin string, extraArgs ...stri
 // waitUpstreamReady waits until the upstream picker's health service says
 // "readiness" is SERVING, its ext_proc port accepts connections (it
 // reports ready before, while it makes its certificate) and its metrics
-// have a inference_pool_per_pod_queue_size series for each of the pods.
+// have an inference_pool_per_pod_queue_size series for each of the pods.
 func (r *Replica) waitUpstreamReady(ctx context.Context, pods int) error {
 	last := "not serving"
 	err := r.picker.waitFor(ctx, "the upstream picker to serve every pod", upstreamReadyTimeout, pollInterval, func(ctx context.Context) bool {
