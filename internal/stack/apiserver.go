@@ -13,6 +13,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
+	"github.com/tallyepp/tally/api/v1alpha2"
+
 	"github.com/tallyepp/tally/internal/testenv"
 )
 
@@ -49,6 +51,9 @@ func (a *apiServer) start(name string, clientConfig func(*rest.Config)) error {
 		return err
 	}
 	if err := infv1.Install(scheme); err != nil {
+		return err
+	}
+	if err := v1alpha2.Install(scheme); err != nil {
 		return err
 	}
 	if a.kube, err = client.New(cfg, client.Options{Scheme: scheme}); err != nil {

@@ -236,7 +236,9 @@ func (s *Stack) Stop() error {
 	return errors.Join(errs...)
 }
 
-// Client is an administrator's client of the stack's API server.
+// Client is an administrator's client of the stack's API server; it
+// knows the pool type and the v1alpha2 types (InferenceObjective,
+// InferenceModelRewrite).
 func (s *Stack) Client() client.Client { return s.kube }
 
 // RestConfig is the administrator's connection to the API server.

@@ -13,10 +13,8 @@ import (
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/tallyepp/tally/api/v1alpha2"
-	"github.com/tallyepp/tally/controllers"
 	"github.com/tallyepp/tally/internal/stack"
 )
 
@@ -107,7 +105,6 @@ func waiting(ctx context.Context, s *stack.Stack) func(g Gomega) int {
 
 var _ = Describe("Flow control", Ordered, func() {
 	var fs *stack.Stack
-	var kube client.Client
 
 	BeforeAll(func(ctx SpecContext) {
 		fs = startStack(ctx, stack.Options{
@@ -116,11 +113,8 @@ var _ = Describe("Flow control", Ordered, func() {
 			Pods:       1,
 			PickerArgs: []string{"--config-text=" + flowPickerConfig, "--shutdown-delay=500ms", "--shutdown-grace=2s"},
 		})
-		var err error
-		kube, err = client.New(fs.RestConfig(), client.Options{Scheme: controllers.Scheme()})
-		Expect(err).NotTo(HaveOccurred())
 		for name, prio := range map[string]int{"critical": 10, "batch": 0, "limited": 5} {
-			Expect(kube.Create(ctx, &v1alpha2.InferenceObjective{
+			Expect(fs.Client().Create(ctx, &v1alpha2.InferenceObjective{
 				ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: fs.Options().Namespace},
 				Spec: v1alpha2.InferenceObjectiveSpec{Priority: &prio,
 					PoolRef: v1alpha2.PoolObjectReference{Name: v1alpha2.ObjectName(fs.Options().PoolName)}},

@@ -12,10 +12,8 @@ import (
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/tallyepp/tally/api/v1alpha2"
-	"github.com/tallyepp/tally/controllers"
 	"github.com/tallyepp/tally/internal/stack"
 )
 
@@ -126,11 +124,9 @@ var _ = Describe("LoRA adapters", Ordered, func() {
 	})
 
 	It("sends a rewritten model on as its target and answers with the model asked for", func(ctx SpecContext) {
-		kube, err := client.New(ls.RestConfig(), client.Options{Scheme: controllers.Scheme()})
-		Expect(err).NotTo(HaveOccurred())
 		// The simulators serve no model "assistant": a request for it
 		// succeeds only if the body sent on names the adapter.
-		Expect(kube.Create(ctx, &v1alpha2.InferenceModelRewrite{
+		Expect(ls.Client().Create(ctx, &v1alpha2.InferenceModelRewrite{
 			ObjectMeta: metav1.ObjectMeta{Name: "assistant", Namespace: ls.Options().Namespace},
 			Spec: v1alpha2.InferenceModelRewriteSpec{
 				PoolRef: &v1alpha2.PoolObjectReference{Name: v1alpha2.ObjectName(ls.Options().PoolName)},
