@@ -372,12 +372,15 @@ func withNonStreaming(trace []stack.TraceRequest, reqs []stack.Request, fraction
 // streamingTimes are a replay's successful requests split by streaming: a
 // streamed request's TTFT is when its first token arrives; a non-streamed
 // one's client sees nothing before the whole response, so only its latency
-// is shown. With --late-first-byte-fraction, the streamed TTFTs are split
-// again into the responses the simulators sent on time and those they held
-// back whole (their TTFT is their latency, whatever the routing).
+// is shown. With --late-first-byte-fraction, firstToken has each streamed
+// request's time to its first token as a streaming response would have
+// shown it: a held-back response's TTFT less the time the simulator held it
+// (stack.Result.HeldBack), which says how well the requests were placed
+// whatever the responses' fate.
 type streamingTimes struct {
 	streamedTTFT, nonStreamedLatency []time.Duration
-	onTimeTTFT, heldBackTTFT         []time.Duration
+	firstToken                       []time.Duration
+	onTime, heldBack                 int
 }
 
 func splitByStreaming(reqs []stack.Request, results []stack.Result, timeScale, lateFraction float64) streamingTimes {
@@ -390,34 +393,34 @@ func splitByStreaming(reqs []stack.Request, results []stack.Result, timeScale, l
 			t.nonStreamedLatency = append(t.nonStreamedLatency, time.Duration(float64(r.Latency)*timeScale))
 			continue
 		}
-		ttft := time.Duration(float64(r.TTFT) * timeScale)
-		t.streamedTTFT = append(t.streamedTTFT, ttft)
+		t.streamedTTFT = append(t.streamedTTFT, time.Duration(float64(r.TTFT)*timeScale))
+		t.firstToken = append(t.firstToken, time.Duration(float64(r.TTFT-r.HeldBack)*timeScale))
 		if server.HoldsBack(lateFraction, reqs[i].DrawKeyOf(r.ID)) {
-			t.heldBackTTFT = append(t.heldBackTTFT, ttft)
+			t.heldBack++
 		} else {
-			t.onTimeTTFT = append(t.onTimeTTFT, ttft)
+			t.onTime++
 		}
 	}
 	return t
 }
 
-// writeLateTable shows each replay's streamed TTFTs: all of them as the
-// clients saw them, and those of the responses sent on time, which say how
-// well the requests were placed.
+// writeLateTable shows each replay's streamed TTFTs: as the clients saw
+// them (a held-back response's at its end), and to the first token, as
+// if every response had streamed.
 func writeLateTable(w io.Writer, runs []replayed) {
-	fmt.Fprintln(w, "With late first bytes (simulated seconds; held back: responses the simulators sent whole at their end):")
-	fmt.Fprintf(w, "%-12s %-9s %9s %9s %9s   %8s %9s %9s %9s   %9s\n", "policy", "workload",
-		"TTFT p50", "TTFT p90", "TTFT p99", "on time", "TTFT p50", "TTFT p90", "TTFT p99", "held back")
+	fmt.Fprintln(w, "With late first bytes (simulated seconds; held back: responses the simulators sent whole at their end; first token: each response's first token as streaming would have shown it):")
+	fmt.Fprintf(w, "%-12s %-9s %9s %9s %9s   %11s %11s %11s   %8s %9s\n", "policy", "workload",
+		"TTFT p50", "TTFT p90", "TTFT p99", "1st tok p50", "1st tok p90", "1st tok p99", "on time", "held back")
 	for _, r := range runs {
 		sum, t := r.summary, r.times
 		if len(t.streamedTTFT) == 0 {
 			continue
 		}
-		fmt.Fprintf(w, "%-12s %-9s %8.3fs %8.3fs %8.3fs   %8d %8.3fs %8.3fs %8.3fs   %9d\n", sum.Policy, sum.Workload,
+		fmt.Fprintf(w, "%-12s %-9s %8.3fs %8.3fs %8.3fs   %10.3fs %10.3fs %10.3fs   %8d %9d\n", sum.Policy, sum.Workload,
 			stack.Percentile(t.streamedTTFT, 50).Seconds(), stack.Percentile(t.streamedTTFT, 90).Seconds(),
-			stack.Percentile(t.streamedTTFT, 99).Seconds(), len(t.onTimeTTFT),
-			stack.Percentile(t.onTimeTTFT, 50).Seconds(), stack.Percentile(t.onTimeTTFT, 90).Seconds(),
-			stack.Percentile(t.onTimeTTFT, 99).Seconds(), len(t.heldBackTTFT))
+			stack.Percentile(t.streamedTTFT, 99).Seconds(),
+			stack.Percentile(t.firstToken, 50).Seconds(), stack.Percentile(t.firstToken, 90).Seconds(),
+			stack.Percentile(t.firstToken, 99).Seconds(), t.onTime, t.heldBack)
 	}
 }
 

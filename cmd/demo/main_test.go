@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/internal/modelsim/server"
 	"github.com/tallyepp/tally/internal/stack"
 )
 
@@ -244,5 +246,41 @@ func TestLoRAP99RatioTakesTheBestBaseline(t *testing.T) {
 	}
 	if got := loraP99Ratio(runs[:2]); got != "" {
 		t.Errorf("no baseline: %q, want none", got)
+	}
+}
+
+// A held-back response counts at its end as its client saw it, and at its
+// first token less the simulator's hold in the first-token times.
+func TestSplitByStreamingTakesTheHoldOff(t *testing.T) {
+	const fraction = 0.5
+	var reqs []stack.Request
+	var results []stack.Result
+	held := 0
+	for i := range 20 {
+		id := fmt.Sprintf("tally-mooncake-%d", i)
+		req := stack.Request{Stream: true}
+		r := stack.Result{ID: id, TTFT: 100 * time.Millisecond}
+		if server.HoldsBack(fraction, req.DrawKeyOf(id)) {
+			held++
+			r.TTFT, r.HeldBack = 900*time.Millisecond, 800*time.Millisecond
+		}
+		reqs, results = append(reqs, req), append(results, r)
+	}
+	reqs = append(reqs, stack.Request{})
+	results = append(results, stack.Result{ID: "tally-mooncake-20", TTFT: time.Second, Latency: 2 * time.Second})
+	if held == 0 || held == 20 {
+		t.Fatalf("%d of 20 held back: the test needs both kinds", held)
+	}
+	got := splitByStreaming(reqs, results, 5, fraction)
+	if got.heldBack != held || got.onTime != 20-held || len(got.nonStreamedLatency) != 1 || got.nonStreamedLatency[0] != 10*time.Second {
+		t.Fatalf("held back %d, on time %d, non-streamed %v; want %d, %d and [10s]", got.heldBack, got.onTime, got.nonStreamedLatency, held, 20-held)
+	}
+	for i, ft := range got.firstToken {
+		if ft != 500*time.Millisecond {
+			t.Fatalf("first token %d at %v; want 500ms (100ms scaled by 5, the hold taken off)", i, ft)
+		}
+		if want := results[i].TTFT * 5; got.streamedTTFT[i] != want {
+			t.Fatalf("TTFT %d %v; want %v, as the client saw it", i, got.streamedTTFT[i], want)
+		}
 	}
 }

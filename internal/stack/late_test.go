@@ -26,8 +26,14 @@ func TestLateFirstByteFractionReachesTheSimulators(t *testing.T) {
 	}
 	// Every token takes a step of at least the base duration; the stack's
 	// simulators run 10 times faster than real time.
-	if atLeast := tokens * engine.DefaultStepBaseDuration / 10; r.TTFT < atLeast || r.CompletionTokens != tokens {
+	atLeast := tokens * engine.DefaultStepBaseDuration / 10
+	if r.TTFT < atLeast || r.CompletionTokens != tokens {
 		t.Fatalf("first event after %v of a %v response with %d tokens; want the whole generation, at least %v, and %d tokens", r.TTFT, r.Latency, r.CompletionTokens, atLeast, tokens)
+	}
+	// The simulator says how long it held the response back: the time to
+	// its first token is what is left, well under the generation.
+	if first := r.TTFT - r.HeldBack; r.HeldBack == 0 || first < 0 || first > atLeast/2 {
+		t.Fatalf("held back %v of a first event after %v; want all but the prefill (under %v)", r.HeldBack, r.TTFT, atLeast/2)
 	}
 }
 

@@ -13,6 +13,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/tallyepp/tally/internal/modelsim/server"
 )
 
 // RequestIDHeader carries each replayed request's id. The simulators of a
@@ -44,6 +46,9 @@ type Result struct {
 	CompletionTokens int
 	// RetryAfter is the response's retry-after header ("" when none).
 	RetryAfter string
+	// HeldBack is how long after its first token a simulator held back a
+	// streamed response (server.HeldBackHeader); 0 when it did not.
+	HeldBack time.Duration
 	// Err is set for a transport error, a status other than 200, or a
 	// response that is cut short or malformed.
 	Err error
@@ -174,6 +179,9 @@ func sendBody(ctx context.Context, client *http.Client, baseURL, id string, req 
 	defer resp.Body.Close()
 	res.Status = resp.StatusCode
 	res.RetryAfter = resp.Header.Get("Retry-After")
+	if ms, err := strconv.ParseFloat(resp.Header.Get(server.HeldBackHeader), 64); err == nil && ms > 0 {
+		res.HeldBack = time.Duration(ms * float64(time.Millisecond))
+	}
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		res.Err = fmt.Errorf("request %s: HTTP %d: %s", id, resp.StatusCode, bytes.TrimSpace(msg))

@@ -127,6 +127,7 @@ func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request, chat boo
 	}
 
 	written := 0 // tokens streamed so far
+	var firstToken time.Time
 	for {
 		select {
 		case <-pend.notify:
@@ -140,6 +141,9 @@ func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request, chat boo
 			return
 		}
 		tokens, cached, finished := s.snapshot(pend)
+		if tokens > 0 && firstToken.IsZero() {
+			firstToken = time.Now()
+		}
 		if !req.Stream {
 			if finished {
 				out.writeJSON(w, cached)
@@ -154,6 +158,9 @@ func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request, chat boo
 			if written == 0 {
 				w.Header().Set("Content-Type", "text/event-stream")
 				w.Header().Set("Cache-Control", "no-cache")
+				if late {
+					w.Header().Set(HeldBackHeader, strconv.FormatFloat(float64(time.Since(firstToken))/float64(time.Millisecond), 'f', 3, 64))
+				}
 				w.WriteHeader(http.StatusOK)
 			}
 			var buf bytes.Buffer

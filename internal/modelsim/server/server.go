@@ -64,6 +64,11 @@ const (
 	// DefaultRequestIDHeader is the header Envoy and the dev gateway name
 	// each request by.
 	DefaultRequestIDHeader = "X-Request-Id"
+	// HeldBackHeader is on a response held back for LateFirstByteFraction:
+	// how long, in milliseconds, after its first token the simulator sent
+	// it. A client subtracting it from its time to first byte has the
+	// time to the first token as a streaming response would have shown it.
+	HeldBackHeader = "X-Modelsim-Held-Back-Ms"
 	// DefaultMaxLoRAs is vLLM's default --max-loras, for a configuration
 	// that serves LoRAModules (one that serves none has Engine.MaxLoRAs 0).
 	DefaultMaxLoRAs = 1

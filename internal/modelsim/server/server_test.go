@@ -11,6 +11,7 @@ import (
 	"math"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -340,7 +341,10 @@ func TestMetricsReflectInFlightRequestsAndCancellationFreesThem(t *testing.T) {
 			t.Fatalf("status %d", resp.StatusCode)
 		}
 		// The first chunk arrives once the request is running.
-		if line, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil || !strings.HasPrefix(line, "data: {") {
+		if v := resp.Header.Get(HeldBackHeader); v != "" {
+		t.Fatalf("response on time: %s %q; want none", HeldBackHeader, v)
+	}
+	if line, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil || !strings.HasPrefix(line, "data: {") {
 			t.Fatalf("first line %q: %v", line, err)
 		}
 		bodies[i] = resp.Body
@@ -487,6 +491,15 @@ func TestLateFirstBytesArriveOnlyWhenGenerationEnds(t *testing.T) {
 	if took, finished := time.Since(start), srv.Stats().FinishedRequests; took < generation/10 || finished != 1 {
 		t.Fatalf("late response's first bytes after %v with %d requests finished; want at least %v (the generation, scaled) and 1", took, finished, generation/10)
 	}
+	took := time.Since(start)
+	// Held back from the first token on: about the decoding after it,
+	// scaled (the server sees each token a little after the engine makes
+	// it), and at most the whole wait.
+	decoding := (lateTokens - 1) * (cfg.StepBaseDuration + cfg.DecodeDurationPerSequence) / 10 / 2
+	held, err := strconv.ParseFloat(resp.Header.Get(HeldBackHeader), 64)
+	if err != nil || held < float64(decoding)/float64(time.Millisecond) || held > float64(took)/float64(time.Millisecond) {
+		t.Fatalf("late response: %s %q (%v); want from %v (half its decoding, scaled) to %v (the wait)", HeldBackHeader, resp.Header.Get(HeldBackHeader), err, decoding, took)
+	}
 	chunks, done := readStream(t, resp.Body)
 	resp.Body.Close()
 	if !done || len(chunks) != lateTokens+1 {
@@ -498,6 +511,9 @@ func TestLateFirstBytesArriveOnlyWhenGenerationEnds(t *testing.T) {
 	defer cancel()
 	resp = send(ctx, onTimeID, 100_000)
 	defer resp.Body.Close()
+	if v := resp.Header.Get(HeldBackHeader); v != "" {
+		t.Fatalf("response on time: %s %q; want none", HeldBackHeader, v)
+	}
 	if line, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil || !strings.HasPrefix(line, "data: {") {
 		t.Fatalf("first line %q: %v", line, err)
 	}
