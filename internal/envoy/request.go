@@ -39,6 +39,9 @@ type Request struct {
 	// one message once the headers are answered (BUFFERED,
 	// BUFFERED_PARTIAL, or a STREAMED body of one chunk).
 	Mode filterv3.ProcessingMode_BodySendMode
+	// ResponseMode, when set with Mode, is announced for the response
+	// body instead of Mode (an Envoy configured with two modes).
+	ResponseMode filterv3.ProcessingMode_BodySendMode
 	// SubsetHint, when set, is the gateway's subset hint: the endpoints
 	// the pick may come from.
 	SubsetHint *structpb.Value
@@ -89,9 +92,17 @@ func (s *Stream) HeadersMessage(req Request) *extprocv3.ProcessingRequest {
 		}}
 	}
 	if req.Mode != filterv3.ProcessingMode_NONE {
-		m.ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: req.Mode, ResponseBodyMode: req.Mode}
+		m.ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: req.Mode, ResponseBodyMode: req.responseMode()}
 	}
 	return m
+}
+
+// responseMode is the response body mode announced with Mode.
+func (req Request) responseMode() filterv3.ProcessingMode_BodySendMode {
+	if req.ResponseMode != filterv3.ProcessingMode_NONE {
+		return req.ResponseMode
+	}
+	return req.Mode
 }
 
 // SendRequest plays the request path: the headers, the body, and the
@@ -103,7 +114,7 @@ func (s *Stream) HeadersMessage(req Request) *extprocv3.ProcessingRequest {
 // answer.
 func (s *Stream) SendRequest(req Request) (Routed, error) {
 	if req.Mode != filterv3.ProcessingMode_NONE {
-		s.ResponseMode = req.Mode
+		s.ResponseMode = req.responseMode()
 	}
 	var r Routed
 	if err := s.Send(s.HeadersMessage(req)); err != nil {

@@ -110,11 +110,14 @@ func (s *Stream) SendResponseChunk(chunk []byte, eos, wait bool) error {
 
 // checkChunkAnswer is Strict's check of the answer to a response chunk:
 // in FULL_DUPLEX_STREAMED mode the chunk comes back unchanged; in the
-// others the answer leaves the body alone.
+// others the answer leaves the body alone or replaces the chunk whole
+// (the client's model name put back after a rewrite).
 func (s *Stream) checkChunkAnswer(chunk []byte, eos bool, common *extprocv3.CommonResponse) error {
 	if s.ResponseMode != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
-		if common.GetBodyMutation() != nil {
-			return fmt.Errorf("response chunk answered with a body mutation in mode %v: %v", s.ResponseMode, common)
+		if m := common.GetBodyMutation(); m != nil && m.GetMutation() != nil {
+			if _, whole := m.GetMutation().(*extprocv3.BodyMutation_Body); !whole {
+				return fmt.Errorf("response chunk answered with a body mutation other than a whole body in mode %v: %v", s.ResponseMode, common)
+			}
 		}
 		return nil
 	}

@@ -111,59 +111,86 @@ func TestTheModelNameRewriteHeaderAppliesWhereNoRuleMatches(t *testing.T) {
 // or spaced, in every chunk streamed back; the content-length goes when
 // the names' lengths differ. Other mentions of the target stay.
 func TestTheResponseNamesTheClientsModel(t *testing.T) {
-	for _, tc := range []struct {
-		name, model, target string
+	for _, mode := range []struct {
+		name               string
+		request, response  filterv3.ProcessingMode_BodySendMode
+		wholeBodyMutations bool // not streamed back: chunks replaced whole
 	}{
-		{"longer target", "llama", "llama-v2-canary"},
-		{"target of the same length", "llama", "llamb"},
-		{"no rewrite", "mistral", "mistral"},
+		{"FULL_DUPLEX_STREAMED", filterv3.ProcessingMode_NONE, filterv3.ProcessingMode_NONE, false},
+		{"BUFFERED", filterv3.ProcessingMode_BUFFERED, filterv3.ProcessingMode_BUFFERED, true},
+		{"request FULL_DUPLEX_STREAMED, response STREAMED", filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, filterv3.ProcessingMode_STREAMED, true},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			rw := &picker.Rewrites{}
-			rw.ReplaceRewrites([]picker.RewriteRule{{Name: "canary", Models: []string{"llama"},
-				Targets: []picker.RewriteTarget{{Model: tc.target, Weight: 1}}}})
-			f := newFixture(t, fixtureOptions{rewrites: rw})
-			x, err := f.gw.Open(t.Context())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer x.Cancel()
-			if r, err := x.SendRequest(completion(tc.model, letters(8, 300))); err != nil || r.Immediate != nil {
-				t.Fatalf("err %v, immediate %v", err, r.Immediate)
-			}
-			headers := x.ResponseHeadersMessage(response(200, "x"))
-			if err := x.Send(headers); err != nil {
-				t.Fatal(err)
-			}
-			answer, err := x.Recv()
-			if err != nil {
-				t.Fatal(err)
-			}
-			removed := answer.GetResponseHeaders().GetResponse().GetHeaderMutation().GetRemoveHeaders()
-			if want := len(tc.model) != len(tc.target); slices.Contains(removed, "content-length") != want {
-				t.Errorf("removed headers %q; want content-length removed: %v", removed, want)
-			}
-			chunks := []string{
-				`data: {"id":"c1","model":"` + tc.target + `","choices":[{"text":"` + tc.target + `"}]}` + "\n\n",
-				`{"id": "c2", "model": "` + tc.target + `", "object": "text_completion"}`,
-			}
-			want := []string{
-				`data: {"id":"c1","model":"` + tc.model + `","choices":[{"text":"` + tc.target + `"}]}` + "\n\n",
-				`{"id": "c2", "model": "` + tc.model + `", "object": "text_completion"}`,
-			}
-			for i, c := range chunks {
-				if err := x.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
-					ResponseBody: &extprocv3.HttpBody{Body: []byte(c), EndOfStream: i == len(chunks)-1}}}); err != nil {
+		for _, tc := range []struct {
+			name, model, target string
+		}{
+			{"longer target", "llama", "llama-v2-canary"},
+			{"target of the same length", "llama", "llamb"},
+			{"no rewrite", "mistral", "mistral"},
+		} {
+			t.Run(mode.name+"/"+tc.name, func(t *testing.T) {
+				rw := &picker.Rewrites{}
+				rw.ReplaceRewrites([]picker.RewriteRule{{Name: "canary", Models: []string{"llama"},
+					Targets: []picker.RewriteTarget{{Model: tc.target, Weight: 1}}}})
+				f := newFixture(t, fixtureOptions{rewrites: rw})
+				x, err := f.gw.Open(t.Context())
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer x.Cancel()
+				req := completion(tc.model, letters(8, 300))
+				req.Mode, req.ResponseMode = mode.request, mode.response
+				if r, err := x.SendRequest(req); err != nil || r.Immediate != nil {
+					t.Fatalf("err %v, immediate %v", err, r.Immediate)
+				}
+				headers := x.ResponseHeadersMessage(response(200, "x"))
+				if err := x.Send(headers); err != nil {
 					t.Fatal(err)
 				}
 				answer, err := x.Recv()
 				if err != nil {
 					t.Fatal(err)
 				}
-				if got := string(answer.GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetBody()); got != want[i] {
-					t.Errorf("chunk %d came back as\n %s\nwant\n %s", i, got, want[i])
+				removed := answer.GetResponseHeaders().GetResponse().GetHeaderMutation().GetRemoveHeaders()
+				if want := len(tc.model) != len(tc.target); slices.Contains(removed, "content-length") != want {
+					t.Errorf("removed headers %q; want content-length removed: %v", removed, want)
 				}
-			}
-		})
+				chunks := []string{
+					`data: {"id":"c1","model":"` + tc.target + `","choices":[{"text":"` + tc.target + `"}]}` + "\n\n",
+					`{"id": "c2", "model": "` + tc.target + `", "object": "text_completion"}`,
+					`data: [DONE]` + "\n\n",
+				}
+				want := []string{
+					`data: {"id":"c1","model":"` + tc.model + `","choices":[{"text":"` + tc.target + `"}]}` + "\n\n",
+					`{"id": "c2", "model": "` + tc.model + `", "object": "text_completion"}`,
+					`data: [DONE]` + "\n\n",
+				}
+				for i, c := range chunks {
+					if err := x.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
+						ResponseBody: &extprocv3.HttpBody{Body: []byte(c), EndOfStream: i == len(chunks)-1}}}); err != nil {
+						t.Fatal(err)
+					}
+					answer, err := x.Recv()
+					if err != nil {
+						t.Fatal(err)
+					}
+					mutation := answer.GetResponseBody().GetResponse().GetBodyMutation()
+					got := string(mutation.GetStreamedResponse().GetBody())
+					if mode.wholeBodyMutations {
+						// Left alone when nothing changes, replaced whole
+						// when the model is put back.
+						got = c
+						if mutation != nil {
+							got = string(mutation.GetBody())
+						}
+						if changes := c != want[i]; changes != (mutation != nil) {
+							t.Errorf("chunk %d answered with mutation %v; want one: %v", i, mutation, changes)
+						}
+					}
+					if got != want[i] {
+						t.Errorf("chunk %d came back as\n %s\nwant\n %s", i, got, want[i])
+					}
+				}
+			})
+		}
 	}
 }

@@ -400,7 +400,7 @@ func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders)
 	if h.GetEndOfStream() {
 		st.responseEnd()
 	}
-	if st.rewritten && st.responseMode == fullDuplex && !h.GetEndOfStream() {
+	if st.rewritten && st.responseMode != filterv3.ProcessingMode_NONE && !h.GetEndOfStream() {
 		st.restore = modelRestorer(st.up.target, st.up.model)
 	}
 	// The body's length changes when the client's model name is put back
@@ -444,14 +444,14 @@ func jsonString(s string) string {
 
 // restoreModel puts the client's model name back in a response chunk:
 // each field the chunk holds whole (a field split across two chunks stays
-// as the model server wrote it).
-func (st *stream) restoreModel(chunk []byte) []byte {
+// as the model server wrote it). changed says whether it did.
+func (st *stream) restoreModel(chunk []byte) (_ []byte, changed bool) {
 	for _, p := range st.restore {
 		if bytes.Contains(chunk, p[0]) {
-			chunk = bytes.ReplaceAll(chunk, p[0], p[1])
+			chunk, changed = bytes.ReplaceAll(chunk, p[0], p[1]), true
 		}
 	}
-	return chunk
+	return chunk, changed
 }
 
 func (st *stream) responseBody(b *extprocv3.HttpBody) error {
@@ -463,8 +463,18 @@ func (st *stream) responseBody(b *extprocv3.HttpBody) error {
 	if b.GetEndOfStream() {
 		st.responseEnd()
 	}
+	chunk, changed := st.restoreModel(b.GetBody())
 	if st.responseMode == fullDuplex {
-		return st.send(&wire.BodyEcho{Response: true, Chunk: st.restoreModel(b.GetBody()), EndOfStream: b.GetEndOfStream()})
+		return st.send(&wire.BodyEcho{Response: true, Chunk: chunk, EndOfStream: b.GetEndOfStream()})
+	}
+	if changed {
+		// BUFFERED, STREAMED: the answer replaces the chunk, or the whole
+		// body; content-length went with the headers' answer.
+		return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{
+			ResponseBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{
+				BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: chunk}},
+			}},
+		}})
 	}
 	return st.send(answerResponseBody)
 }
