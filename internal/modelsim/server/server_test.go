@@ -342,9 +342,9 @@ func TestMetricsReflectInFlightRequestsAndCancellationFreesThem(t *testing.T) {
 		}
 		// The first chunk arrives once the request is running.
 		if v := resp.Header.Get(HeldBackHeader); v != "" {
-		t.Fatalf("response on time: %s %q; want none", HeldBackHeader, v)
-	}
-	if line, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil || !strings.HasPrefix(line, "data: {") {
+			t.Fatalf("response on time: %s %q; want none", HeldBackHeader, v)
+		}
+		if line, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil || !strings.HasPrefix(line, "data: {") {
 			t.Fatalf("first line %q: %v", line, err)
 		}
 		bodies[i] = resp.Body
