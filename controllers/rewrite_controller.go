@@ -5,7 +5,12 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
+	"sync/atomic"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -17,6 +22,7 @@ import (
 )
 
 // +kubebuilder:rbac:groups=inference.networking.x-k8s.io,namespace=tally-system,resources=inferencemodelrewrites,verbs=get;list;watch
+// +kubebuilder:rbac:groups=inference.networking.x-k8s.io,namespace=tally-system,resources=inferencemodelrewrites/status,verbs=get;patch
 
 // RewriteSink is told the whole set of the pool's model rewrite rules, in
 // precedence order (see RewritesOf).
@@ -25,24 +31,30 @@ type RewriteSink interface{ ReplaceRewrites([]picker.RewriteRule) }
 // InferenceModelRewriteReconciler follows the InferenceModelRewrites of the
 // pool's namespace and tells Sink the rules of those that name the pool.
 //
-// It writes nothing to the cluster: upstream's picker (v1.5.0) sets no
-// status on an InferenceModelRewrite either. A rewrite's status stays empty
-// (the CRD's default condition, Accepted Unknown Pending, is applied only to
-// a status someone writes), and what Tally cannot use of a rewrite it logs.
+// With Status set it also marks each rewrite of the pool Accepted (the
+// type's one condition): True, reason Accepted, at the generation it
+// applied, its message naming any part it ignores. Upstream's picker
+// (v1.5.0) writes no status, and its chart grants no access to it: where
+// the picker may not write, it says so once in its log and routes all the
+// same. Rewrites of other pools are left alone.
 type InferenceModelRewriteReconciler struct {
 	// Client reads the manager's cache.
 	Client client.Reader
+	// Status, when set, writes the rewrites' status.
+	Status client.StatusClient
 	// Pool names the pool; rewrites that reference another pool are left
 	// out.
 	Pool types.NamespacedName
 	// Sink receives the whole set on every reconcile.
 	Sink RewriteSink
+
+	forbidden atomic.Bool // a status write was refused: said once
 }
 
 // Reconcile lists every rewrite in the pool's namespace and replaces the
-// sink's whole set with the rules of those of the pool, whatever changed.
-// As for objectives, every event is queued under one key, so two Reconciles
-// never race to call the sink.
+// sink's whole set with the rules of those of the pool, whatever changed,
+// then writes their status. As for objectives, every event is queued under
+// one key, so two Reconciles never race to call the sink.
 func (r *InferenceModelRewriteReconciler) Reconcile(ctx context.Context, _ reconcile.Request) (reconcile.Result, error) {
 	var list v1alpha2.InferenceModelRewriteList
 	if err := r.Client.List(ctx, &list, client.InNamespace(r.Pool.Namespace)); err != nil {
@@ -50,29 +62,82 @@ func (r *InferenceModelRewriteReconciler) Reconcile(ctx context.Context, _ recon
 	}
 	rules, skipped := RewritesOf(r.Pool.Name, list.Items)
 	for _, s := range skipped {
-		log.FromContext(ctx).Info("Part of an InferenceModelRewrite is ignored", "reason", s)
+		log.FromContext(ctx).Info("Part of an InferenceModelRewrite is ignored", "reason", s.String())
 	}
 	r.Sink.ReplaceRewrites(rules)
+	if r.Status == nil {
+		return reconcile.Result{}, nil
+	}
+	for _, rw := range poolRewrites(r.Pool.Name, list.Items) {
+		if err := r.accept(ctx, rw, skipped); err != nil {
+			return reconcile.Result{}, err
+		}
+	}
 	return reconcile.Result{}, nil
 }
 
-// RewritesOf returns the rules of the rewrites whose spec.poolRef names the
+// accept marks rw Accepted, unless its status says so already.
+func (r *InferenceModelRewriteReconciler) accept(ctx context.Context, rw *v1alpha2.InferenceModelRewrite, skipped []SkippedPart) error {
+	msg := "Applied by the endpoint picker of InferencePool " + r.Pool.Name
+	var ignored []string
+	for _, s := range skipped {
+		if s.Rewrite == rw.Name {
+			ignored = append(ignored, s.Part)
+		}
+	}
+	if len(ignored) > 0 {
+		msg += "; ignored: " + strings.Join(ignored, "; ")
+	}
+	cond := metav1.Condition{
+		Type:               string(v1alpha2.RewriteConditionAccepted),
+		Status:             metav1.ConditionTrue,
+		Reason:             string(v1alpha2.RewriteReasonAccepted),
+		Message:            truncate(msg, maxConditionMessage),
+		ObservedGeneration: rw.Generation,
+	}
+	if c := meta.FindStatusCondition(rw.Status.Conditions, cond.Type); c != nil &&
+		c.Status == cond.Status && c.Reason == cond.Reason && c.Message == cond.Message && c.ObservedGeneration == cond.ObservedGeneration {
+		return nil
+	}
+	patched := rw.DeepCopy()
+	meta.SetStatusCondition(&patched.Status.Conditions, cond)
+	err := r.Status.Status().Patch(ctx, patched, client.MergeFrom(rw))
+	switch {
+	case err == nil, apierrors.IsNotFound(err):
+		return nil
+	case apierrors.IsForbidden(err):
+		if !r.forbidden.Swap(true) {
+			log.FromContext(ctx).Info("WARNING: may not write InferenceModelRewrite status (RBAC: patch inferencemodelrewrites/status); rewrites apply all the same, their status stays as it is",
+				"rewrite", rw.Name, "error", err.Error())
+		}
+		return nil
+	}
+	return fmt.Errorf("writing the status of InferenceModelRewrite %s: %w", rw.Name, err)
+}
+
+// maxConditionMessage is the API's bound on a condition's message.
+const maxConditionMessage = 32768
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n-3] + "..."
+}
+
+// SkippedPart is a part of an InferenceModelRewrite that Tally cannot use.
+type SkippedPart struct {
+	Rewrite, Part string
+}
+
+func (s SkippedPart) String() string { return "InferenceModelRewrite " + s.Rewrite + ": " + s.Part }
+
+// poolRewrites returns the rewrites whose spec.poolRef names the
 // InferencePool pool (the same group and kind rules as ObjectivesOf;
 // rewrites being deleted are left out), in the order picker.Rewrites takes
 // them: resources oldest first by creationTimestamp, ties (the timestamp
-// has whole seconds) by name, and each resource's rules in list order.
-// picker.Rewrites applies upstream's precedence on that order.
-//
-// A rule becomes one picker.RewriteRule named after its resource, with the
-// values of its matches as Models (nil for a rule without matches: a
-// catch-all) and its targets with their weights. What cannot be used is
-// left out and described in skipped: a match of a type other than Exact
-// (v1.5.0 has no other; the CRD defaults an unset type to Exact), a rule
-// whose every match is left out (it matches nothing; it must not become a
-// catch-all), and a target with an empty modelRewrite (the CRD allows one;
-// upstream would send the model server an empty model). The caller passes
-// one namespace's rewrites.
-func RewritesOf(pool string, rewrites []v1alpha2.InferenceModelRewrite) (rules []picker.RewriteRule, skipped []string) {
+// has whole seconds) by name.
+func poolRewrites(pool string, rewrites []v1alpha2.InferenceModelRewrite) []*v1alpha2.InferenceModelRewrite {
 	ours := make([]*v1alpha2.InferenceModelRewrite, 0, len(rewrites))
 	for i := range rewrites {
 		rw := &rewrites[i]
@@ -84,28 +149,48 @@ func RewritesOf(pool string, rewrites []v1alpha2.InferenceModelRewrite) (rules [
 	slices.SortFunc(ours, func(a, b *v1alpha2.InferenceModelRewrite) int {
 		return cmp.Or(a.CreationTimestamp.Compare(b.CreationTimestamp.Time), cmp.Compare(a.Name, b.Name))
 	})
-	for _, rw := range ours {
+	return ours
+}
+
+// RewritesOf returns the rules of the pool's rewrites (poolRewrites), in
+// the order picker.Rewrites takes them: the resources in poolRewrites'
+// order, and each resource's rules in list order. picker.Rewrites applies
+// upstream's precedence on that order.
+//
+// A rule becomes one picker.RewriteRule named after its resource, with the
+// values of its matches as Models (nil for a rule without matches: a
+// catch-all) and its targets with their weights. What cannot be used is
+// left out and described in skipped: a match of a type other than Exact
+// (v1.5.0 has no other; the CRD defaults an unset type to Exact), a rule
+// whose every match is left out (it matches nothing; it must not become a
+// catch-all), and a target with an empty modelRewrite (the CRD allows one;
+// upstream would send the model server an empty model). The caller passes
+// one namespace's rewrites.
+func RewritesOf(pool string, rewrites []v1alpha2.InferenceModelRewrite) (rules []picker.RewriteRule, skipped []SkippedPart) {
+	for _, rw := range poolRewrites(pool, rewrites) {
+		skip := func(format string, a ...any) {
+			skipped = append(skipped, SkippedPart{Rewrite: rw.Name, Part: fmt.Sprintf(format, a...)})
+		}
 		for ri, rule := range rw.Spec.Rules {
 			var models []string
 			for mi, m := range rule.Matches {
 				switch {
 				case m.Model == nil:
-					skipped = append(skipped, fmt.Sprintf("InferenceModelRewrite %s: spec.rules[%d].matches[%d] has no model", rw.Name, ri, mi))
+					skip("spec.rules[%d].matches[%d] has no model", ri, mi)
 				case m.Model.Type != nil && *m.Model.Type != v1alpha2.MatchExact:
-					skipped = append(skipped, fmt.Sprintf("InferenceModelRewrite %s: spec.rules[%d].matches[%d].model.type %q is not supported, only %q",
-						rw.Name, ri, mi, *m.Model.Type, v1alpha2.MatchExact))
+					skip("spec.rules[%d].matches[%d].model.type %q is not supported, only %q", ri, mi, *m.Model.Type, v1alpha2.MatchExact)
 				default:
 					models = append(models, m.Model.Value)
 				}
 			}
 			if len(rule.Matches) > 0 && len(models) == 0 {
-				skipped = append(skipped, fmt.Sprintf("InferenceModelRewrite %s: spec.rules[%d] has no match Tally can use, so it matches no request", rw.Name, ri))
+				skip("spec.rules[%d] has no match Tally can use, so it matches no request", ri)
 				continue
 			}
 			var targets []picker.RewriteTarget
 			for ti, t := range rule.Targets {
 				if t.ModelRewrite == "" {
-					skipped = append(skipped, fmt.Sprintf("InferenceModelRewrite %s: spec.rules[%d].targets[%d].modelRewrite is empty", rw.Name, ri, ti))
+					skip("spec.rules[%d].targets[%d].modelRewrite is empty", ri, ti)
 					continue
 				}
 				targets = append(targets, picker.RewriteTarget{Model: t.ModelRewrite, Weight: int(t.Weight)})

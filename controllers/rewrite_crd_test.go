@@ -55,8 +55,8 @@ var _ = Describe("The InferenceModelRewrite CRD, served by the API server", func
 		Expect(cmp.Diff(want.Status, got.Status)).To(BeEmpty(), "status (-written +read)")
 	})
 
-	// What `kubectl get -o yaml` shows, since neither Tally's picker nor
-	// upstream's writes a rewrite's status.
+	// What `kubectl get -o yaml` shows until a picker marks the rewrite
+	// Accepted (upstream's never does).
 	It("leaves a new rewrite's status empty: the CRD's default condition needs a status to apply to", func() {
 		createRewrite(ns, "fresh", "llm", rule(nil, "x", 1))
 		var got v1alpha2.InferenceModelRewrite

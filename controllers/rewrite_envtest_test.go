@@ -78,6 +78,36 @@ var _ = Describe("The picker's model rewrites", func() {
 		Eventually(sink.Rules).Should(BeEmpty())
 	})
 
+	It("mark the pool's rewrites Accepted at their generation, naming what they ignore, and leave another pool's alone", func() {
+		createRewrite(ns, "other", "chat-pool", rule(nil, "elsewhere", 1))
+		createRewrite(ns, "split", poolName, rule(models("llama"), "llama-3.1", 90, "llama-3.2", 10))
+		createRewrite(ns, "partial", poolName, rule(models("mistral"), "", 1, "mistral-7b", 1))
+
+		accepted := func(name string) func() *metav1.Condition {
+			return func() *metav1.Condition {
+				var rw v1alpha2.InferenceModelRewrite
+				Expect(k8s.Get(context.Background(), types.NamespacedName{Namespace: ns, Name: name}, &rw)).To(Succeed())
+				c := meta.FindStatusCondition(rw.Status.Conditions, "Accepted")
+				if c != nil && c.ObservedGeneration != rw.Generation {
+					return nil // an older generation's
+				}
+				return c
+			}
+		}
+		Eventually(accepted("split")).Should(And(Not(BeNil()), HaveField("Status", metav1.ConditionTrue), HaveField("Reason", "Accepted"),
+			HaveField("Message", "Applied by the endpoint picker of InferencePool "+poolName)))
+		Eventually(accepted("partial")).Should(And(Not(BeNil()), HaveField("Status", metav1.ConditionTrue),
+			HaveField("Message", ContainSubstring("ignored: spec.rules[0].targets[0].modelRewrite is empty"))))
+
+		// A new generation is accepted again.
+		updateRewrite(ns, "split", func(rw *v1alpha2.InferenceModelRewrite) { rw.Spec.Rules[0].Targets[0].Weight = 50 })
+		Eventually(accepted("split")).ShouldNot(BeNil())
+
+		var other v1alpha2.InferenceModelRewrite
+		Expect(k8s.Get(context.Background(), types.NamespacedName{Namespace: ns, Name: "other"}, &other)).To(Succeed())
+		Expect(other.Status.Conditions).To(BeEmpty(), "another pool's rewrite")
+	})
+
 	It("ignore rewrites in other namespaces", func() {
 		elsewhere := newNamespace()
 		createRewrite(elsewhere, "stranger", poolName, rule(nil, "x", 1))

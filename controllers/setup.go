@@ -110,7 +110,7 @@ func SetupRewrites(mgr ctrl.Manager, pool types.NamespacedName, sink RewriteSink
 		return errors.New("rewrite sink is nil: the reconciler needs a RewriteSink to feed")
 	}
 	return setupIfServed(mgr, pool, v1alpha2.KindInferenceModelRewrite, "InferenceModelRewrites are off: no request's model is rewritten",
-		&InferenceModelRewriteReconciler{Client: mgr.GetClient(), Pool: pool, Sink: sink})
+		&InferenceModelRewriteReconciler{Client: mgr.GetClient(), Status: mgr.GetClient(), Pool: pool, Sink: sink})
 }
 
 // checkPool says what is missing from the pool's name.

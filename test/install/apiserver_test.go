@@ -117,10 +117,14 @@ networkPolicy: {create: true, extProcFrom: [{namespaceSelector: {matchLabels: {k
 		_, refused["list pods in all namespaces"] = as.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
 		_, refused["list pods in default"] = as.CoreV1().Pods("default").List(ctx, metav1.ListOptions{})
 		_, refused["create leases in "+ns] = as.CoordinationV1().Leases(ns).Create(ctx, leaseNamed("probe"), metav1.CreateOptions{})
-		// The picker sets no status on rewrites (nor does upstream's).
-		rewrites := schema.GroupVersionResource{Group: "inference.networking.x-k8s.io", Version: "v1alpha2", Resource: "inferencemodelrewrites"}
-		_, refused["patch inferencemodelrewrites/status in "+ns] = dynamic.NewForConfigOrDie(user.Config()).Resource(rewrites).Namespace(ns).
-			Patch(ctx, "probe", types.MergePatchType, []byte(`{}`), metav1.PatchOptions{}, "status")
+		// The picker marks rewrites Accepted: it may patch their status
+		// (the rewrite does not exist, so the patch finds nothing), and
+		// nothing else of theirs.
+		rewrites := dynamic.NewForConfigOrDie(user.Config()).Resource(schema.GroupVersionResource{Group: "inference.networking.x-k8s.io", Version: "v1alpha2", Resource: "inferencemodelrewrites"}).Namespace(ns)
+		if _, err := rewrites.Patch(ctx, "probe", types.MergePatchType, []byte(`{}`), metav1.PatchOptions{}, "status"); !apierrors.IsNotFound(err) {
+			t.Errorf("%s patching inferencemodelrewrites/status in %s: %v, want NotFound (allowed)", sa, ns, err)
+		}
+		_, refused["patch inferencemodelrewrites in "+ns] = rewrites.Patch(ctx, "probe", types.MergePatchType, []byte(`{}`), metav1.PatchOptions{})
 		for what, err := range refused {
 			if !apierrors.IsForbidden(err) {
 				t.Errorf("%s can %s (error: %v), want Forbidden", sa, what, err)
