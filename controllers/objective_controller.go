@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -14,6 +15,7 @@ import (
 )
 
 // +kubebuilder:rbac:groups=inference.networking.x-k8s.io,namespace=tally-system,resources=inferenceobjectives,verbs=get;list;watch
+// +kubebuilder:rbac:groups=inference.networking.x-k8s.io,namespace=tally-system,resources=inferenceobjectives/status,verbs=get;patch
 
 // ObjectiveSink is told the whole set of the pool's objectives: name -> priority (nil priority = 0).
 type ObjectiveSink interface{ ReplaceObjectives(map[string]int) }
@@ -21,30 +23,54 @@ type ObjectiveSink interface{ ReplaceObjectives(map[string]int) }
 // InferenceObjectiveReconciler follows the InferenceObjectives of the pool's
 // namespace and tells Sink the priorities of those that name the pool.
 //
-// It writes nothing to the cluster: upstream's picker (v1.5.0) sets no
-// status on an InferenceObjective either, so an objective's status stays
-// empty (the CRD's default condition is applied only to a status someone
-// writes).
+// With Status set it also marks each objective of the pool Accepted (see
+// accepter), its message giving the priority applied. Objectives of other
+// pools are left alone.
 type InferenceObjectiveReconciler struct {
 	// Client reads the manager's cache.
 	Client client.Reader
+	// Status, when set, writes the objectives' status.
+	Status client.StatusClient
 	// Pool names the pool; objectives that reference another pool are left
 	// out.
 	Pool types.NamespacedName
 	// Sink receives the whole set on every reconcile.
 	Sink ObjectiveSink
+
+	status accepter
 }
 
 // Reconcile lists every objective in the pool's namespace and replaces the
-// sink's whole set with those of the pool, whatever changed. Every event is
-// queued under one key, and the workqueue never hands one key to two workers
-// at once, so two Reconciles never race to call the sink.
+// sink's whole set with those of the pool, whatever changed, then writes
+// their status. Every event is queued under one key, and the workqueue
+// never hands one key to two workers at once, so two Reconciles never race
+// to call the sink.
 func (r *InferenceObjectiveReconciler) Reconcile(ctx context.Context, _ reconcile.Request) (reconcile.Result, error) {
 	var list v1alpha2.InferenceObjectiveList
 	if err := r.Client.List(ctx, &list, client.InNamespace(r.Pool.Namespace)); err != nil {
 		return reconcile.Result{}, fmt.Errorf("listing InferenceObjectives in namespace %s: %w", r.Pool.Namespace, err)
 	}
-	r.Sink.ReplaceObjectives(ObjectivesOf(r.Pool.Name, list.Items))
+	priorities := ObjectivesOf(r.Pool.Name, list.Items)
+	r.Sink.ReplaceObjectives(priorities)
+	if r.Status == nil {
+		return reconcile.Result{}, nil
+	}
+	r.status.kind, r.status.w = v1alpha2.KindInferenceObjective, r.Status
+	for i := range list.Items {
+		o := &list.Items[i]
+		p, ok := priorities[o.Name]
+		if !ok {
+			continue // another pool's, or being deleted
+		}
+		msg := fmt.Sprintf("Applied by the endpoint picker of InferencePool %s: priority %d", r.Pool.Name, p)
+		err := accept(ctx, &r.status, o, o.Status.Conditions, func(o *v1alpha2.InferenceObjective) (*v1alpha2.InferenceObjective, *[]metav1.Condition) {
+			c := o.DeepCopy()
+			return c, &c.Status.Conditions
+		}, msg)
+		if err != nil {
+			return reconcile.Result{}, err
+		}
+	}
 	return reconcile.Result{}, nil
 }
 

@@ -53,6 +53,30 @@ var _ = Describe("The picker's objectives", func() {
 		Eventually(sink.Objectives).Should(Equal(map[string]int{"chat": 10, "batch": -5}))
 	})
 
+	It("mark the pool's objectives Accepted with the priority applied, and leave another pool's alone", func() {
+		createObjective(ns, "other", "chat-pool", new(9))
+		createObjective(ns, "chat", poolName, new(10))
+		accepted := func(name string) func() *metav1.Condition {
+			return func() *metav1.Condition {
+				var o v1alpha2.InferenceObjective
+				Expect(k8s.Get(context.Background(), types.NamespacedName{Namespace: ns, Name: name}, &o)).To(Succeed())
+				c := meta.FindStatusCondition(o.Status.Conditions, "Accepted")
+				if c != nil && c.ObservedGeneration != o.Generation {
+					return nil // an older generation's
+				}
+				return c
+			}
+		}
+		Eventually(accepted("chat")).Should(And(Not(BeNil()), HaveField("Status", metav1.ConditionTrue), HaveField("Reason", "Accepted"),
+			HaveField("Message", "Applied by the endpoint picker of InferencePool "+poolName+": priority 10")))
+		updateObjective(ns, "chat", func(o *v1alpha2.InferenceObjective) { o.Spec.Priority = new(3) })
+		Eventually(accepted("chat")).Should(And(Not(BeNil()), HaveField("Message", HaveSuffix("priority 3"))))
+
+		var other v1alpha2.InferenceObjective
+		Expect(k8s.Get(context.Background(), types.NamespacedName{Namespace: ns, Name: "other"}, &other)).To(Succeed())
+		Expect(other.Status.Conditions).To(BeEmpty(), "another pool's objective")
+	})
+
 	It("give priority 0 to an objective without one", func() {
 		createObjective(ns, "plain", poolName, nil)
 		Eventually(sink.Objectives).Should(Equal(map[string]int{"plain": 0}))

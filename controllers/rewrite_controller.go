@@ -6,10 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
-	"sync/atomic"
 
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -31,12 +28,9 @@ type RewriteSink interface{ ReplaceRewrites([]picker.RewriteRule) }
 // InferenceModelRewriteReconciler follows the InferenceModelRewrites of the
 // pool's namespace and tells Sink the rules of those that name the pool.
 //
-// With Status set it also marks each rewrite of the pool Accepted (the
-// type's one condition): True, reason Accepted, at the generation it
-// applied, its message naming any part it ignores. Upstream's picker
-// (v1.5.0) writes no status, and its chart grants no access to it: where
-// the picker may not write, it says so once in its log and routes all the
-// same. Rewrites of other pools are left alone.
+// With Status set it also marks each rewrite of the pool Accepted (see
+// accepter), its message naming any part it ignores. Rewrites of other
+// pools are left alone.
 type InferenceModelRewriteReconciler struct {
 	// Client reads the manager's cache.
 	Client client.Reader
@@ -48,7 +42,7 @@ type InferenceModelRewriteReconciler struct {
 	// Sink receives the whole set on every reconcile.
 	Sink RewriteSink
 
-	forbidden atomic.Bool // a status write was refused: said once
+	status accepter
 }
 
 // Reconcile lists every rewrite in the pool's namespace and replaces the
@@ -68,6 +62,7 @@ func (r *InferenceModelRewriteReconciler) Reconcile(ctx context.Context, _ recon
 	if r.Status == nil {
 		return reconcile.Result{}, nil
 	}
+	r.status.kind, r.status.w = v1alpha2.KindInferenceModelRewrite, r.Status
 	for _, rw := range poolRewrites(r.Pool.Name, list.Items) {
 		if err := r.accept(ctx, rw, skipped); err != nil {
 			return reconcile.Result{}, err
@@ -76,7 +71,7 @@ func (r *InferenceModelRewriteReconciler) Reconcile(ctx context.Context, _ recon
 	return reconcile.Result{}, nil
 }
 
-// accept marks rw Accepted, unless its status says so already.
+// accept marks rw Accepted, naming the parts of it skipped.
 func (r *InferenceModelRewriteReconciler) accept(ctx context.Context, rw *v1alpha2.InferenceModelRewrite, skipped []SkippedPart) error {
 	msg := "Applied by the endpoint picker of InferencePool " + r.Pool.Name
 	var ignored []string
@@ -88,41 +83,10 @@ func (r *InferenceModelRewriteReconciler) accept(ctx context.Context, rw *v1alph
 	if len(ignored) > 0 {
 		msg += "; ignored: " + strings.Join(ignored, "; ")
 	}
-	cond := metav1.Condition{
-		Type:               string(v1alpha2.RewriteConditionAccepted),
-		Status:             metav1.ConditionTrue,
-		Reason:             string(v1alpha2.RewriteReasonAccepted),
-		Message:            truncate(msg, maxConditionMessage),
-		ObservedGeneration: rw.Generation,
-	}
-	if c := meta.FindStatusCondition(rw.Status.Conditions, cond.Type); c != nil &&
-		c.Status == cond.Status && c.Reason == cond.Reason && c.Message == cond.Message && c.ObservedGeneration == cond.ObservedGeneration {
-		return nil
-	}
-	patched := rw.DeepCopy()
-	meta.SetStatusCondition(&patched.Status.Conditions, cond)
-	err := r.Status.Status().Patch(ctx, patched, client.MergeFrom(rw))
-	switch {
-	case err == nil, apierrors.IsNotFound(err):
-		return nil
-	case apierrors.IsForbidden(err):
-		if !r.forbidden.Swap(true) {
-			log.FromContext(ctx).Info("WARNING: may not write InferenceModelRewrite status (RBAC: patch inferencemodelrewrites/status); rewrites apply all the same, their status stays as it is",
-				"rewrite", rw.Name, "error", err.Error())
-		}
-		return nil
-	}
-	return fmt.Errorf("writing the status of InferenceModelRewrite %s: %w", rw.Name, err)
-}
-
-// maxConditionMessage is the API's bound on a condition's message.
-const maxConditionMessage = 32768
-
-func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	return s[:n-3] + "..."
+	return accept(ctx, &r.status, rw, rw.Status.Conditions, func(rw *v1alpha2.InferenceModelRewrite) (*v1alpha2.InferenceModelRewrite, *[]metav1.Condition) {
+		c := rw.DeepCopy()
+		return c, &c.Status.Conditions
+	}, msg)
 }
 
 // SkippedPart is a part of an InferenceModelRewrite that Tally cannot use.

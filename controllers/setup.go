@@ -95,7 +95,7 @@ func SetupObjectives(mgr ctrl.Manager, pool types.NamespacedName, sink Objective
 		return errors.New("objective sink is nil: the reconciler needs an ObjectiveSink to feed")
 	}
 	return setupIfServed(mgr, pool, v1alpha2.KindInferenceObjective, "InferenceObjectives are off: every request has priority 0",
-		&InferenceObjectiveReconciler{Client: mgr.GetClient(), Pool: pool, Sink: sink})
+		&InferenceObjectiveReconciler{Client: mgr.GetClient(), Status: mgr.GetClient(), Pool: pool, Sink: sink})
 }
 
 // SetupRewrites registers the InferenceModelRewrite reconciler on mgr. It

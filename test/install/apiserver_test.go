@@ -117,14 +117,16 @@ networkPolicy: {create: true, extProcFrom: [{namespaceSelector: {matchLabels: {k
 		_, refused["list pods in all namespaces"] = as.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
 		_, refused["list pods in default"] = as.CoreV1().Pods("default").List(ctx, metav1.ListOptions{})
 		_, refused["create leases in "+ns] = as.CoordinationV1().Leases(ns).Create(ctx, leaseNamed("probe"), metav1.CreateOptions{})
-		// The picker marks rewrites Accepted: it may patch their status
-		// (the rewrite does not exist, so the patch finds nothing), and
+		// The picker marks objectives and rewrites Accepted: it may patch
+		// their status (none exists, so the patch finds nothing), and
 		// nothing else of theirs.
-		rewrites := dynamic.NewForConfigOrDie(user.Config()).Resource(schema.GroupVersionResource{Group: "inference.networking.x-k8s.io", Version: "v1alpha2", Resource: "inferencemodelrewrites"}).Namespace(ns)
-		if _, err := rewrites.Patch(ctx, "probe", types.MergePatchType, []byte(`{}`), metav1.PatchOptions{}, "status"); !apierrors.IsNotFound(err) {
-			t.Errorf("%s patching inferencemodelrewrites/status in %s: %v, want NotFound (allowed)", sa, ns, err)
+		for _, resource := range []string{"inferenceobjectives", "inferencemodelrewrites"} {
+			res := dynamic.NewForConfigOrDie(user.Config()).Resource(schema.GroupVersionResource{Group: "inference.networking.x-k8s.io", Version: "v1alpha2", Resource: resource}).Namespace(ns)
+			if _, err := res.Patch(ctx, "probe", types.MergePatchType, []byte(`{}`), metav1.PatchOptions{}, "status"); !apierrors.IsNotFound(err) {
+				t.Errorf("%s patching %s/status in %s: %v, want NotFound (allowed)", sa, resource, ns, err)
+			}
+			_, refused["patch "+resource+" in "+ns] = res.Patch(ctx, "probe", types.MergePatchType, []byte(`{}`), metav1.PatchOptions{})
 		}
-		_, refused["patch inferencemodelrewrites in "+ns] = rewrites.Patch(ctx, "probe", types.MergePatchType, []byte(`{}`), metav1.PatchOptions{})
 		for what, err := range refused {
 			if !apierrors.IsForbidden(err) {
 				t.Errorf("%s can %s (error: %v), want Forbidden", sa, what, err)
