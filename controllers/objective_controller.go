@@ -63,11 +63,7 @@ func (r *InferenceObjectiveReconciler) Reconcile(ctx context.Context, _ reconcil
 			continue // another pool's, or being deleted
 		}
 		msg := fmt.Sprintf("Applied by the endpoint picker of InferencePool %s: priority %d", r.Pool.Name, p)
-		err := accept(ctx, &r.status, o, o.Status.Conditions, func(o *v1alpha2.InferenceObjective) (*v1alpha2.InferenceObjective, *[]metav1.Condition) {
-			c := o.DeepCopy()
-			return c, &c.Status.Conditions
-		}, msg)
-		if err != nil {
+		if err := accept(ctx, &r.status, o, func(o *v1alpha2.InferenceObjective) *[]metav1.Condition { return &o.Status.Conditions }, msg); err != nil {
 			return reconcile.Result{}, err
 		}
 	}

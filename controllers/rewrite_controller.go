@@ -83,10 +83,7 @@ func (r *InferenceModelRewriteReconciler) accept(ctx context.Context, rw *v1alph
 	if len(ignored) > 0 {
 		msg += "; ignored: " + strings.Join(ignored, "; ")
 	}
-	return accept(ctx, &r.status, rw, rw.Status.Conditions, func(rw *v1alpha2.InferenceModelRewrite) (*v1alpha2.InferenceModelRewrite, *[]metav1.Condition) {
-		c := rw.DeepCopy()
-		return c, &c.Status.Conditions
-	}, msg)
+	return accept(ctx, &r.status, rw, func(rw *v1alpha2.InferenceModelRewrite) *[]metav1.Condition { return &rw.Status.Conditions }, msg)
 }
 
 // SkippedPart is a part of an InferenceModelRewrite that Tally cannot use.

@@ -23,10 +23,9 @@ type accepter struct {
 	forbidden atomic.Bool // a write was refused: said once
 }
 
-// accept marks obj Accepted with msg, unless conds (obj's conditions)
-// say so already. withConds returns a deep copy of obj and its
-// conditions, for the patch.
-func accept[T client.Object](ctx context.Context, a *accepter, obj T, conds []metav1.Condition, withConds func(T) (T, *[]metav1.Condition), msg string) error {
+// accept marks obj Accepted with msg, unless its conditions (conds of
+// obj) say so already.
+func accept[T client.Object](ctx context.Context, a *accepter, obj T, conds func(T) *[]metav1.Condition, msg string) error {
 	cond := metav1.Condition{
 		Type:               "Accepted",
 		Status:             metav1.ConditionTrue,
@@ -34,12 +33,12 @@ func accept[T client.Object](ctx context.Context, a *accepter, obj T, conds []me
 		Message:            truncate(msg, maxConditionMessage),
 		ObservedGeneration: obj.GetGeneration(),
 	}
-	if c := meta.FindStatusCondition(conds, cond.Type); c != nil &&
+	if c := meta.FindStatusCondition(*conds(obj), cond.Type); c != nil &&
 		c.Status == cond.Status && c.Reason == cond.Reason && c.Message == cond.Message && c.ObservedGeneration == cond.ObservedGeneration {
 		return nil
 	}
-	patched, pc := withConds(obj)
-	meta.SetStatusCondition(pc, cond)
+	patched := obj.DeepCopyObject().(T)
+	meta.SetStatusCondition(conds(patched), cond)
 	err := a.w.Status().Patch(ctx, patched, client.MergeFrom(obj))
 	switch {
 	case err == nil, apierrors.IsNotFound(err):
