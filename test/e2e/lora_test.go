@@ -12,6 +12,7 @@ import (
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/tallyepp/tally/api/v1alpha2"
 	"github.com/tallyepp/tally/internal/stack"
@@ -158,6 +159,13 @@ var _ = Describe("LoRA adapters", Ordered, func() {
 			Expect(models).NotTo(BeEmpty())
 			Expect(models).To(HaveEach("assistant"), "streamed %v: the model field of every answer; body %.300s", streamed, body)
 		}
+		// The picker marks the rewrite it applies Accepted.
+		eventually(ctx, func(g Gomega) {
+			var rw v1alpha2.InferenceModelRewrite
+			g.Expect(ls.Client().Get(ctx, client.ObjectKey{Namespace: ls.Options().Namespace, Name: "assistant"}, &rw)).To(Succeed())
+			g.Expect(rw.Status.Conditions).To(ContainElement(And(HaveField("Type", "Accepted"), HaveField("Status", metav1.ConditionTrue),
+				HaveField("Reason", "Accepted"), HaveField("ObservedGeneration", rw.Generation))))
+		}).WithTimeout(10 * time.Second).Should(Succeed())
 		expectLedgerDrains(ctx, ls)
 	})
 })
