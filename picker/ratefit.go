@@ -67,26 +67,13 @@ const (
 	// much prefill came before it; shorter ones say little but noise.
 	minLearnTokens = 256
 	// An endpoint's factor, its own tokens over seconds against the pool's
-	// rate, is shrunk toward 1 by n/(n+shrink) and bounded by a factor
-	// growing from minDriftFactor to maxDriftFactor as its decayed sample
-	// count n reaches evidence. For its first bytes, decayed by
-	// endpointRateDecay (a memory of about 100), shrink and evidence are
-	// firstByteShrink and firstByteEvidence; for its engine's timing
-	// windows (poolRateDecay: at most 20), windowShrink and
-	// windowEvidence. With a memory of 20 first bytes (and shrink 8), the
-	// noise of one stretch of samples (a busy machine delaying the first
-	// bytes of whichever endpoint was sampled then) moved identical
-	// endpoints over 15% apart in 4% of runs of 500 requests
-	// (TestIdenticalEnginesLearnRatesThatAgree's engines, 200 seeds); 100
-	// kept them within 14% in every one, and learns a half-speed engine
-	// as 1.8 times slower after 600 requests (1.67 before).
-	endpointRateDecay = 0.99
-	firstByteShrink   = 16
-	firstByteEvidence = 100
-	windowShrink      = 8
-	windowEvidence    = 20
-	minDriftFactor    = 1.25
-	maxDriftFactor    = 4.0
+	// rate, is shrunk toward 1 by n/(n+ratioShrinkSamples) and bounded by a
+	// factor growing from minDriftFactor to maxDriftFactor as its decayed
+	// sample count n reaches driftEvidenceSamples (its most: 20).
+	ratioShrinkSamples   = 8
+	minDriftFactor       = 1.25
+	maxDriftFactor       = 4.0
+	driftEvidenceSamples = 20
 	// A first byte is late when the response's output arrived within
 	// lateSpreadShare of the time decoding it takes; an outlier when it
 	// came after outlierFactor times the modelled whole request, once the
@@ -227,7 +214,7 @@ func newPoolRate(rate float64) poolRate {
 // endpointRate is how one endpoint's prefill differs from the pool's.
 type endpointRate struct {
 	// Its samples' tokens and seconds (less the pool's overhead), and how
-	// many, each decayed by endpointRateDecay at each new one.
+	// many, each decayed by poolRateDecay at each new one.
 	tokens, seconds, samples float64
 	// The engine's own timing: the floor it sets, its windows (decayed as
 	// the samples), and the counters at the start of the current window
@@ -245,25 +232,24 @@ func (p *Picker) rateOf(w *row) float64 {
 	if e.samples > 0 && e.seconds > 0 {
 		logRatio = math.Log(e.tokens / e.seconds / p.pool.rate)
 	}
-	rate := p.pool.rate * math.Exp(drift(logRatio, e.samples, firstByteShrink, firstByteEvidence))
+	rate := p.pool.rate * math.Exp(drift(logRatio, e.samples))
 	var floor float64
 	if p.pool.floor > 0 {
 		var own float64
 		if e.engineFloor > 0 {
 			own = math.Log(e.engineFloor / p.pool.floor)
 		}
-		floor = p.pool.floor * math.Exp(drift(own, e.floorWindows, windowShrink, windowEvidence))
+		floor = p.pool.floor * math.Exp(drift(own, e.floorWindows))
 	}
 	return min(max(rate, floor, minPrefillRate), maxPrefillRate)
 }
 
 // drift is how far, in log space, an endpoint with n (decayed) samples
 // that differ from the pool's by logRatio is taken to differ: shrunk toward
-// 0 while its samples are few (n/(n+shrink)), and bounded by a factor that
-// grows with them until n reaches evidence.
-func drift(logRatio, n, shrink, evidence float64) float64 {
-	shrunk := logRatio * n / (n + shrink)
-	bound := math.Log(minDriftFactor + (maxDriftFactor-minDriftFactor)*min(n/evidence, 1))
+// 0 while its samples are few, and bounded by a factor that grows with them.
+func drift(logRatio, n float64) float64 {
+	shrunk := logRatio * n / (n + ratioShrinkSamples)
+	bound := math.Log(minDriftFactor + (maxDriftFactor-minDriftFactor)*min(n/driftEvidenceSamples, 1))
 	return min(max(shrunk, -bound), bound)
 }
 
@@ -315,9 +301,9 @@ func (p *Picker) learnPrefillLocked(r *Reservation, now int64) {
 		pool.rate, pool.overhead = rate, overhead
 	}
 	e := &w.rates
-	e.tokens = e.tokens*endpointRateDecay + float64(r.work)
-	e.seconds = e.seconds*endpointRateDecay + max(seconds-pool.overhead, minFitSeconds)
-	e.samples = e.samples*endpointRateDecay + 1
+	e.tokens = e.tokens*poolRateDecay + float64(r.work)
+	e.seconds = e.seconds*poolRateDecay + max(seconds-pool.overhead, minFitSeconds)
+	e.samples = e.samples*poolRateDecay + 1
 	if math.Abs(pool.rate/pool.applied-1) > rateReapply {
 		pool.applied = pool.rate
 		p.setRatesLocked(now)
