@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/util/retry"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/apiutil"
 	"sigs.k8s.io/controller-runtime/pkg/config"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
@@ -57,15 +58,7 @@ var _ = Describe("The picker's objectives", func() {
 		createObjective(ns, "other", "chat-pool", new(9))
 		createObjective(ns, "chat", poolName, new(10))
 		accepted := func(name string) func() *metav1.Condition {
-			return func() *metav1.Condition {
-				var o v1alpha2.InferenceObjective
-				Expect(k8s.Get(context.Background(), types.NamespacedName{Namespace: ns, Name: name}, &o)).To(Succeed())
-				c := meta.FindStatusCondition(o.Status.Conditions, "Accepted")
-				if c != nil && c.ObservedGeneration != o.Generation {
-					return nil // an older generation's
-				}
-				return c
-			}
+			return acceptedCondition(ns, name, &v1alpha2.InferenceObjective{}, func(o *v1alpha2.InferenceObjective) []metav1.Condition { return o.Status.Conditions })
 		}
 		Eventually(accepted("chat")).Should(And(Not(BeNil()), HaveField("Status", metav1.ConditionTrue), HaveField("Reason", "Accepted"),
 			HaveField("Message", "Applied by the endpoint picker of InferencePool "+poolName+": priority 10")))
@@ -263,4 +256,19 @@ func updateObjective(ns, name string, mutate func(*v1alpha2.InferenceObjective))
 		mutate(&o)
 		return k8s.Update(context.Background(), &o)
 	})).To(Succeed())
+}
+
+// acceptedCondition reads the object name of ns (of empty's type) and
+// returns its Accepted condition, nil while it has none for its current
+// generation.
+func acceptedCondition[T client.Object](ns, name string, empty T, conds func(T) []metav1.Condition) func() *metav1.Condition {
+	return func() *metav1.Condition {
+		obj := empty.DeepCopyObject().(T)
+		Expect(k8s.Get(context.Background(), types.NamespacedName{Namespace: ns, Name: name}, obj)).To(Succeed())
+		c := meta.FindStatusCondition(conds(obj), "Accepted")
+		if c != nil && c.ObservedGeneration != obj.GetGeneration() {
+			return nil // an older generation's
+		}
+		return c
+	}
 }

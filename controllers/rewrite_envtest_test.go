@@ -84,15 +84,7 @@ var _ = Describe("The picker's model rewrites", func() {
 		createRewrite(ns, "partial", poolName, rule(models("mistral"), "", 1, "mistral-7b", 1))
 
 		accepted := func(name string) func() *metav1.Condition {
-			return func() *metav1.Condition {
-				var rw v1alpha2.InferenceModelRewrite
-				Expect(k8s.Get(context.Background(), types.NamespacedName{Namespace: ns, Name: name}, &rw)).To(Succeed())
-				c := meta.FindStatusCondition(rw.Status.Conditions, "Accepted")
-				if c != nil && c.ObservedGeneration != rw.Generation {
-					return nil // an older generation's
-				}
-				return c
-			}
+			return acceptedCondition(ns, name, &v1alpha2.InferenceModelRewrite{}, func(rw *v1alpha2.InferenceModelRewrite) []metav1.Condition { return rw.Status.Conditions })
 		}
 		Eventually(accepted("split")).Should(And(Not(BeNil()), HaveField("Status", metav1.ConditionTrue), HaveField("Reason", "Accepted"),
 			HaveField("Message", "Applied by the endpoint picker of InferencePool "+poolName)))
