@@ -124,7 +124,7 @@ func parse(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&o.cfg.AddedLatency, "added-latency", 0, "wall-clock delay before a completion request reaches the engine")
 	fs.Float64Var(&o.cfg.HangRate, "hang-rate", 0, "fraction of completion requests never answered until the client goes away (0 to 1)")
 	fs.Float64Var(&o.cfg.LateFirstByteFraction, "late-first-byte-fraction", 0,
-		"fraction of streamed responses held back whole until their last token, as a buffering proxy would (0 to 1); chosen per request by a hash of its X-Request-Id header, or of its prompt")
+		"fraction of streamed responses held back whole until their last token, as a buffering proxy would (0 to 1); chosen per request by a hash of its X-Request-Id header, or of its prompt; each says how long it was held in its X-Modelsim-Held-Back-Ms header")
 	fs.Uint64Var(&o.cfg.Seed, "seed", 1, "seed of the fault draws; engine i uses seed+i")
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", defaultShutdownGrace, "on SIGTERM/SIGINT, how long requests in flight may finish before they are cut")
 	var lora loraModules

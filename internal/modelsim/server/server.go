@@ -106,7 +106,8 @@ type Config struct {
 	// responses are late is drawn from a hash of the request's
 	// RequestIDHeader, or of its prompt when it has none: the same request
 	// is late on every run and every server, and 0.5 holds back half of
-	// any set of distinct requests.
+	// any set of distinct requests. Each says how long it was held back
+	// (HeldBackHeader).
 	LateFirstByteFraction float64
 	// RequestIDHeader names the header that identifies a request for the
 	// choices made per request (LateFirstByteFraction); "" tells requests
