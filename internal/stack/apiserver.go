@@ -14,7 +14,6 @@ import (
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
 	"github.com/tallyepp/tally/api/v1alpha2"
-
 	"github.com/tallyepp/tally/internal/testenv"
 )
 

@@ -485,10 +485,10 @@ func TestLateFirstBytesArriveOnlyWhenGenerationEnds(t *testing.T) {
 	generation := prefillStep(cfg, 100) + (lateTokens-1)*(cfg.StepBaseDuration+cfg.DecodeDurationPerSequence)
 	start := time.Now()
 	resp := send(t.Context(), lateID, lateTokens)
-	if took, finished := time.Since(start), srv.Stats().FinishedRequests; took < generation/10 || finished != 1 {
+	took := time.Since(start)
+	if finished := srv.Stats().FinishedRequests; took < generation/10 || finished != 1 {
 		t.Fatalf("late response's first bytes after %v with %d requests finished; want at least %v (the generation, scaled) and 1", took, finished, generation/10)
 	}
-	took := time.Since(start)
 	// Held back from the first token on: about the decoding after it,
 	// scaled (the server sees each token a little after the engine makes
 	// it), and at most the whole wait.
@@ -508,9 +508,6 @@ func TestLateFirstBytesArriveOnlyWhenGenerationEnds(t *testing.T) {
 	defer cancel()
 	resp = send(ctx, onTimeID, 100_000)
 	defer resp.Body.Close()
-	if v := resp.Header.Get(HeldBackHeader); v != "" {
-		t.Fatalf("response on time: %s %q; want none", HeldBackHeader, v)
-	}
 	if v := resp.Header.Get(HeldBackHeader); v != "" {
 		t.Fatalf("response on time: %s %q; want none", HeldBackHeader, v)
 	}
