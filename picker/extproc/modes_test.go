@@ -300,11 +300,14 @@ func TestLoadOnlyRoutingIsWarnedOnce(t *testing.T) {
 // ext_proc protocol, a gRPC InvalidArgument; none leaves a reservation.
 func TestMalformedStreamsAreAnsweredNotRouted(t *testing.T) {
 	// What NGINX Gateway Fabric's shim sends: the client's headers only.
-	shimHeaders := func() *extprocv3.ProcessingRequest {
+	// More headers may follow (kv: name, value, ...).
+	shimHeaders := func(kv ...string) *extprocv3.ProcessingRequest {
+		headers := []*corev3.HeaderValue{{Key: "content-type", Value: "application/json"}, {Key: "x-request-id", Value: "abc"}}
+		for i := 0; i+1 < len(kv); i += 2 {
+			headers = append(headers, &corev3.HeaderValue{Key: kv[i], Value: kv[i+1]})
+		}
 		return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
-			RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
-				{Key: "content-type", Value: "application/json"}, {Key: "x-request-id", Value: "abc"},
-			}}},
+			RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: headers}},
 		}}
 	}
 	bodiless := func(kv ...string) *extprocv3.ProcessingRequest {
@@ -355,6 +358,14 @@ func TestMalformedStreamsAreAnsweredNotRouted(t *testing.T) {
 			envoy.BodyChunk([]byte(`{"input":[[1,2,3]],"model":"m"}`), true)), wantRouted: true, picks: 1},
 		{name: "no pseudo-headers, a model and no prompt", msgs: msgs(shimHeaders(), envoy.BodyChunk([]byte(`{"model":"m"}`), true)),
 			wantStatus: 400, wantInMsg: `none of \"messages\", \"prompt\" or \"input\"`},
+		// Without :path, the path the upstream picker falls back to tells
+		// the API: a Conversations request is no error, routed on load.
+		{name: "no pseudo-headers, x-original-path to conversations", msgs: msgs(shimHeaders("x-original-path", "/v1/conversations"),
+			envoy.BodyChunk([]byte(`{"model":"m","items":[]}`), true)), wantRouted: true, picks: 1},
+		{name: "no pseudo-headers, x-forwarded-path to conversations", msgs: msgs(shimHeaders("x-forwarded-path", "/v1/conversations"),
+			envoy.BodyChunk([]byte(`{"model":"m","items":[]}`), true)), wantRouted: true, picks: 1},
+		{name: "no pseudo-headers, x-original-path to completions, no prompt", msgs: msgs(shimHeaders("x-original-path", "/v1/completions"),
+			envoy.BodyChunk([]byte(`{"model":"m"}`), true)), wantStatus: 400, wantInMsg: "prompt"},
 		{name: "no pseudo-headers, malformed JSON", msgs: msgs(shimHeaders(), envoy.BodyChunk([]byte(`{"model":`), true)),
 			wantStatus: 400, wantInMsg: "JSON"},
 		// A broken ext_proc client: the stream ends InvalidArgument, with

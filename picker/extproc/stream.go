@@ -46,8 +46,12 @@ type stream struct {
 	// headers answer: BUFFERED, as far as the picker can tell.
 	inferred bool
 
-	headersSeen   bool
-	path, method  string
+	headersSeen  bool
+	path, method string
+	// apiPath is the path the API is told from: :path, or where a gateway
+	// sends no pseudo-headers, x-original-path or x-forwarded-path (as the
+	// upstream picker reads them); "" when none says.
+	apiPath       string
 	contentLength int64 // from the content-length header; 0 when absent
 	subset        []netip.AddrPort
 	hasSubset     bool
@@ -151,6 +155,12 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	st.up.requestHeaders()
 	headers := h.GetHeaders()
 	st.path, st.method = headerValue(headers, ":path"), headerValue(headers, ":method")
+	st.apiPath = st.path
+	for _, name := range [...]string{"x-original-path", "x-forwarded-path"} {
+		if st.apiPath == "" {
+			st.apiPath = headerValue(headers, name)
+		}
+	}
 	if cl := headerValue(headers, "content-length"); cl != "" {
 		n, err := strconv.ParseInt(cl, 10, 64)
 		switch {
@@ -176,7 +186,7 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	// sends the client's headers only: no :path or :method. The request is
 	// then routed on its body's shape (parse), or, without a body, on load.
 	if h.GetEndOfStream() {
-		if kind := request.KindOf(st.path); kind != request.KindOther && (st.method == "POST" || st.method == "") {
+		if kind := request.KindOf(st.apiPath); kind != request.KindOther && (st.method == "POST" || st.method == "") {
 			// The model server would refuse it too, but only after it
 			// had been booked against an endpoint.
 			return st.reject(fmt.Errorf("%w: a %s request needs a JSON body", errEmptyBody, kind))
@@ -588,15 +598,15 @@ func (st *stream) parse() (picker.Request, error) {
 			st.prompt = st.s.getLarge(n)
 		}
 	}
-	kind := request.KindOf(st.path)
-	if st.path == "" {
+	kind := request.KindOf(st.apiPath)
+	if st.apiPath == "" {
 		var err error
 		if kind, err = request.KindOfBody(body); err != nil {
 			return picker.Request{}, fmt.Errorf("parsing the request body: %w", err)
 		}
 	}
 	parsed, err := request.ParseKind(kind, body, *st.prompt)
-	if err != nil && st.path == "" && kind == request.KindResponses {
+	if err != nil && st.apiPath == "" && kind == request.KindResponses {
 		// An "input" with no path to tell: an embeddings request, whose
 		// input (token ids, say) the Responses API does not take.
 		parsed, err = request.ParseKind(request.KindEmbeddings, body, parsed.Prompt)
