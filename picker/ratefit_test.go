@@ -69,9 +69,10 @@ func newSim(t *testing.T, engineRates []float64, seed uint64) *engineSim {
 }
 
 // Identical engines measured with noise agree: each is shrunk toward the
-// pool and bounded near it.
+// pool by how much of its factor the noise explains. (Shrunk by a fixed
+// n/(n+8), 9 of 200 seeds spread over 15%.)
 func TestIdenticalEnginesLearnRatesThatAgree(t *testing.T) {
-	for seed := range uint64(5) {
+	for seed := range uint64(20) {
 		s := newSim(t, []float64{50_000, 50_000, 50_000, 50_000}, seed)
 		s.run(500)
 		rs := rates(s.p)
@@ -105,13 +106,34 @@ func TestLateFirstBytesDoNotTeachTheRate(t *testing.T) {
 }
 
 // An engine that really is slower is learned as slower, once the evidence
-// is there.
+// is there: the endpoints' factors spread beyond their noise, so each keeps
+// most of its own. (Shrunk by a fixed n/(n+8), it was learned 1.5 to 1.7
+// times slower.)
 func TestASlowerEngineIsLearnedWithEvidence(t *testing.T) {
-	s := newSim(t, []float64{50_000, 50_000, 25_000}, 3)
-	s.run(600)
+	for seed := range uint64(5) {
+		s := newSim(t, []float64{50_000, 50_000, 25_000}, seed)
+		s.run(600)
+		rs := rates(s.p)
+		if ratio := rs[0] / rs[2]; ratio < 1.8 || ratio > 2.3 {
+			t.Errorf("seed %d: rates %.0f: the half-speed engine is learned %.2fx slower, want about 2x", seed, rs, ratio)
+		}
+	}
+}
+
+// One slower engine among many barely spreads the pool's factors, yet its
+// own factor is many times its noise: it is learned as slower too.
+func TestOneSlowerEngineAmongManyIsLearned(t *testing.T) {
+	engines := []float64{25_000}
+	for range 9 {
+		engines = append(engines, 50_000)
+	}
+	s := newSim(t, engines, 1)
+	s.run(2000)
 	rs := rates(s.p)
-	if ratio := rs[0] / rs[2]; ratio < 1.6 {
-		t.Errorf("rates %.0f: the half-speed engine is learned only %.2fx slower, want at least 1.6x", rs, ratio)
+	for i, r := range rs[1:] {
+		if ratio := r / rs[0]; ratio < 1.5 {
+			t.Errorf("rates %.0f: engine %d is learned only %.2fx faster than the half-speed one, want at least 1.5x", rs, i+1, ratio)
+		}
 	}
 }
 
