@@ -152,10 +152,12 @@ func runPrefillWorkload(ctx context.Context, ps *stack.Stack, stream func(client
 	l, err := ps.Ledger(ctx)
 	Expect(err).NotTo(HaveOccurred())
 	lo, hi := math.Inf(1), 0.0
+	var learned strings.Builder
 	for _, e := range l.Endpoints {
-		fmt.Fprintf(GinkgoWriter, "%s: learned prefill rate %.0f tokens/s\n", e.Pod, e.PrefillTokensPerSecond)
+		fmt.Fprintf(&learned, "%s %.0f; ", e.Pod, e.PrefillTokensPerSecond)
 		lo, hi = min(lo, e.PrefillTokensPerSecond), max(hi, e.PrefillTokensPerSecond)
 	}
+	AddReportEntry("learned prefill rates", fmt.Sprintf("%stokens/s, %.3fx apart", learned.String(), hi/lo))
 
 	AddReportEntry("prefill averages", avg.String())
 	fmt.Fprintf(GinkgoWriter, "%d requests (%d streamed) in %v: %s\n", len(results), streams, prefillWarmUp+prefillMeasured, avg)
