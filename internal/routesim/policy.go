@@ -289,8 +289,10 @@ func (t *tally) observeLoRA(engines []loraInfo) { copy(t.lora, engines) }
 // observe gives the picker what a vLLM scrape carries: running and waiting
 // requests and the cache size (vllm:cache_config_info); with adapters, the
 // base model (the model_name label) and lora_requests_info. vLLM publishes
-// no queued prompt tokens.
+// no queued prompt tokens. The round reaches the picker at once, as the
+// scraper hands it over.
 func (t *tally) observe(stats []engine.Stats) {
+	round := make([]picker.Scrape, 0, len(stats))
 	for i, s := range stats {
 		es := picker.EngineStats{
 			Running:     s.RunningRequests,
@@ -301,8 +303,9 @@ func (t *tally) observe(stats []engine.Stats) {
 			es.Model, es.HasLoRA, es.MaxLoRAs = tallyModel, true, t.maxLoRAs
 			es.RunningAdapters, es.WaitingAdapters = t.lora[i].running, t.lora[i].waiting
 		}
-		t.p.ObserveEngine(t.addrs[i], es)
+		round = append(round, picker.Scrape{Address: t.addrs[i], Stats: es})
 	}
+	t.p.ObserveScrapes(round)
 	for _, st := range t.p.Stats() {
 		t.rates.add(st.PrefillTokensPerSecond)
 	}

@@ -16,6 +16,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"slices"
 	"sync"
 	"time"
 
@@ -40,8 +41,7 @@ const (
 // Picker is what the scraper feeds; *picker.Picker implements it.
 type Picker interface {
 	ScrapeTargets(dst []picker.ScrapeTarget) []picker.ScrapeTarget
-	ObserveEngine(addr netip.AddrPort, s picker.EngineStats) (recovered bool)
-	ObserveScrapeFailure(addr netip.AddrPort) (failed bool)
+	ObserveScrapes(round []picker.Scrape) (recovered, failed []netip.AddrPort)
 }
 
 // Options configure a Scraper; zero values take the defaults.
@@ -154,45 +154,58 @@ func (s *Scraper) Run(ctx context.Context) {
 	}
 }
 
-// Round scrapes targets once.
+// Round scrapes targets once, and hands the picker what they all said at
+// once when the last has answered (or timed out).
 func (s *Scraper) Round(ctx context.Context, targets []picker.ScrapeTarget) {
-	work := make(chan picker.ScrapeTarget)
+	round := make([]picker.Scrape, len(targets))
+	errs := make([]error, len(targets))
+	work := make(chan int)
 	var wg sync.WaitGroup
 	for range min(s.opts.Concurrency, len(targets)) {
 		wg.Go(func() {
-			for t := range work {
-				s.scrapeOne(ctx, t)
+			for i := range work {
+				round[i], errs[i] = s.scrapeOne(ctx, targets[i])
 			}
 		})
 	}
-	for _, t := range targets {
-		work <- t
+	for i := range targets {
+		work <- i
 	}
 	close(work)
 	wg.Wait()
+	if ctx.Err() != nil {
+		return // shutting down: what failed is not the engines' fault
+	}
+	recovered, failed := s.p.ObserveScrapes(round)
+	for _, addr := range recovered {
+		s.opts.Log.Info("endpoint is a candidate again: its metrics scrape succeeded", "endpoint", addr.String())
+	}
+	for i, r := range round {
+		a := r.Address.String()
+		switch {
+		case !r.Failed:
+			s.forget("read:" + a)
+		case slices.Contains(failed, r.Address):
+			s.opts.Log.Info("endpoint left the candidates: its metrics scrapes keep failing", "endpoint", a, "error", errs[i].Error())
+		case s.once("read:" + a):
+			s.opts.Log.Info("WARNING: cannot read an endpoint's metrics; it serves on the picker's ledger alone, and leaves the candidates only if its metrics stop answering after they have answered",
+				"endpoint", a, "error", errs[i].Error())
+		}
+	}
 }
 
-func (s *Scraper) scrapeOne(ctx context.Context, t picker.ScrapeTarget) {
+// scrapeOne scrapes t; a failed scrape is counted by its reason.
+func (s *Scraper) scrapeOne(ctx context.Context, t picker.ScrapeTarget) (picker.Scrape, error) {
 	start := time.Now()
 	stats, reason, err := s.fetch(ctx, t)
 	s.duration.Observe(time.Since(start).Seconds())
 	if err != nil {
-		if ctx.Err() != nil {
-			return // shutting down: not the engine's fault
+		if ctx.Err() == nil {
+			s.failures.WithLabelValues(reason).Inc()
 		}
-		s.failures.WithLabelValues(reason).Inc()
-		if s.p.ObserveScrapeFailure(t.Address) {
-			s.opts.Log.Info("endpoint left the candidates: its metrics scrapes keep failing", "endpoint", t.Address.String(), "error", err.Error())
-		} else if s.once("read:" + t.Address.String()) {
-			s.opts.Log.Info("WARNING: cannot read an endpoint's metrics; it serves on the picker's ledger alone, and leaves the candidates only if its metrics stop answering after they have answered",
-				"endpoint", t.Address.String(), "error", err.Error())
-		}
-		return
+		return picker.Scrape{Address: t.Address, Failed: true}, err
 	}
-	s.forget("read:" + t.Address.String())
-	if s.p.ObserveEngine(t.Address, stats) {
-		s.opts.Log.Info("endpoint is a candidate again: its metrics scrape succeeded", "endpoint", t.Address.String())
-	}
+	return picker.Scrape{Address: t.Address, Stats: stats}, nil
 }
 
 func (s *Scraper) fetch(ctx context.Context, t picker.ScrapeTarget) (picker.EngineStats, string, error) {

@@ -8,7 +8,9 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -298,5 +300,65 @@ func TestMetricNameOverridesAreRead(t *testing.T) {
 	st := p.Snapshot().Endpoints[0]
 	if st.EngineRunning != 3 || st.EngineWaiting != 4 {
 		t.Errorf("running %d, waiting %d; want 3 and 4 from the overriding names", st.EngineRunning, st.EngineWaiting)
+	}
+}
+
+// roundRecorder records the rounds the scraper hands the picker.
+type roundRecorder struct {
+	*picker.Picker
+	mu     sync.Mutex
+	rounds [][]picker.Scrape
+}
+
+func (r *roundRecorder) ObserveScrapes(round []picker.Scrape) (recovered, failed []netip.AddrPort) {
+	r.mu.Lock()
+	r.rounds = append(r.rounds, slices.Clone(round))
+	r.mu.Unlock()
+	return r.Picker.ObserveScrapes(round)
+}
+
+// A round reaches the picker at once, when its slowest scrape has
+// answered: no pick sees one engine's news before another's of the same
+// round.
+func TestARoundReachesThePickerAtOnce(t *testing.T) {
+	eps, _ := simulators(t, 2, 25_000)
+	p := picker.New(v1alpha1.Default(), picker.Options{})
+	slowSim, err := server.New(server.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(slowSim.Close)
+	var seenEarly atomic.Int32
+	slow, stop := serve(t, netip.AddrFrom4([4]byte{127, 0, 45, 8}), http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(300 * time.Millisecond) // the fast ones have answered
+		for _, st := range p.Stats() {
+			if st.Scraped {
+				seenEarly.Add(1)
+			}
+		}
+		slowSim.ServeHTTP(w, r)
+	}))
+	t.Cleanup(stop)
+	refused := netip.MustParseAddrPort("127.0.45.9:1")
+	eps = append(eps, picker.Endpoint{Pod: "slow", UID: "uid-slow", Address: slow}, picker.Endpoint{Pod: "refused", UID: "uid-refused", Address: refused})
+	p.Replace(eps)
+	rec := &roundRecorder{Picker: p}
+	New(rec, Options{}).Round(t.Context(), p.ScrapeTargets(nil))
+
+	if n := seenEarly.Load(); n != 0 {
+		t.Errorf("%d endpoints' scrapes reached the picker while another of the round was still answering", n)
+	}
+	if len(rec.rounds) != 1 || len(rec.rounds[0]) != 4 {
+		t.Fatalf("rounds handed to the picker: %+v, want one of 4 scrapes", rec.rounds)
+	}
+	for _, s := range rec.rounds[0] {
+		if s.Failed != (s.Address == refused) {
+			t.Errorf("scrape of %v: failed %v", s.Address, s.Failed)
+		}
+	}
+	for _, st := range p.Stats() {
+		if st.Scraped != (st.Endpoint.Address != refused) {
+			t.Errorf("%s after the round: scraped %v", st.Endpoint.Pod, st.Scraped)
+		}
 	}
 }
