@@ -156,3 +156,36 @@ func TestCompletedResponsesTeachTheDecodeModel(t *testing.T) {
 		t.Errorf("decode %v per token after late responses, want still about 5ms", time.Duration(decode))
 	}
 }
+
+// Detached requests are ended by what two scrapes in a row say: when the
+// pods end a burst's requests between two scrapes of one round, the pod
+// scraped after does not look lighter than the others until the next
+// round tells them all.
+func TestOneScrapeAloneEndsNoDetachedRequest(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 2, testConfig(), Options{Now: clock.Now})
+	for i := range 8 {
+		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint(i), 400), MaxTokens: 10_000})
+		r.Detach()
+	}
+	busy := func(n int) EngineStats { return EngineStats{Running: n} }
+	clock.Advance(time.Second)
+	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(4)}, {Address: addr(1), Stats: busy(4)}})
+	clock.Advance(250 * time.Millisecond)
+	// The pods end every request between the round's two scrapes.
+	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(4)}, {Address: addr(1), Stats: busy(0)}})
+	if s := p.Stats(); s[0].Detached != 4 || s[1].Detached != 4 {
+		t.Fatalf("detached %d and %d after one scrape said endpoint 1 had ended its 4, want 4 and 4", s[0].Detached, s[1].Detached)
+	}
+	clock.Advance(250 * time.Millisecond)
+	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(0)}, {Address: addr(1), Stats: busy(0)}})
+	if s := p.Stats(); s[0].Detached != 4 || s[1].Detached != 0 {
+		t.Fatalf("detached %d and %d after the second scrape, want 4 and 0", s[0].Detached, s[1].Detached)
+	}
+	clock.Advance(250 * time.Millisecond)
+	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(0)}, {Address: addr(1), Stats: busy(0)}})
+	if s := p.Stats(); s[0].Detached != 0 || s[1].Detached != 0 {
+		t.Fatalf("detached %d and %d after two scrapes of each said all ended, want none", s[0].Detached, s[1].Detached)
+	}
+	assertLedgerEmpty(t, p)
+}

@@ -90,7 +90,10 @@ type engineView struct {
 	busyAt           int64 // the last scrape that found requests running or waiting
 	// The most and fewest requests the ledger held here since the last
 	// scrape (see observeEngineLocked).
-	peak, trough      int
+	peak, trough int
+	// finished is how many fewer requests than the ledger held the last
+	// scrape found (see observeEngineLocked).
+	finished          int
 	failures          int
 	unhealthy         bool
 	excluded          bool // unhealthy while another endpoint is healthy
@@ -246,12 +249,19 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 	// so that requests that ended (or were placed) in between are taken
 	// neither for foreign load nor for finished ones.
 	peak, trough := max(e.peak, w.inFlight), min(e.trough, w.inFlight)
-	if excess := trough - (s.Running + s.Waiting); excess > 0 && w.detached > 0 {
-		// Fewer requests than the ledger holds: some detached ones ended
-		// before the model says.
+	// Fewer requests than the ledger holds: some detached ones ended
+	// before the model says. Only as many as two scrapes in a row say
+	// are ended: when the pods end a burst's requests between two of one
+	// round's scrapes, the pod scraped after them would otherwise draw the
+	// next burst until the next round told the others' (through NGINX
+	// Gateway Fabric's exchange, scraped every 10 ms: 3 of 10 bursts after
+	// a burst within one of even, 31 / 64 / 33 at worst).
+	finished := max(trough-(s.Running+s.Waiting), 0)
+	if n := min(finished, e.finished); n > 0 && w.detached > 0 {
 		w.drain(now)
-		p.shortenDetachedLocked(w, excess, now)
+		p.shortenDetachedLocked(w, n, now)
 	}
+	e.finished = finished
 	p.observePrefillTimingLocked(w, s, now)
 	e.foreign = max(s.Running+s.Waiting-peak, 0)
 	e.peak, e.trough = w.inFlight, w.inFlight
