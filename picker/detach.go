@@ -16,7 +16,7 @@ import (
 // done: its prefill drains like any other's, then it decodes for its
 // expected output (max_tokens when the request gives one, else the mean
 // output the pool's responses have shown) at the pool's observed decode
-// speed. Engine scrapes shorten it when the engine reports fewer requests
+// speed. Engine scrapes shorten it when two in a row report fewer requests
 // than the ledger holds there (the request finished early), and a request
 // the model ended while the engine still runs it shows as foreign load: the
 // correction works both ways.
