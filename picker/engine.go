@@ -88,12 +88,14 @@ type engineView struct {
 	foreignTokens    int // the prefill cost of one of them
 	at               int64
 	busyAt           int64 // the last scrape that found requests running or waiting
-	// The most and fewest requests the ledger held here since the last
-	// scrape (see observeEngineLocked).
-	peak, trough int
+	// The most requests the ledger held here since the last scrape (see
+	// observeEngineLocked).
+	peak int
 	// finished is how many fewer requests than the ledger held the last
-	// scrape found (see observeEngineLocked).
+	// scrape found, and recent the picks made here that may not have
+	// reached the engine yet (see observeEngineLocked).
 	finished          int
+	recent            pickTimes
 	failures          int
 	unhealthy         bool
 	excluded          bool // unhealthy while another endpoint is healthy
@@ -244,19 +246,25 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 	if s.Running+s.Waiting > 0 {
 		e.busyAt = now
 	}
-	// The engine's counts were read some time before now: compare them
-	// with the ledger at its fullest and emptiest since the last scrape,
-	// so that requests that ended (or were placed) in between are taken
-	// neither for foreign load nor for finished ones.
-	peak, trough := max(e.peak, w.inFlight), min(e.trough, w.inFlight)
-	// Fewer requests than the ledger holds: some detached ones ended
-	// before the model says. Only as many as two scrapes in a row say
-	// are ended: when the pods end a burst's requests between two of one
-	// round's scrapes, the pod scraped after them would otherwise draw the
-	// next burst until the next round told the others' (through NGINX
-	// Gateway Fabric's exchange, scraped every 10 ms: 3 of 10 bursts after
-	// a burst within one of even, 31 / 64 / 33 at worst).
-	finished := max(trough-(s.Running+s.Waiting), 0)
+	// The engine's counts were read some time before now: foreign load is
+	// what they hold beyond the ledger at its fullest since the last
+	// scrape, so that requests that ended in between are not taken for it.
+	peak := max(e.peak, w.inFlight)
+	// Fewer requests than the ledger holds, less those placed within
+	// detachArrival (they may not have reached the engine when it was
+	// read): some detached ones ended before the model says. Only as many
+	// as two scrapes in a row say are ended: when the pods end a burst's
+	// requests between two of one round's scrapes, the pod scraped after
+	// them would otherwise draw the next burst until the next round told
+	// the others' (through NGINX Gateway Fabric's exchange, scraped every
+	// 10 ms: 3 of 10 bursts after a burst within one of even, 31 / 64 / 33
+	// at worst). Compared with the ledger's fewest requests since the last
+	// scrape instead, a burst's requests placed since then (which the
+	// engine counted and that minimum did not) hid as many old ones that
+	// had ended, so each pod's old ones ended in pieces as its picks came
+	// (scraped every 50 ms: 30 / 47 / 51).
+	young := e.recent.since(now - int64(detachArrival))
+	finished := max(w.inFlight-young-(s.Running+s.Waiting), 0)
 	if n := min(finished, e.finished); n > 0 && w.detached > 0 {
 		w.drain(now)
 		p.shortenDetachedLocked(w, n, now)
@@ -264,7 +272,7 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 	e.finished = finished
 	p.observePrefillTimingLocked(w, s, now)
 	e.foreign = max(s.Running+s.Waiting-peak, 0)
-	e.peak, e.trough = w.inFlight, w.inFlight
+	e.peak = w.inFlight
 	// No engine the scraper reads says how many prompt tokens its queue
 	// holds: a foreign request is sized as the mean prompt placed here.
 	e.foreignTokens = int(p.meanPromptTokens)
@@ -322,4 +330,28 @@ func (p *Picker) refreshCandidatesLocked() {
 		}
 	}
 	clear(p.candidates[len(p.candidates):cap(p.candidates)])
+}
+
+// pickTimes are the times of the recent picks on an endpoint, oldest first.
+type pickTimes struct {
+	at   []int64
+	head int
+}
+
+// add records a pick at t, and forgets those before t-detachArrival.
+func (q *pickTimes) add(t int64) {
+	q.since(t - int64(detachArrival))
+	q.at = append(q.at, t)
+}
+
+// since forgets the picks at or before cutoff and counts the others.
+func (q *pickTimes) since(cutoff int64) int {
+	for q.head < len(q.at) && q.at[q.head] <= cutoff {
+		q.head++
+	}
+	if q.head > 0 && q.head >= len(q.at)/2 {
+		n := copy(q.at, q.at[q.head:])
+		q.at, q.head = q.at[:n], 0
+	}
+	return len(q.at) - q.head
 }

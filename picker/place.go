@@ -85,6 +85,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	r.cachedBlocks = matched[first]
 	r.cachedTokens = p.heldTokens(matched[first])
 	c.hold(r, r.pickedNs)
+	c.engine.recent.add(r.pickedNs)
 	p.meanPromptTokens += (float64(r.promptTokens) - p.meanPromptTokens) * meanPromptWeight
 	p.picks.push(r)
 	// The head of the prompt (its first 32,000 tokens or so) is recorded

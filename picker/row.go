@@ -156,7 +156,6 @@ func (w *row) hold(r *Reservation, now int64) {
 func (w *row) drop(r *Reservation, now int64) {
 	w.inFlight--
 	w.dropAdapter(r)
-	w.engine.trough = min(w.engine.trough, w.inFlight)
 	if r.decoding {
 		w.decoding--
 		return
