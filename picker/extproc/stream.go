@@ -356,6 +356,9 @@ func (st *stream) buffer(chunk []byte) error {
 		return tooLarge(limit)
 	}
 	if !st.s.charge(n) {
+		// Refused: what this stream holds goes back at once, so that the
+		// streams still sending find it (see reject).
+		st.dropBody()
 		st.s.metrics.budgetRejections.Inc()
 		return fmt.Errorf("%w (budget %d bytes); retry later", errBufferBudget, st.s.opts.MaxBufferedRequestBytes)
 	}
@@ -682,6 +685,13 @@ func (st *stream) echoRequestBody(endOfStream bool) error {
 // reject answers the request with the HTTP error errorAnswers gives for err
 // and ends the stream.
 func (st *stream) reject(err error) error {
+	// Nothing reads the body after a refusal: its bytes go back to the
+	// budget now, not once the answer is sent and the stream unwinds. Held
+	// until then, a flood of equal slow streams, which fills the budget
+	// with all of them part-sent, was refused whole (0 held of 200 on a
+	// loaded machine): each stream's next chunk found the budget full of
+	// the others', refused ones included.
+	st.dropBody()
 	httpStatus, body := answerFor(err)
 	st.decided = true
 	st.s.metrics.requests.WithLabelValues(strconv.Itoa(httpStatus)).Inc()
