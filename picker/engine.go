@@ -206,17 +206,13 @@ func (p *Picker) ObserveScrapes(round []Scrape) (recovered, failed []netip.AddrP
 	}
 	p.freedLocked(now) // the engines may have reported less load than was thought
 	p.mu.Unlock()
-	p.metrics.healthChanges.WithLabelValues("recovered").Add(float64(len(recovered)))
-	p.metrics.healthChanges.WithLabelValues("unhealthy").Add(float64(len(failed)))
+	if len(recovered) > 0 {
+		p.metrics.healthChanges.WithLabelValues("recovered").Add(float64(len(recovered)))
+	}
+	if len(failed) > 0 {
+		p.metrics.healthChanges.WithLabelValues("unhealthy").Add(float64(len(failed)))
+	}
 	return recovered, failed
-}
-
-// ObserveEngine records a successful scrape of the endpoint at addr alone
-// (see ObserveScrapes). It reports whether the endpoint became healthy
-// again.
-func (p *Picker) ObserveEngine(addr netip.AddrPort, s EngineStats) (recovered bool) {
-	r, _ := p.ObserveScrapes([]Scrape{{Address: addr, Stats: s}})
-	return len(r) > 0
 }
 
 func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int64) (recovered bool) {
@@ -288,17 +284,12 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 	return recovered
 }
 
-// ObserveScrapeFailure records a failed scrape of the endpoint at addr. It
+// observeFailureLocked records a failed scrape of the endpoint at addr. It
 // reports whether the endpoint just turned unhealthy. Only an endpoint whose
 // metrics have been read before can: one whose metrics were never read (on
 // another port or path, an engine the scraper cannot read) serves on the
 // ledger alone, since scrapes correct the ledger and do not decide who may
 // serve.
-func (p *Picker) ObserveScrapeFailure(addr netip.AddrPort) (failed bool) {
-	_, f := p.ObserveScrapes([]Scrape{{Address: addr, Failed: true}})
-	return len(f) > 0
-}
-
 func (p *Picker) observeFailureLocked(addr netip.AddrPort) (failed bool) {
 	w, ok := p.byAddr[key(addr)]
 	if !ok || !w.engine.scraped {

@@ -173,3 +173,17 @@ func cachedTokens(r *Reservation) int {
 	defer r.p.mu.Unlock()
 	return r.cachedTokens
 }
+
+// ObserveEngine records a successful scrape of the endpoint at addr, a
+// round of its own; it reports whether the endpoint became healthy again.
+func (p *Picker) ObserveEngine(addr netip.AddrPort, s EngineStats) (recovered bool) {
+	r, _ := p.ObserveScrapes([]Scrape{{Address: addr, Stats: s}})
+	return len(r) > 0
+}
+
+// ObserveScrapeFailure records a failed scrape of the endpoint at addr, a
+// round of its own; it reports whether the endpoint just turned unhealthy.
+func (p *Picker) ObserveScrapeFailure(addr netip.AddrPort) (failed bool) {
+	_, f := p.ObserveScrapes([]Scrape{{Address: addr, Failed: true}})
+	return len(f) > 0
+}

@@ -2,6 +2,7 @@ package extproc
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
@@ -155,11 +156,8 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	st.up.requestHeaders()
 	headers := h.GetHeaders()
 	st.path, st.method = headerValue(headers, ":path"), headerValue(headers, ":method")
-	st.apiPath = st.path
-	for _, name := range [...]string{"x-original-path", "x-forwarded-path"} {
-		if st.apiPath == "" {
-			st.apiPath = headerValue(headers, name)
-		}
+	if st.apiPath = st.path; st.apiPath == "" {
+		st.apiPath = cmp.Or(headerValue(headers, "x-original-path"), headerValue(headers, "x-forwarded-path"))
 	}
 	if cl := headerValue(headers, "content-length"); cl != "" {
 		n, err := strconv.ParseInt(cl, 10, 64)
@@ -356,9 +354,6 @@ func (st *stream) buffer(chunk []byte) error {
 		return tooLarge(limit)
 	}
 	if !st.s.charge(n) {
-		// Refused: what this stream holds goes back at once, so that the
-		// streams still sending find it (see reject).
-		st.dropBody()
 		st.s.metrics.budgetRejections.Inc()
 		return fmt.Errorf("%w (budget %d bytes); retry later", errBufferBudget, st.s.opts.MaxBufferedRequestBytes)
 	}
