@@ -2,6 +2,7 @@ package picker
 
 import (
 	"container/heap"
+	"math"
 	"time"
 )
 
@@ -156,6 +157,31 @@ func (p *Picker) learnResponseLocked(r *Reservation, completionTokens int, now i
 	sample = min(max(sample, p.decodeNsPerToken/decodeSampleSpreadAllowed), p.decodeNsPerToken*decodeSampleSpreadAllowed)
 	p.decodeNsPerToken += (sample - p.decodeNsPerToken) * decodeLearnWeight
 	p.decodeNsPerToken = min(max(p.decodeNsPerToken, minDecodeNsPerToken), maxDecodeNsPerToken)
+}
+
+// observeOutputCountsLocked learns the pool's expected output from w's
+// engine's output counters: the requests finished since the last scrape
+// weigh as many responses would (learnResponseLocked), so a pool whose
+// gateway shows no responses learns it too. Counters that went back (an
+// engine restart) start a new window.
+func (p *Picker) observeOutputCountsLocked(w *row, s EngineStats) {
+	e := &w.engine
+	if !s.HasOutputCounts {
+		e.outputBase = false
+		return
+	}
+	dReq := s.FinishedRequestsTotal - e.baseFinished
+	dTok := s.GenerationTokensTotal - e.baseGenerated
+	if e.outputBase && dReq >= 0 && dTok >= 0 {
+		if dReq < 1 {
+			return // nothing finished yet: the window goes on
+		}
+		mean := min(dTok/dReq, maxExpectedOutputTokens)
+		weight := 1 - math.Pow(1-outputLearnWeight, dReq)
+		p.meanOutputTokens += (mean - p.meanOutputTokens) * weight
+	}
+	e.outputBase = true
+	e.baseFinished, e.baseGenerated = s.FinishedRequestsTotal, s.GenerationTokensTotal
 }
 
 // Completed reports that the request's response ended with

@@ -189,3 +189,66 @@ func TestOneScrapeAloneEndsNoDetachedRequest(t *testing.T) {
 	}
 	assertLedgerEmpty(t, p)
 }
+
+// A pool whose gateway ends every stream at the pick sees no response: it
+// learns what a request generates from the engines' output counters, and
+// a detached request without max_tokens then decodes that long.
+func TestEngineOutputCountersTeachTheExpectedOutput(t *testing.T) {
+	clock := newFakeClock()
+	cfg := testConfig()
+	cfg.PrefillTokensPerSecond = 10_000
+	p := newPicker(t, 2, cfg, Options{Now: clock.Now})
+	expected := func() float64 { return p.Snapshot().ExpectedOutputTokens }
+	if got := expected(); got != defaultOutputTokens {
+		t.Fatalf("expected output before any counter: %v, want the default %d", got, defaultOutputTokens)
+	}
+	// Each engine finishes 5 requests of 1,000 tokens between scrapes.
+	var finished, generated [2]float64
+	scrape := func(i int) {
+		p.ObserveEngine(addr(i), EngineStats{FinishedRequestsTotal: finished[i], GenerationTokensTotal: generated[i], HasOutputCounts: true})
+	}
+	scrape(0)
+	scrape(1)
+	if got := expected(); got != defaultOutputTokens {
+		t.Fatalf("expected output after the first counters alone: %v, want the default (they start a window)", got)
+	}
+	for range 40 {
+		for i := range 2 {
+			finished[i] += 5
+			generated[i] += 5_000
+			scrape(i)
+		}
+	}
+	if got := expected(); got < 990 || got > 1000 {
+		t.Fatalf("expected output after 400 finished requests of 1,000 tokens: %v", got)
+	}
+	// A scrape with nothing finished, an engine restart (counters back to
+	// 0) and an engine that stops publishing the counters teach nothing.
+	scrape(0)
+	finished[1], generated[1] = 0, 0
+	scrape(1)
+	p.ObserveEngine(addr(0), EngineStats{})
+	before := expected()
+	finished[1], generated[1] = 2, 20
+	scrape(1) // a new window after the restart: 2 requests of 10 tokens
+	after := expected()
+	if want := before + (10-before)*(1-(1-outputLearnWeight)*(1-outputLearnWeight)); after < want-0.01 || after > want+0.01 {
+		t.Errorf("after the restart's first window: %v, want %v (2 requests of 10 tokens, from %v)", after, want, before)
+	}
+
+	// A detached request without max_tokens decodes the learned output.
+	req := on(addr(0), text("detached", 40_000)) // one second of prefill
+	r := mustPick(t, p, req)
+	r.Detach()
+	decode := time.Duration(after * defaultDecodeNsPerToken)
+	start := clock.ns.Load()
+	clock.ns.Store(start + int64(time.Second+decode-100*time.Millisecond))
+	if l := p.Snapshot(); l.Detached != 1 {
+		t.Fatalf("detached %d before its learned decoding ended (%v), want 1", l.Detached, decode)
+	}
+	clock.ns.Store(start + int64(time.Second+decode+100*time.Millisecond))
+	if l := p.Snapshot(); l.Detached != 0 {
+		t.Fatalf("detached %d after its learned decoding ended (%v), want 0", l.Detached, decode)
+	}
+	assertLedgerEmpty(t, p)
+}

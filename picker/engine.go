@@ -47,6 +47,15 @@ type EngineStats struct {
 	PromptTokensTotal   float64
 	CachedTokensTotal   float64
 	HasPrefillTiming    bool
+	// The engine's output counts, when HasOutputCounts: cumulative since
+	// it started (vLLM's vllm:request_generation_tokens histogram, its sum
+	// and its count: the output tokens of the requests that finished, and
+	// how many finished). The pool learns the expected output of a request
+	// from their increase between scrapes, as from the responses it sees:
+	// a gateway that ends the stream at the pick shows it none.
+	GenerationTokensTotal float64
+	FinishedRequestsTotal float64
+	HasOutputCounts       bool
 	// Model is the base model the engine serves (the model_name label of
 	// its request gauges); "" when it publishes none.
 	Model string
@@ -94,14 +103,18 @@ type engineView struct {
 	// finished is how many fewer requests than the ledger held the last
 	// scrape found, and recent the picks made here that may not have
 	// reached the engine yet (see observeEngineLocked).
-	finished          int
-	recent            pickTimes
-	failures          int
-	unhealthy         bool
-	excluded          bool // unhealthy while another endpoint is healthy
-	cacheTokens       int
-	kvUsage           float64 // -1: not published
-	delivered, predic int64   // cached prompt tokens delivered by the engine, and predicted
+	finished int
+	recent   pickTimes
+	// The engine's output counters at the start of the current window
+	// (observeOutputCountsLocked); outputBase is false until one is read.
+	baseGenerated, baseFinished float64
+	outputBase                  bool
+	failures                    int
+	unhealthy                   bool
+	excluded                    bool // unhealthy while another endpoint is healthy
+	cacheTokens                 int
+	kvUsage                     float64 // -1: not published
+	delivered, predic           int64   // cached prompt tokens delivered by the engine, and predicted
 	// The share of predicted cached tokens the engine delivered, a mean
 	// over its recent predictions; see cacheTrust.
 	delivery decayedMean
@@ -267,6 +280,7 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 	}
 	e.finished = finished
 	p.observePrefillTimingLocked(w, s, now)
+	p.observeOutputCountsLocked(w, s)
 	e.foreign = max(s.Running+s.Waiting-peak, 0)
 	e.peak = w.inFlight
 	// No engine the scraper reads says how many prompt tokens its queue

@@ -26,6 +26,7 @@ type metrics struct {
 	// Detached reservations (detach.go): detached so far, held now, ended.
 	detached                    prometheus.Counter
 	detachedActive, detachedEnd *prometheus.Desc
+	expectedOutput, decodeSpeed *prometheus.Desc
 	rateSamples                 *prometheus.Desc
 
 	// The engines' view (engine.go), beside the ledger's, so drift shows.
@@ -104,6 +105,10 @@ func newMetrics(poolName string, flowControl bool) *metrics {
 	m.rateSamples = prometheus.NewDesc("tally_prefill_rate_samples_total",
 		"Streamed first bytes offered to the prefill rate, by result: learned, short (too little prefill before it), late (it came with the whole response), outlier (after twice the modelled whole request).",
 		[]string{"result"}, nil)
+	m.expectedOutput = prometheus.NewDesc("tally_expected_output_tokens",
+		"What a request without max_tokens is expected to generate: learned from responses and engines' output counters (vllm:request_generation_tokens), the default until then. A detached reservation decodes this long.", nil, nil)
+	m.decodeSpeed = prometheus.NewDesc("tally_decode_seconds_per_token",
+		"How long one output token takes, learned from streamed responses; the default until then.", nil, nil)
 	m.detachedActive = prometheus.NewDesc("tally_detached_reservations",
 		"Detached reservations held now (included in tally_inflight_requests).", nil, nil)
 	m.detachedEnd = prometheus.NewDesc("tally_detached_reservation_ends_total",
@@ -180,7 +185,7 @@ func (m *metrics) collectors() []prometheus.Collector {
 func (p *Picker) Describe(ch chan<- *prometheus.Desc) {
 	m := p.metrics
 	for _, d := range []*prometheus.Desc{m.endpointInFlight, m.endpointPrefill, m.endpointDecoding, m.endpointPrefillRate, m.endpointUtilization, m.workWeight, m.endpoints, m.retained, m.inFlight,
-		m.detachedActive, m.detachedEnd, m.rateSamples,
+		m.detachedActive, m.detachedEnd, m.rateSamples, m.expectedOutput, m.decodeSpeed,
 		m.poolReadyPods, m.poolAvgQueue, m.poolPerPodQueue, m.poolAvgRunning, m.poolAvgKVCache,
 		m.engineRunning, m.engineWaiting, m.foreignRequests, m.foreignTokens, m.endpointHealthy,
 		m.prefixCapacity, m.deliveredCached, m.predictedCached, m.deliveryRatio} {
@@ -211,6 +216,8 @@ func (p *Picker) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(m.inFlight, prometheus.GaugeValue, float64(l.InFlight))
 	ch <- prometheus.MustNewConstMetric(m.workWeight, prometheus.GaugeValue, l.WorkWeight)
 	ch <- prometheus.MustNewConstMetric(m.detachedActive, prometheus.GaugeValue, float64(l.Detached))
+	ch <- prometheus.MustNewConstMetric(m.expectedOutput, prometheus.GaugeValue, l.ExpectedOutputTokens)
+	ch <- prometheus.MustNewConstMetric(m.decodeSpeed, prometheus.GaugeValue, l.DecodeSecondsPerToken)
 	for i, n := range l.DetachEnds {
 		ch <- prometheus.MustNewConstMetric(m.detachedEnd, prometheus.CounterValue, float64(n), detachEndNames[i])
 	}

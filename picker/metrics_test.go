@@ -127,9 +127,9 @@ func TestPickerWithoutRegistererStillCollects(t *testing.T) {
 	// histogram; under upstream names, 2 histograms, 2 pool gauges and 1
 	// gauge per endpoint; of the engines' view, before any scrape, 2 gauges
 	// and 2 counters per endpoint; detached
-	// reservations, a gauge, a counter and 3 ends.
-	// The prefill rate's samples, 5 results.
-	if got, want := testutil.CollectAndCount(p), 5*2+4+3+3+1+2+2+2+4*2+5+5; got != want {
+	// reservations, a gauge, a counter and 3 ends; the decode model's 2
+	// gauges. The prefill rate's samples, 5 results.
+	if got, want := testutil.CollectAndCount(p), 5*2+4+3+3+1+2+2+2+4*2+5+5+2; got != want {
 		t.Errorf("collected %d metrics, want %d", got, want)
 	}
 }

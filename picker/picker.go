@@ -172,6 +172,11 @@ type Ledger struct {
 	// WorkWeight is what an uncached prompt token costs a pick over the
 	// current endpoints, relative to a queued one (place.go, workWeight).
 	WorkWeight float64
+	// ExpectedOutputTokens and DecodeSecondsPerToken are what a detached
+	// request without max_tokens is expected to generate, and how long each
+	// output token takes (detach.go): defaults until responses or the
+	// engines' output counters teach them.
+	ExpectedOutputTokens, DecodeSecondsPerToken float64
 	// Endpoints are the current endpoints, sorted by address.
 	Endpoints []EndpointStats
 	// Retained are endpoints that left the set and keep their row (in flight
@@ -522,6 +527,7 @@ func (p *Picker) Snapshot() Ledger {
 	l.RateSamples = p.rateSamples
 	l.LoRALoadSeconds = p.loraLoad.mean()
 	l.WorkWeight = workWeight(p.rows)
+	l.ExpectedOutputTokens, l.DecodeSecondsPerToken = p.meanOutputTokens, p.decodeNsPerToken/1e9
 	for _, w := range p.byKey {
 		e := &w.engine
 		s := EndpointStats{Endpoint: w.ep, InFlight: w.inFlight, PrefillTokens: w.queued(),

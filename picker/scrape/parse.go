@@ -34,6 +34,10 @@ type names struct {
 	// those found in the prefix cache. All are cumulative; the picker reads
 	// the engine's prefill rate from their increase.
 	prefillSeconds, promptTokens, cachedTokens string
+	// generatedTokens and finishedRequests are the _sum and _count series
+	// of a histogram of each finished request's output tokens: the picker
+	// learns the pool's expected output from their increase.
+	generatedTokens, finishedRequests string
 	// loraInfo is an info gauge of the LoRA adapters in use: labels of
 	// the running and waiting requests' adapters (comma-separated) and
 	// the most adapters run at once; its value is the time it was set,
@@ -48,10 +52,11 @@ var engines = map[string]names{
 		running: "vllm:num_requests_running", waiting: "vllm:num_requests_waiting",
 		cacheInfo: "vllm:cache_config_info", blockSizeLabel: "block_size", numBlocksLabel: "num_gpu_blocks",
 		kvUsage: "vllm:kv_cache_usage_perc", kvUsageOld: "vllm:gpu_cache_usage_perc",
-		prefillSeconds: "vllm:request_prefill_time_seconds_sum",
-		promptTokens:   "vllm:prompt_tokens_total",
-		cachedTokens:   "vllm:prefix_cache_hits_total",
-		loraInfo:       "vllm:lora_requests_info", loraRunningLabel: "running_lora_adapters",
+		prefillSeconds:  "vllm:request_prefill_time_seconds_sum",
+		promptTokens:    "vllm:prompt_tokens_total",
+		cachedTokens:    "vllm:prefix_cache_hits_total",
+		generatedTokens: "vllm:request_generation_tokens_sum", finishedRequests: "vllm:request_generation_tokens_count",
+		loraInfo: "vllm:lora_requests_info", loraRunningLabel: "running_lora_adapters",
 		loraWaitingLabel: "waiting_lora_adapters", maxLoRALabel: "max_lora",
 		modelLabel: "model_name",
 	},
@@ -96,6 +101,7 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		n   int
 	}
 	seen, hasPrefill, hasPrompt := false, false, false
+	hasGenerated, hasFinished := false, false
 	var lora []byte // the labels of the latest lora_requests_info series
 	loraAt := 0.0
 	for len(body) > 0 {
@@ -132,6 +138,10 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 			which, found = &st.PromptTokensTotal, &hasPrompt
 		case string(name) == n.cachedTokens:
 			which = &st.CachedTokensTotal
+		case string(name) == n.generatedTokens:
+			which, found = &st.GenerationTokensTotal, &hasGenerated
+		case string(name) == n.finishedRequests:
+			which, found = &st.FinishedRequestsTotal, &hasFinished
 		case string(name) == n.cacheTokens, string(name) == n.cacheInfo,
 			string(name) == n.kvUsage, string(name) == n.kvUsageOld, string(name) == n.loraInfo:
 		default:
@@ -180,6 +190,10 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 	st.HasPrefillTiming = hasPrefill && hasPrompt
 	if !st.HasPrefillTiming {
 		st.PrefillSecondsTotal, st.PromptTokensTotal, st.CachedTokensTotal = 0, 0, 0
+	}
+	st.HasOutputCounts = hasGenerated && hasFinished
+	if !st.HasOutputCounts {
+		st.GenerationTokensTotal, st.FinishedRequestsTotal = 0, 0
 	}
 	if usage.n == 0 {
 		usage = usageOld

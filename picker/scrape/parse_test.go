@@ -89,6 +89,40 @@ vllm:prefix_cache_hits_total{engine="1",model_name="m"} 2048
 	}
 }
 
+// The output counts are the _sum and _count of vLLM's
+// request_generation_tokens histogram, summed over data-parallel engines;
+// its buckets are not read, and one series without the other is no count.
+func TestParseVLLMOutputCounts(t *testing.T) {
+	const full = `vllm:num_requests_running{engine="0",model_name="m"} 1
+# TYPE vllm:request_generation_tokens histogram
+vllm:request_generation_tokens_bucket{engine="0",le="100.0",model_name="m"} 3
+vllm:request_generation_tokens_bucket{engine="0",le="+Inf",model_name="m"} 4
+vllm:request_generation_tokens_count{engine="0",model_name="m"} 4
+vllm:request_generation_tokens_sum{engine="0",model_name="m"} 950
+vllm:request_generation_tokens_count{engine="1",model_name="m"} 2
+vllm:request_generation_tokens_sum{engine="1",model_name="m"} 50
+vllm:request_generation_tokens_created{engine="0",model_name="m"} 1.7e+09
+vllm:generation_tokens_total{engine="0",model_name="m"} 1e+06
+`
+	cases := []struct {
+		name, body               string
+		has                      bool
+		generated, finishedCount float64
+	}{
+		{"full", full, true, 1000, 6},
+		{"no count", "vllm:num_requests_running 0\nvllm:request_generation_tokens_sum 10\n", false, 0, 0},
+		{"no sum", "vllm:num_requests_running 0\nvllm:request_generation_tokens_count 10\n", false, 0, 0},
+		{"a fresh engine", "vllm:num_requests_running 0\nvllm:request_generation_tokens_sum 0\nvllm:request_generation_tokens_count 0\n", true, 0, 0},
+	}
+	for _, c := range cases {
+		st, seen := parse([]byte(c.body), engines[EngineVLLM])
+		if !seen || st.HasOutputCounts != c.has || st.GenerationTokensTotal != c.generated || st.FinishedRequestsTotal != c.finishedCount {
+			t.Errorf("%s: has %v, generated %v, finished %v (seen %v); want %v, %v, %v",
+				c.name, st.HasOutputCounts, st.GenerationTokensTotal, st.FinishedRequestsTotal, seen, c.has, c.generated, c.finishedCount)
+		}
+	}
+}
+
 func FuzzParse(f *testing.F) {
 	f.Add([]byte("vllm:num_requests_running{a=\"1\"} 3\nvllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"2\"} 1\n"))
 	f.Add([]byte("vllm:request_prefill_time_seconds_sum{engine=\"0\"} 1.5\nvllm:prompt_tokens_total 1e3 1712345678000\nvllm:prefix_cache_hits_total{} NaN\n"))

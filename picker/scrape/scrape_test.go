@@ -114,6 +114,45 @@ func TestScrapeReadsTheSimulatorsPrefillTiming(t *testing.T) {
 	}
 }
 
+// Requests the picker never saw end (sent straight to the pod, as through
+// a gateway that ends the stream at the pick): the picker learns what a
+// request generates from the simulator's request_generation_tokens, read
+// by the scraper.
+func TestScrapesTeachThePoolsExpectedOutput(t *testing.T) {
+	eps, _ := simulators(t, 1, 1000)
+	p := picker.New(v1alpha1.Default(), picker.Options{})
+	p.Replace(eps)
+	s := New(p, Options{})
+	s.Round(t.Context(), p.ScrapeTargets(nil)) // the counters' first window starts
+	before := p.Snapshot().ExpectedOutputTokens
+
+	const n, outTokens = 20, 5
+	body := fmt.Sprintf(`{"model":%q,"prompt":"a short prompt","max_tokens":%d}`, server.DefaultModel, outTokens)
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			resp, err := http.Post("http://"+eps[0].Address.String()+"/v1/completions", "application/json", strings.NewReader(body))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				t.Errorf("completion: status %d", resp.StatusCode)
+			}
+		})
+	}
+	wg.Wait()
+	s.Round(t.Context(), p.ScrapeTargets(nil))
+	got := p.Snapshot().ExpectedOutputTokens
+	// n finished requests weigh as n responses of outTokens would.
+	want := before + (outTokens-before)*(1-math.Pow(1-0.02, n))
+	if math.Abs(got-want) > 0.01 {
+		t.Fatalf("expected output %v after %d requests of %d tokens (from %v), want %v", got, n, outTokens, before, want)
+	}
+}
+
 // flaky answers /metrics with 500 while failing is set, else as next does.
 type flaky struct {
 	failing atomic.Bool

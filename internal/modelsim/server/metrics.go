@@ -46,6 +46,18 @@ func newPrefillTimeHistogram(model string) prometheus.Histogram {
 	})
 }
 
+// newGenerationTokensHistogram is vLLM v1's request_generation_tokens: each
+// finished request's output tokens, observed when it finishes.
+func newGenerationTokensHistogram(model string) prometheus.Histogram {
+	return prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "vllm:request_generation_tokens",
+		Help: "Number of generation tokens processed.",
+		// vLLM's 1-2-5 buckets up to the model's length.
+		Buckets:     []float64{1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000},
+		ConstLabels: commonLabels(model),
+	})
+}
+
 // collector reads the engine's gauges and counters at scrape time, all from
 // one snapshot, so they agree with each other and with the engine's state.
 type collector struct {

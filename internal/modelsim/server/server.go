@@ -179,7 +179,8 @@ type Server struct {
 	rng     *rand.Rand
 	ttft    prometheus.Histogram
 	prefill prometheus.Histogram
-	lora    *loraRequests // nil without LoRAModules
+	output  prometheus.Histogram // request_generation_tokens
+	lora    *loraRequests        // nil without LoRAModules
 
 	adapters map[string]LoRAModule // by name; read-only
 
@@ -232,7 +233,8 @@ func New(cfg Config) (*Server, error) {
 	reg := prometheus.NewRegistry()
 	s.ttft = newTTFTHistogram(cfg.Model)
 	s.prefill = newPrefillTimeHistogram(cfg.Model)
-	for _, c := range []prometheus.Collector{s.ttft, s.prefill} {
+	s.output = newGenerationTokensHistogram(cfg.Model)
+	for _, c := range []prometheus.Collector{s.ttft, s.prefill, s.output} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("registering metrics: %w", err)
 		}
@@ -344,6 +346,7 @@ func (s *Server) advanceLocked() {
 			// vLLM observes the prefill time of finished requests only:
 			// those their client cancelled are not counted.
 			s.prefill.Observe(p.prefill.Seconds())
+			s.output.Observe(float64(ev.OutputTokens))
 			p.finished = true
 			delete(s.pending, ev.ID)
 			if s.lora != nil {

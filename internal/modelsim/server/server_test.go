@@ -255,6 +255,10 @@ func TestRepeatedPromptReportsCachedTokens(t *testing.T) {
 	if h := histogram(t, fams, "vllm:request_prefill_time_seconds"); h.GetSampleCount() != 2 || math.Abs(h.GetSampleSum()-want.Seconds()) > 1e-9 {
 		t.Errorf("request_prefill_time_seconds count %d sum %v, want 2 and %v (engine time)", h.GetSampleCount(), h.GetSampleSum(), want.Seconds())
 	}
+	// Each finished request's output tokens, 2 each.
+	if h := histogram(t, fams, "vllm:request_generation_tokens"); h.GetSampleCount() != 2 || h.GetSampleSum() != 4 {
+		t.Errorf("request_generation_tokens count %d sum %v, want 2 and 4", h.GetSampleCount(), h.GetSampleSum())
+	}
 }
 
 // TestPrefillTimeLeavesOutTheQueue queues a request behind a running one:
