@@ -6,9 +6,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/netip"
 	"strings"
+	"sync"
 	"time"
 
 	. "github.com/onsi/ginkgo/v2"
@@ -193,6 +195,39 @@ var _ = Describe("Through NGINX as NGINX Gateway Fabric drives it", Ordered, Con
 		Expect(line).To(ContainSubstring("invalid_request_error"), "the picker's JSON error body reached NGINX")
 		Expect(line).NotTo(ContainSubstring("malformed request headers"), "refused for its body, not for headers NGF never sends")
 	}, SpecTimeout(30*time.Second))
+
+	It("learns what a request generates from the engines' counters, as no response reaches the picker", func(ctx SpecContext) {
+		// Earlier specs' requests have ended and the engines' last scrape
+		// counted them (expectLedgerDrains waits for engines reporting none).
+		expectLedgerDrains(ctx, ns)
+		expected := func(g Gomega) float64 {
+			m, err := ns.PickerMetrics(ctx)
+			g.Expect(err).NotTo(HaveOccurred())
+			v, ok := m.Value("tally_expected_output_tokens")
+			g.Expect(ok).To(BeTrue(), "tally_expected_output_tokens is not published")
+			return v
+		}
+		before := expected(Default)
+		const n, outTokens = 30, 60
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Go(func() {
+				defer GinkgoRecover()
+				req := stack.Completion(stack.DefaultModel, fmt.Sprintf("output %d: %s", i, strings.Repeat("count the tokens ", 40)), outTokens, false)
+				status, body := postVia(ctx, ns, gw.URL(), req.Path, req.Body, nextID("nginx-output"))
+				Expect(status).To(Equal(http.StatusOK), "body: %.300s\n%s", body, nginxSays())
+			})
+		}
+		wg.Wait()
+		// The picker saw none of the responses: each finished request the
+		// engines count moves the expectation as one response would (by
+		// 2%), whatever scrapes they fall into.
+		want := before + (outTokens-before)*(1-math.Pow(0.98, n))
+		By(fmt.Sprintf("expected output %.1f tokens before, want %.1f after %d requests of %d", before, want, n, outTokens))
+		eventually(ctx, func(g Gomega) {
+			g.Expect(expected(g)).To(BeNumerically("~", want, 0.5))
+		}).WithTimeout(10 * time.Second).Should(Succeed())
+	}, SpecTimeout(time.Minute))
 })
 
 // postVia posts body to baseURL+path with the request id header and
