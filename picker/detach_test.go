@@ -190,6 +190,43 @@ func TestOneScrapeAloneEndsNoDetachedRequest(t *testing.T) {
 	assertLedgerEmpty(t, p)
 }
 
+// A round of scrapes reaches the picker when its slowest scrape answers: an
+// engine's count read long before then does not hold the requests placed
+// on it since, and they are not taken for ended ones.
+func TestAScrapeIsJudgedByWhenItWasSent(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+	place := func(n int, what string) {
+		for i := range n {
+			r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint(what, i), 400), MaxTokens: 10_000})
+			r.Detach()
+		}
+	}
+	busy := func(n int) EngineStats { return EngineStats{Running: n} }
+	place(10, "old")
+	clock.Advance(time.Second)
+	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(10)}})
+	// Two rounds held up 500 ms by a slow engine elsewhere: this engine was
+	// read 100 ms before 5 more requests were placed, and 50 ms after.
+	clock.Advance(100 * time.Millisecond)
+	place(5, "new")
+	clock.Advance(400 * time.Millisecond)
+	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(10), Age: 500 * time.Millisecond}})
+	clock.Advance(50 * time.Millisecond)
+	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(10), Age: 500 * time.Millisecond}})
+	if s := p.Stats(); s[0].Detached != 15 {
+		t.Fatalf("detached %d after two rounds whose scrapes were sent before the 5 new requests could arrive, want 15", s[0].Detached)
+	}
+	// Sent 600 ms after the new requests, two scrapes find 12: 3 ended.
+	clock.Advance(600 * time.Millisecond)
+	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(12), Age: 100 * time.Millisecond}})
+	clock.Advance(250 * time.Millisecond)
+	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(12), Age: 100 * time.Millisecond}})
+	if s := p.Stats(); s[0].Detached != 12 {
+		t.Fatalf("detached %d after two scrapes found 12, want 12", s[0].Detached)
+	}
+}
+
 // A pool whose gateway ends every stream at the pick sees no response: it
 // learns what a request generates from the engines' output counters, and
 // a detached request without max_tokens then decodes that long.

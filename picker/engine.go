@@ -96,7 +96,7 @@ type engineView struct {
 	foreign          int // requests beyond the ledger at the last scrape
 	foreignTokens    int // the prefill cost of one of them
 	at               int64
-	busyAt           int64 // the last scrape that found requests running or waiting
+	busyAt           int64 // when the last scrape that found requests running or waiting was sent
 	// The most requests the ledger held here since the last scrape (see
 	// observeEngineLocked).
 	peak int
@@ -192,12 +192,20 @@ func (p *Picker) ScrapeTargets(dst []ScrapeTarget) []ScrapeTarget {
 }
 
 // Scrape is one endpoint's scrape in a round: what its engine said, or
-// Failed.
+// Failed. Age is how long before the round reaches the picker the scrape
+// was sent: its counts may be that old (a round waits for its slowest
+// scrape, and a large pool's are sent in batches).
 type Scrape struct {
 	Address netip.AddrPort
 	Stats   EngineStats
 	Failed  bool
+	Age     time.Duration
 }
+
+// maxScrapeAge bounds Scrape.Age: a scrape is not taken for older than
+// this (the scraper's default timeout), and the picks of the last
+// detachArrival plus this long are remembered to judge it by.
+const maxScrapeAge = time.Second
 
 // ObserveScrapes records a round of scrapes, one per endpoint, at once:
 // under one lock, so that no pick sees one engine's news before another's
@@ -211,7 +219,7 @@ func (p *Picker) ObserveScrapes(round []Scrape) (recovered, failed []netip.AddrP
 	p.mu.Lock()
 	for _, s := range round {
 		switch {
-		case !s.Failed && p.observeEngineLocked(s.Address, s.Stats, now):
+		case !s.Failed && p.observeEngineLocked(s.Address, s.Stats, now, now-int64(min(max(s.Age, 0), maxScrapeAge))):
 			recovered = append(recovered, s.Address)
 		case s.Failed && p.observeFailureLocked(s.Address):
 			failed = append(failed, s.Address)
@@ -228,7 +236,9 @@ func (p *Picker) ObserveScrapes(round []Scrape) (recovered, failed []netip.AddrP
 	return recovered, failed
 }
 
-func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int64) (recovered bool) {
+// observeEngineLocked records one endpoint's scrape, handed over at now and
+// sent at sent.
+func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now, sent int64) (recovered bool) {
 	w, ok := p.byAddr[key(addr)]
 	if !ok {
 		return false
@@ -253,15 +263,18 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 		e.kvUsage = s.KVCacheUsage
 	}
 	if s.Running+s.Waiting > 0 {
-		e.busyAt = now
+		e.busyAt = sent
 	}
 	// The engine's counts were read some time before now: foreign load is
 	// what they hold beyond the ledger at its fullest since the last
 	// scrape, so that requests that ended in between are not taken for it.
 	peak := max(e.peak, w.inFlight)
-	// Fewer requests than the ledger holds, less those placed within
-	// detachArrival (they may not have reached the engine when it was
-	// read): some detached ones ended before the model says. Only as many
+	// Fewer requests than the ledger holds, less those placed later than
+	// detachArrival before the scrape was sent (they may not have reached
+	// the engine when it was read): some detached ones ended before the
+	// model says. (Judged by the round's arrival instead, a round held up
+	// by one slow engine took the others' requests placed meanwhile for
+	// ended ones.) Only as many
 	// as two scrapes in a row say are ended: when the pods end a burst's
 	// requests between two of one round's scrapes, the pod scraped after
 	// them would otherwise draw the next burst until the next round told
@@ -272,7 +285,7 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now int
 	// engine counted and that minimum did not) hid as many old ones that
 	// had ended, so each pod's old ones ended in pieces as its picks came
 	// (scraped every 50 ms: 30 / 47 / 51).
-	young := e.recent.since(now - int64(detachArrival))
+	young := e.recent.since(sent - int64(detachArrival))
 	finished := max(w.inFlight-young-(s.Running+s.Waiting), 0)
 	if n := min(finished, e.finished); n > 0 && w.detached > 0 {
 		w.drain(now)
@@ -343,9 +356,10 @@ type pickTimes struct {
 	head int
 }
 
-// add records a pick at t, and forgets those before t-detachArrival.
+// add records a pick at t, and forgets those a scrape sent now would not
+// count (before t-detachArrival-maxScrapeAge).
 func (q *pickTimes) add(t int64) {
-	q.since(t - int64(detachArrival))
+	q.since(t - int64(detachArrival+maxScrapeAge))
 	q.at = append(q.at, t)
 }
 

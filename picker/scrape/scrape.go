@@ -155,15 +155,18 @@ func (s *Scraper) Run(ctx context.Context) {
 }
 
 // Round scrapes targets once, and hands the picker what they all said at
-// once when the last has answered (or timed out).
+// once when the last has answered (or timed out), each with how long ago
+// it was sent.
 func (s *Scraper) Round(ctx context.Context, targets []picker.ScrapeTarget) {
 	round := make([]picker.Scrape, len(targets))
+	sent := make([]time.Time, len(targets))
 	errs := make([]error, len(targets))
 	work := make(chan int)
 	var wg sync.WaitGroup
 	for range min(s.opts.Concurrency, len(targets)) {
 		wg.Go(func() {
 			for i := range work {
+				sent[i] = time.Now()
 				round[i], errs[i] = s.scrapeOne(ctx, targets[i])
 			}
 		})
@@ -175,6 +178,10 @@ func (s *Scraper) Round(ctx context.Context, targets []picker.ScrapeTarget) {
 	wg.Wait()
 	if ctx.Err() != nil {
 		return // shutting down: what failed is not the engines' fault
+	}
+	now := time.Now()
+	for i := range round {
+		round[i].Age = now.Sub(sent[i])
 	}
 	recovered, failed := s.p.ObserveScrapes(round)
 	for _, addr := range recovered {

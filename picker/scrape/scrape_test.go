@@ -394,6 +394,11 @@ func TestARoundReachesThePickerAtOnce(t *testing.T) {
 		if s.Failed != (s.Address == refused) {
 			t.Errorf("scrape of %v: failed %v", s.Address, s.Failed)
 		}
+		// Every scrape was sent before the slow one answered: each says
+		// its counts are at least that old.
+		if s.Age < 300*time.Millisecond {
+			t.Errorf("scrape of %v: age %v, want at least the slow scrape's 300ms", s.Address, s.Age)
+		}
 	}
 	for _, st := range p.Stats() {
 		if st.Scraped != (st.Endpoint.Address != refused) {
