@@ -176,7 +176,7 @@ func (p *Picker) observeOutputCountsLocked(w *row, s EngineStats) {
 		if dReq < 1 {
 			return // nothing finished yet: the window goes on
 		}
-		mean := min(dTok/dReq, maxExpectedOutputTokens)
+		mean := min(max(dTok/dReq, 1), maxExpectedOutputTokens) // a request generates a token at least
 		weight := 1 - math.Pow(1-outputLearnWeight, dReq)
 		p.meanOutputTokens += (mean - p.meanOutputTokens) * weight
 	}
