@@ -32,6 +32,14 @@ import (
 )
 
 func TestE2E(t *testing.T) {
+	// The suite's pods listen on fixed loopback addresses: a second suite
+	// started on the same machine (another clone's `make test`) waits for
+	// this one instead of failing on an address in use.
+	if release, err := testenv.LockMachine("e2e", os.Stderr); err != nil {
+		t.Logf("running without the machine lock: %v", err)
+	} else {
+		defer release()
+	}
 	RegisterFailHandler(Fail)
 	RunSpecs(t, "End-to-end suite")
 }
