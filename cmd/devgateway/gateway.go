@@ -93,12 +93,17 @@ type Gateway struct {
 	closing          sync.WaitGroup
 }
 
-// Wait blocks until the streams the gateway is still closing have ended
-// (each one within StreamCloseTimeout). Call it after the HTTP server shut
-// down.
+// Wait blocks until the requests being served have returned and the
+// streams the gateway is still closing have ended (each one within
+// StreamCloseTimeout). Call it after the HTTP server shut down.
 func (g *Gateway) Wait() { g.closing.Wait() }
 
 func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	// Counted, so that a stream's close (closeStream) is counted while the
+	// count is above zero: a Wait after the server's Close, with a handler
+	// still returning, does not race with it.
+	g.closing.Add(1)
+	defer g.closing.Done()
 	// Only the picker names the destination; a client cannot choose the pod.
 	r.Header.Del(destinationHeader)
 	if r.Header.Get(requestIDHeader) == "" {

@@ -282,7 +282,12 @@ func startGateway(t *testing.T, gw *Gateway) string {
 	srv := &http.Server{Handler: gw}
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() {
-		_ = srv.Close()
+		// As main does: handlers return before Wait.
+		ctx, cancel := context.WithTimeout(context.Background(), testDeadline)
+		defer cancel()
+		if srv.Shutdown(ctx) != nil {
+			_ = srv.Close()
+		}
 		gw.Wait()
 	})
 	return "http://" + ln.Addr().String()
