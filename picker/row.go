@@ -103,8 +103,15 @@ func (w *row) advance(now int64) {
 	}
 	dt := float64(now - w.at)
 	busy := min(dt, float64(w.queued())/w.rate*1e9)
-	keep := math.Exp(-dt / float64(utilizationWindow))
-	w.utilization = w.utilization*keep + busy/dt*(1-keep)
+	// The interval's weight, 1 - exp(-x): between picks x is tiny, and its
+	// series to x² is exact to x³/6 (under 2e-10 below 1e-3), where
+	// math.Exp on every row took a pick over 128 endpoints 14% of its CPU.
+	x := dt / float64(utilizationWindow)
+	fresh := x - x*x/2
+	if x >= 1e-3 {
+		fresh = -math.Expm1(-x)
+	}
+	w.utilization += (busy/dt - w.utilization) * fresh
 	w.posOut = min(w.posIn, w.posOut+w.rate*dt/1e9)
 	w.at = now
 }
