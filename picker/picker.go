@@ -174,8 +174,8 @@ type Ledger struct {
 	WorkWeight float64
 	// ExpectedOutputTokens and DecodeSecondsPerToken are what a detached
 	// request without max_tokens is expected to generate, and how long each
-	// output token takes (detach.go): defaults until responses or the
-	// engines' output counters teach them.
+	// output token takes (detach.go): defaults until responses teach them
+	// (the output also the engines' output counters).
 	ExpectedOutputTokens, DecodeSecondsPerToken float64
 	// Endpoints are the current endpoints, sorted by address.
 	Endpoints []EndpointStats
