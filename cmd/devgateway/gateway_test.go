@@ -293,10 +293,13 @@ func startGateway(t *testing.T, gw *Gateway) string {
 	return "http://" + ln.Addr().String()
 }
 
-// closedAddr is a loopback address where nothing listens.
+// closedAddr is a loopback address where nothing listens. Its IP is one no
+// other test listens on: a port freed on 127.0.0.1, which every test
+// process shares, could be taken by another server before the test dials
+// it (a fail-open test once waited 20 s on a picker address).
 func closedAddr(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := net.Listen("tcp", "127.0.98.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
