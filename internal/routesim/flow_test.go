@@ -26,7 +26,7 @@ func newHoldChecker(t *testing.T, w *Workload) (*holdChecker, *sim) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pol, err := newPolicy(TallyFlow, w.cfg, &s.now, w.texts)
+	pol, err := newPolicy(TallyFlow, w.cfg, &s.now, w.texts, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -87,7 +87,7 @@ func runBlindTally(t *testing.T, w *Workload) int64 {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pol, err := newPolicy(Tally, w.cfg, &s.now, w.texts)
+	pol, err := newPolicy(Tally, w.cfg, &s.now, w.texts, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -189,7 +189,7 @@ func TestTallySeesAdaptersInItsScrape(t *testing.T) {
 	var now time.Duration
 	cfg := loraConfig()
 	cfg.Engines = 2
-	pol, err := newPolicy(Tally, cfg, &now, &idText{})
+	pol, err := newPolicy(Tally, cfg, &now, &idText{}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

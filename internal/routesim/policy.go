@@ -31,15 +31,24 @@ const (
 	// waits in the picker's queue, sent to no engine, until a dispatch
 	// cycle places it, or is refused (HTTP 429).
 	TallyFlow = "tally-flow"
+	// ExactGreedy is no router that can exist: at each arrival it sees
+	// every engine's cache and queued prefill exactly, and sends the
+	// request where its uncached prompt tokens plus the prefill queued
+	// ahead of it are fewest: the request's own TTFT, without error. It
+	// shows what knowing the caches gains the request placed (the bound
+	// assumes one unbounded cache, which no placement over several
+	// engines has); greedy for each request, it does not weigh what its
+	// uncached tokens cost the requests after it.
+	ExactGreedy = "exact-greedy"
 )
 
 // Policies returns the policies a suite runs unless told otherwise, in
 // report order.
 func Policies() []string { return []string{RoundRobin, LeastRequest, UpstreamLike, Tally} }
 
-// KnownPolicies returns every policy, in report order: Policies and
-// TallyFlow.
-func KnownPolicies() []string { return append(Policies(), TallyFlow) }
+// KnownPolicies returns every policy, in report order: Policies,
+// TallyFlow and ExactGreedy.
+func KnownPolicies() []string { return append(Policies(), TallyFlow, ExactGreedy) }
 
 // policy is how the simulation drives a router. Calls come in virtual-time
 // order from one goroutine.
@@ -121,7 +130,9 @@ type countObserver interface {
 	observeCounts(requests []int)
 }
 
-func newPolicy(name string, cfg Config, now *time.Duration, texts *idText) (policy, error) {
+// newPolicy makes the named policy for a run on engines (read only by
+// ExactGreedy).
+func newPolicy(name string, cfg Config, now *time.Duration, texts *idText, engines []*engine.Engine) (policy, error) {
 	// Every policy's tie-breaking is seeded from the run's seed.
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0x706f6c696379)) // "policy"
 	switch name {
@@ -140,6 +151,8 @@ func newPolicy(name string, cfg Config, now *time.Duration, texts *idText) (poli
 			return &tallyFlow{tally: t}, nil
 		}
 		return t, nil
+	case ExactGreedy:
+		return &exactGreedy{engines: engines, now: now, rng: rng}, nil
 	}
 	return nil, fmt.Errorf("policy %q is unknown: accepted are %v", name, KnownPolicies())
 }
@@ -187,6 +200,37 @@ func (p *leastRequest) observe(stats []engine.Stats) {
 	}
 }
 func (p *leastRequest) observeCounts(requests []int) { copy(p.load, requests) }
+
+// exactGreedy reads the engines themselves at each arrival (ExactGreedy).
+type exactGreedy struct {
+	engines []*engine.Engine
+	now     *time.Duration
+	rng     *rand.Rand
+}
+
+func (p *exactGreedy) pick(i int, j *job) (int, error) {
+	best, bestCost, ties := 0, 0, 0
+	for k, e := range p.engines {
+		if evs := e.AdvanceTo(*p.now); len(evs) > 0 {
+			return 0, fmt.Errorf("engine %d had %d events unhandled at %v", k, len(evs), *p.now)
+		}
+		cost := j.InputTokens - e.CachedPrefixTokens(j.engineHashes, j.InputTokens) + e.Stats().QueuedPrefillTokens
+		switch {
+		case ties == 0 || cost < bestCost:
+			best, bestCost, ties = k, cost, 1
+		case cost == bestCost:
+			ties++
+			if p.rng.IntN(ties) == 0 {
+				best = k
+			}
+		}
+	}
+	return best, nil
+}
+func (p *exactGreedy) firstByte(int)               {}
+func (p *exactGreedy) done(int, int, int)          {}
+func (p *exactGreedy) observeEvery() time.Duration { return 0 }
+func (p *exactGreedy) observe([]engine.Stats)      {}
 
 // tally drives the real picker on the simulation's clock.
 type tally struct {

@@ -232,7 +232,7 @@ func run(t *testing.T, e *engine.Engine, id string, r Request, hashes []uint64) 
 // upstream-like policy; a later pick does.
 func TestUpstreamLikeRecordsAfterThePick(t *testing.T) {
 	var now time.Duration
-	p, err := newPolicy(UpstreamLike, Config{Engines: 4, Seed: 1}, &now, &idText{})
+	p, err := newPolicy(UpstreamLike, Config{Engines: 4, Seed: 1}, &now, &idText{}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -274,7 +274,7 @@ func TestConfigValidate(t *testing.T) {
 // scraped counts: foreign load beyond its ledger.
 func TestTallySeesBypassAsForeignLoad(t *testing.T) {
 	var now time.Duration
-	p, err := newPolicy(Tally, Config{Engines: 2, KVBlocks: 1000, LoadFactor: 1}, &now, &idText{})
+	p, err := newPolicy(Tally, Config{Engines: 2, KVBlocks: 1000, LoadFactor: 1}, &now, &idText{}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -331,5 +331,75 @@ func TestLearnedRatesStayWithinTheEngines(t *testing.T) {
 	peak := float64(ec.StepBudgetTokens) / step.Seconds()
 	if got := res.LearnedRates.Max; got > 1.25*peak {
 		t.Errorf("the picker learned up to %.0f tokens/s; the engines prefill at most %.0f", got, peak)
+	}
+}
+
+// The exact-greedy policy reads the engines' caches: a request goes where
+// its prompt is cached, whatever the seed, and one that no engine holds
+// goes where no prefill is queued ahead of it.
+func TestExactGreedyGoesWhereThePromptIsCached(t *testing.T) {
+	reqs := []Request{
+		{Arrival: 0, InputTokens: 20_000, OutputTokens: 2, HashIDs: seq(0, blocksFor(20_000))},
+		{Arrival: 5 * time.Second, InputTokens: 21_000, OutputTokens: 2, HashIDs: seq(0, blocksFor(21_000))},
+		// Arrives while the first request of this instant still prefills.
+		{Arrival: 10 * time.Second, InputTokens: 30_000, OutputTokens: 2, HashIDs: seq(1000, blocksFor(30_000))},
+		{Arrival: 10*time.Second + time.Millisecond, InputTokens: 30_000, OutputTokens: 2, HashIDs: seq(2000, blocksFor(30_000))},
+	}
+	for seed := uint64(1); seed <= 20; seed++ {
+		w, err := Prepare(reqs, Config{Engines: 3, KVBlocks: 10_000, LoadFactor: 1, Seed: seed})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := w.Run(ExactGreedy)
+		if err != nil {
+			t.Fatal(err)
+		}
+		o := res.Outcomes
+		if o[1].Engine != o[0].Engine || o[1].CachedTokens < 19_000 {
+			t.Fatalf("seed %d: a prompt cached on engine %d went to %d (%d tokens cached)", seed, o[0].Engine, o[1].Engine, o[1].CachedTokens)
+		}
+		if o[3].Engine == o[2].Engine {
+			t.Fatalf("seed %d: the second uncached prompt queued behind the first on engine %d", seed, o[2].Engine)
+		}
+	}
+}
+
+// A request's queueing is its TTFT beyond its own prefill alone with the
+// cache it found: none for a request alone, the prefill ahead of it for
+// one that arrives behind another on the same engine, and for that other
+// only the tokens the two share a step with.
+func TestQueueingIsTheWaitBeyondTheRequestsOwnPrefill(t *testing.T) {
+	reqs := []Request{
+		{Arrival: 0, InputTokens: 20_000, OutputTokens: 2, HashIDs: seq(0, blocksFor(20_000))},
+		{Arrival: 0, InputTokens: 4_000, OutputTokens: 2, HashIDs: seq(1000, blocksFor(4_000))},
+		{Arrival: 10 * time.Second, InputTokens: 20_000, OutputTokens: 2, HashIDs: seq(0, blocksFor(20_000))},
+	}
+	cfg := Config{Engines: 1, KVBlocks: 10_000, LoadFactor: 1, Priorities: []PriorityShare{{10, 0.5}}}
+	w, err := Prepare(reqs, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := w.Run(RoundRobin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := res.Outcomes
+	ec := cfg.EngineConfig()
+	if shared := 4_000 * ec.PrefillDurationPerToken; o[0].Queueing <= 0 || o[0].Queueing > shared {
+		t.Errorf("the first request, sharing its last step with 4,000 tokens (%v): queueing %v", shared, o[0].Queueing)
+	}
+	if first := boundOf(ec, 20_000, 2, 0).TTFT; o[1].Queueing < first/2 || o[1].Queueing > o[1].TTFT {
+		t.Errorf("behind a %v prefill: queueing %v of TTFT %v", first, o[1].Queueing, o[1].TTFT)
+	}
+	if o[2].CachedTokens == 0 || o[2].Queueing != 0 {
+		t.Errorf("a cached prompt alone: %d tokens cached, queueing %v, want 0", o[2].CachedTokens, o[2].Queueing)
+	}
+	// Of three requests, each band's p99 is its largest.
+	var most time.Duration
+	for _, b := range Summarize(res).Bands {
+		most = max(most, b.Queueing.P99)
+	}
+	if most != o[1].Queueing {
+		t.Errorf("the bands' largest queueing p99 is %v, want request 1's %v", most, o[1].Queueing)
 	}
 }

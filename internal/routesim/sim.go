@@ -362,6 +362,11 @@ type Outcome struct {
 	// PromptTokens is its prompt; CachedTokens the prompt tokens the
 	// engine found in its cache.
 	PromptTokens, CachedTokens int
+	// Queueing is its TTFT beyond its own prefill alone on an idle engine
+	// with the cache it found (boundOf): the time it waited, in the
+	// policy's queue or behind other requests on its engine. Unlike the
+	// bound, it does not count a prefix the cache no longer held.
+	Queueing time.Duration
 	// Adapter is the LoRA adapter it was for; "" for the base model.
 	Adapter string `json:",omitempty"`
 }
@@ -405,7 +410,7 @@ func (w *Workload) Run(policyName string) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
-	pol, err := newPolicy(policyName, w.cfg, &s.now, w.texts)
+	pol, err := newPolicy(policyName, w.cfg, &s.now, w.texts, s.engines)
 	if err != nil {
 		return nil, err
 	}
@@ -771,6 +776,9 @@ func (s *sim) handle(engineIdx int, events []engine.Event) error {
 		case engine.FirstToken:
 			o.TTFT = ev.At - j.arrival
 			o.CachedTokens = ev.CachedTokens
+			ec := s.engines[engineIdx].Config()
+			alone := boundOf(ec, j.InputTokens, j.OutputTokens, ev.CachedTokens/ec.BlockSizeTokens)
+			o.Queueing = o.TTFT - alone.TTFT
 			if s.lora != nil {
 				s.lora[engineIdx].Started(j.Adapter)
 			}

@@ -641,6 +641,15 @@ func (e *Engine) admit(r *request) bool {
 	return true
 }
 
+// CachedPrefixTokens returns how many leading tokens of a prompt of
+// promptTokens, with these block hashes, the cache holds now: what
+// admission would find if it came now (never the last token). No real
+// router sees this; the routing simulator's exact-greedy policy does.
+func (e *Engine) CachedPrefixTokens(hashes []uint64, promptTokens int) int {
+	hits, _ := e.cachedPrefix(&request{Request: Request{PromptTokens: promptTokens, BlockHashes: hashes}})
+	return hits * e.cfg.BlockSizeTokens
+}
+
 // cachedPrefix counts the leading prompt blocks of r the cache holds now,
 // and how many of those no running request holds (they sit on the LRU list).
 func (e *Engine) cachedPrefix(r *request) (hits, evictable int) {
