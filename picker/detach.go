@@ -17,10 +17,11 @@ import (
 // done: its prefill drains like any other's, then it decodes for its
 // expected output (max_tokens when the request gives one, else the mean
 // output the pool's responses have shown) at the pool's observed decode
-// speed. Engine scrapes shorten it when two in a row report fewer requests
-// than the ledger holds there (the request finished early), and a request
-// the model ended while the engine still runs it shows as foreign load: the
-// correction works both ways.
+// speed (both also learned from the engines' counters where they publish
+// them: observeOutputCountsLocked). Engine scrapes shorten it when two in
+// a row report fewer requests than the ledger holds there (the request
+// finished early), and a request the model ended while the engine still
+// runs it shows as foreign load: the correction works both ways.
 
 const (
 	// Until responses teach them: the expected output of a request that
@@ -159,11 +160,12 @@ func (p *Picker) learnResponseLocked(r *Reservation, completionTokens int, now i
 	p.decodeNsPerToken = min(max(p.decodeNsPerToken, minDecodeNsPerToken), maxDecodeNsPerToken)
 }
 
-// observeOutputCountsLocked learns the pool's expected output from w's
-// engine's output counters: the requests finished since the last scrape
-// weigh as many responses would (learnResponseLocked), so a pool whose
-// gateway shows no responses learns it too. Counters that went back (an
-// engine restart) start a new window.
+// observeOutputCountsLocked learns the pool's expected output, and its
+// decode speed where the engine times its decoding, from w's engine's
+// counters: the requests finished since the last scrape weigh as many
+// responses would (learnResponseLocked), so a pool whose gateway shows no
+// responses learns them too. Counters that went back (an engine restart)
+// start a new window.
 func (p *Picker) observeOutputCountsLocked(w *row, s EngineStats) {
 	e := &w.engine
 	if !s.HasOutputCounts {
@@ -172,16 +174,23 @@ func (p *Picker) observeOutputCountsLocked(w *row, s EngineStats) {
 	}
 	dReq := s.FinishedRequestsTotal - e.baseFinished
 	dTok := s.GenerationTokensTotal - e.baseGenerated
-	if e.outputBase && dReq >= 0 && dTok >= 0 {
+	timed := s.HasDecodeTiming && e.decodeBase
+	dSec := s.DecodeSecondsTotal - e.baseDecode
+	if e.outputBase && dReq >= 0 && dTok >= 0 && (dSec >= 0 || !timed) {
 		if dReq < 1 {
 			return // nothing finished yet: the window goes on
 		}
 		mean := min(max(dTok/dReq, 1), maxExpectedOutputTokens) // a request generates a token at least
-		weight := 1 - math.Pow(1-outputLearnWeight, dReq)
-		p.meanOutputTokens += (mean - p.meanOutputTokens) * weight
+		p.meanOutputTokens += (mean - p.meanOutputTokens) * (1 - math.Pow(1-outputLearnWeight, dReq))
+		// A request's decode time runs from its first token to its last:
+		// it spans its tokens after the first.
+		if intervals := dTok - dReq; timed && intervals >= 1 {
+			sample := min(max(dSec*1e9/intervals, minDecodeNsPerToken), maxDecodeNsPerToken)
+			p.decodeNsPerToken += (sample - p.decodeNsPerToken) * (1 - math.Pow(1-decodeLearnWeight, dReq))
+		}
 	}
-	e.outputBase = true
-	e.baseFinished, e.baseGenerated = s.FinishedRequestsTotal, s.GenerationTokensTotal
+	e.outputBase, e.decodeBase = true, s.HasDecodeTiming
+	e.baseFinished, e.baseGenerated, e.baseDecode = s.FinishedRequestsTotal, s.GenerationTokensTotal, s.DecodeSecondsTotal
 }
 
 // Completed reports that the request's response ended with

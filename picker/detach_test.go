@@ -2,6 +2,7 @@ package picker
 
 import (
 	"fmt"
+	"math"
 	"testing"
 	"time"
 )
@@ -286,6 +287,77 @@ func TestEngineOutputCountersTeachTheExpectedOutput(t *testing.T) {
 	clock.ns.Store(start + int64(time.Second+decode+100*time.Millisecond))
 	if l := p.Snapshot(); l.Detached != 0 {
 		t.Fatalf("detached %d after its learned decoding ended (%v), want 0", l.Detached, decode)
+	}
+	assertLedgerEmpty(t, p)
+}
+
+// An engine that times its decoding teaches the pool's decode speed: its
+// decode seconds over the tokens after each finished request's first. No
+// response is needed (a gateway that ends the stream at the pick shows
+// none), and a detached request then ends when that speed says.
+func TestEngineDecodeTimeTeachesTheDecodeSpeed(t *testing.T) {
+	clock := newFakeClock()
+	cfg := testConfig()
+	cfg.PrefillTokensPerSecond = 10_000
+	p := newPicker(t, 2, cfg, Options{Now: clock.Now})
+	speed := func() float64 { return p.Snapshot().DecodeSecondsPerToken }
+	var finished, generated, seconds [2]float64
+	scrape := func(i int, timed bool) {
+		p.ObserveEngine(addr(i), EngineStats{FinishedRequestsTotal: finished[i], GenerationTokensTotal: generated[i], HasOutputCounts: true,
+			DecodeSecondsTotal: seconds[i], HasDecodeTiming: timed})
+	}
+	scrape(0, true)
+	scrape(1, true)
+	// Each engine finishes 5 requests of 101 tokens between scrapes, at
+	// 2 ms a token after the first: 0.2 s of decoding each.
+	const want = 0.002
+	for range 40 {
+		for i := range 2 {
+			finished[i] += 5
+			generated[i] += 5 * 101
+			seconds[i] += 5 * 100 * want
+			scrape(i, true)
+		}
+	}
+	if got := speed(); math.Abs(got-want) > want/100 {
+		t.Fatalf("decode speed after 400 timed requests: %v s a token, want %v", got, want)
+	}
+	// Counts without decode time, a restart's first window (counters back
+	// to 0) and requests of one token each teach no speed.
+	before := speed()
+	finished[0] += 50
+	generated[0] += 50 * 101
+	seconds[0] += 50 * 100 * 0.05 // would be 50 ms a token
+	scrape(0, false)
+	scrape(0, true) // the window after one without decode time starts anew
+	finished[1], generated[1], seconds[1] = 0, 0, 0
+	scrape(1, true)
+	finished[1], generated[1] = 10, 10
+	scrape(1, true)
+	if got := speed(); got != before {
+		t.Fatalf("decode speed moved to %v s a token from %v without a timed window", got, before)
+	}
+	// The expected output did learn from the untimed window and the
+	// one-token requests.
+	if got := p.Snapshot().ExpectedOutputTokens; got >= 101 {
+		t.Errorf("expected output %v: the one-token requests taught nothing", got)
+	}
+
+	// A detached request of 500 output tokens ends after its prefill and
+	// 500 tokens at the learned speed.
+	req := on(addr(0), text("detached", 40_000)) // one second of prefill
+	req.MaxTokens = 500
+	r := mustPick(t, p, req)
+	r.Detach()
+	decode := time.Duration(500 * before * float64(time.Second))
+	start := clock.ns.Load()
+	clock.ns.Store(start + int64(time.Second+decode-100*time.Millisecond))
+	if l := p.Snapshot(); l.Detached != 1 {
+		t.Fatalf("detached %d before its decoding at the learned speed ended (%v), want 1", l.Detached, decode)
+	}
+	clock.ns.Store(start + int64(time.Second+decode+100*time.Millisecond))
+	if l := p.Snapshot(); l.Detached != 0 {
+		t.Fatalf("detached %d after its decoding at the learned speed ended (%v), want 0", l.Detached, decode)
 	}
 	assertLedgerEmpty(t, p)
 }

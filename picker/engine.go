@@ -56,6 +56,14 @@ type EngineStats struct {
 	GenerationTokensTotal float64
 	FinishedRequestsTotal float64
 	HasOutputCounts       bool
+	// DecodeSecondsTotal, when HasDecodeTiming (which needs the output
+	// counts), is the engine's own decode time of the requests that
+	// finished, cumulative (vLLM's vllm:request_decode_time_seconds
+	// histogram sum: each request's first token to its last). With the
+	// output counts it teaches the pool's decode speed: seconds over the
+	// tokens after each request's first.
+	DecodeSecondsTotal float64
+	HasDecodeTiming    bool
 	// Model is the base model the engine serves (the model_name label of
 	// its request gauges); "" when it publishes none.
 	Model string
@@ -105,16 +113,17 @@ type engineView struct {
 	// reached the engine yet (see observeEngineLocked).
 	finished int
 	recent   pickTimes
-	// The engine's output counters at the start of the current window
-	// (observeOutputCountsLocked); outputBase is false until one is read.
-	baseGenerated, baseFinished float64
-	outputBase                  bool
-	failures                    int
-	unhealthy                   bool
-	excluded                    bool // unhealthy while another endpoint is healthy
-	cacheTokens                 int
-	kvUsage                     float64 // -1: not published
-	delivered, predic           int64   // cached prompt tokens delivered by the engine, and predicted
+	// The engine's output counters and decode time at the start of the
+	// current window (observeOutputCountsLocked); outputBase is false
+	// until one is read, decodeBase when that one had no decode time.
+	baseGenerated, baseFinished, baseDecode float64
+	outputBase, decodeBase                  bool
+	failures                                int
+	unhealthy                               bool
+	excluded                                bool // unhealthy while another endpoint is healthy
+	cacheTokens                             int
+	kvUsage                                 float64 // -1: not published
+	delivered, predic                       int64   // cached prompt tokens delivered by the engine, and predicted
 	// The share of predicted cached tokens the engine delivered, a mean
 	// over its recent predictions; see cacheTrust.
 	delivery decayedMean

@@ -48,6 +48,16 @@ func (m Metrics) Sum(name string) float64 {
 	return total
 }
 
+// Histogram adds up the sample sums and counts of every series of the
+// histogram family name.
+func (m Metrics) Histogram(name string) (sum, count float64) {
+	for _, s := range m[name].GetMetric() {
+		sum += s.GetHistogram().GetSampleSum()
+		count += float64(s.GetHistogram().GetSampleCount())
+	}
+	return sum, count
+}
+
 func hasLabels(s *dto.Metric, pairs []string) bool {
 	for i := 0; i+1 < len(pairs); i += 2 {
 		found := false
@@ -66,17 +76,23 @@ func hasLabels(s *dto.Metric, pairs []string) bool {
 
 // PickerMetrics reads the picker's /metrics.
 func (s *Stack) PickerMetrics(ctx context.Context) (Metrics, error) {
-	return readMetrics(ctx, s.http, s.PickerMetricsURL())
+	return readMetrics(ctx, s.http, s.PickerMetricsURL(), "the picker's metrics")
 }
 
-func readMetrics(ctx context.Context, c *http.Client, metricsURL string) (Metrics, error) {
+// PodMetrics reads pod's /metrics: its simulated engine's, as the picker
+// scrapes them.
+func (s *Stack) PodMetrics(ctx context.Context, pod *Pod) (Metrics, error) {
+	return readMetrics(ctx, s.http, pod.URL(), "pod "+pod.Name+"'s metrics")
+}
+
+func readMetrics(ctx context.Context, c *http.Client, metricsURL, what string) (Metrics, error) {
 	url := metricsURL + "/metrics"
 	var families Metrics
-	err := getFromPicker(ctx, c, url, "the picker's metrics", func(body io.Reader) error {
+	err := getFromPicker(ctx, c, url, what, func(body io.Reader) error {
 		var err error
 		parser := expfmt.NewTextParser(model.UTF8Validation)
 		if families, err = parser.TextToMetricFamilies(body); err != nil {
-			return fmt.Errorf("parsing the picker's metrics from %s: %w", url, err)
+			return fmt.Errorf("parsing %s from %s: %w", what, url, err)
 		}
 		return nil
 	})

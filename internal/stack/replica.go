@@ -73,7 +73,7 @@ func (r *Replica) Ledger(ctx context.Context) (Ledger, error) {
 
 // Metrics reads the replica's /metrics.
 func (r *Replica) Metrics(ctx context.Context) (Metrics, error) {
-	return readMetrics(ctx, r.stack.http, r.MetricsURL())
+	return readMetrics(ctx, r.stack.http, r.MetricsURL(), "replica "+r.Name()+"'s metrics")
 }
 
 // Ready reports whether the replica's gRPC health service says "readiness"

@@ -37,7 +37,10 @@ type names struct {
 	// generatedTokens and finishedRequests are the _sum and _count series
 	// of a histogram of each finished request's output tokens: the picker
 	// learns the pool's expected output from their increase.
-	generatedTokens, finishedRequests string
+	// decodeSeconds is the _sum series of a histogram of each finished
+	// request's decode time (first token to last): with the output counts,
+	// the pool's decode speed.
+	generatedTokens, finishedRequests, decodeSeconds string
 	// loraInfo is an info gauge of the LoRA adapters in use: labels of
 	// the running and waiting requests' adapters (comma-separated) and
 	// the most adapters run at once; its value is the time it was set,
@@ -56,7 +59,8 @@ var engines = map[string]names{
 		promptTokens:    "vllm:prompt_tokens_total",
 		cachedTokens:    "vllm:prefix_cache_hits_total",
 		generatedTokens: "vllm:request_generation_tokens_sum", finishedRequests: "vllm:request_generation_tokens_count",
-		loraInfo: "vllm:lora_requests_info", loraRunningLabel: "running_lora_adapters",
+		decodeSeconds: "vllm:request_decode_time_seconds_sum",
+		loraInfo:      "vllm:lora_requests_info", loraRunningLabel: "running_lora_adapters",
 		loraWaitingLabel: "waiting_lora_adapters", maxLoRALabel: "max_lora",
 		modelLabel: "model_name",
 	},
@@ -101,7 +105,7 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		n   int
 	}
 	seen, hasPrefill, hasPrompt := false, false, false
-	hasGenerated, hasFinished := false, false
+	hasGenerated, hasFinished, hasDecode := false, false, false
 	var lora []byte // the labels of the latest lora_requests_info series
 	loraAt := 0.0
 	for len(body) > 0 {
@@ -142,6 +146,8 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 			which, found = &st.GenerationTokensTotal, &hasGenerated
 		case string(name) == n.finishedRequests:
 			which, found = &st.FinishedRequestsTotal, &hasFinished
+		case string(name) == n.decodeSeconds:
+			which, found = &st.DecodeSecondsTotal, &hasDecode
 		case string(name) == n.cacheTokens, string(name) == n.cacheInfo,
 			string(name) == n.kvUsage, string(name) == n.kvUsageOld, string(name) == n.loraInfo:
 		default:
@@ -194,6 +200,10 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 	st.HasOutputCounts = hasGenerated && hasFinished
 	if !st.HasOutputCounts {
 		st.GenerationTokensTotal, st.FinishedRequestsTotal = 0, 0
+	}
+	st.HasDecodeTiming = st.HasOutputCounts && hasDecode
+	if !st.HasDecodeTiming {
+		st.DecodeSecondsTotal = 0
 	}
 	if usage.n == 0 {
 		usage = usageOld

@@ -103,22 +103,35 @@ vllm:request_generation_tokens_count{engine="1",model_name="m"} 2
 vllm:request_generation_tokens_sum{engine="1",model_name="m"} 50
 vllm:request_generation_tokens_created{engine="0",model_name="m"} 1.7e+09
 vllm:generation_tokens_total{engine="0",model_name="m"} 1e+06
+vllm:request_decode_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 4
+vllm:request_decode_time_seconds_count{engine="0",model_name="m"} 4
+vllm:request_decode_time_seconds_sum{engine="0",model_name="m"} 7.5
+vllm:request_decode_time_seconds_sum{engine="1",model_name="m"} 0.5
 `
+	const counts = "vllm:num_requests_running 0\nvllm:request_generation_tokens_sum 10\nvllm:request_generation_tokens_count 2\n"
 	cases := []struct {
 		name, body               string
 		has                      bool
 		generated, finishedCount float64
+		hasDecode                bool
+		decodeSeconds            float64
 	}{
-		{"full", full, true, 1000, 6},
-		{"no count", "vllm:num_requests_running 0\nvllm:request_generation_tokens_sum 10\n", false, 0, 0},
-		{"no sum", "vllm:num_requests_running 0\nvllm:request_generation_tokens_count 10\n", false, 0, 0},
-		{"a fresh engine", "vllm:num_requests_running 0\nvllm:request_generation_tokens_sum 0\nvllm:request_generation_tokens_count 0\n", true, 0, 0},
+		{"full", full, true, 1000, 6, true, 8},
+		{"no count", "vllm:num_requests_running 0\nvllm:request_generation_tokens_sum 10\n", false, 0, 0, false, 0},
+		{"no sum", "vllm:num_requests_running 0\nvllm:request_generation_tokens_count 10\n", false, 0, 0, false, 0},
+		{"a fresh engine", "vllm:num_requests_running 0\nvllm:request_generation_tokens_sum 0\nvllm:request_generation_tokens_count 0\n", true, 0, 0, false, 0},
+		{"no decode time", counts, true, 10, 2, false, 0},
+		{"decode time", counts + "vllm:request_decode_time_seconds_sum 0.25\n", true, 10, 2, true, 0.25},
+		{"decode time without the counts", "vllm:num_requests_running 0\nvllm:request_decode_time_seconds_sum 0.25\n", false, 0, 0, false, 0},
 	}
 	for _, c := range cases {
 		st, seen := parse([]byte(c.body), engines[EngineVLLM])
 		if !seen || st.HasOutputCounts != c.has || st.GenerationTokensTotal != c.generated || st.FinishedRequestsTotal != c.finishedCount {
 			t.Errorf("%s: has %v, generated %v, finished %v (seen %v); want %v, %v, %v",
 				c.name, st.HasOutputCounts, st.GenerationTokensTotal, st.FinishedRequestsTotal, seen, c.has, c.generated, c.finishedCount)
+		}
+		if st.HasDecodeTiming != c.hasDecode || st.DecodeSecondsTotal != c.decodeSeconds {
+			t.Errorf("%s: decode timing %v, %v s; want %v, %v s", c.name, st.HasDecodeTiming, st.DecodeSecondsTotal, c.hasDecode, c.decodeSeconds)
 		}
 	}
 }

@@ -196,18 +196,31 @@ var _ = Describe("Through NGINX as NGINX Gateway Fabric drives it", Ordered, Con
 		Expect(line).NotTo(ContainSubstring("malformed request headers"), "refused for its body, not for headers NGF never sends")
 	}, SpecTimeout(30*time.Second))
 
-	It("learns what a request generates from the engines' counters, as no response reaches the picker", func(ctx SpecContext) {
+	It("learns what a request generates, and how fast it decodes, from the engines' counters, as no response reaches the picker", func(ctx SpecContext) {
 		// Earlier specs' requests have ended and the engines' last scrape
 		// counted them (expectLedgerDrains waits for engines reporting none).
 		expectLedgerDrains(ctx, ns)
-		expected := func(g Gomega) float64 {
+		gauge := func(g Gomega, name string) float64 {
 			m, err := ns.PickerMetrics(ctx)
 			g.Expect(err).NotTo(HaveOccurred())
-			v, ok := m.Value("tally_expected_output_tokens")
-			g.Expect(ok).To(BeTrue(), "tally_expected_output_tokens is not published")
+			v, ok := m.Value(name)
+			g.Expect(ok).To(BeTrue(), "%s is not published", name)
 			return v
 		}
-		before := expected(Default)
+		// The engines' own decode time and output, summed over the pods.
+		engineDecode := func() (seconds, intervals float64) {
+			for _, pod := range ns.Pods() {
+				m, err := ns.PodMetrics(ctx, pod)
+				Expect(err).NotTo(HaveOccurred())
+				sec, _ := m.Histogram("vllm:request_decode_time_seconds")
+				tok, n := m.Histogram("vllm:request_generation_tokens")
+				seconds, intervals = seconds+sec, intervals+tok-n
+			}
+			return seconds, intervals
+		}
+		before := gauge(Default, "tally_expected_output_tokens")
+		speedBefore := gauge(Default, "tally_decode_seconds_per_token")
+		secBefore, intervalsBefore := engineDecode()
 		const n, outTokens = 30, 60
 		var wg sync.WaitGroup
 		for i := range n {
@@ -225,7 +238,19 @@ var _ = Describe("Through NGINX as NGINX Gateway Fabric drives it", Ordered, Con
 		want := before + (outTokens-before)*(1-math.Pow(0.98, n))
 		By(fmt.Sprintf("expected output %.1f tokens before, want %.1f after %d requests of %d", before, want, n, outTokens))
 		eventually(ctx, func(g Gomega) {
-			g.Expect(expected(g)).To(BeNumerically("~", want, 0.5))
+			g.Expect(gauge(g, "tally_expected_output_tokens")).To(BeNumerically("~", want, 0.5))
+		}).WithTimeout(10 * time.Second).Should(Succeed())
+		// And the decode speed, by 5% a request, toward what the engines
+		// timed: their decode seconds over the tokens after each request's
+		// first (wall time, as the simulators publish it). The requests
+		// decode side by side, so the scrape windows they fall into time
+		// them alike; 20% allows for the windows' differences.
+		sec, intervals := engineDecode()
+		truth := (sec - secBefore) / (intervals - intervalsBefore)
+		wantSpeed := speedBefore + (truth-speedBefore)*(1-math.Pow(0.95, n))
+		By(fmt.Sprintf("decode %.3f ms a token before, the engines timed %.3f ms: want %.3f ms", 1e3*speedBefore, 1e3*truth, 1e3*wantSpeed))
+		eventually(ctx, func(g Gomega) {
+			g.Expect(gauge(g, "tally_decode_seconds_per_token")).To(BeNumerically("~", wantSpeed, 0.2*wantSpeed))
 		}).WithTimeout(10 * time.Second).Should(Succeed())
 	}, SpecTimeout(time.Minute))
 })

@@ -17,7 +17,7 @@ func commonLabels(model string) prometheus.Labels {
 func newTTFTHistogram(model string) prometheus.Histogram {
 	return prometheus.NewHistogram(prometheus.HistogramOpts{
 		Name: "vllm:time_to_first_token_seconds",
-		Help: "Histogram of time to first token in seconds (engine time).",
+		Help: "Histogram of time to first token in seconds.",
 		// vLLM v1's buckets.
 		Buckets: []float64{
 			0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -25,6 +25,15 @@ func newTTFTHistogram(model string) prometheus.Histogram {
 		},
 		ConstLabels: commonLabels(model),
 	})
+}
+
+// requestLatencyBuckets are vLLM v1's buckets of its per-request phase
+// times.
+func requestLatencyBuckets() []float64 {
+	return []float64{
+		0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+		40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+	}
 }
 
 // newPrefillTimeHistogram is vLLM v1's request_prefill_time_seconds: per
@@ -35,13 +44,20 @@ func newTTFTHistogram(model string) prometheus.Histogram {
 // prefill time.
 func newPrefillTimeHistogram(model string) prometheus.Histogram {
 	return prometheus.NewHistogram(prometheus.HistogramOpts{
-		Name: "vllm:request_prefill_time_seconds",
-		Help: "Histogram of time spent in PREFILL phase for request.",
-		// vLLM v1's request latency buckets.
-		Buckets: []float64{
-			0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-			40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-		},
+		Name:        "vllm:request_prefill_time_seconds",
+		Help:        "Histogram of time spent in PREFILL phase for request.",
+		Buckets:     requestLatencyBuckets(),
+		ConstLabels: commonLabels(model),
+	})
+}
+
+// newDecodeTimeHistogram is vLLM v1's request_decode_time_seconds: per
+// request, from its first token to its last, observed when it finishes.
+func newDecodeTimeHistogram(model string) prometheus.Histogram {
+	return prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:        "vllm:request_decode_time_seconds",
+		Help:        "Histogram of time spent in DECODE phase for request.",
+		Buckets:     requestLatencyBuckets(),
 		ConstLabels: commonLabels(model),
 	})
 }

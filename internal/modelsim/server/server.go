@@ -18,8 +18,11 @@
 // One goroutine drives the engine: it runs the engine's virtual clock at
 // TimeScale times the wall clock, sleeping until the next step ends while
 // there is work and waiting for a request when there is none. Times the
-// engine reports (the time-to-first-token and prefill-time histograms) are
-// virtual: what a real engine would measure. Fault injection (AddedLatency,
+// engine reports (the time-to-first-token, prefill-time and decode-time
+// histograms) are wall time: the engine's virtual durations divided by
+// TimeScale, as an engine that fast would measure them, so that they agree
+// with what a client or the picker times (at TimeScale 1 the two are the
+// same). Fault injection (AddedLatency,
 // ErrorRate, HangRate) happens in wall time, before the request reaches the
 // engine; FailMetrics breaks GET /metrics alone, as an engine whose metrics
 // exporter broke while it still serves completions. LateFirstByteFraction
@@ -179,6 +182,7 @@ type Server struct {
 	rng     *rand.Rand
 	ttft    prometheus.Histogram
 	prefill prometheus.Histogram
+	decode  prometheus.Histogram
 	output  prometheus.Histogram // request_generation_tokens
 	lora    *loraRequests        // nil without LoRAModules
 
@@ -200,6 +204,7 @@ type pending struct {
 	tokens   int           // output tokens produced so far
 	cached   int           // prompt tokens found in the prefix cache
 	prefill  time.Duration // first scheduled to first token, engine time
+	firstAt  time.Duration // its first token, engine time
 	finished bool
 }
 
@@ -233,8 +238,9 @@ func New(cfg Config) (*Server, error) {
 	reg := prometheus.NewRegistry()
 	s.ttft = newTTFTHistogram(cfg.Model)
 	s.prefill = newPrefillTimeHistogram(cfg.Model)
+	s.decode = newDecodeTimeHistogram(cfg.Model)
 	s.output = newGenerationTokensHistogram(cfg.Model)
-	for _, c := range []prometheus.Collector{s.ttft, s.prefill, s.output} {
+	for _, c := range []prometheus.Collector{s.ttft, s.prefill, s.decode, s.output} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("registering metrics: %w", err)
 		}
@@ -314,6 +320,9 @@ func (s *Server) closed() bool {
 	}
 }
 
+// wallSeconds is an engine duration in seconds of the wall clock.
+func (s *Server) wallSeconds(d time.Duration) float64 { return d.Seconds() / s.cfg.TimeScale }
+
 // virtualNow maps the wall clock onto the engine's clock.
 func (s *Server) virtualNow() time.Duration {
 	return time.Duration(float64(time.Since(s.start)) * s.cfg.TimeScale)
@@ -333,8 +342,9 @@ func (s *Server) advanceLocked() {
 		}
 		switch ev.Kind {
 		case engine.FirstToken:
-			s.ttft.Observe((ev.At - ev.Arrived).Seconds())
+			s.ttft.Observe(s.wallSeconds(ev.At - ev.Arrived))
 			p.prefill = ev.At - ev.Scheduled
+			p.firstAt = ev.At
 			p.cached = ev.CachedTokens
 			p.tokens = ev.OutputTokens
 			if s.lora != nil {
@@ -343,9 +353,10 @@ func (s *Server) advanceLocked() {
 		case engine.Token:
 			p.tokens = ev.OutputTokens
 		case engine.Finished:
-			// vLLM observes the prefill time of finished requests only:
-			// those their client cancelled are not counted.
-			s.prefill.Observe(p.prefill.Seconds())
+			// vLLM observes the prefill and decode times of finished
+			// requests only: those their client cancelled are not counted.
+			s.prefill.Observe(s.wallSeconds(p.prefill))
+			s.decode.Observe(s.wallSeconds(ev.At - p.firstAt))
 			s.output.Observe(float64(ev.OutputTokens))
 			p.finished = true
 			delete(s.pending, ev.ID)

@@ -252,8 +252,9 @@ func TestRepeatedPromptReportsCachedTokens(t *testing.T) {
 	// 500 tokens, then of the 4 past the cached blocks.
 	cfg := srv.cfg.Engine
 	want := prefillStep(cfg, 500) + prefillStep(cfg, 500-31*16)
-	if h := histogram(t, fams, "vllm:request_prefill_time_seconds"); h.GetSampleCount() != 2 || math.Abs(h.GetSampleSum()-want.Seconds()) > 1e-9 {
-		t.Errorf("request_prefill_time_seconds count %d sum %v, want 2 and %v (engine time)", h.GetSampleCount(), h.GetSampleSum(), want.Seconds())
+	// In wall time: engine time over the time scale.
+	if h := histogram(t, fams, "vllm:request_prefill_time_seconds"); h.GetSampleCount() != 2 || math.Abs(h.GetSampleSum()*srv.cfg.TimeScale-want.Seconds()) > 1e-9 {
+		t.Errorf("request_prefill_time_seconds count %d sum %v, want 2 and %v engine seconds over the time scale %v", h.GetSampleCount(), h.GetSampleSum(), want.Seconds(), srv.cfg.TimeScale)
 	}
 	// Each finished request's output tokens, 2 each.
 	if h := histogram(t, fams, "vllm:request_generation_tokens"); h.GetSampleCount() != 2 || h.GetSampleSum() != 4 {
@@ -310,13 +311,15 @@ func TestPrefillTimeLeavesOutTheQueue(t *testing.T) {
 	}
 
 	fams := scrape(t, url)
+	// Times are published in wall time: engine time over the time scale.
+	scale := srv.cfg.TimeScale
 	prefill := histogram(t, fams, "vllm:request_prefill_time_seconds")
-	if want := prefillStep(cfg, 200); prefill.GetSampleCount() != 1 || math.Abs(prefill.GetSampleSum()-want.Seconds()) > 1e-9 {
-		t.Fatalf("request_prefill_time_seconds count %d sum %v, want 1 (the finished request) and %v", prefill.GetSampleCount(), prefill.GetSampleSum(), want.Seconds())
+	if want := prefillStep(cfg, 200); prefill.GetSampleCount() != 1 || math.Abs(prefill.GetSampleSum()*scale-want.Seconds()) > 1e-9 {
+		t.Fatalf("request_prefill_time_seconds count %d sum %v, want 1 (the finished request) and %v engine seconds", prefill.GetSampleCount(), prefill.GetSampleSum(), want.Seconds())
 	}
 	// The first request ran alone: its time to first token is its prefill.
 	ttft := histogram(t, fams, "vllm:time_to_first_token_seconds")
-	queuedTTFT := ttft.GetSampleSum() - prefillStep(cfg, 100).Seconds()
+	queuedTTFT := ttft.GetSampleSum()*scale - prefillStep(cfg, 100).Seconds()
 	if ttft.GetSampleCount() != 2 || queuedTTFT < (prefillStep(cfg, 200)+minWait).Seconds() {
 		t.Fatalf("time_to_first_token_seconds count %d, queued request's %vs; want 2 and at least its prefill %v and the %v it waited",
 			ttft.GetSampleCount(), queuedTTFT, prefillStep(cfg, 200), minWait)
@@ -435,22 +438,29 @@ func TestMetricsReportQueuedPrefillUntilTheFirstToken(t *testing.T) {
 	}
 }
 
-func TestTimeScaleRunsFasterButReportsEngineTime(t *testing.T) {
+func TestTimeScaleRunsFasterAndReportsWallTime(t *testing.T) {
 	const scale = 10
 	srv, url := startServer(t, func(c *Config) { c.TimeScale = scale })
 	cfg := srv.cfg.Engine
 	tokens := cfg.StepBudgetTokens // exactly one prefill step
+	const output = 5
 	startWall := time.Now()
 	var c responseJSON
-	decodeJSON(t, post(t, t.Context(), url+"/v1/completions", fmt.Sprintf(`{"prompt":%q,"max_tokens":1}`, strings.Repeat("y", tokens*4))), &c)
+	decodeJSON(t, post(t, t.Context(), url+"/v1/completions", fmt.Sprintf(`{"prompt":%q,"max_tokens":%d}`, strings.Repeat("y", tokens*4), output)), &c)
 	wall := time.Since(startWall)
 	step := cfg.StepBaseDuration + time.Duration(tokens)*cfg.PrefillDurationPerToken
 	if wall < step/scale {
 		t.Errorf("answered in %v, faster than the scaled step %v", wall, step/scale)
 	}
-	h := scrape(t, url)["vllm:time_to_first_token_seconds"].Metric[0].Histogram
-	if h.GetSampleCount() != 1 || math.Abs(h.GetSampleSum()-step.Seconds()) > 1e-9 {
-		t.Fatalf("TTFT histogram count %d sum %v, want 1 and %v (engine time)", h.GetSampleCount(), h.GetSampleSum(), step.Seconds())
+	// The engine's times, as the picker and the client see them: a tenth.
+	fams := scrape(t, url)
+	if h := histogram(t, fams, "vllm:time_to_first_token_seconds"); h.GetSampleCount() != 1 || math.Abs(h.GetSampleSum()-step.Seconds()/scale) > 1e-9 {
+		t.Errorf("TTFT histogram count %d sum %v, want 1 and %v (wall time)", h.GetSampleCount(), h.GetSampleSum(), step.Seconds()/scale)
+	}
+	// Its decode: one step of one sequence for each token after the first.
+	decode := (output - 1) * (cfg.StepBaseDuration + cfg.DecodeDurationPerSequence)
+	if h := histogram(t, fams, "vllm:request_decode_time_seconds"); h.GetSampleCount() != 1 || math.Abs(h.GetSampleSum()-decode.Seconds()/scale) > 1e-9 {
+		t.Errorf("decode time histogram count %d sum %v, want 1 and %v (wall time)", h.GetSampleCount(), h.GetSampleSum(), decode.Seconds()/scale)
 	}
 }
 
