@@ -47,6 +47,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net/netip"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -137,6 +138,7 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 		Pods:          opts.pods,
 		TimeScale:     opts.timeScale,
 		GatewayListen: opts.gatewayListen,
+		FirstPodIP:    opts.firstPodIP,
 		Output:        procOut,
 		PickerArgs:    pickerArgs,
 		LoRAAdapters:  adapters,
@@ -513,6 +515,7 @@ type options struct {
 	userTokens     int
 	burstMaxTokens int
 	gatewayListen  string
+	firstPodIP     netip.Addr
 	upstreamBin    string
 	// The LoRA section (lora.go); adapters 0 leaves it out.
 	adapters        int
@@ -545,6 +548,15 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.userTokens, "user-tokens", 256, "tokens of each burst request's own user turn")
 	fs.IntVar(&o.burstMaxTokens, "burst-max-tokens", 64, "tokens each burst request generates")
 	fs.StringVar(&o.gatewayListen, "gateway-listen", "localhost:8080", "the gateway's listen address")
+	o.firstPodIP = stack.DefaultFirstPodIP
+	fs.Func("first-pod-ip", "the first pod's IP, an IPv4 loopback address; the next pods count up from it, each simulator listening on its pod's IP, port 8000 (default "+stack.DefaultFirstPodIP.String()+")", func(v string) error {
+		ip, err := netip.ParseAddr(v)
+		if err != nil || !ip.Is4() || !ip.IsLoopback() {
+			return fmt.Errorf("%q is not an IPv4 loopback address (127.x.y.z)", v)
+		}
+		o.firstPodIP = ip
+		return nil
+	})
 	fs.StringVar(&o.upstreamBin, "upstream-bin", "", "the upstream picker's binary (make upstream-epp builds bin/upstream-epp); given, row upstream replays every workload through it (make demo passes it)")
 	fs.IntVar(&o.adapters, "adapters", 8, "LoRA adapters each simulator serves besides the base model, for the lora rows (0: no LoRA section)")
 	fs.IntVar(&o.adapterRequests, "adapter-requests", 100, "with --adapters: the lora rows replay the first N requests of the trace, each for an adapter")
@@ -580,6 +592,9 @@ func (o options) validate() error {
 		}
 	}
 	positive("pods", o.pods, maxPods)
+	if last := o.firstPodIP.As4(); o.pods >= 1 && int(last[3])+o.pods-1 > 254 {
+		errs = append(errs, fmt.Errorf("flag --first-pod-ip: %s is invalid with --pods %d: the last pod's IP would pass %d.%d.%d.254", o.firstPodIP, o.pods, last[0], last[1], last[2]))
+	}
 	positive("burst", o.burst, 4096)
 	positive("system-tokens", o.systemTokens, 1<<20)
 	positive("user-tokens", o.userTokens, 1<<20)

@@ -26,6 +26,9 @@ func TestBadFlagsExitTwoNamingTheFlag(t *testing.T) {
 		{[]string{"--burst=0"}, "flag --burst: 0 is invalid"},
 		{[]string{"--system-tokens=-1"}, "flag --system-tokens: -1 is invalid"},
 		{[]string{"--trace-requests=-3"}, "flag --trace-requests: -3 is invalid"},
+		{[]string{"--first-pod-ip=10.0.0.2"}, `invalid value "10.0.0.2" for flag -first-pod-ip: "10.0.0.2" is not an IPv4 loopback address`},
+		{[]string{"--first-pod-ip=::1"}, "is not an IPv4 loopback address"},
+		{[]string{"--first-pod-ip=127.0.80.250", "--pods=6"}, "flag --first-pod-ip: 127.0.80.250 is invalid with --pods 6: the last pod's IP would pass 127.0.80.254"},
 		{[]string{"--no-such-flag"}, "no-such-flag"},
 		{[]string{"extra"}, `unexpected argument "extra"`},
 	}
@@ -51,6 +54,13 @@ func TestDefaultsAreValid(t *testing.T) {
 	}
 	if o.pods != 4 || o.timeScale != defaultTimeScale || o.gatewayListen != "localhost:8080" || o.keep {
 		t.Fatalf("defaults %+v: want 4 pods, time scale %d, gateway on localhost:8080, no --keep", o, defaultTimeScale)
+	}
+	if o.firstPodIP != stack.DefaultFirstPodIP {
+		t.Errorf("first pod IP %v by default, want the stack's %v", o.firstPodIP, stack.DefaultFirstPodIP)
+	}
+	// Pods may go elsewhere on the loopback network, up to .254.
+	if o, err := parseFlags([]string{"--first-pod-ip=127.0.80.251", "--pods=4"}, &bytes.Buffer{}); err != nil || o.firstPodIP.String() != "127.0.80.251" {
+		t.Errorf("--first-pod-ip=127.0.80.251 --pods=4: %v, %v", o.firstPodIP, err)
 	}
 }
 
