@@ -112,13 +112,12 @@ func (p *Picker) expireDetachedLocked(now int64) (n int) {
 }
 
 // shortenDetachedLocked releases up to excess detached reservations of w,
-// oldest first, that have reached the engine (see detachArrival): the
-// engine reports fewer requests than the ledger holds.
-func (p *Picker) shortenDetachedLocked(w *row, excess int, now int64) {
-	busyAt := w.engine.busyAt
+// oldest first, that had reached the engine by seen (picked detachArrival
+// before it): the engine reports fewer requests than the ledger holds.
+func (p *Picker) shortenDetachedLocked(w *row, excess int, now, seen int64) {
 	for r := w.detachedList.head; r != nil && excess > 0; {
 		next := r.detachLink.next
-		if r.pickedNs+int64(detachArrival) > busyAt {
+		if r.pickedNs+int64(detachArrival) > seen {
 			break // the list is in detach order, close to pick order
 		}
 		p.releaseLocked(r, now)

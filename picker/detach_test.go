@@ -69,7 +69,7 @@ func TestDetachedBurstSpreads(t *testing.T) {
 
 // An engine that reports fewer requests than the ledger holds ends the
 // oldest detached ones that have reached it, never ones it has not yet
-// been seen busy with, nor attached ones.
+// been seen busy with, nor attached ones, and not while its count rises.
 func TestEngineScrapeShortensDetachedReservations(t *testing.T) {
 	clock := newFakeClock()
 	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
@@ -93,6 +93,14 @@ func TestEngineScrapeShortensDetachedReservations(t *testing.T) {
 	if l := p.Snapshot(); l.InFlight != 5 {
 		t.Fatalf("in flight %d after an idle engine's scrape, want 5", l.InFlight)
 	}
+	// A count that rose since the last scrape: requests may still be on
+	// their way there, none is taken for ended yet.
+	p.ObserveEngine(addr(0), EngineStats{Running: 3})
+	if l := p.Snapshot(); l.InFlight != 5 {
+		t.Fatalf("in flight %d after a scrape whose count rose to 3, want 5", l.InFlight)
+	}
+	// The count holds: two have ended.
+	clock.Advance(250 * time.Millisecond)
 	p.ObserveEngine(addr(0), EngineStats{Running: 3})
 	l := p.Snapshot()
 	if l.InFlight != 3 || l.Detached != 2 || l.DetachEnds[detachEndEngine] != 2 {
@@ -360,4 +368,40 @@ func TestEngineDecodeTimeTeachesTheDecodeSpeed(t *testing.T) {
 		t.Fatalf("detached %d after its decoding at the learned speed ended (%v), want 0", l.Detached, decode)
 	}
 	assertLedgerEmpty(t, p)
+}
+
+// The two scrapes in a row that end detached requests must both have been
+// sent late enough to count them: a shortfall left from requests that have
+// since left the ledger (a gateway's cancelled ones, just before a burst)
+// ends none of a burst still arriving.
+func TestAnEarlierShortfallEndsNoneOfANewBurst(t *testing.T) {
+	clock := newFakeClock()
+	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+	pick := func(name string) *Reservation {
+		r := mustPick(t, p, Request{Model: model, Prompt: text(name, 400), MaxTokens: 100_000})
+		r.Detach()
+		return r
+	}
+	var old []*Reservation
+	for i := range 10 {
+		old = append(old, pick(fmt.Sprint("old-", i)))
+	}
+	clock.Advance(200 * time.Millisecond)
+	p.ObserveEngine(addr(0), EngineStats{Running: 10})
+	clock.Advance(250 * time.Millisecond)
+	p.ObserveEngine(addr(0), EngineStats{Running: 5}) // a shortfall of 5, said once
+	for _, r := range old {
+		r.Release()
+	}
+	// A burst right after, before any scrape: by the next one, sent
+	// 150 ms after its first pick, 3 of its 40 have reached the engine.
+	for i := range 40 {
+		pick(fmt.Sprint("burst-", i))
+		clock.Advance(time.Millisecond)
+	}
+	clock.Advance(110 * time.Millisecond)
+	p.ObserveEngine(addr(0), EngineStats{Running: 3})
+	if l := p.Snapshot(); l.Detached != 40 || l.DetachEnds[detachEndEngine] != 0 {
+		t.Fatalf("detached %d of the burst's 40, %d ended by the engine; want all 40 kept", l.Detached, l.DetachEnds[detachEndEngine])
+	}
 }

@@ -105,6 +105,7 @@ type engineView struct {
 	foreignTokens    int // the prefill cost of one of them
 	at               int64
 	busyAt           int64 // when the last scrape that found requests running or waiting was sent
+	sentAt           int64 // when the last scrape was sent
 	// The most requests the ledger held here since the last scrape (see
 	// observeEngineLocked).
 	peak int
@@ -253,7 +254,11 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now, se
 		return false
 	}
 	e := &w.engine
-	e.scraped, e.at, e.failures = true, now, 0
+	// An engine whose count rose since its last scrape is receiving
+	// requests: some placed here may still be on their way (below).
+	rising := e.scraped && s.Running+s.Waiting > e.running+e.waiting
+	prevSent := e.sentAt
+	e.scraped, e.at, e.sentAt, e.failures = true, now, sent, 0
 	e.running, e.waiting = s.Running, s.Waiting
 	e.lora, e.maxLoRAs = s.HasLoRA, s.MaxLoRAs
 	e.runningAdapters, e.waitingAdapters = s.RunningAdapters, s.WaitingAdapters
@@ -293,12 +298,20 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now, se
 	// scrape instead, a burst's requests placed since then (which the
 	// engine counted and that minimum did not) hid as many old ones that
 	// had ended, so each pod's old ones ended in pieces as its picks came
-	// (scraped every 50 ms: 30 / 47 / 51).
+	// (scraped every 50 ms: 30 / 47 / 51). Nor at a scrape whose count
+	// rose since the last one: requests are still arriving there, and a
+	// gateway slower than detachArrival to send them on (a loaded one)
+	// would have its oldest, still on their way, taken for ended (a
+	// burst's, arriving up to 150 ms after their picks, scraped every
+	// 50 ms: 12 of 128 ended while running).
 	young := e.recent.since(sent - int64(detachArrival))
 	finished := max(w.inFlight-young-(s.Running+s.Waiting), 0)
-	if n := min(finished, e.finished); n > 0 && w.detached > 0 {
+	if n := min(finished, e.finished); n > 0 && w.detached > 0 && !rising {
+		// Both scrapes must have been sent late enough to count the
+		// requests ended: the last one's shortfall may have been of
+		// others (a gateway's cancelled requests just before a burst).
 		w.drain(now)
-		p.shortenDetachedLocked(w, n, now)
+		p.shortenDetachedLocked(w, n, now, min(e.busyAt, prevSent))
 	}
 	e.finished = finished
 	p.observePrefillTimingLocked(w, s, now)
