@@ -81,60 +81,64 @@ func TestABurstAfterABurstOfDetachedRequestsSpreads(t *testing.T) {
 	}
 }
 
-// A burst's detached requests that reach their engines late (a loaded
-// gateway, lag beyond detachArrival) and run on are not taken for ended
-// while their engines' counts still rise: the ledger keeps them all.
+// A burst's detached requests that reach their engines late, up to the
+// scrape interval plus detachArrival after their picks (a loaded gateway),
+// and run on are not taken for ended: the ledger keeps them all.
 func TestLateArrivalsAreNotTakenForEndedRequests(t *testing.T) {
-	for _, interval := range []time.Duration{50 * time.Millisecond, 250 * time.Millisecond} {
-		for _, lag := range []time.Duration{150 * time.Millisecond, 300 * time.Millisecond} {
-			clock := newFakeClock()
-			p := newPicker(t, 3, testConfig(), Options{Now: clock.Now})
-			index := map[string]int{}
-			for i := range 3 {
-				index[addr(i).String()] = i
-			}
-			type arrival struct {
-				at int64
-				ep int
-			}
-			var pending []arrival
-			var held [3]int
-			nextScrape := clock.ns.Load() + int64(interval)
-			step := func(d time.Duration) {
-				end := clock.ns.Load() + int64(d)
-				for {
-					next := min(end, nextScrape)
-					for len(pending) > 0 && pending[0].at <= next {
-						held[pending[0].ep]++
-						pending = pending[1:]
-					}
-					clock.ns.Store(next)
-					if next < nextScrape {
-						return
-					}
-					round := make([]Scrape, 3)
-					for i := range round {
-						round[i] = Scrape{Address: addr(i), Stats: EngineStats{Waiting: held[i]}}
-					}
-					p.ObserveScrapes(round)
-					nextScrape += int64(interval)
+	for _, c := range []struct{ interval, lag time.Duration }{
+		{10 * time.Millisecond, 100 * time.Millisecond},
+		{50 * time.Millisecond, 100 * time.Millisecond},
+		{250 * time.Millisecond, 150 * time.Millisecond},
+		{250 * time.Millisecond, 300 * time.Millisecond},
+	} {
+		interval, lag := c.interval, c.lag
+		clock := newFakeClock()
+		p := newPicker(t, 3, testConfig(), Options{Now: clock.Now})
+		index := map[string]int{}
+		for i := range 3 {
+			index[addr(i).String()] = i
+		}
+		type arrival struct {
+			at int64
+			ep int
+		}
+		var pending []arrival
+		var held [3]int
+		nextScrape := clock.ns.Load() + int64(interval)
+		step := func(d time.Duration) {
+			end := clock.ns.Load() + int64(d)
+			for {
+				next := min(end, nextScrape)
+				for len(pending) > 0 && pending[0].at <= next {
+					held[pending[0].ep]++
+					pending = pending[1:]
 				}
+				clock.ns.Store(next)
+				if next < nextScrape {
+					return
+				}
+				round := make([]Scrape, 3)
+				for i := range round {
+					round[i] = Scrape{Address: addr(i), Stats: EngineStats{Waiting: held[i]}}
+				}
+				p.ObserveScrapes(round)
+				nextScrape += int64(interval)
 			}
-			for i := range 128 {
-				// Long outputs: the model ends none of them in the test.
-				r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("late-", i), 8_000*4), MaxTokens: 100_000})
-				r.Detach()
-				// Arrivals spread over the lag, the first ones slowest: a
-				// gateway catching up.
-				at := clock.ns.Load() + int64(lag) - int64(i)*int64(lag)/256
-				pending = append(pending, arrival{at: at, ep: index[r.Endpoints()[0].String()]})
-				slices.SortFunc(pending, func(a, b arrival) int { return cmp.Compare(a.at, b.at) })
-				step(1500 * time.Microsecond)
-			}
-			step(lag + 3*interval)
-			if l := p.Snapshot(); l.Detached != 128 {
-				t.Errorf("scrapes every %v, arrival lag up to %v: %d of 128 detached requests left in the ledger, all running; engines hold %v", interval, lag, l.Detached, held)
-			}
+		}
+		for i := range 128 {
+			// Long outputs: the model ends none of them in the test.
+			r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("late-", i), 8_000*4), MaxTokens: 100_000})
+			r.Detach()
+			// Arrivals spread over the lag, the first ones slowest: a
+			// gateway catching up.
+			at := clock.ns.Load() + int64(lag) - int64(i)*int64(lag)/256
+			pending = append(pending, arrival{at: at, ep: index[r.Endpoints()[0].String()]})
+			slices.SortFunc(pending, func(a, b arrival) int { return cmp.Compare(a.at, b.at) })
+			step(1500 * time.Microsecond)
+		}
+		step(lag + 3*interval)
+		if l := p.Snapshot(); l.Detached != 128 {
+			t.Errorf("scrapes every %v, arrival lag up to %v: %d of 128 detached requests left in the ledger, all running; engines hold %v", interval, lag, l.Detached, held)
 		}
 	}
 }
