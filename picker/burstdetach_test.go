@@ -8,6 +8,66 @@ import (
 	"time"
 )
 
+// threeEngines delivers the picks on 3 endpoints to their engines, each
+// when it says, and scrapes the engines every interval, all on the
+// picker's fake clock.
+type threeEngines struct {
+	p          *Picker
+	clock      *fakeClock
+	interval   time.Duration
+	nextScrape int64
+	index      map[string]int
+	pending    []arrival // by arrival time
+	held       [3]int    // what each engine counts
+}
+
+type arrival struct {
+	at int64
+	ep int
+}
+
+func newThreeEngines(t *testing.T, interval, offset time.Duration) *threeEngines {
+	clock := newFakeClock()
+	e := &threeEngines{p: newPicker(t, 3, testConfig(), Options{Now: clock.Now}), clock: clock, interval: interval,
+		nextScrape: clock.ns.Load() + int64(offset), index: map[string]int{}}
+	for i := range 3 {
+		e.index[addr(i).String()] = i
+	}
+	return e
+}
+
+// send has r reach its engine at the picker's time at, and returns the
+// endpoint it was placed on.
+func (e *threeEngines) send(r *Reservation, at int64) int {
+	ep := e.index[r.Endpoints()[0].String()]
+	e.pending = append(e.pending, arrival{at: at, ep: ep})
+	slices.SortStableFunc(e.pending, func(a, b arrival) int { return cmp.Compare(a.at, b.at) })
+	return ep
+}
+
+// step advances the clock by d: requests arrive, and the engines are
+// scraped as their times come.
+func (e *threeEngines) step(d time.Duration) {
+	end := e.clock.ns.Load() + int64(d)
+	for {
+		next := min(end, e.nextScrape)
+		for len(e.pending) > 0 && e.pending[0].at <= next {
+			e.held[e.pending[0].ep]++
+			e.pending = e.pending[1:]
+		}
+		e.clock.ns.Store(next)
+		if next < e.nextScrape {
+			return
+		}
+		round := make([]Scrape, 3)
+		for i := range round {
+			round[i] = Scrape{Address: addr(i), Stats: EngineStats{Running: e.held[i]}}
+		}
+		e.p.ObserveScrapes(round)
+		e.nextScrape += int64(e.interval)
+	}
+}
+
 // burstAfterBurst plays two held bursts of 128 requests of 8,000 tokens
 // through a gateway that ends each stream at the pick (every reservation
 // detached), 1.5 ms apart, over 3 endpoints whose engines are scraped every
@@ -15,52 +75,18 @@ import (
 // pick, and the engines end the first burst's requests all at once when it
 // is placed. It returns the second burst's placement.
 func burstAfterBurst(t *testing.T, interval, offset, lag time.Duration) [3]int {
-	clock := newFakeClock()
-	p := newPicker(t, 3, testConfig(), Options{Now: clock.Now})
-	index := map[string]int{}
-	for i := range 3 {
-		index[addr(i).String()] = i
-	}
-	var held [3]int
-	type arrival struct {
-		at int64
-		ep int
-	}
-	var pending []arrival
-	nextScrape := clock.ns.Load() + int64(offset)
-	step := func(d time.Duration) {
-		end := clock.ns.Load() + int64(d)
-		for {
-			next := min(end, nextScrape)
-			for len(pending) > 0 && pending[0].at <= next {
-				held[pending[0].ep]++
-				pending = pending[1:]
-			}
-			clock.ns.Store(next)
-			if next < nextScrape {
-				return
-			}
-			round := make([]Scrape, 3)
-			for i := range round {
-				round[i] = Scrape{Address: addr(i), Stats: EngineStats{Running: held[i]}}
-			}
-			p.ObserveScrapes(round)
-			nextScrape += int64(interval)
-		}
-	}
+	e := newThreeEngines(t, interval, offset)
 	var placed [3]int
 	for burst := range 2 {
 		placed = [3]int{}
 		for i := range 128 {
-			r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("burst", burst, "-", i), 8_000*4), MaxTokens: 16})
+			r := mustPick(t, e.p, Request{Model: model, Prompt: text(fmt.Sprint("burst", burst, "-", i), 8_000*4), MaxTokens: 16})
 			r.Detach()
-			ep := index[r.Endpoints()[0].String()]
-			placed[ep]++
-			pending = append(pending, arrival{at: clock.ns.Load() + int64(lag), ep: ep})
-			step(1500 * time.Microsecond)
+			placed[e.send(r, e.clock.ns.Load()+int64(lag))]++
+			e.step(1500 * time.Microsecond)
 		}
-		step(lag)
-		held = [3]int{} // the engines end the burst's requests
+		e.step(lag)
+		e.held = [3]int{} // the engines end the burst's requests
 	}
 	return placed
 }
@@ -91,54 +117,19 @@ func TestLateArrivalsAreNotTakenForEndedRequests(t *testing.T) {
 		{250 * time.Millisecond, 150 * time.Millisecond},
 		{250 * time.Millisecond, 300 * time.Millisecond},
 	} {
-		interval, lag := c.interval, c.lag
-		clock := newFakeClock()
-		p := newPicker(t, 3, testConfig(), Options{Now: clock.Now})
-		index := map[string]int{}
-		for i := range 3 {
-			index[addr(i).String()] = i
-		}
-		type arrival struct {
-			at int64
-			ep int
-		}
-		var pending []arrival
-		var held [3]int
-		nextScrape := clock.ns.Load() + int64(interval)
-		step := func(d time.Duration) {
-			end := clock.ns.Load() + int64(d)
-			for {
-				next := min(end, nextScrape)
-				for len(pending) > 0 && pending[0].at <= next {
-					held[pending[0].ep]++
-					pending = pending[1:]
-				}
-				clock.ns.Store(next)
-				if next < nextScrape {
-					return
-				}
-				round := make([]Scrape, 3)
-				for i := range round {
-					round[i] = Scrape{Address: addr(i), Stats: EngineStats{Waiting: held[i]}}
-				}
-				p.ObserveScrapes(round)
-				nextScrape += int64(interval)
-			}
-		}
+		e := newThreeEngines(t, c.interval, c.interval)
 		for i := range 128 {
 			// Long outputs: the model ends none of them in the test.
-			r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("late-", i), 8_000*4), MaxTokens: 100_000})
+			r := mustPick(t, e.p, Request{Model: model, Prompt: text(fmt.Sprint("late-", i), 8_000*4), MaxTokens: 100_000})
 			r.Detach()
 			// Arrivals spread over the lag, the first ones slowest: a
 			// gateway catching up.
-			at := clock.ns.Load() + int64(lag) - int64(i)*int64(lag)/256
-			pending = append(pending, arrival{at: at, ep: index[r.Endpoints()[0].String()]})
-			slices.SortFunc(pending, func(a, b arrival) int { return cmp.Compare(a.at, b.at) })
-			step(1500 * time.Microsecond)
+			e.send(r, e.clock.ns.Load()+int64(c.lag)-int64(i)*int64(c.lag)/256)
+			e.step(1500 * time.Microsecond)
 		}
-		step(lag + 3*interval)
-		if l := p.Snapshot(); l.Detached != 128 {
-			t.Errorf("scrapes every %v, arrival lag up to %v: %d of 128 detached requests left in the ledger, all running; engines hold %v", interval, lag, l.Detached, held)
+		e.step(c.lag + 3*c.interval)
+		if l := e.p.Snapshot(); l.Detached != 128 {
+			t.Errorf("scrapes every %v, arrival lag up to %v: %d of 128 detached requests left in the ledger, all running; engines hold %v", c.interval, c.lag, l.Detached, e.held)
 		}
 	}
 }

@@ -275,18 +275,27 @@ func TestEngineOutputCountersTeachTheExpectedOutput(t *testing.T) {
 	}
 
 	// A detached request without max_tokens decodes the learned output.
+	expectDetachedDecodes(t, p, clock, 0, time.Duration(after*defaultDecodeNsPerToken))
+}
+
+// expectDetachedDecodes places a detached request of one second's prefill
+// (and maxTokens, when not 0) on p's first endpoint, and checks that it
+// stays in the ledger until its prefill and decode have passed, within
+// 100 ms.
+func expectDetachedDecodes(t *testing.T, p *Picker, clock *fakeClock, maxTokens int, decode time.Duration) {
+	t.Helper()
 	req := on(addr(0), text("detached", 40_000)) // one second of prefill
+	req.MaxTokens = maxTokens
 	r := mustPick(t, p, req)
 	r.Detach()
-	decode := time.Duration(after * defaultDecodeNsPerToken)
 	start := clock.ns.Load()
 	clock.ns.Store(start + int64(time.Second+decode-100*time.Millisecond))
 	if l := p.Snapshot(); l.Detached != 1 {
-		t.Fatalf("detached %d before its learned decoding ended (%v), want 1", l.Detached, decode)
+		t.Fatalf("detached %d before its modelled decoding ended (%v), want 1", l.Detached, decode)
 	}
 	clock.ns.Store(start + int64(time.Second+decode+100*time.Millisecond))
 	if l := p.Snapshot(); l.Detached != 0 {
-		t.Fatalf("detached %d after its learned decoding ended (%v), want 0", l.Detached, decode)
+		t.Fatalf("detached %d after its modelled decoding ended (%v), want 0", l.Detached, decode)
 	}
 	assertLedgerEmpty(t, p)
 }
@@ -345,21 +354,7 @@ func TestEngineDecodeTimeTeachesTheDecodeSpeed(t *testing.T) {
 
 	// A detached request of 500 output tokens ends after its prefill and
 	// 500 tokens at the learned speed.
-	req := on(addr(0), text("detached", 40_000)) // one second of prefill
-	req.MaxTokens = 500
-	r := mustPick(t, p, req)
-	r.Detach()
-	decode := time.Duration(500 * before * float64(time.Second))
-	start := clock.ns.Load()
-	clock.ns.Store(start + int64(time.Second+decode-100*time.Millisecond))
-	if l := p.Snapshot(); l.Detached != 1 {
-		t.Fatalf("detached %d before its decoding at the learned speed ended (%v), want 1", l.Detached, decode)
-	}
-	clock.ns.Store(start + int64(time.Second+decode+100*time.Millisecond))
-	if l := p.Snapshot(); l.Detached != 0 {
-		t.Fatalf("detached %d after its decoding at the learned speed ended (%v), want 0", l.Detached, decode)
-	}
-	assertLedgerEmpty(t, p)
+	expectDetachedDecodes(t, p, clock, 500, time.Duration(500*before*float64(time.Second)))
 }
 
 // The two scrapes in a row that end detached requests must both have been

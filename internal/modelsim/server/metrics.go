@@ -27,37 +27,23 @@ func newTTFTHistogram(model string) prometheus.Histogram {
 	})
 }
 
-// requestLatencyBuckets are vLLM v1's buckets of its per-request phase
-// times.
-func requestLatencyBuckets() []float64 {
-	return []float64{
-		0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-		40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-	}
-}
-
-// newPrefillTimeHistogram is vLLM v1's request_prefill_time_seconds: per
-// request, from the step that first scheduled it to its first token, so the
-// time queued before is left out. vLLM observes it when the request
-// finishes, not at its first token, and so does the simulator: a scrape
-// sees a request's prompt tokens (counted at the first token) before its
-// prefill time.
-func newPrefillTimeHistogram(model string) prometheus.Histogram {
+// newPhaseTimeHistogram is one of vLLM v1's per-request phase times, in
+// its request latency buckets:
+//   - vllm:request_prefill_time_seconds, from the step that first
+//     scheduled the request to its first token, so the time queued before
+//     is left out. vLLM observes it when the request finishes, not at its
+//     first token, and so does the simulator: a scrape sees a request's
+//     prompt tokens (counted at the first token) before its prefill time.
+//   - vllm:request_decode_time_seconds, from its first token to its last,
+//     observed when it finishes.
+func newPhaseTimeHistogram(model, name, help string) prometheus.Histogram {
 	return prometheus.NewHistogram(prometheus.HistogramOpts{
-		Name:        "vllm:request_prefill_time_seconds",
-		Help:        "Histogram of time spent in PREFILL phase for request.",
-		Buckets:     requestLatencyBuckets(),
-		ConstLabels: commonLabels(model),
-	})
-}
-
-// newDecodeTimeHistogram is vLLM v1's request_decode_time_seconds: per
-// request, from its first token to its last, observed when it finishes.
-func newDecodeTimeHistogram(model string) prometheus.Histogram {
-	return prometheus.NewHistogram(prometheus.HistogramOpts{
-		Name:        "vllm:request_decode_time_seconds",
-		Help:        "Histogram of time spent in DECODE phase for request.",
-		Buckets:     requestLatencyBuckets(),
+		Name: name,
+		Help: help,
+		Buckets: []float64{
+			0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+			40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+		},
 		ConstLabels: commonLabels(model),
 	})
 }

@@ -237,8 +237,8 @@ func New(cfg Config) (*Server, error) {
 	}
 	reg := prometheus.NewRegistry()
 	s.ttft = newTTFTHistogram(cfg.Model)
-	s.prefill = newPrefillTimeHistogram(cfg.Model)
-	s.decode = newDecodeTimeHistogram(cfg.Model)
+	s.prefill = newPhaseTimeHistogram(cfg.Model, "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.")
+	s.decode = newPhaseTimeHistogram(cfg.Model, "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.")
 	s.output = newGenerationTokensHistogram(cfg.Model)
 	for _, c := range []prometheus.Collector{s.ttft, s.prefill, s.decode, s.output} {
 		if err := reg.Register(c); err != nil {
