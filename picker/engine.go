@@ -116,7 +116,8 @@ type engineView struct {
 	recent   pickTimes
 	// The engine's output counters and decode time at the start of the
 	// current window (observeOutputCountsLocked); outputBase is false
-	// until one is read, decodeBase when that one had no decode time.
+	// until one is read, and decodeBase says whether it had the decode
+	// time.
 	baseGenerated, baseFinished, baseDecode float64
 	outputBase, decodeBase                  bool
 	failures                                int
