@@ -252,6 +252,7 @@ var _ = Describe("Through NGINX as NGINX Gateway Fabric drives it", Ordered, Con
 		eventually(ctx, func(g Gomega) {
 			g.Expect(gauge(g, "tally_decode_seconds_per_token")).To(BeNumerically("~", wantSpeed, 0.2*wantSpeed))
 		}).WithTimeout(10 * time.Second).Should(Succeed())
+		By(fmt.Sprintf("learned %.3f ms a token", 1e3*gauge(Default, "tally_decode_seconds_per_token")))
 	}, SpecTimeout(time.Minute))
 })
 
