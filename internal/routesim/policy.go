@@ -176,20 +176,24 @@ type leastRequest struct {
 	rng  *rand.Rand
 }
 
-func (p *leastRequest) pick(int, *job) (int, error) {
+func (p *leastRequest) pick(int, *job) (int, error) { return cheapest(p.load, p.rng), nil }
+
+// cheapest returns the index of the least of costs, choosing uniformly at
+// random among ties.
+func cheapest(costs []int, rng *rand.Rand) int {
 	best, ties := 0, 0
-	for i, l := range p.load {
+	for i, c := range costs {
 		switch {
-		case ties == 0 || l < p.load[best]:
+		case ties == 0 || c < costs[best]:
 			best, ties = i, 1
-		case l == p.load[best]:
+		case c == costs[best]:
 			ties++
-			if p.rng.IntN(ties) == 0 {
+			if rng.IntN(ties) == 0 {
 				best = i
 			}
 		}
 	}
-	return best, nil
+	return best
 }
 func (p *leastRequest) firstByte(int)               {}
 func (p *leastRequest) done(int, int, int)          {}
@@ -206,26 +210,18 @@ type exactGreedy struct {
 	engines []*engine.Engine
 	now     *time.Duration
 	rng     *rand.Rand
+	costs   []int // scratch
 }
 
 func (p *exactGreedy) pick(i int, j *job) (int, error) {
-	best, bestCost, ties := 0, 0, 0
+	p.costs = p.costs[:0]
 	for k, e := range p.engines {
 		if evs := e.AdvanceTo(*p.now); len(evs) > 0 {
 			return 0, fmt.Errorf("engine %d had %d events unhandled at %v", k, len(evs), *p.now)
 		}
-		cost := j.InputTokens - e.CachedPrefixTokens(j.engineHashes, j.InputTokens) + e.Stats().QueuedPrefillTokens
-		switch {
-		case ties == 0 || cost < bestCost:
-			best, bestCost, ties = k, cost, 1
-		case cost == bestCost:
-			ties++
-			if p.rng.IntN(ties) == 0 {
-				best = k
-			}
-		}
+		p.costs = append(p.costs, j.InputTokens-e.CachedPrefixTokens(j.engineHashes, j.InputTokens)+e.Stats().QueuedPrefillTokens)
 	}
-	return best, nil
+	return cheapest(p.costs, p.rng), nil
 }
 func (p *exactGreedy) firstByte(int)               {}
 func (p *exactGreedy) done(int, int, int)          {}
