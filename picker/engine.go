@@ -99,11 +99,16 @@ const (
 
 // engineView is an endpoint's row's copy of its engine's last scrape.
 type engineView struct {
+	// What every pick reads (foreignCost, cacheTrust) first.
+	foreign       int // requests beyond the ledger at the last scrape
+	foreignTokens int // the prefill cost of one of them
+	at            int64
+	// The share of predicted cached tokens the engine delivered, a mean
+	// over its recent predictions; see cacheTrust.
+	delivery decayedMean
+
 	scraped          bool
 	running, waiting int
-	foreign          int // requests beyond the ledger at the last scrape
-	foreignTokens    int // the prefill cost of one of them
-	at               int64
 	busyAt           int64 // when the last scrape that found requests running or waiting was sent
 	sentAt           int64 // when the last scrape was sent
 	// The most requests the ledger held here since the last scrape (see
@@ -126,9 +131,6 @@ type engineView struct {
 	cacheTokens                             int
 	kvUsage                                 float64 // -1: not published
 	delivered, predic                       int64   // cached prompt tokens delivered by the engine, and predicted
-	// The share of predicted cached tokens the engine delivered, a mean
-	// over its recent predictions; see cacheTrust.
-	delivery decayedMean
 	// LoRA (adapters.go): whether the engine publishes its adapters, its
 	// base model, the adapters of its running and waiting requests, and
 	// how many it runs at once.
@@ -180,10 +182,15 @@ func (e *engineView) cacheTrust() float64 {
 }
 
 // foreignCost is the foreign load's share of the endpoint's cost at now.
+// Every candidate of every pick takes it: the common case, none, inlines.
 func (e *engineView) foreignCost(now int64) int {
 	if e.foreign == 0 {
 		return 0
 	}
+	return e.fadedForeignCost(now)
+}
+
+func (e *engineView) fadedForeignCost(now int64) int {
 	full := float64(e.foreign * e.foreignTokens)
 	age := time.Duration(now - e.at)
 	if age <= foreignFresh {

@@ -36,10 +36,14 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 
 	weight := workWeight(cands)
 	eligible, free := 0, 0
+	whole := p.uncachedTokens(nil, r.promptChars, 0) // where nothing is held
 	for i, c := range cands {
 		queued := c.queued()
 		foreign := c.engine.foreignCost(r.pickedNs)
-		c.uncached = p.uncachedTokens(c, r.promptChars, matched[i])
+		c.uncached = whole
+		if matched[i] > 0 {
+			c.uncached = p.uncachedTokens(c, r.promptChars, matched[i])
+		}
 		c.cost = queued + foreign + int(float64(c.uncached)*weight) + p.cfg.DecodeWeightTokens*c.decoding
 		c.saturated = p.overLimitLocked(c, queued)
 		c.taken = c.saturated
@@ -157,6 +161,9 @@ func (p *Picker) heldTokens(matchedBlocks int) int {
 func (p *Picker) uncachedTokens(w *row, promptChars, matchedBlocks int) int {
 	if promptChars == 0 {
 		return 0
+	}
+	if matchedBlocks == 0 {
+		return max(p.tokens(promptChars), 1)
 	}
 	held := float64(p.blocks.chars(matchedBlocks)) * w.engine.cacheTrust()
 	return max(p.tokens(promptChars-int(held)), 1)

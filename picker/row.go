@@ -20,13 +20,10 @@ import (
 // change them, besides endPrefill, which moves a reservation from prefill to
 // decoding.
 type row struct {
-	ep      Endpoint
-	key     rowKey
-	id      int // prefix index id until dropped
-	current bool
-	dropped bool
-	leftAt  int64 // clock (ns) when it left the set, while retained
-
+	// The fields every pick reads for every candidate come first, to share
+	// as few cache lines as they can: a pick over 128 endpoints reads
+	// every row.
+	id       int // prefix index id until dropped
 	inFlight int // reserved and not released
 	prefill  int // prefill tokens of its reservations still in prefill
 	decoding int // past their first byte, or past their modelled prefill
@@ -41,23 +38,8 @@ type row struct {
 	// utilization is the share of recent time (a decayed mean over
 	// utilizationWindow) during which the model had prefill queued here.
 	utilization float64
-	// How this endpoint's prefill differs from the pool's, learned from
-	// its streamed first bytes, and the floor its engine's own prefill
-	// timing sets (ratefit.go).
-	rates endpointRate
 	// Reservations still in prefill, in the order they joined the queue.
 	inPrefill list[Reservation, prefillLinks]
-	// Detached reservations (detach.go), in the order they were detached.
-	detached     int
-	detachedList list[Reservation, detachLinks]
-
-	// What the engine's metrics say (see engine.go).
-	engine engineView
-	// adapterRefs counts the requests in flight here by LoRA adapter, and
-	// recentAdapters are the last max_lora adapters used here, most recent
-	// first (adapters.go).
-	adapterRefs    map[string]int
-	recentAdapters []string
 
 	// Scratch of the pick in progress (under the lock).
 	mark      uint64
@@ -66,6 +48,29 @@ type row struct {
 	saturated bool
 	loraFull  bool // runs max_lora other adapters
 	taken     bool // chosen already, or not eligible
+
+	// What the engine's metrics say (see engine.go).
+	engine engineView
+
+	ep      Endpoint
+	key     rowKey
+	current bool
+	dropped bool
+	leftAt  int64 // clock (ns) when it left the set, while retained
+
+	// How this endpoint's prefill differs from the pool's, learned from
+	// its streamed first bytes, and the floor its engine's own prefill
+	// timing sets (ratefit.go).
+	rates endpointRate
+	// Detached reservations (detach.go), in the order they were detached.
+	detached     int
+	detachedList list[Reservation, detachLinks]
+
+	// adapterRefs counts the requests in flight here by LoRA adapter, and
+	// recentAdapters are the last max_lora adapters used here, most recent
+	// first (adapters.go).
+	adapterRefs    map[string]int
+	recentAdapters []string
 }
 
 // rowKey identifies an endpoint across endpoint sets: its pod UID and
@@ -96,23 +101,31 @@ const utilizationWindow = 20 * time.Second
 
 // advance moves the drain model to now: the queue has drained at rate since
 // the last update, never past what was queued; utilization takes in the
-// share of the interval the queue was not empty.
+// share of the interval the queue was not empty. Every candidate of every
+// pick takes it, so it divides only when the queue empties within the
+// interval.
 func (w *row) advance(now int64) {
 	if now <= w.at {
 		return
 	}
 	dt := float64(now - w.at)
-	busy := min(dt, float64(w.queued())/w.rate*1e9)
 	// The interval's weight, 1 - exp(-x): between picks x is tiny, and its
 	// series to x² is exact to x³/6 (under 2e-10 below 1e-3), where
 	// math.Exp on every row took a pick over 128 endpoints 14% of its CPU.
-	x := dt / float64(utilizationWindow)
+	x := dt * (1 / float64(utilizationWindow))
 	fresh := x - x*x/2
 	if x >= 1e-3 {
 		fresh = -math.Expm1(-x)
 	}
-	w.utilization += (busy/dt - w.utilization) * fresh
-	w.posOut = min(w.posIn, w.posOut+w.rate*dt/1e9)
+	drained := w.rate * dt * 1e-9
+	busy := 0.0 // the share of the interval the queue was not empty
+	if q := float64(w.queued()); q >= drained {
+		busy = 1
+	} else if q > 0 {
+		busy = q / drained
+	}
+	w.utilization += (busy - w.utilization) * fresh
+	w.posOut = min(w.posIn, w.posOut+drained)
 	w.at = now
 }
 
