@@ -190,6 +190,8 @@ func (e *engineView) foreignCost(now int64) int {
 	return e.fadedForeignCost(now)
 }
 
+// fadedForeignCost is foreignCost where there is foreign load: in full
+// while the scrape is fresh, then fading.
 func (e *engineView) fadedForeignCost(now int64) int {
 	full := float64(e.foreign * e.foreignTokens)
 	age := time.Duration(now - e.at)

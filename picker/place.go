@@ -157,7 +157,8 @@ func (p *Picker) heldTokens(matchedBlocks int) int {
 // matchedBlocks leading blocks of the prompt, still has to prefill: the
 // rest of the prompt, and of the held part what w's engine has lately not
 // delivered from its cache (engineView.cacheTrust); at least one token for
-// any prompt, since the last token is always computed.
+// any prompt, since the last token is always computed. w is not read
+// when nothing is held (it may be nil then).
 func (p *Picker) uncachedTokens(w *row, promptChars, matchedBlocks int) int {
 	if promptChars == 0 {
 		return 0
