@@ -3,6 +3,7 @@ package picker
 import (
 	"cmp"
 	"fmt"
+	"math/rand/v2"
 	"slices"
 	"testing"
 	"time"
@@ -26,9 +27,9 @@ type arrival struct {
 	ep int
 }
 
-func newThreeEngines(t *testing.T, interval, offset time.Duration) *threeEngines {
+func newThreeEngines(t *testing.T, seed uint64, interval, offset time.Duration) *threeEngines {
 	clock := newFakeClock()
-	e := &threeEngines{p: newPicker(t, 3, testConfig(), Options{Now: clock.Now}), clock: clock, interval: interval,
+	e := &threeEngines{p: newPicker(t, 3, testConfig(), Options{Now: clock.Now, Rand: rand.New(rand.NewPCG(seed, 2))}), clock: clock, interval: interval,
 		nextScrape: clock.ns.Load() + int64(offset), index: map[string]int{}}
 	for i := range 3 {
 		e.index[addr(i).String()] = i
@@ -73,10 +74,10 @@ func (e *threeEngines) step(d time.Duration) {
 // detached), 1.5 ms apart, over 3 endpoints whose engines are scraped every
 // interval (first at offset); each request reaches its engine lag after its
 // pick, and the engines end the first burst's requests all at once when it
-// is placed. It returns the second burst's placement.
-func burstAfterBurst(t *testing.T, interval, offset, lag time.Duration) [3]int {
-	e := newThreeEngines(t, interval, offset)
-	var placed [3]int
+// is placed. It returns the second burst's placement and the requests the
+// ledger holds on each endpoint at its end.
+func burstAfterBurst(t *testing.T, seed uint64, interval, offset, lag time.Duration) (placed, held [3]int) {
+	e := newThreeEngines(t, seed, interval, offset)
 	for burst := range 2 {
 		placed = [3]int{}
 		for i := range 128 {
@@ -88,18 +89,34 @@ func burstAfterBurst(t *testing.T, interval, offset, lag time.Duration) [3]int {
 		e.step(lag)
 		e.held = [3]int{} // the engines end the burst's requests
 	}
-	return placed
+	for i, w := range e.p.rows {
+		held[i] = w.inFlight
+	}
+	return placed, held
 }
 
+// The second burst spreads: the first one's requests, which the engines
+// ended, leave the ledger on every endpoint alike rather than on the one
+// scraped first (which then drew the burst: 61 / 34 / 33). The ledger
+// keeps some of them through the second burst: a scrape cannot tell them
+// from the second burst's requests picked within detachArrival before it,
+// which may not have reached the engine yet (counted as not arrived, those
+// hide as many ended ones). What each endpoint keeps depends on how the
+// second burst's recent picks fell on it, so it differs by one or two
+// between endpoints, and the second burst makes up for that difference:
+// with the tie-breaking seed as a fourth dimension, about 1 run in 20
+// places it 44 / 42 / 42 with the ledger even (55 / 55 / 55).
 func TestABurstAfterABurstOfDetachedRequestsSpreads(t *testing.T) {
-	for _, interval := range []time.Duration{10 * time.Millisecond, 50 * time.Millisecond, 250 * time.Millisecond} {
-		for _, offset := range []time.Duration{0, 3 * time.Millisecond} {
-			for _, lag := range []time.Duration{2 * time.Millisecond, 20 * time.Millisecond} {
-				placed := burstAfterBurst(t, interval, offset, lag)
-				for _, n := range placed {
-					if n < 42 || n > 43 {
-						t.Errorf("scrapes every %v from %v, arrival lag %v: second burst %v, want within one of even", interval, offset, lag, placed)
-						break
+	for seed := range uint64(4) {
+		for _, interval := range []time.Duration{10 * time.Millisecond, 50 * time.Millisecond, 250 * time.Millisecond} {
+			for _, offset := range []time.Duration{0, 3 * time.Millisecond} {
+				for _, lag := range []time.Duration{2 * time.Millisecond, 20 * time.Millisecond} {
+					placed, held := burstAfterBurst(t, seed+1, interval, offset, lag)
+					if slices.Max(held[:])-slices.Min(held[:]) > 1 {
+						t.Errorf("seed %d, scrapes every %v from %v, arrival lag %v: the ledger holds %v after the second burst, want within one of each other", seed+1, interval, offset, lag, held)
+					}
+					if slices.Min(placed[:]) < 41 || slices.Max(placed[:]) > 44 {
+						t.Errorf("seed %d, scrapes every %v from %v, arrival lag %v: second burst %v, want within two of even", seed+1, interval, offset, lag, placed)
 					}
 				}
 			}
@@ -117,7 +134,7 @@ func TestLateArrivalsAreNotTakenForEndedRequests(t *testing.T) {
 		{250 * time.Millisecond, 150 * time.Millisecond},
 		{250 * time.Millisecond, 300 * time.Millisecond},
 	} {
-		e := newThreeEngines(t, c.interval, c.interval)
+		e := newThreeEngines(t, 1, c.interval, c.interval)
 		for i := range 128 {
 			// Long outputs: the model ends none of them in the test.
 			r := mustPick(t, e.p, Request{Model: model, Prompt: text(fmt.Sprint("late-", i), 8_000*4), MaxTokens: 100_000})

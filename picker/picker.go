@@ -248,6 +248,10 @@ type Picker struct {
 	cand    []*row
 	candIDs []int
 	matched []int
+	// best and bestKeys are bestLocked's scratch: the chosen candidates
+	// and their tie keys, room for one more than the longest list.
+	best     []int
+	bestKeys []uint64
 }
 
 // New returns a picker with no endpoints. Zero fields of cfg take the
@@ -281,6 +285,8 @@ func New(cfg v1alpha1.PickerConfig, opts Options) *Picker {
 		byKey:     make(map[rowKey]*row),
 		index:     prefix.NewIndex(cfg.LRUCapacityBlocks),
 		rand:      opts.Rand,
+		best:      make([]int, 0, maxFallbackEndpoints+1),
+		bestKeys:  make([]uint64, 0, maxFallbackEndpoints+1),
 		// Until picks teach it: a guess at one request's prompt.
 		meanPromptTokens: defaultForeignRequestTokens,
 		pool:             newPoolRate(float64(cfg.PrefillTokensPerSecond)),

@@ -1,5 +1,7 @@
 package picker
 
+import "slices"
+
 // placeLocked is the critical section of a pick: score, choose, reserve and
 // record, all against the same view of the ledger and the prefix index.
 //
@@ -66,15 +68,13 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 		eligible -= p.adapterCostLocked(cands, req.Model, r.promptTokens)
 	}
 
-	first := p.bestLocked(cands)
-	cands[first].taken = true
-	r.endpoints[0] = cands[first].ep.Address
 	r.nEndpoints = min(eligible, p.cfg.FallbackEndpoints)
-	for k := 1; k < r.nEndpoints; k++ {
-		next := cands[p.bestLocked(cands)]
-		next.taken = true
-		r.endpoints[k] = next.ep.Address
+	best := p.bestLocked(cands, max(r.nEndpoints, 1))
+	for k, i := range best {
+		cands[i].taken = true
+		r.endpoints[k] = cands[i].ep.Address
 	}
+	first := best[0]
 
 	c := cands[first]
 	if p.isAdapter(c, req.Model) {
@@ -128,25 +128,51 @@ func workWeight(cands []*row) float64 {
 	return 1 / max(1-u, 1/maxWorkWeight)
 }
 
-// bestLocked returns the index of the cheapest candidate not yet taken,
-// choosing uniformly at random among exact ties: list order must never
-// decide, or idle pools would load their first endpoint.
-func (p *Picker) bestLocked(cands []*row) int {
-	best, ties := -1, 0
+// bestLocked returns the indices of the k cheapest candidates not yet
+// taken (fewer if fewer are left), cheapest first, in one pass over cands.
+// Exact ties are ordered at random: list order must never decide, or idle
+// pools would load their first endpoint. Each tied candidate's random key
+// is drawn when a comparison first needs it, so the order is that of the
+// costs and then of independent uniform keys.
+func (p *Picker) bestLocked(cands []*row, k int) []int {
+	best, keys := p.best[:0], p.bestKeys[:0]
 	for i, c := range cands {
-		switch {
-		case c.taken:
-		case best < 0 || c.cost < cands[best].cost:
-			best, ties = i, 1
-		case c.cost == cands[best].cost:
-			ties++
-			if p.rand.IntN(ties) == 0 {
-				best = i
+		if c.taken || len(best) == k && c.cost > cands[best[k-1]].cost {
+			continue
+		}
+		var key uint64 // 0: not drawn yet
+		j := len(best)
+		for ; j > 0; j-- {
+			o := cands[best[j-1]]
+			if o.cost < c.cost {
+				break
+			}
+			if o.cost == c.cost {
+				if key == 0 {
+					key = p.tieKey()
+				}
+				if keys[j-1] == 0 {
+					keys[j-1] = p.tieKey()
+				}
+				if keys[j-1] < key {
+					break
+				}
 			}
 		}
+		if j == k {
+			continue
+		}
+		best, keys = slices.Insert(best, j, i), slices.Insert(keys, j, key)
+		if len(best) > k {
+			best, keys = best[:k], keys[:k]
+		}
 	}
+	p.best, p.bestKeys = best, keys
 	return best
 }
+
+// tieKey draws a tie's random key, never 0.
+func (p *Picker) tieKey() uint64 { return p.rand.Uint64() | 1 }
 
 // heldTokens estimates the prompt tokens of matchedBlocks leading blocks.
 func (p *Picker) heldTokens(matchedBlocks int) int {
