@@ -276,3 +276,25 @@ func TestAFullEndpointGivesWayOnlyToALongQueue(t *testing.T) {
 		})
 	}
 }
+
+// Loading an adapter stalls the engine's whole batch, so a load costs once
+// for the request and once for each request in flight where it happens: a
+// new adapter goes to the endpoint with a longer queue of fewer requests
+// rather than stall many short ones.
+func TestALoadCostsEveryRequestInFlightThere(t *testing.T) {
+	p := newPicker(t, 2, testConfig(), Options{})
+	observeLoRA(p, 4, nil)
+	// A load costs 2,000 tokens (200 ms at 10,000 tokens/s). Endpoint 0:
+	// 4 requests of 100 tokens; endpoint 1: one of 3,000.
+	for i := range 4 {
+		mustPick(t, p, onAs(0, baseModel, text(fmt.Sprint("short", i), 400)))
+	}
+	mustPick(t, p, onAs(1, baseModel, text("long", 12_000)))
+	// Counted once, the load left endpoint 0 at 400 + 2,000 against
+	// 3,000 + 2,000; counted for the batch, 400 + 5 × 2,000 against
+	// 3,000 + 2 × 2,000.
+	r := mustPick(t, p, Request{Model: "fresh", Prompt: text("fresh", 1600)})
+	if got := r.Endpoints()[0]; got != addr(1) {
+		t.Fatalf("a request for a new adapter went to %v, where 4 requests would wait for its load, want %v, where 1 would", got, addr(1))
+	}
+}
