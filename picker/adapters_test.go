@@ -298,3 +298,19 @@ func TestALoadCostsEveryRequestInFlightThere(t *testing.T) {
 		t.Fatalf("a request for a new adapter went to %v, where 4 requests would wait for its load, want %v, where 1 would", got, addr(1))
 	}
 }
+
+// The load is charged for at most maxLoadCharges requests in flight: a
+// request does not wait behind 5 s of queue to spare 40 decoding requests
+// one step of 200 ms.
+func TestALoadIsChargedForABoundedBatch(t *testing.T) {
+	p := newPicker(t, 2, testConfig(), Options{})
+	observeLoRA(p, 4, nil)
+	for i := range 40 {
+		mustPick(t, p, onAs(0, baseModel, text(fmt.Sprint("decoding", i), 400))).FirstByte()
+	}
+	mustPick(t, p, onAs(1, baseModel, text("queued", 200_000))) // 50,000 tokens, 5 s
+	r := mustPick(t, p, Request{Model: "fresh", Prompt: text("fresh", 1600)})
+	if got := r.Endpoints()[0]; got != addr(0) {
+		t.Fatalf("a request for a new adapter went to %v, behind 50,000 queued tokens, want %v, where 40 requests decode", got, addr(0))
+	}
+}
