@@ -14,12 +14,12 @@ import "slices"
 //     updated at pick time) costs the load time (loraLoadMilliseconds at
 //     first, then learned) at its prefill rate more, for this request and
 //     for each request in flight there (up to maxLoadCharges in all): vLLM
-//     loads an adapter between steps, and the whole batch waits. A burst for a new adapter stays on
-//     the endpoints that load it until their queues cost more than
-//     another load, and a busy endpoint swaps less than an idle one (in
-//     the routing simulator, the load counted once for the request alone
-//     swapped 3 to 12% more and its TTFT p99 was 2 to 8% higher, over 40
-//     seeds at each of four loads);
+//     loads an adapter between steps, and the whole batch waits. A burst
+//     for a new adapter stays on the endpoints that load it until their
+//     queues cost more than another load, and a busy endpoint swaps less
+//     than an idle one (in the routing simulator, the load counted once
+//     for the request alone swapped 3 to 12% more and its TTFT p99 was 2
+//     to 8% higher, over 40 seeds at each of four loads);
 //   - while an endpoint that has the adapter can take the request with its
 //     queued prefill within twice the pool's even share, only such
 //     endpoints are candidates: a burst for an adapter loads it on as few
