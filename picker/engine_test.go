@@ -187,3 +187,30 @@ func TestAStaleScrapeOfEndedRequestsIsNotForeignLoad(t *testing.T) {
 		t.Errorf("%d foreign requests, want 6", s.ForeignRequests)
 	}
 }
+
+// Two endpoints that hold the same blocks are trusted for them each by
+// its own engine's delivery: one that delivers none of its predicted hits
+// is not cheap for them because another endpoint with the same blocks is.
+func TestEndpointsHoldingTheSameBlocksAreTrustedEachByItsOwnEngine(t *testing.T) {
+	p := newPicker(t, 2, testConfig(), Options{})
+	a, b := addr(0), addr(1)
+	prompt := text("held on both", 64*100) // 100 blocks, 1,600 tokens
+	for range 8 {
+		r := mustPick(t, p, on(a, prompt))
+		r.Delivered(1600, 0) // a never caches
+		r.Release()
+		r = mustPick(t, p, on(b, prompt))
+		r.Delivered(1600, cachedTokens(r))
+		r.Release()
+	}
+	for i := range 12 {
+		r := mustPick(t, p, Request{Model: model, Prompt: prompt})
+		if at := endpointOf(r); at != b {
+			t.Errorf("repeat %d went to %v, want %v (a's cache trust %.2f, b's %.2f)", i, at, b, statsOf(p, a).CacheTrust, statsOf(p, b).CacheTrust)
+			r.Delivered(1600, 0)
+		} else {
+			r.Delivered(1600, cachedTokens(r))
+		}
+		r.Release()
+	}
+}
