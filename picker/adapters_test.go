@@ -314,3 +314,45 @@ func TestALoadIsChargedForABoundedBatch(t *testing.T) {
 		t.Fatalf("a request for a new adapter went to %v, behind 50,000 queued tokens, want %v, where 40 requests decode", got, addr(0))
 	}
 }
+
+// An adapter short of endpoints, whose one active endpoint is past the
+// affinity, takes a full endpoint when no endpoint with a free slot can
+// take it within three even shares: a hot adapter otherwise queued on the
+// one endpoint it ran on while the full ones drained. With an endpoint
+// with a free slot, the full ones stay out.
+func TestAnAdapterShortOfEndpointsTakesAFullOneOnlyWithoutRoomElsewhere(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		running map[int][]string
+		want    func(e int) bool
+		why     string
+	}{
+		{"every other endpoint full", map[int][]string{0: {"hot"}, 1: {"a", "b"}, 2: {"c", "d"}, 3: {"e", "f"}},
+			func(e int) bool { return e != 0 }, "a full endpoint with 10,000 tokens queued, not endpoint 0 with 50,000"},
+		{"a free slot on endpoint 3", map[int][]string{0: {"hot"}, 1: {"a", "b"}, 2: {"c", "d"}, 3: {"e"}},
+			func(e int) bool { return e == 3 }, "endpoint 3, which has a free slot, not a full one"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p := newPicker(t, 4, testConfig(), Options{})
+			observeLoRA(p, 2, c.running)
+			// 50,000 tokens for hot on endpoint 0 (past two even shares,
+			// within three), 10,000 base-model tokens on each other one.
+			for i := range 5 {
+				mustPick(t, p, onAs(0, "hot", text(fmt.Sprint("hot", i), 4*10_000)))
+			}
+			for e := 1; e < 4; e++ {
+				mustPick(t, p, onAs(e, baseModel, text(fmt.Sprint("base", e), 4*10_000)))
+			}
+			r := mustPick(t, p, Request{Model: "hot", Prompt: text("next", 400)})
+			got := -1
+			for e := range 4 {
+				if r.Endpoints()[0] == addr(e) {
+					got = e
+				}
+			}
+			if !c.want(got) {
+				t.Fatalf("the hot adapter's request went to endpoint %d, want %s", got, c.why)
+			}
+		})
+	}
+}

@@ -46,8 +46,8 @@ type row struct {
 	uncached  int // this request's uncached prompt tokens here
 	cost      int
 	saturated bool
-	loraFull  bool // runs max_lora other adapters
-	taken     bool // chosen already, or not eligible
+	loraOut   uint8 // why the adapter rules take it out, if they do (adapters.go)
+	taken     bool  // chosen already, or not eligible
 
 	// What the engine's metrics say (see engine.go).
 	engine engineView
