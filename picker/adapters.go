@@ -173,11 +173,13 @@ const maxLoadCharges = 16
 
 // adapterCostLocked adds what model's adapter costs on each candidate and
 // takes out those with no room for it, unless no candidate with room can
-// take the request within openSlack even shares. It returns how many
-// candidates it took out.
+// take the request within openSlack even shares; the full ones stay in
+// for an adapter short of endpoints when only its own have room
+// (recruitShare). It returns how many candidates it took out.
 func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int) (full int) {
 	// The pool's even share of queued prefill, this request included, and
-	// whether an endpoint with the adapter takes it within twice that.
+	// whether an endpoint with the adapter takes it within twice that; the
+	// adapter's requests in flight and the pool's, this one in both.
 	total, n, refs, inFlight := promptTokens, 0, 1, 1
 	for _, c := range cands {
 		if !c.taken {
