@@ -3,6 +3,7 @@ package picker
 import (
 	"fmt"
 	"math"
+	"net/netip"
 	"testing"
 	"time"
 )
@@ -324,13 +325,13 @@ func TestAnAdapterShortOfEndpointsTakesAFullOneOnlyWithoutRoomElsewhere(t *testi
 	for _, c := range []struct {
 		name    string
 		running map[int][]string
-		want    func(e int) bool
+		want    func(at netip.AddrPort) bool
 		why     string
 	}{
 		{"every other endpoint full", map[int][]string{0: {"hot"}, 1: {"a", "b"}, 2: {"c", "d"}, 3: {"e", "f"}},
-			func(e int) bool { return e != 0 }, "a full endpoint with 10,000 tokens queued, not endpoint 0 with 50,000"},
+			func(at netip.AddrPort) bool { return at != addr(0) }, "a full endpoint with 10,000 tokens queued, not endpoint 0 with 50,000"},
 		{"a free slot on endpoint 3", map[int][]string{0: {"hot"}, 1: {"a", "b"}, 2: {"c", "d"}, 3: {"e"}},
-			func(e int) bool { return e == 3 }, "endpoint 3, which has a free slot, not a full one"},
+			func(at netip.AddrPort) bool { return at == addr(3) }, "endpoint 3, which has a free slot, not a full one"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			p := newPicker(t, 4, testConfig(), Options{})
@@ -344,14 +345,8 @@ func TestAnAdapterShortOfEndpointsTakesAFullOneOnlyWithoutRoomElsewhere(t *testi
 				mustPick(t, p, onAs(e, baseModel, text(fmt.Sprint("base", e), 4*10_000)))
 			}
 			r := mustPick(t, p, Request{Model: "hot", Prompt: text("next", 400)})
-			got := -1
-			for e := range 4 {
-				if r.Endpoints()[0] == addr(e) {
-					got = e
-				}
-			}
-			if !c.want(got) {
-				t.Fatalf("the hot adapter's request went to endpoint %d, want %s", got, c.why)
+			if got := endpointOf(r); !c.want(got) {
+				t.Fatalf("the hot adapter's request went to %v, want %s", got, c.why)
 			}
 		})
 	}
