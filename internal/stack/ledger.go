@@ -58,6 +58,9 @@ type LedgerEngine struct {
 	// The LoRA adapters of its running and waiting requests.
 	RunningAdapters []string `json:"runningAdapters"`
 	WaitingAdapters []string `json:"waitingAdapters"`
+	// MaxLoRAs is how many adapters it runs at once; 0 until it publishes
+	// lora_requests_info.
+	MaxLoRAs int `json:"maxLoras"`
 }
 
 // String prints the fields, so that a row printed with %+v shows them.

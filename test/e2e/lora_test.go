@@ -169,3 +169,66 @@ var _ = Describe("LoRA adapters", Ordered, func() {
 		expectLedgerDrains(ctx, ls)
 	})
 })
+
+// loraBurstFirstPodIP keeps the burst's pool off the other specs' addresses.
+var loraBurstFirstPodIP = netip.MustParseAddr("127.0.51.2")
+
+var _ = Describe("A burst for a LoRA adapter no pod has loaded", func() {
+	It("lands on as few pods as keep each within twice the even share", func(ctx SpecContext) {
+		const pods, requests = 4, 128
+		bs := startStack(ctx, stack.Options{
+			Namespace:    "e2e-lora-burst",
+			FirstPodIP:   loraBurstFirstPodIP,
+			Pods:         pods,
+			TimeScale:    10,
+			LoRAAdapters: []string{"fresh", "other"},
+			MaxLoRAs:     2,
+			PickerArgs:   []string{"--refresh-metrics-interval=50ms"},
+		})
+		// An engine publishes its adapters once it has run a request (as
+		// vLLM): one base-model request to each pod, then the picker has
+		// seen every engine's slots.
+		for _, p := range bs.Pods() {
+			r := adapterRequest(bs.Options().Model, "warm", 4)
+			Expect(stack.Send(ctx, bs.HTTPClient(), p.URL(), nextID("warm"), r).Status).To(Equal(http.StatusOK))
+		}
+		eventually(ctx, func(g Gomega) {
+			l, err := bs.Ledger(ctx)
+			g.Expect(err).NotTo(HaveOccurred())
+			g.Expect(l.Endpoints).To(HaveLen(pods))
+			for _, e := range l.Endpoints {
+				g.Expect(e.Engine).NotTo(BeNil(), "%s not scraped", e.Pod)
+				g.Expect(e.Engine.MaxLoRAs).To(Equal(2), "%s", e.Pod)
+			}
+		}).WithTimeout(30 * time.Second).Should(Succeed())
+
+		// 128 requests of 8,192 tokens sharing their first 4,096, all at
+		// once: the even share is 32 requests a pod, and twice that is
+		// 64, so two pods take them all, 64 each. The picker weighs the
+		// queues as they drain while the burst arrives, and the pod that
+		// began first has drained more: a request or two may go either
+		// way.
+		burst := stack.Burst{Requests: requests, SystemTokens: 4096, UserTokens: 4096, MaxTokens: 8, Model: "fresh", Seed: 51}.Workload()
+		before := servedOn(bs)
+		results := sendAllVia(ctx, bs, burst, "fresh")
+		expectAllOK(results)
+		got := delta(before, servedOn(bs))
+		Expect(total(got)).To(Equal(requests))
+		used := 0
+		for _, n := range got {
+			if n > 0 {
+				used++
+			}
+			Expect(n).To(Or(BeZero(), BeNumerically("~", 2*requests/pods, 2)), "burst per pod: %v", got)
+		}
+		Expect(used).To(Equal(2), "burst per pod: %v", got)
+		var loads int64
+		for _, p := range bs.Pods() {
+			st, ok := p.Stats()
+			Expect(ok).To(BeTrue())
+			loads += st.AdapterLoads
+		}
+		Expect(loads).To(BeEquivalentTo(2), "adapter loads over the pool")
+		expectLedgerDrains(ctx, bs)
+	})
+})
