@@ -96,8 +96,10 @@ func TestABurstForANewAdapterLoadsItOnFewEndpoints(t *testing.T) {
 					c.n, c.tokens, s.Endpoint.Address, s.PrefillTokens, total/4, where)
 			}
 		}
-		if len(where) >= 4 {
-			t.Errorf("%d x %d tokens for a new adapter landed on every endpoint: %v", c.n, c.tokens, where)
+		// Two endpoints keep each within twice the even share (64 and 64
+		// of 128 are each twice 32): a third would load it for nothing.
+		if used := len(where); used != 2 {
+			t.Errorf("%d x %d tokens for a new adapter landed on %d endpoints, want 2: %v", c.n, c.tokens, used, where)
 		}
 		t.Logf("%d x %d tokens: %v", c.n, c.tokens, where)
 		for _, r := range rs {

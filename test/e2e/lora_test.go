@@ -202,13 +202,13 @@ var _ = Describe("A burst for a LoRA adapter no pod has loaded", func() {
 			}
 		}).WithTimeout(30 * time.Second).Should(Succeed())
 
-		// 128 requests of 8,192 tokens sharing their first 4,096, all at
-		// once: the even share is 32 requests a pod, and twice that is
-		// 64, so two pods take them all, 64 each. The picker weighs the
+		// 128 requests of 8,192 tokens sharing no prefix, all at once: the
+		// even share is 32 requests a pod, and twice that is 64, so two
+		// pods take them all, 64 each. The picker weighs the
 		// queues as they drain while the burst arrives, and the pod that
 		// began first has drained more: a request or two may go either
 		// way.
-		burst := stack.Burst{Requests: requests, SystemTokens: 4096, UserTokens: 4096, MaxTokens: 8, Model: "fresh", Seed: 51}.Workload()
+		burst := stack.Burst{Requests: requests, UserTokens: 8192, MaxTokens: 8, Model: "fresh", Seed: 51}.Workload()
 		before := servedOn(bs)
 		results := sendAllVia(ctx, bs, burst, "fresh")
 		expectAllOK(results)
