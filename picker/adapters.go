@@ -25,8 +25,9 @@ import "slices"
 //     endpoints are candidates: a burst for an adapter loads it on as few
 //     endpoints as its size needs, not on every one (the load cost alone
 //     would spread a large burst everywhere). On an endpoint busy mostly
-//     with the adapter's own requests, half the request counts: two
-//     endpoints sharing a burst stay within it by turns. An endpoint that holds more
+//     with the adapter's own requests, the request counts shared among
+//     the endpoints where the adapter is active: endpoints sharing a
+//     burst stay within it by turns. An endpoint that holds more
 //     of the prompt than every such endpoint (cached there for the same
 //     adapter) stays a candidate, and the cost decides: its cache can save
 //     more than the load costs;
@@ -181,34 +182,37 @@ const maxLoadCharges = 16
 func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int) (full int) {
 	// The pool's even share of queued prefill, this request included, and
 	// whether an endpoint with the adapter takes it within twice that; the
-	// adapter's requests in flight and the pool's, this one in both.
-	total, n, refs, inFlight := promptTokens, 0, 1, 1
+	// adapter's requests in flight and the pool's, this one in both; the
+	// endpoints where the adapter is active.
+	total, n, refs, inFlight, active := promptTokens, 0, 1, 1, 0
 	for _, c := range cands {
 		if !c.taken {
 			total += c.queued()
 			n++
 			refs += c.adapterRefs[model]
 			inFlight += c.inFlight
+			if p.isAdapter(c, model) && c.adapterActive(model) {
+				active++
+			}
 		}
 	}
 	within := func(c *row, shares int) bool { return (c.queued()+c.uncached)*n <= shares*total }
 	// Where the adapter's own requests are most of an endpoint's in flight
-	// (a burst of it), the affinity counts half the request: endpoints
-	// sharing a burst take its requests in turn, each half a request past
-	// the others on average. Counting all of it took a third endpoint in
-	// whenever two were even: 128 requests of 8,192 tokens sharing no
-	// prefix landed 43/43/42 on three of four endpoints, where two keep
-	// each within twice the even share (cmd/routesim's burst).
+	// (a burst of it), the affinity counts the request shared among the
+	// adapter's active endpoints: they take the burst's requests in turn.
+	// Counting all of it took another endpoint in whenever they were
+	// even: 128 requests of 8,192 tokens sharing no prefix landed 43/43/42
+	// on three of four endpoints, where two keep each within twice the
+	// even share (cmd/routesim's burst).
 	affineTo := func(c *row) bool {
 		if 2*c.adapterRefs[model] > c.inFlight {
-			return (2*c.queued()+c.uncached)*n <= 2*2*total
+			return (active*c.queued()+c.uncached)*n <= 2*active*total
 		}
 		return within(c, 2)
 	}
-	affine, affineUncached, active := false, 0, 0
+	affine, affineUncached := false, 0
 	for _, c := range cands {
 		if !c.taken && p.isAdapter(c, model) && c.adapterActive(model) {
-			active++
 			if affineTo(c) {
 				if !affine || c.uncached < affineUncached {
 					affineUncached = c.uncached
