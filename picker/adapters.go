@@ -197,23 +197,24 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 		}
 	}
 	within := func(c *row, shares int) bool { return (c.queued()+c.uncached)*n <= shares*total }
-	// Where the adapter's own requests are most of an endpoint's in flight
-	// (a burst of it), the affinity counts the request shared among the
-	// adapter's active endpoints: they take the burst's requests in turn.
-	// Counting all of it took another endpoint in whenever they were
-	// even: 128 requests of 8,192 tokens sharing no prefix landed 43/43/42
-	// on three of four endpoints, where two keep each within twice the
-	// even share (cmd/routesim's burst).
-	affineTo := func(c *row) bool {
+	// fits is within, except where the adapter's own requests are most of
+	// an endpoint's in flight (a burst of it): there the request counts
+	// shared among the adapter's active endpoints, which take the burst's
+	// requests in turn. Counting all of it took another endpoint in
+	// whenever they were even: 128 requests of 8,192 tokens sharing no
+	// prefix landed 43/43/42 on three of four endpoints, where two keep
+	// each within twice the even share, and on 7 of 8 (cmd/routesim's
+	// burst).
+	fits := func(c *row, shares int) bool {
 		if 2*c.adapterRefs[model] > c.inFlight {
-			return (active*c.queued()+c.uncached)*n <= 2*active*total
+			return (active*c.queued()+c.uncached)*n <= shares*active*total
 		}
-		return within(c, 2)
+		return within(c, shares)
 	}
 	affine, affineUncached := false, 0
 	for _, c := range cands {
 		if !c.taken && p.isAdapter(c, model) && c.adapterActive(model) {
-			if affineTo(c) {
+			if fits(c, 2) {
 				if !affine || c.uncached < affineUncached {
 					affineUncached = c.uncached
 				}
@@ -231,7 +232,7 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 			continue
 		}
 		if c.taken || !p.isAdapter(c, model) || c.adapterResident(model) {
-			if !c.taken && within(c, openSlack) {
+			if !c.taken && fits(c, openSlack) {
 				open++
 			}
 			continue

@@ -84,7 +84,7 @@ func TestAFullEndpointIsAvoidedUnlessAllAre(t *testing.T) {
 // endpoint, and its prompts need share no prefix for that.
 func TestABurstForANewAdapterLoadsItOnFewEndpoints(t *testing.T) {
 	for _, c := range []struct{ endpoints, n, tokens int }{
-		{4, 16, 400}, {4, 128, 1000}, {4, 128, 250}, {6, 128, 1000}, {8, 128, 1000}, {8, 128, 250},
+		{4, 16, 400}, {4, 128, 1000}, {4, 128, 250}, {6, 128, 1000}, {8, 128, 1000}, {8, 128, 8192}, {16, 128, 1000},
 	} {
 		p := newPicker(t, c.endpoints, testConfig(), Options{})
 		observeLoRA(p, 2, nil)
