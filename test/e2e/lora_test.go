@@ -204,10 +204,9 @@ var _ = Describe("A burst for a LoRA adapter no pod has loaded", func() {
 
 		// 128 requests of 8,192 tokens sharing no prefix, all at once: the
 		// even share is 32 requests a pod, and twice that is 64, so two
-		// pods take them all, 64 each. The picker weighs the
-		// queues as they drain while the burst arrives, and the pod that
-		// began first has drained more: a request or two may go either
-		// way.
+		// pods take them all, 64 each. The picker weighs the queues as
+		// they drain while the burst arrives, and the pod that began
+		// first has drained more: a request or two may go either way.
 		burst := stack.Burst{Requests: requests, UserTokens: 8192, MaxTokens: 8, Model: "fresh", Seed: 51}.Workload()
 		before := servedOn(bs)
 		results := sendAllVia(ctx, bs, burst, "fresh")
