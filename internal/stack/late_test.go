@@ -19,7 +19,10 @@ func TestLateFirstByteFractionReachesTheSimulators(t *testing.T) {
 	if cfg := s.simulatorConfig(); cfg.LateFirstByteFraction != 1 || cfg.RequestIDHeader != DrawKeyHeader {
 		t.Fatalf("simulator config: late fraction %v, request id header %q; want 1 and %q", cfg.LateFirstByteFraction, cfg.RequestIDHeader, DrawKeyHeader)
 	}
-	const tokens = 50
+	// A generation long enough that the wall-clock costs of a request on
+	// a loaded machine (tens of milliseconds under -race) are small beside
+	// it: the split below compares wall times.
+	const tokens = 400
 	r := Send(context.Background(), s.HTTPClient(), p.URL(), "late-0", Completion(DefaultModel, "hello there", tokens, true))
 	if r.Err != nil {
 		t.Fatal(r.Err)
@@ -63,8 +66,11 @@ func TestLateResponsesFollowTheDrawKey(t *testing.T) {
 			if r.Err != nil {
 				t.Fatal(r.Err)
 			}
-			if got := r.TTFT >= atLeast; got != want {
-				t.Errorf("%s request %d (draw key %s): first event after %v of %v, held back %v; want held back %v", policy, i, key, r.TTFT, r.Latency, got, want)
+			// The simulator says whether it held the response back: a
+			// first event's time alone would depend on the machine's load.
+			if got := r.HeldBack > 0; got != want || want && r.TTFT < atLeast {
+				t.Errorf("%s request %d (draw key %s): first event after %v of %v, held back %v; want held back %v (a held-back one's first event after the whole generation, at least %v)",
+					policy, i, key, r.TTFT, r.Latency, got, want, atLeast)
 			}
 		}
 	}
