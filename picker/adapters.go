@@ -59,11 +59,17 @@ import "slices"
 // publishes adapters, a model that is no engine's base model, or that an
 // engine has run as an adapter, is an adapter everywhere.
 func (p *Picker) isAdapter(c *row, model string) bool {
-	e := &c.engine
-	if model == "" || !p.loraSeen || model == e.model || p.baseModels[model] {
+	if model == "" || !p.loraSeen || p.baseModels[model] {
 		return false
 	}
-	return e.model != "" || p.knownAdapters[model] || c.adapterRefs[model] > 0
+	return c.adapterFor(model, p.knownAdapters[model])
+}
+
+// adapterFor is isAdapter for a model no engine of the pool calls its base
+// model; known says whether an engine has run it as an adapter.
+func (c *row) adapterFor(model string, known bool) bool {
+	e := &c.engine
+	return model != e.model && (e.model != "" || known || c.adapterRefs[model] > 0)
 }
 
 // adapterResident reports whether model is loaded or about to be on c:
@@ -71,22 +77,24 @@ func (p *Picker) isAdapter(c *row, model string) bool {
 // max_lora adapters used there (vLLM keeps an idle adapter in its slot
 // until another needs it, and publishes only running and waiting ones).
 func (c *row) adapterResident(model string) bool {
-	e := &c.engine
-	if c.starving(model) {
-		return false
-	}
-	return c.adapterRefs[model] > 0 || slices.Contains(e.runningAdapters, model) ||
-		slices.Contains(e.waitingAdapters, model) || slices.Contains(c.recentAdapters, model)
+	return c.adapterActive(model, c.adapterRefs[model]) || c.adapterRecent(model)
 }
 
-// adapterActive reports whether model is running, waiting or held on c:
-// the affinity of a burst follows these, not an adapter idle in a slot.
-func (c *row) adapterActive(model string) bool {
+// adapterActive reports whether model is running, waiting or held on c,
+// where refs of its requests are in flight: the affinity of a burst
+// follows these, not an adapter idle in a slot.
+func (c *row) adapterActive(model string, refs int) bool {
 	e := &c.engine
 	if c.starving(model) {
 		return false
 	}
-	return c.adapterRefs[model] > 0 || slices.Contains(e.runningAdapters, model) || slices.Contains(e.waitingAdapters, model)
+	return refs > 0 || slices.Contains(e.runningAdapters, model) || slices.Contains(e.waitingAdapters, model)
+}
+
+// adapterRecent reports whether model is among the last max_lora adapters
+// used on c, and not starving there.
+func (c *row) adapterRecent(model string) bool {
+	return !c.starving(model) && slices.Contains(c.recentAdapters, model)
 }
 
 // starving reports whether model's requests wait on c's engine for a slot
@@ -180,20 +188,31 @@ const maxLoadCharges = 16
 // for an adapter short of endpoints when only its own have room
 // (recruitShare). It returns how many candidates it took out.
 func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int) (full int) {
+	if model == "" || p.baseModels[model] {
+		return 0 // a base model is no adapter anywhere
+	}
+	// Whether model is an adapter on each candidate, active there, and
+	// its requests in flight there, worked out once (row scratch): the
+	// rules below read them several times over every candidate.
+	known := p.knownAdapters[model]
 	// The pool's even share of queued prefill, this request included, and
 	// whether an endpoint with the adapter takes it within twice that; the
 	// adapter's requests in flight and the pool's, this one in both; the
 	// endpoints where the adapter is active.
 	total, n, refs, inFlight, active := promptTokens, 0, 1, 1, 0
 	for _, c := range cands {
-		if !c.taken {
-			total += c.queued()
-			n++
-			refs += c.adapterRefs[model]
-			inFlight += c.inFlight
-			if p.isAdapter(c, model) && c.adapterActive(model) {
-				active++
-			}
+		if c.taken {
+			continue
+		}
+		c.adapterRefsHere = c.adapterRefs[model]
+		c.adapter = c.adapterFor(model, known)
+		c.adapterActiveHere = c.adapter && c.adapterActive(model, c.adapterRefsHere)
+		total += c.queued()
+		n++
+		refs += c.adapterRefsHere
+		inFlight += c.inFlight
+		if c.adapterActiveHere {
+			active++
 		}
 	}
 	within := func(c *row, shares int) bool { return (c.queued()+c.uncached)*n <= shares*total }
@@ -206,14 +225,14 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 	// each within twice the even share, and on 7 of 8 (cmd/routesim's
 	// burst).
 	fits := func(c *row, shares int) bool {
-		if 2*c.adapterRefs[model] > c.inFlight {
+		if 2*c.adapterRefsHere > c.inFlight {
 			return (active*c.queued()+c.uncached)*n <= shares*active*total
 		}
 		return within(c, shares)
 	}
 	affine, affineUncached := false, 0
 	for _, c := range cands {
-		if !c.taken && p.isAdapter(c, model) && c.adapterActive(model) {
+		if !c.taken && c.adapterActiveHere {
 			if fits(c, 2) {
 				if !affine || c.uncached < affineUncached {
 					affineUncached = c.uncached
@@ -227,11 +246,11 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 	open, others := 0, 0
 	for _, c := range cands {
 		c.loraOut = loraIn
-		if !c.taken && p.isAdapter(c, model) && c.starves(model) {
+		if !c.taken && c.adapter && c.starves(model) {
 			c.loraOut = loraStarves
 			continue
 		}
-		if c.taken || !p.isAdapter(c, model) || c.adapterResident(model) {
+		if c.taken || !c.adapter || c.adapterActiveHere || c.adapterRecent(model) {
 			if !c.taken && fits(c, openSlack) {
 				open++
 			}

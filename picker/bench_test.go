@@ -45,6 +45,9 @@ type pickLoad struct {
 	prompt []byte
 	ring   []*Reservation
 	n      uint64
+	// models, when set, are the requests' models in turn; else
+	// "bench-model".
+	models []string
 }
 
 func newPickLoad(pool, tokens int) *pickLoad {
@@ -66,7 +69,11 @@ func (l *pickLoad) step() {
 	if *slot != nil {
 		(*slot).Release()
 	}
-	r, err := l.p.Pick(Request{Model: "bench-model", Prompt: l.prompt})
+	model := "bench-model"
+	if len(l.models) > 0 {
+		model = l.models[l.n%uint64(len(l.models))]
+	}
+	r, err := l.p.Pick(Request{Model: model, Prompt: l.prompt})
 	if err != nil {
 		panic(err)
 	}
@@ -93,6 +100,40 @@ func BenchmarkPick(b *testing.B) {
 				cpu.report(b)
 			})
 		}
+	}
+}
+
+// BenchmarkPickInAdapterPool measures a whole pick, as BenchmarkPick, in a
+// pool whose engines serve LoRA adapters (max_lora 2, each running two of
+// 8): model=base asks for the base model, model=adapter for the 8 adapters
+// in turn.
+func BenchmarkPickInAdapterPool(b *testing.B) {
+	const pool, tok = 128, 1_000
+	adapters := make([]string, 8)
+	for i := range adapters {
+		adapters[i] = fmt.Sprint("lora-", i)
+	}
+	for _, m := range []struct {
+		name   string
+		models []string
+	}{{"base", []string{"bench-model"}}, {"adapter", adapters}} {
+		var l *pickLoad
+		b.Run(fmt.Sprintf("endpoints=%d/tokens=%s/model=%s", pool, tokensName(tok), m.name), func(b *testing.B) {
+			if l == nil {
+				l = newPickLoad(pool, tok)
+				for i := range pool {
+					l.p.ObserveEngine(addr(i), EngineStats{Model: "bench-model", HasLoRA: true, MaxLoRAs: 2,
+						RunningAdapters: []string{adapters[i%8], adapters[(i+3)%8]}})
+				}
+				l.models = m.models
+			}
+			b.ReportAllocs()
+			cpu := startCPU()
+			for b.Loop() {
+				l.step()
+			}
+			cpu.report(b)
+		})
 	}
 }
 

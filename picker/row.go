@@ -48,6 +48,12 @@ type row struct {
 	saturated bool
 	loraOut   uint8 // why the adapter rules take it out, if they do (adapters.go)
 	taken     bool  // chosen already, or not eligible
+	// The request's adapter here, for the adapter rules (adapters.go):
+	// whether its model is an adapter on this engine, whether the adapter
+	// is active, and its requests in flight; set only for candidates not
+	// taken.
+	adapter, adapterActiveHere bool
+	adapterRefsHere            int
 
 	// What the engine's metrics say (see engine.go).
 	engine engineView
