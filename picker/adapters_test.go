@@ -359,3 +359,51 @@ func TestAnAdapterShortOfEndpointsTakesAFullOneOnlyWithoutRoomElsewhere(t *testi
 		})
 	}
 }
+
+// A request placed where its engine runs max_lora other adapters waits for
+// one of them to drain before its own loads: its first byte says how long
+// their requests ran, not what a load takes. Such first bytes teach
+// neither the load time nor the rate; loads on engines with a free slot
+// still teach the load time, and base-model requests the rate.
+func TestAWaitForAnAdapterSlotIsNotLearnedAsALoad(t *testing.T) {
+	const (
+		rate    = 50_000.0
+		load    = 300 * time.Millisecond
+		slot    = 4 * time.Second
+		outputs = 16
+	)
+	clock := newFakeClock()
+	p := newPicker(t, 2, testConfig(), Options{Now: clock.Now})
+	for i := range 60 {
+		model, running, wait := baseModel, map[int][]string{}, time.Duration(0)
+		switch i % 3 {
+		case 1: // a free slot everywhere
+			model, wait = fmt.Sprint("adapter-", i), load
+		case 2: // every engine runs its one slot's adapter: the pick waits for it
+			model, wait = fmt.Sprint("adapter-", i), slot+load
+			running = map[int][]string{0: {"busy-0"}, 1: {"busy-1"}}
+		}
+		observeLoRA(p, 1, running)
+		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("slot", i), 16_000), Stream: true})
+		clock.Advance(wait + 10*time.Millisecond + time.Duration(4000/rate*float64(time.Second)))
+		r.FirstByte()
+		clock.Advance((outputs - 1) * 8 * time.Millisecond)
+		r.Completed(outputs)
+		r.Release()
+	}
+	l := p.Snapshot()
+	if got := l.LoRALoadSeconds; math.Abs(got-load.Seconds()) > 0.25*load.Seconds() {
+		t.Errorf("learned a load time of %.3f s, want about %.1f: a wait for a slot is not a load", got, load.Seconds())
+	}
+	if n := l.RateSamples[rateSampleAdapterWait]; n != 20 {
+		t.Errorf("%d samples taken as waits for a slot, want 20", n)
+	}
+	if n := l.RateSamples[rateSampleAdapterLoad]; n != 20 {
+		t.Errorf("%d samples taken as adapter loads, want 20", n)
+	}
+	for _, s := range l.Endpoints {
+		if math.Abs(s.PrefillTokensPerSecond-rate) > 0.25*rate {
+			t.Errorf("%v: prefill rate %.0f tokens/s, want about %.0f: a wait for a slot is not prefill", s.Endpoint.Address, s.PrefillTokensPerSecond, rate)
+		}
+	}
+}

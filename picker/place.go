@@ -87,7 +87,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 	c := cands[first]
 	if p.isAdapter(c, req.Model) {
 		r.adapter = req.Model
-		r.adapterLoad = !c.adapterResident(req.Model)
+		r.adapterLoad, r.adapterWait = c.adapterLoadFor(req.Model)
 	}
 	p.owners++
 	r.owner = p.owners

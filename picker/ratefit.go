@@ -134,10 +134,13 @@ const (
 	// It waited for its adapter to load: it teaches the load time, not the
 	// rate (adapters.go).
 	rateSampleAdapterLoad
+	// It waited for an adapter slot to free, then for the load: it
+	// teaches neither.
+	rateSampleAdapterWait
 	numRateSamples
 )
 
-var rateSampleNames = [numRateSamples]string{"learned", "short", "late", "outlier", "adapter_load"}
+var rateSampleNames = [numRateSamples]string{"learned", "short", "late", "outlier", "adapter_load", "adapter_wait"}
 
 // decayedMean is a mean in which each value added weighs the earlier ones
 // by a decay, so that it follows what the latest values say. Its zero value
@@ -353,6 +356,10 @@ func (p *Picker) learnPrefillLocked(r *Reservation, now int64) {
 			p.rateSamples[rateSampleLate]++
 			return
 		}
+	}
+	if r.adapterWait {
+		p.rateSamples[rateSampleAdapterWait]++
+		return
 	}
 	if r.adapterLoad {
 		p.rateSamples[rateSampleAdapterLoad]++

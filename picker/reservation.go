@@ -23,8 +23,10 @@ type Reservation struct {
 	maxTokens    int    // the request's max_tokens; 0 when it gives none
 	adapter      string // its LoRA adapter on its row's engine; "" for the base model
 	// adapterLoad: its adapter was not resident on its row when it took
-	// it, so its first byte waits for the load (adapters.go).
-	adapterLoad bool
+	// it, so its first byte waits for the load (adapters.go); adapterWait:
+	// the row's engine ran max_lora other adapters then, so it waits first
+	// for one of them to drain.
+	adapterLoad, adapterWait bool
 	endpoints   [maxFallbackEndpoints]netip.AddrPort
 	nEndpoints  int
 
@@ -190,7 +192,7 @@ func (r *Reservation) moveLocked(addr netip.AddrPort, now int64) bool {
 	}
 	r.row = to
 	r.tailOn = nil // recorded whole just below
-	r.adapterLoad = r.adapter != "" && !to.adapterResident(r.adapter)
+	r.adapterLoad, r.adapterWait = to.adapterLoadFor(r.adapter)
 	to.hold(r, now)
 	p.index.Record(to.id, r.hashes, r.owner)
 	return p.index.Untidy()
