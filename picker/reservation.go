@@ -27,8 +27,8 @@ type Reservation struct {
 	// the row's engine ran max_lora other adapters then, so it waits first
 	// for one of them to drain.
 	adapterLoad, adapterWait bool
-	endpoints   [maxFallbackEndpoints]netip.AddrPort
-	nEndpoints  int
+	endpoints                [maxFallbackEndpoints]netip.AddrPort
+	nEndpoints               int
 
 	// Guarded by p.mu.
 	row          *row // current holder; its counters include this reservation until released
