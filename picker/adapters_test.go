@@ -209,12 +209,8 @@ func TestTheAdapterLoadTimeIsLearnedApartFromTheRate(t *testing.T) {
 		if i%2 == 1 {
 			model, tokens, wait = fmt.Sprint("adapter-", i), 4000, load // never loaded before
 		}
-		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("load", i), tokens*4), Stream: true})
-		clock.Advance(wait + 10*time.Millisecond + time.Duration(float64(tokens)/rate*float64(time.Second)))
-		r.FirstByte()
-		clock.Advance((outputs - 1) * 8 * time.Millisecond)
-		r.Completed(outputs)
-		r.Release()
+		serveStreamed(t, p, clock, Request{Model: model, Prompt: text(fmt.Sprint("load", i), tokens*4), Stream: true},
+			wait+10*time.Millisecond+time.Duration(float64(tokens)/rate*float64(time.Second)), outputs)
 	}
 	l := p.Snapshot()
 	if got := l.LoRALoadSeconds; math.Abs(got-load.Seconds()) > 0.15*load.Seconds() {
@@ -228,6 +224,18 @@ func TestTheAdapterLoadTimeIsLearnedApartFromTheRate(t *testing.T) {
 	if n := l.RateSamples[rateSampleAdapterLoad]; n != 30 {
 		t.Errorf("%d samples taken as adapter loads, want 30", n)
 	}
+}
+
+// serveStreamed picks req on p and serves it on clock: its first byte after
+// firstByte, then outputs tokens 8 ms apart; then it ends.
+func serveStreamed(t *testing.T, p *Picker, clock *fakeClock, req Request, firstByte time.Duration, outputs int) {
+	t.Helper()
+	r := mustPick(t, p, req)
+	clock.Advance(firstByte)
+	r.FirstByte()
+	clock.Advance(time.Duration(outputs-1) * 8 * time.Millisecond)
+	r.Completed(outputs)
+	r.Release()
 }
 
 // A burst for an adapter stays on the endpoints where it is active, but an
@@ -384,12 +392,8 @@ func TestAWaitForAnAdapterSlotIsNotLearnedAsALoad(t *testing.T) {
 			running = map[int][]string{0: {"busy-0"}, 1: {"busy-1"}}
 		}
 		observeLoRA(p, 1, running)
-		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("slot", i), 16_000), Stream: true})
-		clock.Advance(wait + 10*time.Millisecond + time.Duration(4000/rate*float64(time.Second)))
-		r.FirstByte()
-		clock.Advance((outputs - 1) * 8 * time.Millisecond)
-		r.Completed(outputs)
-		r.Release()
+		serveStreamed(t, p, clock, Request{Model: model, Prompt: text(fmt.Sprint("slot", i), 16_000), Stream: true},
+			wait+10*time.Millisecond+time.Duration(4000/rate*float64(time.Second)), outputs)
 	}
 	l := p.Snapshot()
 	if got := l.LoRALoadSeconds; math.Abs(got-load.Seconds()) > 0.25*load.Seconds() {
