@@ -305,12 +305,12 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 // fit, such samples dragged the prefill rate down. A request placed where
 // the engine ran max_lora other adapters waits first for one of them to
 // drain, for as long as their requests run: it teaches nothing. Learned
-// from those too, the load time of 200 ms was learned as 1 to 3 s at 70%
-// load in the routing simulator and 4 to 13 s at 100%, where every such
-// first byte had waited for a slot, and each load was charged that much. The samples' mean
-// (Picker.loraLoad) starts from loraLoadPrior samples of the configured
-// loraLoadMilliseconds, and each sample weighs the earlier ones by
-// loraLoadDecay (a memory of about ten loads).
+// from those too, a load of 200 ms was learned as up to 3 s at 70% load
+// in the routing simulator and up to 13 s at 100%, and every load was
+// charged that much. The samples' mean (Picker.loraLoad) starts from
+// loraLoadPrior samples of the configured loraLoadMilliseconds, and each
+// sample weighs the earlier ones by loraLoadDecay (a memory of about ten
+// loads).
 const (
 	loraLoadPrior = 2
 	loraLoadDecay = 0.9
