@@ -526,6 +526,39 @@ func TestUnannouncedStreamingGatewayIsNotTimedAgain(t *testing.T) {
 	}
 }
 
+// A stream that began to wait for its body before its gateway showed that
+// it streams (another stream's body came unasked) is not taken for
+// BUFFERED when its own body comes after unannouncedBodyWait: in a cold
+// burst on a picker short of CPU, such a stream's request was refused.
+func TestAStreamWaitingWhenItsGatewayShowsItStreamsIsNotTimed(t *testing.T) {
+	body := []byte(`{"model":"m","prompt":"` + letters(74, 3000) + `"}`)
+	for attempt := 1; ; attempt++ {
+		f := newFixture(t, fixtureOptions{})
+		late := openWithin(t, f)
+		if err := late.Send(headersMessage("/v1/completions", body, fullDuplexMode, false)); err != nil {
+			t.Fatal(err)
+		}
+		began := time.Now()
+		time.Sleep(20 * time.Millisecond) // its headers are in, its wait armed
+		early := openWithin(t, f)
+		if err := early.Send(headersMessage("/v1/completions", body, fullDuplexMode, false)); err != nil {
+			t.Fatal(err)
+		}
+		playFullDuplex(t, early, body, split(body, 2))
+		if time.Since(began) > 70*time.Millisecond {
+			// The machine was too slow to show the gateway streaming well
+			// inside the first stream's wait (100 ms): set the scene again.
+			if attempt == 5 {
+				t.Fatalf("%d attempts to route a request within 70 ms of another's headers", attempt)
+			}
+			continue
+		}
+		time.Sleep(300 * time.Millisecond) // past the late stream's wait
+		playFullDuplex(t, late, body, split(body, 2))
+		return
+	}
+}
+
 // openWithin opens a stream that a stall fails within seconds rather than
 // at the test's deadline; it ends with the test.
 func openWithin(t *testing.T, f *fixture) *envoy.Stream {

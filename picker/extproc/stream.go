@@ -247,7 +247,9 @@ var headersUnrouted = &extprocv3.ProcessingResponse{Response: &extprocv3.Process
 // (a slow client, or a picker short of CPU) would be taken for a BUFFERED
 // one. So the first body that comes unasked settles the question for the
 // server: its gateway streams, and no later unannounced stream is timed
-// (Server.unannouncedStreams). A picker serving both an unannounced
+// (Server.unannouncedStreams), nor is one still waiting: its timer finds
+// the question settled and answers nothing. (A test's cold burst of 128
+// unannounced streams on a loaded machine had one request refused so.) A picker serving both an unannounced
 // FULL_DUPLEX_STREAMED gateway and an unannounced BUFFERED one serves the
 // BUFFERED one's requests only until the first has shown itself; Envoy
 // 1.35 and later announce their modes, and none of this applies; nor does
@@ -272,8 +274,13 @@ const (
 
 func (st *stream) awaitBody() {
 	w := &bodyWait{answered: make(chan struct{})}
-	srv := st.srv
+	srv, settled := st.srv, &st.s.unannouncedStreams
 	w.timer = time.AfterFunc(unannouncedBodyWait, func() {
+		if settled.Load() {
+			// Another stream's body has come unasked since this one began
+			// waiting: the gateway streams, and this body comes too.
+			return
+		}
 		if !w.state.CompareAndSwap(waitPending, waitAnswering) {
 			return
 		}
