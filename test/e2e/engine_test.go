@@ -493,8 +493,12 @@ var _ = Describe("A standby picker taking over from a crashed leader", Ordered, 
 		// leaving the engines at 20/20/10.
 		Expect(seenErr).NotTo(HaveOccurred(), "the standby scrapes the engines before it leads")
 		Expect(takeover).To(BeNumerically("<=", takeoverBound), "the standby leads once the crashed leader's lease expires")
+		// Within 10% of even, in whole numbers: as floats, 15 of 50 on 3
+		// pods was 1.666666666666668 from even, past the bound of
+		// 1.6666666666666667.
 		for _, p := range pods {
-			Expect(float64(load[p.Name])).To(BeNumerically("~", even, even/10), "requests on the engines after the first burst: %v (the burst placed %v)", load, placed)
+			off := len(pods)*load[p.Name] - (oldLoad + burstSize)
+			Expect(10*max(off, -off)).To(BeNumerically("<=", oldLoad+burstSize), "requests on the engines after the first burst: %v (the burst placed %v; even %.2f)", load, placed, even)
 		}
 	}, SpecTimeout(3*time.Minute))
 })
