@@ -249,11 +249,12 @@ var headersUnrouted = &extprocv3.ProcessingResponse{Response: &extprocv3.Process
 // server: its gateway streams, and no later unannounced stream is timed
 // (Server.unannouncedStreams), nor is one still waiting: its timer finds
 // the question settled and answers nothing. (A test's cold burst of 128
-// unannounced streams on a loaded machine had one request refused so.) A picker serving both an unannounced
-// FULL_DUPLEX_STREAMED gateway and an unannounced BUFFERED one serves the
-// BUFFERED one's requests only until the first has shown itself; Envoy
-// 1.35 and later announce their modes, and none of this applies; nor does
-// it to a stream without pseudo-headers, which no Envoy sends.
+// unannounced streams on a loaded machine had one request refused so.)
+// A picker serving both an unannounced FULL_DUPLEX_STREAMED gateway and
+// an unannounced BUFFERED one serves the BUFFERED one's requests only
+// until the first has shown itself; Envoy 1.35 and later announce their
+// modes, and none of this applies; nor does it to a stream without
+// pseudo-headers, which no Envoy sends.
 const unannouncedBodyWait = 100 * time.Millisecond
 
 // bodyWait is the inference of an unannounced body mode: a timer that
