@@ -104,8 +104,14 @@ func (c *row) adapterLoadFor(a string) (load, wait bool) {
 	if a == "" || c.adapterResident(a) {
 		return false, false
 	}
+	return true, c.adapterSlotsFull()
+}
+
+// adapterSlotsFull reports whether c's engine runs max_lora adapters: one
+// more waits for a slot.
+func (c *row) adapterSlotsFull() bool {
 	m := c.engine.maxLoRAs
-	return true, m > 0 && c.activeAdapters() >= m
+	return m > 0 && c.activeAdapters() >= m
 }
 
 // starving reports whether model's requests wait on c's engine for a slot
@@ -274,7 +280,7 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 		// Loading the adapter stalls the engine's whole batch: every
 		// request in flight there waits the load time too.
 		c.cost += int(p.loraLoad.mean() * c.rate * float64(min(1+c.inFlight, maxLoadCharges)))
-		if m := c.engine.maxLoRAs; m > 0 && c.activeAdapters() >= m {
+		if c.adapterSlotsFull() {
 			c.loraOut = loraFull
 			continue
 		}
