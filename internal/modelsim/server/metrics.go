@@ -4,6 +4,7 @@ import (
 	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 )
 
 // engineLabel is the value of the engine label: vLLM numbers its engines
@@ -114,10 +115,16 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 			ch <- d
 		}
 	}
+	for _, h := range c.s.histograms() {
+		ch <- h.Desc()
+	}
 }
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
-	st, lora := c.s.metricsSnapshot()
+	st, lora, hists := c.s.metricsSnapshot()
+	for _, h := range hists {
+		ch <- h
+	}
 	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
 	}
@@ -143,4 +150,18 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		}
 		counter(c.adapterLoads, float64(st.AdapterLoads))
 	}
+}
+
+// frozen is h as it is now: a histogram's own Write reads it when the
+// registry comes to it, after observations made since.
+func frozen(h prometheus.Histogram) prometheus.Metric {
+	var m dto.Metric
+	if err := h.Write(&m); err != nil {
+		return prometheus.NewInvalidMetric(h.Desc(), err)
+	}
+	buckets := make(map[float64]uint64, len(m.Histogram.GetBucket()))
+	for _, b := range m.Histogram.GetBucket() {
+		buckets[b.GetUpperBound()] = b.GetCumulativeCount()
+	}
+	return prometheus.MustNewConstHistogram(h.Desc(), m.Histogram.GetSampleCount(), m.Histogram.GetSampleSum(), buckets)
 }

@@ -240,11 +240,8 @@ func New(cfg Config) (*Server, error) {
 	s.prefill = newPhaseTimeHistogram(cfg.Model, "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.")
 	s.decode = newPhaseTimeHistogram(cfg.Model, "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.")
 	s.output = newGenerationTokensHistogram(cfg.Model)
-	for _, c := range []prometheus.Collector{s.ttft, s.prefill, s.decode, s.output} {
-		if err := reg.Register(c); err != nil {
-			return nil, fmt.Errorf("registering metrics: %w", err)
-		}
-	}
+	// The collector writes the histograms too, from the snapshot it reads
+	// the engine in.
 	if err := reg.Register(newCollector(s)); err != nil {
 		return nil, fmt.Errorf("registering metrics: %w", err)
 	}
@@ -286,7 +283,7 @@ func (s *Server) FailMetrics(failing bool) { s.metricsOff.Store(failing) }
 
 // Stats returns the engine's gauges and counters at the current time.
 func (s *Server) Stats() engine.Stats {
-	st, _ := s.metricsSnapshot()
+	st, _, _ := s.metricsSnapshot()
 	return st
 }
 
@@ -296,8 +293,17 @@ type loraInfoSeries struct {
 	at     float64 // unix seconds of its last write
 }
 
-// metricsSnapshot reads the engine and the LoRA gauge's series at once.
-func (s *Server) metricsSnapshot() (engine.Stats, []loraInfoSeries) {
+// histograms are the request histograms, observed under mu.
+func (s *Server) histograms() []prometheus.Histogram {
+	return []prometheus.Histogram{s.ttft, s.prefill, s.decode, s.output}
+}
+
+// metricsSnapshot reads the engine, the LoRA gauge's series and the
+// histograms at once. Read apart, a scrape whose reading of the engine
+// ended requests the driver had not yet come to could report them ended
+// in its gauges and counters and not in its histograms (or the reverse),
+// so a picker would miss their output tokens.
+func (s *Server) metricsSnapshot() (engine.Stats, []loraInfoSeries, []prometheus.Metric) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.advanceLocked()
@@ -308,7 +314,11 @@ func (s *Server) metricsSnapshot() (engine.Stats, []loraInfoSeries) {
 			series = append(series, loraInfoSeries{l, at})
 		}
 	}
-	return s.eng.Stats(), series
+	hists := make([]prometheus.Metric, 0, 4)
+	for _, h := range s.histograms() {
+		hists = append(hists, frozen(h))
+	}
+	return s.eng.Stats(), series, hists
 }
 
 func (s *Server) closed() bool {

@@ -13,6 +13,7 @@ import (
 	"net/http/httptest"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -826,4 +827,52 @@ series:
 		t.Fatalf("%s%v: %d series", name, want, len(found))
 	}
 	return found[0]
+}
+
+// A scrape that finds requests finished reports them finished everywhere:
+// its histograms (observed when a request ends) count what its counters and
+// gauges do. A picker reading num_requests_running 0 learns from the same
+// scrape's request_generation_tokens that those requests ended.
+func TestAScrapeAgreesWithItselfOnFinishedRequests(t *testing.T) {
+	_, url := startServer(t, func(c *Config) { c.TimeScale = 10 })
+	ctx := t.Context()
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	for c := range 8 {
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				body := fmt.Sprintf(`{"prompt":"%d-%d%s","max_tokens":4}`, c, i, strings.Repeat("x", 400))
+				resp := post(t, ctx, url+"/v1/completions", body)
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+		})
+	}
+	defer func() { close(done); wg.Wait() }()
+	deadline := time.Now().Add(time.Second)
+	scrapes, moved := 0, 0
+	last := -1.0
+	for time.Now().Before(deadline) {
+		fams := scrape(t, url)
+		scrapes++
+		finished := value(t, fams, "vllm:request_success_total", map[string]string{"finished_reason": "length"})
+		if finished != last {
+			moved++
+			last = finished
+		}
+		for _, name := range []string{"vllm:request_generation_tokens", "vllm:request_decode_time_seconds", "vllm:request_prefill_time_seconds"} {
+			if got := float64(histogram(t, fams, name).GetSampleCount()); got != finished {
+				t.Fatalf("scrape %d: %s counts %v requests, request_success_total %v", scrapes, name, got, finished)
+			}
+		}
+	}
+	if moved < 10 {
+		t.Fatalf("requests finished between only %d of %d scrapes: the test saw too little", moved, scrapes)
+	}
+	t.Logf("%d scrapes, %d of them after requests finished", scrapes, moved)
 }
