@@ -295,21 +295,22 @@ func TestLoadOnlyRoutingIsWarnedOnce(t *testing.T) {
 	}
 }
 
+// shimHeaders is what NGINX Gateway Fabric's shim sends: the client's
+// headers only. More headers may follow (kv: name, value, ...).
+func shimHeaders(kv ...string) *extprocv3.ProcessingRequest {
+	headers := []*corev3.HeaderValue{{Key: "content-type", Value: "application/json"}, {Key: "x-request-id", Value: "abc"}}
+	for i := 0; i+1 < len(kv); i += 2 {
+		headers = append(headers, &corev3.HeaderValue{Key: kv[i], Value: kv[i+1]})
+	}
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
+		RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: headers}},
+	}}
+}
+
 // TestMalformedStreamsAreAnsweredNotRouted plays message sequences no
 // well-formed request produces. Each gets an HTTP answer or, for a broken
 // ext_proc protocol, a gRPC InvalidArgument; none leaves a reservation.
 func TestMalformedStreamsAreAnsweredNotRouted(t *testing.T) {
-	// What NGINX Gateway Fabric's shim sends: the client's headers only.
-	// More headers may follow (kv: name, value, ...).
-	shimHeaders := func(kv ...string) *extprocv3.ProcessingRequest {
-		headers := []*corev3.HeaderValue{{Key: "content-type", Value: "application/json"}, {Key: "x-request-id", Value: "abc"}}
-		for i := 0; i+1 < len(kv); i += 2 {
-			headers = append(headers, &corev3.HeaderValue{Key: kv[i], Value: kv[i+1]})
-		}
-		return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
-			RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: headers}},
-		}}
-	}
 	bodiless := func(kv ...string) *extprocv3.ProcessingRequest {
 		return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
 			RequestHeaders: &extprocv3.HttpHeaders{Headers: envoy.HeaderMap(kv...), EndOfStream: true},

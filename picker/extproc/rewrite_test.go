@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -192,5 +193,69 @@ func TestTheResponseNamesTheClientsModel(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// A gateway that sends no pseudo-headers (NGINX Gateway Fabric's shim)
+// takes only the destination from the answer and sends the body on as the
+// client wrote it: a rewrite cannot reach the model server, so the request
+// is routed as the model it names, the rewrite is counted unapplied (not
+// as a decision), and the picker says so once.
+func TestARewriteAShimCannotApplyIsCountedNotScored(t *testing.T) {
+	rw := &picker.Rewrites{}
+	rw.ReplaceRewrites([]picker.RewriteRule{{Name: "canary", Models: []string{"llama"},
+		Targets: []picker.RewriteTarget{{Model: "llama-v2", Weight: 1}}}})
+	var lines logLines
+	logger := lines.logger()
+	var log *requestLog
+	f := newFixture(t, fixtureOptions{rewrites: rw, log: &logger, wrap: func(p extproc.Picker) extproc.Picker {
+		log = &requestLog{Picker: p}
+		return log
+	}})
+	for i, tc := range []struct {
+		model, header string
+	}{{"llama", ""}, {"mistral", "mistral-v3"}, {"llama", ""}} {
+		x, err := f.gw.Open(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		var extra []string
+		if tc.header != "" {
+			extra = []string{"x-gateway-model-name-rewrite", tc.header}
+		}
+		for _, m := range msgs(shimHeaders(extra...), envoy.BodyChunk(completionBody(tc.model, letters(uint64(40+i), 300)), true)) {
+			if err := x.Send(m); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := x.CloseSend(); err != nil {
+			t.Fatal(err)
+		}
+		routed := ""
+		for {
+			resp, err := x.Recv()
+			if err != nil {
+				break
+			}
+			if d := destination(resp.GetRequestHeaders().GetResponse()); d != "" {
+				routed = d
+			}
+		}
+		if routed == "" {
+			t.Fatalf("request %d was not routed", i)
+		}
+		if got := log.last(t).Model; got != tc.model {
+			t.Errorf("request %d: the picker scored %q, want the model the server receives, %q", i, got, tc.model)
+		}
+	}
+	if got := f.counter(t, "tally_model_rewrites_unapplied_total", nil); got != 3 {
+		t.Errorf("tally_model_rewrites_unapplied_total = %v, want 3", got)
+	}
+	if got := f.counter(t, "inference_extension_model_rewrite_decisions_total",
+		map[string]string{"model_rewrite_name": "canary", "model_name": "llama", "target_model": "llama-v2"}); got != 0 {
+		t.Errorf("rewrite decisions = %v, want none: none was applied", got)
+	}
+	if n := lines.count("takes only the destination"); n != 1 {
+		t.Errorf("the warning was logged %d times, want once:\n%s", n, strings.Join(lines.lines, "\n"))
 	}
 }

@@ -103,6 +103,9 @@ type Server struct {
 	// loadOnlyWarned makes the body-mode warning a once-per-process line
 	// rather than one per request.
 	loadOnlyWarned atomic.Bool
+	// unappliedRewriteWarned does the same for a model rewrite a gateway
+	// without pseudo-headers would not apply.
+	unappliedRewriteWarned atomic.Bool
 	// unannouncedStreams: a gateway that announced no body mode has sent a
 	// body before its headers were answered, so it streams
 	// (FULL_DUPLEX_STREAMED); see unannouncedBodyWait.
@@ -307,15 +310,16 @@ func (s *Server) charge(n int64) bool {
 func (s *Server) uncharge(n int64) { s.buffered.Add(-n) }
 
 type metrics struct {
-	requests         *prometheus.CounterVec
-	requestBytes     prometheus.Histogram
-	bufferedBytes    prometheus.GaugeFunc
-	budgetRejections prometheus.Counter
-	loadOnlyRoutes   *prometheus.CounterVec
-	protocolErrors   prometheus.Counter
-	streamsActive    prometheus.Gauge
-	streamPanics     prometheus.Counter
-	upstreamErrors   prometheus.Counter
+	requests          *prometheus.CounterVec
+	requestBytes      prometheus.Histogram
+	bufferedBytes     prometheus.GaugeFunc
+	budgetRejections  prometheus.Counter
+	loadOnlyRoutes    *prometheus.CounterVec
+	unappliedRewrites prometheus.Counter
+	protocolErrors    prometheus.Counter
+	streamsActive     prometheus.Gauge
+	streamPanics      prometheus.Counter
+	upstreamErrors    prometheus.Counter
 }
 
 // newMetrics builds the collectors unregistered: with no Registerer they still
@@ -344,6 +348,12 @@ func newMetrics(buffered *atomic.Int64) metrics {
 			Help: "Requests with a body routed on load alone, without prefix affinity, by reason " +
 				"(request_body_mode: the gateway's request body mode is neither FULL_DUPLEX_STREAMED nor BUFFERED).",
 		}, []string{"reason"}),
+		unappliedRewrites: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "tally_model_rewrites_unapplied_total",
+			Help: "Requests whose model a rewrite (a rule, or x-gateway-model-name-rewrite) would change, from a gateway that sends no " +
+				"pseudo-headers (NGINX Gateway Fabric's shim): it takes only the destination from the picker, so the model server " +
+				"receives the model the client named, and the picker scores that one.",
+		}),
 		protocolErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "tally_protocol_errors_total",
 			Help: "ext_proc streams ended with InvalidArgument because the gateway broke the protocol.",
@@ -365,5 +375,5 @@ func newMetrics(buffered *atomic.Int64) metrics {
 
 func (m metrics) register(r prometheus.Registerer) {
 	r.MustRegister(m.requests, m.requestBytes, m.bufferedBytes, m.budgetRejections, m.loadOnlyRoutes,
-		m.protocolErrors, m.streamsActive, m.streamPanics, m.upstreamErrors)
+		m.unappliedRewrites, m.protocolErrors, m.streamsActive, m.streamPanics, m.upstreamErrors)
 }

@@ -633,6 +633,11 @@ func (st *stream) parse() (picker.Request, error) {
 // body is otherwise passed on byte for byte. Where no rule matches, the
 // gateway's x-gateway-model-name-rewrite header names the target, as with
 // the upstream picker.
+//
+// A gateway that sends no pseudo-headers (NGINX Gateway Fabric's shim)
+// takes only the destination header from the answer, and sends the body
+// on as the client wrote it: its request is scored for the model the
+// model server will receive, and the rewrite is counted as unapplied.
 func (st *stream) rewriteModel(req *picker.Request) {
 	if st.body == nil {
 		return
@@ -643,11 +648,23 @@ func (st *stream) rewriteModel(req *picker.Request) {
 	}
 	switch {
 	case ok:
-		st.s.upstream.rewrite(rule, req.Model, target)
 	case st.modelHeader != "":
 		target = st.modelHeader
 	default:
 		return
+	}
+	if st.path == "" && target != req.Model {
+		st.s.metrics.unappliedRewrites.Inc()
+		if st.s.unappliedRewriteWarned.CompareAndSwap(false, true) {
+			st.s.opts.Log.Info("WARNING: a model rewrite matched a request from a gateway that sends no pseudo-headers "+
+				"(NGINX Gateway Fabric's shim), which takes only the destination from the picker: "+
+				"the model server receives the model the client named, and the picker routes it as that model",
+				"model", req.Model, "target", target, "metric", "tally_model_rewrites_unapplied_total")
+		}
+		return
+	}
+	if ok {
+		st.s.upstream.rewrite(rule, req.Model, target)
 	}
 	st.up.model, st.up.target = req.Model, target
 	if target == req.Model {
