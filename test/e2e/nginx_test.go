@@ -16,6 +16,9 @@ import (
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/tallyepp/tally/api/v1alpha2"
 	"github.com/tallyepp/tally/internal/ngfshim/nginx"
 	"github.com/tallyepp/tally/internal/stack"
 )
@@ -253,6 +256,48 @@ var _ = Describe("Through NGINX as NGINX Gateway Fabric drives it", Ordered, Con
 			g.Expect(gauge(g, "tally_decode_seconds_per_token")).To(BeNumerically("~", wantSpeed, 0.2*wantSpeed))
 		}).WithTimeout(10 * time.Second).Should(Succeed())
 		By(fmt.Sprintf("learned %.3f ms a token", 1e3*gauge(Default, "tally_decode_seconds_per_token")))
+	}, SpecTimeout(time.Minute))
+
+	It("routes a request a model rewrite matches as the model NGINX sends on, and counts the rewrite unapplied", func(ctx SpecContext) {
+		// NGF's shim takes only the destination from the picker's answer:
+		// the engines receive the model the client named. The simulators
+		// serve no model "elsewhere", so a request NGINX sent on rewritten
+		// would get 404.
+		rw := &v1alpha2.InferenceModelRewrite{
+			ObjectMeta: metav1.ObjectMeta{Name: "elsewhere", Namespace: ns.Options().Namespace},
+			Spec: v1alpha2.InferenceModelRewriteSpec{
+				PoolRef: &v1alpha2.PoolObjectReference{Name: v1alpha2.ObjectName(ns.Options().PoolName)},
+				Rules: []v1alpha2.InferenceModelRewriteRule{{
+					Matches: []v1alpha2.Match{{Model: &v1alpha2.ModelMatch{Value: stack.DefaultModel}}},
+					Targets: []v1alpha2.TargetModel{{ModelRewrite: "elsewhere"}},
+				}},
+			},
+		}
+		Expect(ns.Client().Create(ctx, rw)).To(Succeed())
+		DeferCleanup(func(ctx SpecContext) { Expect(ns.Client().Delete(ctx, rw)).To(Succeed()) })
+		unapplied := func() float64 {
+			m, err := ns.PickerMetrics(ctx)
+			Expect(err).NotTo(HaveOccurred())
+			v, _ := m.Value("tally_model_rewrites_unapplied_total")
+			return v
+		}
+		before := unapplied()
+		// Every request succeeds, before the picker has the rewrite and
+		// after; once it has, each one counts.
+		eventually(ctx, func(g Gomega) {
+			req := stack.Completion(stack.DefaultModel, "not rewritten "+nextID("nginx-rewrite"), 4, false)
+			status, body := postVia(ctx, ns, gw.URL(), req.Path, req.Body, nextID("nginx-rewrite"))
+			Expect(status).To(Equal(http.StatusOK), "body: %.300s\n%s", body, nginxSays())
+			g.Expect(unapplied()).To(BeNumerically(">", before))
+		}).WithTimeout(30 * time.Second).Should(Succeed())
+		counted := unapplied()
+		for i := range 5 {
+			req := stack.Completion(stack.DefaultModel, fmt.Sprintf("not rewritten %d %s", i, nextID("nginx-rewrite")), 4, false)
+			status, body := postVia(ctx, ns, gw.URL(), req.Path, req.Body, nextID("nginx-rewrite"))
+			Expect(status).To(Equal(http.StatusOK), "body: %.300s\n%s", body, nginxSays())
+		}
+		Expect(unapplied()).To(Equal(counted+5), "each request the rewrite matched is counted")
+		expectLedgerDrains(ctx, ns)
 	}, SpecTimeout(time.Minute))
 })
 
