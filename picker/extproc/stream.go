@@ -151,6 +151,12 @@ func (st *stream) outOfOrder(req *extprocv3.ProcessingRequest) string {
 	return ""
 }
 
+// viaShim reports whether the stream comes through a shim such as NGINX
+// Gateway Fabric's rather than Envoy: it sent no :path (Envoy always sends
+// its pseudo-headers). Such a gateway sends its body unasked and takes only
+// the destination header from the answer, proxying to it as one host:port.
+func (st *stream) viaShim() bool { return st.path == "" }
+
 func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) error {
 	st.headersSeen = true
 	st.up.requestHeaders()
@@ -197,11 +203,8 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 	}
 	switch st.requestMode {
 	case fullDuplex:
-		// Only Envoy has a BUFFERED mode, and Envoy always sends its
-		// pseudo-headers: a stream without them (a shim such as NGINX
-		// Gateway Fabric's) sends its body unasked and reads the
-		// destination from the headers answer alone.
-		if !st.announced && !st.s.unannouncedStreams.Load() && st.path != "" {
+		// Only Envoy has a BUFFERED mode: a shim's body comes unasked.
+		if !st.announced && !st.s.unannouncedStreams.Load() && !st.viaShim() {
 			st.awaitBody()
 		}
 		return nil // answered once the body is complete
@@ -562,10 +565,8 @@ func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 	st.up.routed(st.bodyLen())
 
 	eps := res.Endpoints()
-	if st.path == "" {
-		// A gateway that sends no pseudo-headers is no Envoy: NGINX Gateway
-		// Fabric proxies to the header's value as one host:port, and a
-		// fallback list there fails every request.
+	if st.viaShim() {
+		// A fallback list would fail every request there.
 		eps = eps[:1]
 	}
 	answer := &wire.RouteAnswer{InBody: inBodyAnswer, Destination: destinationValue(eps)}
@@ -653,7 +654,7 @@ func (st *stream) rewriteModel(req *picker.Request) {
 	default:
 		return
 	}
-	if st.path == "" && target != req.Model {
+	if st.viaShim() && target != req.Model {
 		st.s.metrics.unappliedRewrites.Inc()
 		if st.s.unappliedRewriteWarned.CompareAndSwap(false, true) {
 			st.s.opts.Log.Info("WARNING: a model rewrite matched a request from a gateway that sends no pseudo-headers "+

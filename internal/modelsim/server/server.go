@@ -283,8 +283,10 @@ func (s *Server) FailMetrics(failing bool) { s.metricsOff.Store(failing) }
 
 // Stats returns the engine's gauges and counters at the current time.
 func (s *Server) Stats() engine.Stats {
-	st, _, _ := s.metricsSnapshot()
-	return st
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.advanceLocked()
+	return s.eng.Stats()
 }
 
 // loraInfoSeries is one series of vllm:lora_requests_info.
