@@ -150,6 +150,19 @@ func TestDashboardQueriesOnlyExportedMetrics(t *testing.T) {
 			t.Errorf("the dashboard shows no panel over %s", name)
 		}
 	}
+	// So are model rewrites (those a gateway cannot apply among them), what
+	// the learned rate made of first bytes (adapter loads and slot waits
+	// among them), and flow control.
+	for _, name := range []string{
+		"inference_extension_model_rewrite_decisions_total", "tally_model_rewrites_unapplied_total",
+		"tally_prefill_rate_samples_total",
+		"inference_extension_flow_control_queue_size", "inference_extension_flow_control_pool_saturation",
+		"inference_extension_flow_control_request_queue_duration_seconds", "tally_flow_control_requests_total",
+	} {
+		if !queried[name] {
+			t.Errorf("the dashboard shows no panel over %s", name)
+		}
+	}
 }
 
 func TestMetricsDocDocumentsEveryMetric(t *testing.T) {
