@@ -87,7 +87,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.Uint64Var(&o.cfg.Seed, "seed", 1, "seed of every random choice")
 	fs.IntVar(&o.requests, "requests", 0, "replay the first N requests of the trace (0: all)")
 	fs.StringVar(&o.policies, "policies", strings.Join(routesim.Policies(), ","), "comma-separated policies to run, of "+strings.Join(routesim.KnownPolicies(), ", ")+
-		" (tally-flow: tally with flow control on; exact-greedy: a reference no router can be, which sees every engine's cache and queued prefill and sends each request where its own TTFT is least)")
+		" (tally-flow: tally with flow control on; exact-greedy: a reference no router can be, which sees every engine's cache and queued prefill and sends each request where its uncached prompt plus the prefill queued ahead of it is least; forecast-greedy: another, which runs a copy of each engine with the request added and sends it where its first token comes soonest, adapter loads and slot waits included)")
 	fs.IntVar(&o.burst.Requests, "burst", db.Requests, "requests of the burst scenario (0: no burst)")
 	fs.IntVar(&o.burst.PromptTokens, "burst-prompt-tokens", db.PromptTokens, "prompt of each burst request, in tokens")
 	fs.IntVar(&o.burst.SharedTokens, "burst-shared-tokens", db.SharedTokens, "leading prompt tokens the burst shares (whole 512-token blocks), held by one engine before it")

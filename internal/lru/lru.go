@@ -9,7 +9,10 @@
 // knows which of its entries are evictable.
 package lru
 
-import "iter"
+import (
+	"iter"
+	"slices"
+)
 
 const none int32 = -1
 
@@ -26,6 +29,13 @@ type List struct {
 // it for larger ones.
 func New(n int) *List {
 	return &List{links: make([]link, n), head: none, tail: none}
+}
+
+// Clone returns a copy of the list that changes independently of it.
+func (l *List) Clone() *List {
+	c := *l
+	c.links = slices.Clone(l.links)
+	return &c
 }
 
 // Len is how many indices the list holds.

@@ -57,3 +57,20 @@ func TestListKeepsTheOrderOfUse(t *testing.T) {
 		t.Fatalf("Oldest() = %d, %v; want 4, true", i, ok)
 	}
 }
+
+func TestACloneChangesApartFromItsList(t *testing.T) {
+	l := New(4)
+	for _, i := range []int32{2, 0, 3} {
+		l.PushBack(i)
+	}
+	c := l.Clone()
+	c.Remove(0)
+	c.PushBack(1)
+	l.Remove(2)
+	if got, want := order(t, l), []int32{0, 3}; !slices.Equal(got, want) {
+		t.Errorf("the list's order %v, want %v", got, want)
+	}
+	if got, want := order(t, c), []int32{2, 3, 1}; !slices.Equal(got, want) {
+		t.Errorf("the clone's order %v, want %v", got, want)
+	}
+}

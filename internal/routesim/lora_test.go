@@ -259,3 +259,50 @@ func TestAdapterBurst(t *testing.T) {
 		t.Errorf("tally used %d engines for a new adapter's burst, round-robin %d", used[Tally], used[RoundRobin])
 	}
 }
+
+// The forecast-greedy reference runs each engine forward: a request for an
+// adapter goes where the adapter runs, not where its slot is held by
+// another adapter for tens of seconds of decoding, though no prefill is
+// queued on either engine (exact-greedy, which counts queued prefill alone,
+// sends it to either).
+func TestForecastGreedySeesTheWaitForAnAdapterSlot(t *testing.T) {
+	reqs := []Request{
+		{Arrival: 0, InputTokens: 8_000, OutputTokens: 2_000, HashIDs: seq(0, blocksFor(8_000)), Adapter: "lora-0"},
+		{Arrival: 0, InputTokens: 8_000, OutputTokens: 2_000, HashIDs: seq(1000, blocksFor(8_000)), Adapter: "lora-1"},
+		{Arrival: time.Second, InputTokens: 1_000, OutputTokens: 2, HashIDs: seq(2000, blocksFor(1_000)), Adapter: "lora-0"},
+	}
+	cfg := Config{Engines: 2, KVBlocks: engine.DefaultKVBlocks, LoadFactor: 1, Adapters: 2, BaseFraction: 1,
+		MaxLoRAs: 1, LoRALoadTime: 200 * time.Millisecond}
+	exactMissed := 0
+	for seed := uint64(1); seed <= 20; seed++ {
+		cfg.Seed = seed
+		w, err := Prepare(reqs, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, policy := range []string{ForecastGreedy, ExactGreedy} {
+			res, err := w.Run(policy)
+			if err != nil {
+				t.Fatal(err)
+			}
+			o := res.Outcomes
+			if o[0].Engine == o[1].Engine {
+				if policy == ForecastGreedy {
+					t.Fatalf("seed %d: forecast-greedy put two adapters on engine %d of max_loras 1", seed, o[0].Engine)
+				}
+				continue
+			}
+			switch {
+			case policy == ExactGreedy:
+				if o[2].Engine != o[0].Engine {
+					exactMissed++
+				}
+			case o[2].Engine != o[0].Engine || o[2].TTFT > time.Second:
+				t.Errorf("seed %d: the lora-0 request went to engine %d (lora-0 runs on %d), TTFT %v", seed, o[2].Engine, o[0].Engine, o[2].TTFT)
+			}
+		}
+	}
+	if exactMissed == 0 {
+		t.Errorf("exact-greedy sent the lora-0 request where lora-0 runs in every seed: the scenario does not tell the policies apart")
+	}
+}

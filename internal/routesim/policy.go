@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
+	"strconv"
 	"time"
 
 	"github.com/tallyepp/tally/internal/modelsim/engine"
@@ -40,6 +41,14 @@ const (
 	// engines has); greedy for each request, it does not weigh what its
 	// uncached tokens cost the requests after it.
 	ExactGreedy = "exact-greedy"
+	// ForecastGreedy is no router that can exist either: at each arrival
+	// it copies every engine, adds the request to the copy and runs it
+	// until the request's first token, and sends the request where that
+	// comes soonest. So it knows each request's own TTFT exactly, adapter
+	// loads, waits for an adapter slot and the engine's own scheduling
+	// included, but not the requests still to come, nor what its choice
+	// costs them.
+	ForecastGreedy = "forecast-greedy"
 )
 
 // Policies returns the policies a suite runs unless told otherwise, in
@@ -47,8 +56,8 @@ const (
 func Policies() []string { return []string{RoundRobin, LeastRequest, UpstreamLike, Tally} }
 
 // KnownPolicies returns every policy, in report order: Policies,
-// TallyFlow and ExactGreedy.
-func KnownPolicies() []string { return append(Policies(), TallyFlow, ExactGreedy) }
+// TallyFlow, ExactGreedy and ForecastGreedy.
+func KnownPolicies() []string { return append(Policies(), TallyFlow, ExactGreedy, ForecastGreedy) }
 
 // policy is how the simulation drives a router. Calls come in virtual-time
 // order from one goroutine.
@@ -131,7 +140,7 @@ type countObserver interface {
 }
 
 // newPolicy makes the named policy for a run on engines (read only by
-// ExactGreedy).
+// ExactGreedy and ForecastGreedy).
 func newPolicy(name string, cfg Config, now *time.Duration, texts *idText, engines []*engine.Engine) (policy, error) {
 	// Every policy's tie-breaking is seeded from the run's seed.
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0x706f6c696379)) // "policy"
@@ -153,6 +162,8 @@ func newPolicy(name string, cfg Config, now *time.Duration, texts *idText, engin
 		return t, nil
 	case ExactGreedy:
 		return &exactGreedy{engines: engines, now: now, rng: rng}, nil
+	case ForecastGreedy:
+		return &forecastGreedy{exactGreedy{engines: engines, now: now, rng: rng}}, nil
 	}
 	return nil, fmt.Errorf("policy %q is unknown: accepted are %v", name, KnownPolicies())
 }
@@ -227,6 +238,42 @@ func (p *exactGreedy) firstByte(int)               {}
 func (p *exactGreedy) done(int, int, int)          {}
 func (p *exactGreedy) observeEvery() time.Duration { return 0 }
 func (p *exactGreedy) observe([]engine.Stats)      {}
+
+// forecastGreedy runs a copy of each engine at each arrival (ForecastGreedy).
+type forecastGreedy struct{ exactGreedy }
+
+func (p *forecastGreedy) pick(i int, j *job) (int, error) {
+	p.costs = p.costs[:0]
+	for k, e := range p.engines {
+		if evs := e.AdvanceTo(*p.now); len(evs) > 0 {
+			return 0, fmt.Errorf("engine %d had %d events unhandled at %v", k, len(evs), *p.now)
+		}
+		ttft, err := firstTokenOn(e.Clone(), i, j)
+		if err != nil {
+			return 0, fmt.Errorf("forecasting request %d on engine %d: %w", i, k, err)
+		}
+		p.costs = append(p.costs, int(ttft))
+	}
+	return cheapest(p.costs, p.rng), nil
+}
+
+// firstTokenOn adds request i to e and runs e until its first token, which
+// it returns as a time from e's clock at the start.
+func firstTokenOn(e *engine.Engine, i int, j *job) (time.Duration, error) {
+	start, id := e.Now(), strconv.Itoa(i)
+	if err := e.Add(engine.Request{ID: id, PromptTokens: j.InputTokens, OutputTokens: j.OutputTokens, BlockHashes: j.engineHashes, Adapter: j.Adapter}); err != nil {
+		return 0, err
+	}
+	for e.Busy() {
+		_, evs := e.Step()
+		for _, ev := range evs {
+			if ev.Kind == engine.FirstToken && ev.ID == id {
+				return ev.At - start, nil
+			}
+		}
+	}
+	return 0, errors.New("the engine went idle before the request's first token")
+}
 
 // tally drives the real picker on the simulation's clock.
 type tally struct {

@@ -69,6 +69,7 @@ package engine
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"time"
@@ -386,6 +387,49 @@ func New(cfg Config) (*Engine, error) {
 
 // Config returns the configuration the engine was created with.
 func (e *Engine) Config() Config { return e.cfg }
+
+// Clone returns a copy of the engine that shares nothing it changes: what
+// the copy does next (requests added, steps run) leaves the engine as it
+// was. The routing simulator's forecast-greedy reference runs copies to
+// ask when a request would get its first token on each engine.
+func (e *Engine) Clone() *Engine {
+	c := *e
+	c.blocks = slices.Clone(e.blocks)
+	c.free = slices.Clone(e.free)
+	c.evictable = e.evictable.Clone()
+	c.byHash = maps.Clone(e.byHash)
+	c.requests = make(map[string]*request, len(e.requests))
+	copies := make(map[*request]*request, len(e.requests))
+	copyOf := func(r *request) *request {
+		if n, ok := copies[r]; ok {
+			return n
+		}
+		n := *r
+		n.blocks = slices.Clone(r.blocks)
+		copies[r] = &n
+		return &n
+	}
+	for id, r := range e.requests {
+		c.requests[id] = copyOf(r)
+	}
+	c.waiting = make([]*request, len(e.waiting))
+	for i, r := range e.waiting {
+		c.waiting[i] = copyOf(r)
+	}
+	c.running = make([]*request, len(e.running))
+	for i, r := range e.running {
+		c.running[i] = copyOf(r)
+	}
+	c.plan = make([]scheduled, len(e.plan))
+	for i, p := range e.plan {
+		c.plan[i] = scheduled{r: copyOf(p.r), prefill: p.prefill}
+	}
+	c.events = nil
+	c.slots = slices.Clone(e.slots)
+	c.slotOf = maps.Clone(e.slotOf)
+	c.loraRunning = maps.Clone(e.loraRunning)
+	return &c
+}
 
 // Now is the engine's clock.
 func (e *Engine) Now() time.Duration { return e.now }

@@ -1,7 +1,9 @@
 package engine
 
 import (
+	"fmt"
 	"math/rand/v2"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -226,6 +228,50 @@ func checkAdapters(t *testing.T, e *Engine) {
 	for a, i := range e.slotOf {
 		if e.slots[i].adapter != a {
 			t.Fatalf("slot index says %s is in slot %d, which holds %q", a, i, e.slots[i].adapter)
+		}
+	}
+}
+
+// A clone runs as the engine would have, and what it does leaves the
+// engine as it was: the clone taken mid-step, with adapters in slots, one
+// waiting for a slot, a shared prefix cached and blocks evicted, runs the
+// same steps as the engine given the same request, while another clone,
+// given other work, changes nothing the engine then does.
+func TestACloneRunsAsTheEngineWouldAndChangesNothing(t *testing.T) {
+	cfg := loraConfig(2)
+	cfg.KVBlocks = 64 // small enough that the cache evicts
+	build := func() *Engine {
+		e := newEngine(t, cfg)
+		shared := []uint64{1, 2, 3, 4}
+		for i, a := range []string{"a1", "a2", "a1", "a3", "", "a2"} {
+			mustAdd(t, e, Request{ID: fmt.Sprint("r", i), PromptTokens: 64 + 48*i, OutputTokens: 20 + 7*i, BlockHashes: shared, Adapter: a})
+			e.AdvanceTo(e.Now() + 3*time.Millisecond)
+		}
+		return e
+	}
+	original, twin := build(), build()
+	if !original.inFlight || len(original.slotOf) == 0 || len(original.waiting) == 0 {
+		t.Fatalf("the engine to clone is not mid-step with adapters loaded and requests waiting: inFlight %v, slots %v, waiting %d",
+			original.inFlight, original.slotOf, len(original.waiting))
+	}
+	clone := original.Clone()
+	other := original.Clone()
+	mustAdd(t, other, Request{ID: "other", PromptTokens: 400, OutputTokens: 30, BlockHashes: []uint64{9, 8, 7}, Adapter: "a4"})
+	runToEnd(t, other)
+	other.Cancel("r0")
+
+	next := Request{ID: "next", PromptTokens: 200, OutputTokens: 10, BlockHashes: []uint64{1, 2, 5}, Adapter: "a3"}
+	mustAdd(t, original, next)
+	mustAdd(t, twin, next)
+	mustAdd(t, clone, next)
+	want := runToEnd(t, twin)
+	for name, e := range map[string]*Engine{"the engine": original, "its clone": clone} {
+		got := runToEnd(t, e)
+		if !reflect.DeepEqual(got, want) {
+			t.Errorf("%s ran otherwise than an engine built the same way:\n got %v\nwant %v", name, got, want)
+		}
+		if g, w := e.Stats(), twin.Stats(); g != w {
+			t.Errorf("%s ended with stats %+v, want %+v", name, g, w)
 		}
 	}
 }
