@@ -35,11 +35,13 @@ const (
 	// ExactGreedy is no router that can exist: at each arrival it sees
 	// every engine's cache and queued prefill exactly, and sends the
 	// request where its uncached prompt tokens plus the prefill queued
-	// ahead of it are fewest: the request's own TTFT, without error. It
-	// shows what knowing the caches gains the request placed (the bound
-	// assumes one unbounded cache, which no placement over several
-	// engines has); greedy for each request, it does not weigh what its
-	// uncached tokens cost the requests after it.
+	// ahead of it are fewest: the request's own TTFT, without error, when
+	// the engines serve no adapters (it counts no adapter load nor wait
+	// for a slot; ForecastGreedy does). It shows what knowing the caches
+	// gains the request placed (the bound assumes one unbounded cache,
+	// which no placement over several engines has); greedy for each
+	// request, it does not weigh what its uncached tokens cost the
+	// requests after it.
 	ExactGreedy = "exact-greedy"
 	// ForecastGreedy is no router that can exist either: at each arrival
 	// it copies every engine, adds the request to the copy and runs it
