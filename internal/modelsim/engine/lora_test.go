@@ -1,9 +1,9 @@
 package engine
 
 import (
-	"fmt"
 	"math/rand/v2"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -233,38 +233,51 @@ func checkAdapters(t *testing.T, e *Engine) {
 }
 
 // A clone runs as the engine would have, and what it does leaves the
-// engine as it was: the clone taken mid-step, with adapters in slots, one
-// waiting for a slot, a shared prefix cached and blocks evicted, runs the
-// same steps as the engine given the same request, while another clone,
-// given other work, changes nothing the engine then does.
+// engine as it was: the clone, taken mid-step with both slots held, one
+// adapter's request waiting for a slot, a base-model request waiting for
+// blocks and a prefix cached, runs the same steps as the engine given the
+// same request (evicting blocks as it goes), while another clone, given
+// other work, changes nothing the engine then does.
 func TestACloneRunsAsTheEngineWouldAndChangesNothing(t *testing.T) {
 	cfg := loraConfig(2)
-	cfg.KVBlocks = 64 // small enough that the cache evicts
+	cfg.KVBlocks = 64 // small enough that requests wait for blocks and evict
 	build := func() *Engine {
 		e := newEngine(t, cfg)
-		shared := []uint64{1, 2, 3, 4}
-		for i, a := range []string{"a1", "a2", "a1", "a3", "", "a2"} {
-			mustAdd(t, e, Request{ID: fmt.Sprint("r", i), PromptTokens: 64 + 48*i, OutputTokens: 20 + 7*i, BlockHashes: shared, Adapter: a})
-			e.AdvanceTo(e.Now() + 3*time.Millisecond)
+		for _, r := range []Request{
+			{ID: "short", PromptTokens: 160, OutputTokens: 2, BlockHashes: []uint64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, Adapter: "a1"},
+			{ID: "a1-long", PromptTokens: 64, OutputTokens: 300, BlockHashes: []uint64{1, 2, 3, 4}, Adapter: "a1"},
+			{ID: "a2-long", PromptTokens: 64, OutputTokens: 300, BlockHashes: []uint64{11, 12, 13, 14}, Adapter: "a2"},
+			{ID: "a3", PromptTokens: 64, OutputTokens: 20, BlockHashes: []uint64{1, 2, 3, 4}, Adapter: "a3"},
+			{ID: "base", PromptTokens: 300, OutputTokens: 20, BlockHashes: []uint64{21, 22, 23}},
+		} {
+			mustAdd(t, e, r)
+			e.AdvanceTo(e.Now() + 250*time.Millisecond)
 		}
 		return e
 	}
 	original, twin := build(), build()
-	if !original.inFlight || len(original.slotOf) == 0 || len(original.waiting) == 0 {
-		t.Fatalf("the engine to clone is not mid-step with adapters loaded and requests waiting: inFlight %v, slots %v, waiting %d",
-			original.inFlight, original.slotOf, len(original.waiting))
+	var waiting []string
+	for _, r := range original.waiting {
+		waiting = append(waiting, r.ID)
+	}
+	if s := original.Stats(); !original.inFlight || len(original.slotOf) != cfg.MaxLoRAs || !slices.Equal(waiting, []string{"a3", "base"}) || s.KVBlocksCached == 0 {
+		t.Fatalf("the engine to clone is not mid-step, with both slots held, a3 and base waiting and a prefix cached: in flight %v, slots %v, waiting %v, %d blocks cached",
+			original.inFlight, original.slotOf, waiting, s.KVBlocksCached)
 	}
 	clone := original.Clone()
 	other := original.Clone()
 	mustAdd(t, other, Request{ID: "other", PromptTokens: 400, OutputTokens: 30, BlockHashes: []uint64{9, 8, 7}, Adapter: "a4"})
 	runToEnd(t, other)
-	other.Cancel("r0")
+	other.Cancel("a1-long")
 
 	next := Request{ID: "next", PromptTokens: 200, OutputTokens: 10, BlockHashes: []uint64{1, 2, 5}, Adapter: "a3"}
 	mustAdd(t, original, next)
 	mustAdd(t, twin, next)
 	mustAdd(t, clone, next)
 	want := runToEnd(t, twin)
+	if twin.Stats().Evictions == 0 {
+		t.Fatalf("the run evicted no block: %+v", twin.Stats())
+	}
 	for name, e := range map[string]*Engine{"the engine": original, "its clone": clone} {
 		got := runToEnd(t, e)
 		if !reflect.DeepEqual(got, want) {
