@@ -42,8 +42,9 @@ demo: envtest-assets build upstream-epp ## Start a local stack (API server, simu
 	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" bin/demo --upstream-bin=bin/upstream-epp $(DEMO_ARGS)
 
 .PHONY: fuzz
-fuzz: ## Fuzz the request parser, then ext_proc streams of any message order (flow control off, then holding them), for FUZZTIME each (default 2m).
-	$(GO) test -run '^$$' -fuzz=FuzzParse -fuzztime=$(FUZZTIME) ./picker/request
+fuzz: ## Fuzz the request parser (the APIs it reads, then the model of other paths), then ext_proc streams of any message order (flow control off, then holding them), for FUZZTIME each (default 2m).
+	$(GO) test -run '^$$' -fuzz='^FuzzParse$$' -fuzztime=$(FUZZTIME) ./picker/request
+	$(GO) test -run '^$$' -fuzz='^FuzzParseOther$$' -fuzztime=$(FUZZTIME) ./picker/request
 	$(GO) test -run '^$$' -fuzz=FuzzStreamsLeaveNothingBehind -fuzztime=$(FUZZTIME) ./picker/extproc
 	$(GO) test -run '^$$' -fuzz=FuzzHeldStreamsLeaveNothingBehind -fuzztime=$(FUZZTIME) ./picker/extproc
 

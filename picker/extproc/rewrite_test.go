@@ -107,6 +107,72 @@ func TestTheModelNameRewriteHeaderAppliesWhereNoRuleMatches(t *testing.T) {
 	}
 }
 
+// A rewrite on a path whose body the picker does not read as an API
+// (vLLM's /tokenize, /v1/messages, an upload) replaces the model the body
+// names, and nothing else; a body that names none (not JSON) passes on
+// untouched, whatever rule or header would rewrite it: nothing is written
+// into it and no decision is counted.
+func TestARewriteOnAnotherPathReplacesOnlyTheModelItNames(t *testing.T) {
+	rw := &picker.Rewrites{}
+	rw.ReplaceRewrites([]picker.RewriteRule{{Name: "everything", Targets: []picker.RewriteTarget{{Model: "base-v2", Weight: 1}}}})
+	tokenize := []byte(`{"prompt":"hi","model" : "base","extra":{"model":"keep"},"add_special_tokens":true}`)
+	multipart := []byte("--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper\r\n--b--\r\n")
+	for _, mode := range []filterv3.ProcessingMode_BodySendMode{0, filterv3.ProcessingMode_BUFFERED} {
+		for _, tc := range []struct {
+			name, path string
+			header     string // x-gateway-model-name-rewrite, if any
+			body, want []byte
+			model      string // scored
+			decisions  float64
+		}{
+			{"tokenize", "/tokenize", "", tokenize,
+				[]byte(`{"prompt":"hi","model" : "base-v2","extra":{"model":"keep"},"add_special_tokens":true}`), "base-v2", 1},
+			{"multipart upload", "/v1/audio/transcriptions", "", multipart, multipart, "", 0},
+			{"multipart upload, rewrite header", "/v1/audio/transcriptions", "whisper-v2", multipart, multipart, "", 0},
+		} {
+			t.Run(mode.String()+"/"+tc.name, func(t *testing.T) {
+				f, log := logged(t, fixtureOptions{rewrites: rw})
+				x, err := f.gw.Open(t.Context())
+				if err != nil {
+					t.Fatal(err)
+				}
+				req := envoy.Request{Headers: gatewayHeaders("POST", tc.path), Body: tc.body, Mode: mode}
+				if tc.header != "" {
+					req.Headers = append(req.Headers, "x-gateway-model-name-rewrite", tc.header)
+				}
+				r, err := x.SendRequest(req)
+				if err != nil || r.Immediate != nil {
+					t.Fatalf("err %v, immediate %v", err, r.Immediate)
+				}
+				if mode == filterv3.ProcessingMode_BUFFERED && bytes.Equal(tc.want, tc.body) {
+					if mutation := r.BodyAnswer.GetBodyMutation(); mutation != nil {
+						t.Errorf("a body with no model to rewrite was answered with a mutation: %v", mutation)
+					}
+				} else if !bytes.Equal(r.Body, tc.want) {
+					t.Errorf("body sent on:\n %q\nwant\n %q", r.Body, tc.want)
+				}
+				answer := r.HeadersAnswer
+				if mode == filterv3.ProcessingMode_BUFFERED {
+					answer = r.BodyAnswer
+				}
+				if cl, ok := envoy.HeaderValue(answer, "content-length"); ok && cl != strconv.Itoa(len(tc.want)) {
+					t.Errorf("content-length %q, want %d", cl, len(tc.want))
+				}
+				if got := log.last(t).Model; got != tc.model {
+					t.Errorf("the picker scored model %q, want %q", got, tc.model)
+				}
+				if err := x.Respond(okResponse); err != nil {
+					t.Fatal(err)
+				}
+				if got := f.counter(t, "inference_extension_model_rewrite_decisions_total",
+					map[string]string{"model_rewrite_name": "everything", "model_name": "base", "target_model": "base-v2"}); got != tc.decisions {
+					t.Errorf("rewrite decisions = %v, want %v", got, tc.decisions)
+				}
+			})
+		}
+	}
+}
+
 // After a rewrite, the response says the model the client asked for, as
 // with the upstream picker: each "model" field naming the target, compact
 // or spaced, in every chunk streamed back; the content-length goes when

@@ -640,8 +640,8 @@ func (st *stream) parse() (picker.Request, error) {
 // on as the client wrote it: its request is scored for the model the
 // model server will receive, and the rewrite is counted as unapplied.
 func (st *stream) rewriteModel(req *picker.Request) {
-	if st.body == nil {
-		return
+	if st.body == nil || st.modelEnd <= st.modelStart {
+		return // no "model" in the body to rewrite (a path whose body is not JSON)
 	}
 	target, rule, ok := req.Model, "", false
 	if rw := st.s.opts.Rewrites; rw != nil {

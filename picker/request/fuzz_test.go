@@ -625,3 +625,49 @@ func TestReferenceRawText(t *testing.T) {
 		}
 	}
 }
+
+// FuzzParseOther checks what Parse reads of a body sent to another path
+// against encoding/json: the last top-level "model" of one valid JSON
+// object, where it is a non-empty string, and its span; otherwise no
+// model. It never fails and reads no prompt.
+func FuzzParseOther(f *testing.F) {
+	for _, seed := range []string{
+		`{"model":"m","prompt":"x"}`, `{"a":{"model":"n"},"model":"m\u00e9"}`, `{"model":"a","model":1}`,
+		`{"model":""}`, `{"model":"m"} {}`, `not json`, `["model"]`,
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		got, err := Parse("/tokenize", body, nil)
+		if err != nil || got.Kind != KindOther || len(got.Prompt) != 0 {
+			t.Fatalf("Parse(/tokenize, %q) = %+v, %v; want KindOther, no prompt, no error", body, got, err)
+		}
+		want := ""
+		if json.Valid(body) {
+			dec := json.NewDecoder(bytes.NewReader(body))
+			dec.UseNumber()
+			if top, err := decodeTree(dec, body); err == nil && top.kind == '{' && top.depth() <= maxDepth {
+				if m, n := top.get("model"); n > 0 && m.kind == '"' {
+					want = m.str
+				}
+			}
+		}
+		model := got.Model
+		if !utf8.Valid(body) {
+			model = replaceInvalid(model) // encoding/json decodes each invalid byte as U+FFFD
+		}
+		if model != want {
+			t.Fatalf("Parse(/tokenize, %q): model %q, want %q", body, got.Model, want)
+		}
+		if got.Model == "" {
+			if got.ModelStart != 0 || got.ModelEnd != 0 {
+				t.Fatalf("no model, but a span %d:%d", got.ModelStart, got.ModelEnd)
+			}
+			return
+		}
+		var span string
+		if err := json.Unmarshal(body[got.ModelStart:got.ModelEnd], &span); err != nil || span != want {
+			t.Fatalf("body[%d:%d] = %q (%v), want the model %q as a JSON string", got.ModelStart, got.ModelEnd, body[got.ModelStart:got.ModelEnd], err, want)
+		}
+	})
+}

@@ -28,7 +28,8 @@
 // ("/v1/completions", "/openai/v1/completions", Azure's
 // "/openai/deployments/d/chat/completions", Vertex AI's
 // "/v1/projects/p/locations/l/endpoints/openapi/chat/completions"). Any
-// other path is KindOther and its body is not read.
+// other path is KindOther: of its body only a top-level "model" string is
+// read, for model rewrites and placement; it has no prompt.
 //
 // # Prompt format
 //
@@ -86,8 +87,9 @@ import (
 type Kind int
 
 const (
-	// KindOther is any path other than the ones below; its body is not read
-	// and the request is routed by load alone.
+	// KindOther is any path other than the ones below; of its body only a
+	// top-level "model" is read, and the request is routed without a
+	// prompt.
 	KindOther Kind = iota
 	// KindCompletions is POST /v1/completions.
 	KindCompletions
@@ -155,8 +157,8 @@ const maxTokenLimit = math.MaxInt32
 // JSON object with a non-empty string "model" and, for completions, a
 // "prompt", for chat a "messages" array, for embeddings an "input" (or
 // "messages"); for any
-// other path Parse returns Kind KindOther and no error without looking at
-// the body.
+// other path Parse returns Kind KindOther and no error, with the body's
+// top-level "model" where it names one (and no prompt).
 //
 // Prompt is appended to dst[:0], so a caller can reuse one buffer across
 // requests; on error Prompt is still that (emptied) buffer. A field that
@@ -169,12 +171,15 @@ func Parse(path string, body []byte, dst []byte) (Parsed, error) {
 }
 
 // ParseKind is Parse for a body whose API is known (from its path, or
-// KindOfBody), KindOther reading nothing.
+// KindOfBody). Of a KindOther body it reads only the model (otherModel),
+// and never fails.
 func ParseKind(kind Kind, body []byte, dst []byte) (Parsed, error) {
-	if kind == KindOther {
-		return Parsed{Kind: KindOther, Prompt: dst[:0]}, nil
-	}
 	s := scanner{buf: body, dst: dst[:0]}
+	if kind == KindOther {
+		p := s.otherModel()
+		p.Kind, p.Prompt = KindOther, s.dst[:0]
+		return p, nil
+	}
 	p, err := s.request(kind)
 	if err != nil {
 		return Parsed{Kind: kind, Prompt: s.dst[:0]}, err
@@ -471,6 +476,34 @@ func (s *scanner) request(kind Kind) (Parsed, error) {
 		p.MaxTokens = maxCompletionTokens
 	}
 	return p, nil
+}
+
+// otherModel reads the top-level "model" string of a body sent to a path
+// Parse does not read (vLLM's /tokenize, /v1/rerank, /v1/messages...): a
+// model rewrite replaces it there too, and the request is placed for it.
+// A body that is not one well-formed JSON object, or whose last "model" is
+// not a non-empty string, names no model: the model server judges it, and
+// the request is routed on load alone.
+func (s *scanner) otherModel() Parsed {
+	var p Parsed
+	if s.body() != nil {
+		return p
+	}
+	err := s.members(func(f field) error {
+		if f != fieldModel {
+			return s.skipValue(depthTop)
+		}
+		p = Parsed{}
+		if s.peek() != '"' {
+			return s.skipValue(depthTop)
+		}
+		return s.model(&p)
+	})
+	s.skipWS()
+	if err != nil || s.pos < len(s.buf) {
+		return Parsed{}
+	}
+	return p
 }
 
 // body checks that the body, at pos, begins with a JSON object.

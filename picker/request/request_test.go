@@ -2,6 +2,7 @@ package request
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"strings"
 	"testing"
@@ -75,6 +76,45 @@ func TestParseKinds(t *testing.T) {
 		}
 		if got := KindOf(tc.path); got != tc.want {
 			t.Errorf("KindOf(%q) = %v, want %v", tc.path, got, tc.want)
+		}
+	}
+}
+
+// Of a body to another path only a top-level "model" string is read, for
+// rewrites and placement: the last one, as the server reads it; and no
+// body is an error there, whatever it holds.
+func TestParseOtherReadsOnlyTheModel(t *testing.T) {
+	for _, tc := range []struct {
+		name, body, model string
+	}{
+		{"tokenize", `{"model":"llama","prompt":"hi","add_special_tokens":true}`, "llama"},
+		{"spaced, nested models skipped", ` { "input" : {"model":"inner"} , "model" : "m\u00e9" } `, "mé"},
+		{"the last model wins", `{"model":"a","model":"b"}`, "b"},
+		{"a later model that is not a string names none", `{"model":"a","model":7}`, ""},
+		{"an empty model", `{"model":""}`, ""},
+		{"no model", `{"messages":[]}`, ""},
+		{"not JSON", `--boundary\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper`, ""},
+		{"malformed after the model", `{"model":"llama","prompt":}`, ""},
+		{"trailing bytes", `{"model":"llama"} x`, ""},
+		{"an array", `[{"model":"llama"}]`, ""},
+		{"empty", ``, ""},
+	} {
+		p, err := Parse("/tokenize", []byte(tc.body), nil)
+		if err != nil || p.Kind != KindOther || len(p.Prompt) != 0 {
+			t.Errorf("%s: kind %v, prompt %q, err %v; want KindOther, no prompt, no error", tc.name, p.Kind, p.Prompt, err)
+			continue
+		}
+		if p.Model != tc.model {
+			t.Errorf("%s: model %q, want %q", tc.name, p.Model, tc.model)
+		}
+		switch {
+		case tc.model == "" && (p.ModelStart != 0 || p.ModelEnd != 0):
+			t.Errorf("%s: no model, but a span %d:%d", tc.name, p.ModelStart, p.ModelEnd)
+		case tc.model != "":
+			var got string
+			if err := json.Unmarshal([]byte(tc.body[p.ModelStart:p.ModelEnd]), &got); err != nil || got != tc.model {
+				t.Errorf("%s: body[%d:%d] = %q, not the model's JSON string", tc.name, p.ModelStart, p.ModelEnd, tc.body[p.ModelStart:p.ModelEnd])
+			}
 		}
 	}
 }
