@@ -157,9 +157,10 @@ func (p *Picker) Enqueue(req Request) (*Reservation, *Ticket, error) {
 	now := r.pickedNs
 	q := &p.queue
 	p.mu.Lock()
-	if q.n == 0 {
+	if q.n == 0 || req.bodiless() {
 		// The common case costs what a pick costs: nothing waits, so
-		// nothing can be passed over.
+		// nothing can be passed over (and a bodiless request passes no
+		// one: it takes no capacity they wait for).
 		err := p.placeLocked(r, req)
 		if !errors.Is(err, ErrSaturated) {
 			untidy := p.index.Untidy()

@@ -403,3 +403,45 @@ func TestARequestNoEndpointCanTakeIsNotQueued(t *testing.T) {
 	fill[0].Release()
 	assertLedgerEmpty(t, p)
 }
+
+// A request without a body (a GET of /v1/models, a health check) is placed
+// at once, past a static limit and past flow control's queue, as the
+// upstream picker routes it without admission; a request with a body is
+// still refused or held.
+func TestABodilessRequestIsPlacedAtOnceWhateverTheLoad(t *testing.T) {
+	cfg := testConfig()
+	cfg.Saturation.MaxInFlightRequests = 1
+	p := newPicker(t, 1, cfg, Options{})
+	fill := mustPick(t, p, big("a"))
+	if _, err := p.Admit(context.Background(), Request{Model: model, Bytes: 40}); !errors.Is(err, ErrSaturated) {
+		t.Fatalf("a small request with a body over the static limit: %v, want ErrSaturated", err)
+	}
+	r, err := p.Admit(context.Background(), Request{})
+	if err != nil {
+		t.Fatalf("a bodiless request over the static limit: %v, want placed", err)
+	}
+	r.Release()
+	fill.Release()
+	assertLedgerEmpty(t, p)
+
+	p = newPicker(t, 2, flowConfig(), Options{})
+	fills := saturate(t, p, 2)
+	tk := mustWait(t, p, big("waiter"))
+	r, tk2, err := p.Enqueue(Request{})
+	if err != nil || tk2 != nil || r == nil {
+		t.Fatalf("a bodiless request with every endpoint saturated and one waiting: ticket %v, err %v; want placed", tk2 != nil, err)
+	}
+	if !waiting(tk) {
+		t.Fatalf("the waiting request was dispatched by a bodiless one")
+	}
+	r.Release()
+	if !waiting(tk) {
+		t.Fatalf("the bodiless request's release dispatched the waiting request: it freed no capacity")
+	}
+	mustWait(t, p, Request{Model: model, Bytes: 40}).Cancel()
+	for _, f := range fills {
+		f.Release()
+	}
+	placed(t, tk).Release()
+	assertLedgerEmpty(t, p)
+}

@@ -38,6 +38,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 
 	weight := workWeight(cands)
 	eligible, free := 0, 0
+	bodiless := req.bodiless()
 	whole := p.uncachedTokens(nil, r.promptChars, 0) // where nothing is held
 	// A held prompt's uncached tokens depend only on the blocks held and
 	// the engine's cache trust, which candidates mostly share: the last
@@ -55,11 +56,11 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 			c.uncached = lastUncached
 		}
 		c.cost = queued + foreign + int(float64(c.uncached)*weight) + p.cfg.DecodeWeightTokens*c.decoding
-		c.saturated = p.overLimitLocked(c, queued)
+		c.saturated = !bodiless && p.overLimitLocked(c, queued)
 		c.taken = c.saturated
 		if !c.saturated {
 			eligible++
-			if !p.flowOn || !p.flowFullLocked(c, queued+foreign) {
+			if !p.flowOn || bodiless || !p.flowFullLocked(c, queued+foreign) {
 				free++
 			}
 		}

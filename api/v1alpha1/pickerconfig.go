@@ -127,7 +127,8 @@ type PickerConfig struct {
 	// streamed first bytes of requests that waited for a load.
 	LoRALoadMilliseconds int `json:"loraLoadMilliseconds,omitempty"`
 	// Saturation, when set, answers 429 once every candidate endpoint is over
-	// a limit. Off by default: requests queue on the model servers instead.
+	// a limit (a request without a body is routed all the same). Off by
+	// default: requests queue on the model servers instead.
 	Saturation Saturation `json:"saturation,omitempty"`
 	// FlowControl, when enabled, holds requests in the picker while every
 	// candidate endpoint is saturated, and dispatches them best first as

@@ -224,3 +224,31 @@ func TestShutdownAnswersWaitingRequests503(t *testing.T) {
 	}
 	eventually(t, "an empty ledger", func() (bool, string) { return ledgerEmpty(f.picker) })
 }
+
+// A request without a body (a GET of /v1/models, a probe through the
+// gateway) is routed at once while every endpoint is saturated and others
+// wait, as the upstream picker routes it, past admission; the waiting
+// request keeps its place.
+func TestABodilessRequestIsNotHeld(t *testing.T) {
+	f := flowFixture(t, nil, fixtureOptions{})
+	fill := f.send(t, bigRequest(1))
+	routedOK(t, fill, "the first request")
+	held := f.send(t, bigRequest(2))
+	f.waitingIs(t, 1)
+	models := f.send(t, envoy.Request{Headers: gatewayHeaders("GET", "/v1/models")})
+	routedOK(t, models, "GET /v1/models")
+	if err := models.x.Respond(response(200, `{"data":[]}`)); err != nil {
+		t.Fatal(err)
+	}
+	if held.answered(50 * time.Millisecond) {
+		t.Fatalf("the waiting request was answered by a bodiless request's end: %v %v", held.r.Immediate, held.err)
+	}
+	if err := fill.x.Respond(okResponse); err != nil {
+		t.Fatal(err)
+	}
+	routedOK(t, held, "the waiting request")
+	if err := held.x.Respond(okResponse); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "an empty ledger", func() (bool, string) { return ledgerEmpty(f.picker) })
+}
