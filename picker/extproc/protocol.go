@@ -175,9 +175,15 @@ func unrouted() *extprocv3.CommonResponse {
 	return &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{RemoveHeaders: ownedHeaders}}
 }
 
+// headerValue is the value of the last header named key ("" when none
+// is): Envoy passes a repeated header as separate entries, and the upstream
+// picker reads them into a map, where the last wins. So a header a route
+// appends (x-gateway-inference-objective, say) wins over the client's, as
+// there.
 func headerValue(h *corev3.HeaderMap, key string) string {
-	for _, hv := range h.GetHeaders() {
-		if hv.GetKey() == key {
+	headers := h.GetHeaders()
+	for i := len(headers) - 1; i >= 0; i-- {
+		if hv := headers[i]; hv.GetKey() == key {
 			if raw := hv.GetRawValue(); len(raw) > 0 {
 				return string(raw)
 			}

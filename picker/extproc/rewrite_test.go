@@ -173,6 +173,25 @@ func TestARewriteOnAnotherPathReplacesOnlyTheModelItNames(t *testing.T) {
 	}
 }
 
+// Of a repeated x-gateway-model-name-rewrite (a client's, then one the
+// route appends), the last is applied, as the upstream picker reads it.
+func TestTheLastOfARepeatedRewriteHeaderApplies(t *testing.T) {
+	f, log := logged(t, fixtureOptions{})
+	prompt := letters(9, 500)
+	req := completion("mistral", prompt)
+	req.Headers = append(req.Headers, "x-gateway-model-name-rewrite", "from-the-client", "x-gateway-model-name-rewrite", "from-the-route")
+	r, err := f.gw.roundTrip(t.Context(), req)
+	if err != nil || r.Immediate != nil {
+		t.Fatalf("err %v, immediate %v", err, r.Immediate)
+	}
+	if want := completionBody("from-the-route", prompt); !bytes.Equal(r.Body, want) {
+		t.Errorf("body sent on:\n %s\nwant\n %s", r.Body, want)
+	}
+	if got := log.last(t).Model; got != "from-the-route" {
+		t.Errorf("the picker scored model %q, want from-the-route", got)
+	}
+}
+
 // After a rewrite, the response says the model the client asked for, as
 // with the upstream picker: each "model" field naming the target, compact
 // or spaced, in every chunk streamed back; the content-length goes when
