@@ -307,25 +307,35 @@ func reference(kind Kind, body []byte) (Parsed, error) {
 				return p, refReject("bad cache_salt")
 			}
 		case "stream":
+			// As pydantic reads a bool in its lax mode; else false.
 			switch v.kind {
 			case 'b':
 				p.Stream = v.b
-			case 'n':
-				p.Stream = false
+			case '"':
+				t := strings.ToLower(strings.TrimSpace(v.str))
+				p.Stream = t == "true" || t == "t" || t == "yes" || t == "y" || t == "on" || t == "1"
+			case '0':
+				f, err := strconv.ParseFloat(string(v.num), 64)
+				p.Stream = err == nil && f == 1
 			default:
-				return p, refReject("bad stream")
+				p.Stream = false
 			}
 		case "max_tokens", "max_output_tokens", "max_completion_tokens":
+			// An integer from 0 to the limit, as a number or a string of
+			// digits; anything else is no budget.
 			n := -1
 			if m.key != "max_completion_tokens" {
 				n = 0
 			}
-			if v.kind != 'n' {
-				id, ok := integer(v, math.MaxInt32)
-				if !ok {
-					return p, refReject("bad " + m.key)
+			switch v.kind {
+			case '0':
+				if id, ok := integer(v, math.MaxInt32); ok {
+					n = int(id)
 				}
-				n = int(id)
+			case '"':
+				if id, err := strconv.ParseUint(strings.TrimSpace(v.str), 10, 32); err == nil && id <= math.MaxInt32 {
+					n = int(id)
+				}
 			}
 			if m.key == "max_completion_tokens" {
 				maxCompletionTokens = n

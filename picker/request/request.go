@@ -80,6 +80,7 @@ package request
 import (
 	"fmt"
 	"math"
+	"strconv"
 	"strings"
 )
 
@@ -432,11 +433,11 @@ func (s *scanner) request(kind Kind) (Parsed, error) {
 		case fieldCacheSalt:
 			return s.cacheSalt(&p)
 		case fieldStream:
-			p.Stream, err = s.boolean("stream")
+			p.Stream, err = s.stream()
 		case fieldMaxTokens, fieldMaxOutputTokens:
-			maxTokens, err = s.tokenLimit(f, 0)
+			maxTokens, err = s.tokenLimit(0)
 		case fieldMaxCompletionTokens:
-			maxCompletionTokens, err = s.tokenLimit(f, -1)
+			maxCompletionTokens, err = s.tokenLimit(-1)
 		case fieldUnknown:
 			return s.skipValue(depthTop)
 		default:
@@ -571,18 +572,33 @@ func (s *scanner) model(p *Parsed) error {
 	return nil
 }
 
-// boolean reads true, false or null (false).
-func (s *scanner) boolean(key string) (bool, error) {
-	switch s.peek() {
-	case 't':
+// stream reads "stream": true, or what vLLM (pydantic, in its lax mode)
+// also reads as true: a string such as "true", "yes" or "1", or the number
+// 1. Anything else is false, never an error: the upstream picker routes a
+// request whatever its "stream" holds, and the model server judges it.
+func (s *scanner) stream() (bool, error) {
+	switch c := s.peek(); {
+	case c == 't':
 		return true, s.literal("true")
-	case 'f':
-		return false, s.literal("false")
-	case 'n':
-		return false, s.literal("null")
+	case c == '"':
+		mark := len(s.dst)
+		err := s.appendString(false)
+		text := strings.ToLower(strings.TrimSpace(string(s.dst[mark:])))
+		s.dst = s.dst[:mark]
+		return laxTrue[text], err
+	case c == '-' || c >= '0' && c <= '9':
+		start := s.pos
+		if err := s.skipNumber(); err != nil {
+			return false, err
+		}
+		f, err := strconv.ParseFloat(string(s.buf[start:s.pos]), 64)
+		return err == nil && f == 1, nil
 	}
-	return false, s.typeError(1, "%q must be true, false or null", key)
+	return false, s.skipValue(depthTop)
 }
+
+// laxTrue holds the strings pydantic reads as true (lowercased, trimmed).
+var laxTrue = map[string]bool{"true": true, "t": true, "yes": true, "y": true, "on": true, "1": true}
 
 // cacheSalt reads "cache_salt": a string or null.
 func (s *scanner) cacheSalt(p *Parsed) error {
@@ -605,25 +621,29 @@ func (s *scanner) cacheSalt(p *Parsed) error {
 }
 
 // tokenLimit reads a token budget: a number whose value is an integer from 0
-// to maxTokenLimit (see integer), or null (ifNull).
-func (s *scanner) tokenLimit(f field, ifNull int) (int, error) {
+// to maxTokenLimit (see integer), or a string of decimal digits that is one
+// (vLLM's pydantic reads "100" as 100). Anything else, null included, is no
+// budget (unset), never an error: the upstream picker routes a request
+// whatever its budget holds, and the model server judges it.
+func (s *scanner) tokenLimit(unset int) (int, error) {
 	switch c := s.peek(); {
-	case c == 'n':
-		return ifNull, s.literal("null")
 	case c == '-' || c >= '0' && c <= '9':
 		v, ok, err := s.integer(maxTokenLimit)
-		if err != nil {
-			return 0, err
+		if err != nil || !ok {
+			return unset, err
 		}
-		if ok {
-			return int(v), nil
+		return int(v), nil
+	case c == '"':
+		mark := len(s.dst)
+		err := s.appendString(false)
+		v, perr := strconv.ParseUint(strings.TrimSpace(string(s.dst[mark:])), 10, 32)
+		s.dst = s.dst[:mark]
+		if err != nil || perr != nil || v > maxTokenLimit {
+			return unset, err
 		}
-	default:
-		if err := s.skipValue(depthTop); err != nil {
-			return 0, err
-		}
+		return int(v), nil
 	}
-	return 0, &Error{Message: fmt.Sprintf("%q must be an integer from 0 to %d, or null", f, maxTokenLimit)}
+	return unset, s.skipValue(depthTop)
 }
 
 // segments keeps the fields of one object in a fixed order in dst although

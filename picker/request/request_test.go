@@ -119,6 +119,51 @@ func TestParseOtherReadsOnlyTheModel(t *testing.T) {
 	}
 }
 
+// "stream" and the token budgets are read as vLLM's pydantic reads them in
+// its lax mode where it can ("true", 1, "100"), and anything else is no
+// stream and no budget, never an error: the upstream picker routes such a
+// request, and the model server judges it.
+func TestStreamAndBudgetsOfOtherTypesAreReadLaxly(t *testing.T) {
+	for _, tc := range []struct {
+		name, path, body string
+		stream           bool
+		maxTokens        int
+	}{
+		{"stream string true", completionsPath, `{"model":"m","prompt":"x","stream":"true"}`, true, 0},
+		{"stream string, spaced and capitalised", completionsPath, `{"model":"m","prompt":"x","stream":" Yes "}`, true, 0},
+		{"stream string false", completionsPath, `{"model":"m","prompt":"x","stream":"false"}`, false, 0},
+		{"stream string other", responsesPath, `{"model":"m","stream":"maybe"}`, false, 0},
+		{"stream number 1", completionsPath, `{"model":"m","prompt":"x","stream":1}`, true, 0},
+		{"stream number 1.0", completionsPath, `{"model":"m","prompt":"x","stream":1.0}`, true, 0},
+		{"stream number 2", completionsPath, `{"model":"m","prompt":"x","stream":2}`, false, 0},
+		{"stream object", chatPath, `{"model":"m","messages":[],"stream":{"x":true}}`, false, 0},
+		{"a later odd stream replaces an earlier true", chatPath, `{"model":"m","messages":[],"stream":true,"stream":[]}`, false, 0},
+		{"max_tokens string", completionsPath, `{"model":"m","prompt":"x","max_tokens":"5"}`, false, 5},
+		{"max_tokens spaced string", completionsPath, `{"model":"m","prompt":"x","max_tokens":" 12 "}`, false, 12},
+		{"max_tokens string not an integer", completionsPath, `{"model":"m","prompt":"x","max_tokens":"5.5"}`, false, 0},
+		{"max_tokens string too large", completionsPath, `{"model":"m","prompt":"x","max_tokens":"2147483648"}`, false, 0},
+		{"max_tokens negative", completionsPath, `{"model":"m","prompt":"x","max_tokens":-1}`, false, 0},
+		{"max_tokens fraction", completionsPath, `{"model":"m","prompt":"x","max_tokens":1.5}`, false, 0},
+		{"max_tokens too large", completionsPath, `{"model":"m","prompt":"x","max_tokens":2147483648}`, false, 0},
+		{"max_tokens huge", completionsPath, `{"model":"m","prompt":"x","max_tokens":99999999999999999999999}`, false, 0},
+		{"max_tokens float overflow", completionsPath, `{"model":"m","prompt":"x","max_tokens":1e400}`, false, 0},
+		{"max_tokens negative float", completionsPath, `{"model":"m","prompt":"x","max_tokens":-1.0}`, false, 0},
+		{"max_tokens whole float", completionsPath, `{"model":"m","prompt":"x","max_tokens":100.0}`, false, 100},
+		{"the last budget counts", completionsPath, `{"model":"m","prompt":"x","max_tokens":"5","max_tokens":-3}`, false, 0},
+		{"an odd max_completion_tokens leaves max_tokens", chatPath, `{"model":"m","messages":[],"max_tokens":9,"max_completion_tokens":{}}`, false, 9},
+		{"max_output_tokens fraction", responsesPath, `{"model":"m","max_output_tokens":0.5}`, false, 0},
+	} {
+		p, err := Parse(tc.path, []byte(tc.body), nil)
+		if err != nil {
+			t.Errorf("%s: %v, want no error", tc.name, err)
+			continue
+		}
+		if p.Model != "m" || p.Stream != tc.stream || p.MaxTokens != tc.maxTokens {
+			t.Errorf("%s: model %q, stream %v, max tokens %d; want m, %v, %d", tc.name, p.Model, p.Stream, p.MaxTokens, tc.stream, tc.maxTokens)
+		}
+	}
+}
+
 func TestKindString(t *testing.T) {
 	for k, want := range map[Kind]string{KindOther: "other", KindCompletions: "completions", KindChat: "chat",
 		KindResponses: "responses", KindEmbeddings: "embeddings", Kind(7): "Kind(7)"} {
@@ -380,14 +425,6 @@ func TestParseErrors(t *testing.T) {
 		{"model null", chatPath, `{"model":null,"messages":[]}`, `"model" must be a string`},
 		{"model empty", completionsPath, `{"model":"","prompt":"x"}`, `"model" must not be empty`},
 		{"type error reports bad JSON first", completionsPath, `{"model":[1,}`, `unexpected '}' at byte 12`},
-		{"stream string", completionsPath, `{"model":"m","prompt":"x","stream":"true"}`, `"stream" must be true, false or null`},
-		{"stream number", completionsPath, `{"model":"m","prompt":"x","stream":1}`, `"stream" must be true, false or null`},
-		{"max_tokens negative", completionsPath, `{"model":"m","prompt":"x","max_tokens":-1}`, `"max_tokens" must be an integer from 0 to 2147483647, or null`},
-		{"max_tokens fraction", completionsPath, `{"model":"m","prompt":"x","max_tokens":1.5}`, `"max_tokens" must be an integer`},
-		{"max_tokens too large", completionsPath, `{"model":"m","prompt":"x","max_tokens":2147483648}`, `"max_tokens" must be an integer`},
-		{"max_tokens huge", completionsPath, `{"model":"m","prompt":"x","max_tokens":99999999999999999999999}`, `"max_tokens" must be an integer`},
-		{"max_tokens string", completionsPath, `{"model":"m","prompt":"x","max_tokens":"5"}`, `"max_tokens" must be an integer`},
-		{"max_completion_tokens object", chatPath, `{"model":"m","messages":[],"max_completion_tokens":{}}`, `"max_completion_tokens" must be an integer`},
 
 		{"no prompt", completionsPath, `{"model":"m"}`, `request body has no "prompt" field`},
 		{"null prompt", completionsPath, `{"model":"m","prompt":null}`, `"prompt" must be a string, an array of strings, an array of token ids or an array of token-id arrays`},
@@ -418,13 +455,8 @@ func TestParseErrors(t *testing.T) {
 		{"tools object", chatPath, `{"model":"m","messages":[],"tools":{}}`, `"tools" must be an array or null`},
 		{"bad JSON inside tools", chatPath, `{"model":"m","messages":[],"tools":[{"a" 1}]}`, `expected ':'`},
 
-		{"max_tokens fraction after a float", completionsPath, `{"model":"m","prompt":"x","max_tokens":100.5}`, `"max_tokens" must be an integer from 0`},
-		{"max_tokens negative float", completionsPath, `{"model":"m","prompt":"x","max_tokens":-1.0}`, `"max_tokens" must be an integer`},
-		{"max_tokens float too large", completionsPath, `{"model":"m","prompt":"x","max_tokens":2147483648.0}`, `"max_tokens" must be an integer`},
-		{"max_tokens float overflow", completionsPath, `{"model":"m","prompt":"x","max_tokens":1e400}`, `"max_tokens" must be an integer`},
 		{"max_tokens bad float", completionsPath, `{"model":"m","prompt":"x","max_tokens":1.e3}`, `expected a digit after '.'`},
 		{"token id fraction", completionsPath, `{"model":"m","prompt":[1,2.5]}`, `"prompt" token ids must be integers`},
-		{"every duplicate is validated", completionsPath, `{"model":"m","prompt":"x","max_tokens":"5","max_tokens":5}`, `"max_tokens" must be an integer`},
 		{"an invalid earlier model", chatPath, `{"model":1,"model":"m","messages":[]}`, `"model" must be a string`},
 		{"an invalid earlier message", chatPath, `{"model":"m","messages":[{}],"messages":[]}`, `"messages[0]" has no "role" field`},
 		{"cache_salt number", completionsPath, `{"model":"m","prompt":"x","cache_salt":1}`, `"cache_salt" must be a string or null`},
@@ -452,8 +484,6 @@ func TestParseErrors(t *testing.T) {
 		{"responses instructions array", responsesPath, `{"model":"m","instructions":["a"]}`, `"instructions" must be a string or null`},
 		{"responses tools object", responsesPath, `{"model":"m","tools":{}}`, `"tools" must be an array or null`},
 		{"responses previous_response_id number", responsesPath, `{"model":"m","previous_response_id":7}`, `"previous_response_id" must be a string or null`},
-		{"responses max_output_tokens fraction", responsesPath, `{"model":"m","max_output_tokens":0.5}`, `"max_output_tokens" must be an integer`},
-		{"responses stream string", responsesPath, `{"model":"m","stream":"yes"}`, `"stream" must be true, false or null`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p, err := Parse(tc.path, []byte(tc.body), nil)
