@@ -293,7 +293,7 @@ func reference(kind Kind, body []byte) (Parsed, error) {
 		v := m.value
 		switch m.key {
 		case "model":
-			if v.kind != '"' || v.str == "" {
+			if v.kind != '"' {
 				return p, refReject("bad model")
 			}
 			p.Model = v.str

@@ -155,7 +155,7 @@ const maxTokenLimit = math.MaxInt32
 
 // Parse reads an OpenAI-compatible request body sent to path (see KindOf
 // for the paths it reads; its query string is ignored). The body must be a
-// JSON object with a non-empty string "model" and, for completions, a
+// JSON object with a string "model" (empty for the server's default) and, for completions, a
 // "prompt", for chat a "messages" array, for embeddings an "input" (or
 // "messages"); for any
 // other path Parse returns Kind KindOther and no error, with the body's
@@ -501,7 +501,7 @@ func (s *scanner) otherModel() Parsed {
 		return s.model(&p)
 	})
 	s.skipWS()
-	if err != nil || s.pos < len(s.buf) {
+	if err != nil || s.pos < len(s.buf) || p.Model == "" {
 		return Parsed{}
 	}
 	return p
@@ -563,13 +563,9 @@ func (s *scanner) model(p *Parsed) error {
 	p.ModelEnd = s.pos
 	p.Model = string(s.dst[mark:])
 	s.dst = s.dst[:mark]
-	if err != nil {
-		return err
-	}
-	if p.Model == "" {
-		return &Error{Message: `"model" must not be empty`}
-	}
-	return nil
+	// An empty model is the server's default (vLLM serves its base model
+	// for it), and the upstream picker routes it.
+	return err
 }
 
 // stream reads "stream": true, or what vLLM (pydantic, in its lax mode)

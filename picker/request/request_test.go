@@ -183,6 +183,7 @@ func TestParseCompletions(t *testing.T) {
 		prompt    string
 	}{
 		{"string prompt", `{"model":"llama","prompt":"Hello, world"}`, "llama", false, 0, "Hello, world"},
+		{"empty model (the server's default)", `{"model":"","prompt":"x"}`, "", false, 0, "x"},
 		{"whitespace everywhere", " \t\r\n{ \"model\" : \"m\" ,\n\"prompt\"\t:\r\"x\" } \n", "m", false, 0, "x"},
 		{"escapes", `{"model":"m","prompt":"a\"b\\c\/d\be\ff\ng\rh\ti"}`, "m", false, 0, "a\"b\\c/d\be\ff\ng\rh\ti"},
 		{"unicode escapes", `{"model":"m","prompt":"\u00e9\u4e2d\uD83D\uDE00"}`, "m", false, 0, "é中😀"},
@@ -423,7 +424,6 @@ func TestParseErrors(t *testing.T) {
 		{"no model in chat", chatPath, `{"messages":[]}`, `request body has no "model" field`},
 		{"model number", completionsPath, `{"model":7,"prompt":"x"}`, `"model" must be a string`},
 		{"model null", chatPath, `{"model":null,"messages":[]}`, `"model" must be a string`},
-		{"model empty", completionsPath, `{"model":"","prompt":"x"}`, `"model" must not be empty`},
 		{"type error reports bad JSON first", completionsPath, `{"model":[1,}`, `unexpected '}' at byte 12`},
 
 		{"no prompt", completionsPath, `{"model":"m"}`, `request body has no "prompt" field`},
