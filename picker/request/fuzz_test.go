@@ -600,11 +600,8 @@ func refResponsesItem(it node) ([]byte, error) {
 			content = c
 		}
 	}
-	if !message {
+	if !message || !hasRole {
 		return append([]byte("\x00X"), it.raw...), nil
-	}
-	if !hasRole {
-		return nil, refReject("no role")
 	}
 	return append(append(role, content...), "\x00E"...), nil
 }

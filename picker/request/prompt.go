@@ -355,10 +355,11 @@ func (s *scanner) responsesInput() error {
 	return s.elements(s.item)
 }
 
-// item reads input[i] of a Responses request. An item whose "type" is absent
-// or "message" is a message, written as chat messages are (role, then
-// content); any other item (a function call, its output, a reasoning item,
-// ...) contributes its raw JSON. As in part, the type may come last, so the
+// item reads input[i] of a Responses request. An item with a "role" whose
+// "type" is absent or "message" is a message, written as chat messages are
+// (role, then content); any other item (a function call, its output, a
+// reasoning item, a reference to an earlier item by its "id" alone, ...)
+// contributes its raw JSON. As in part, the type may come last, so the
 // message is written on sight and replaced by the raw JSON at the end if
 // the item is not one.
 func (s *scanner) item(i int) error {
@@ -393,13 +394,10 @@ func (s *scanner) item(i int) error {
 	if err != nil {
 		return err
 	}
-	if !message {
+	if !message || !seen.has(fieldRole) {
 		s.dst = append(s.dst[:mark], markItem...)
 		s.dst = append(s.dst, s.buf[start:s.pos]...)
 		return nil
-	}
-	if !seen.has(fieldRole) {
-		return &Error{Message: fmt.Sprintf("\"input[%d]\" has no \"role\" field", i)}
 	}
 	s.dst = append(s.dst, markEnd...)
 	return nil

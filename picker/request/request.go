@@ -69,10 +69,11 @@
 //
 // A string input is a user message and the instructions a system message,
 // so a Responses request and the same conversation sent to chat completions
-// share their Prompt bytes. An item whose "type" is absent or "message" is a
-// message; its text parts are those of type "input_text" or "output_text".
-// Any other item (function_call, function_call_output, reasoning, ...) is
-// its raw JSON text. previous_response_id comes first because a request that
+// share their Prompt bytes. An item with a "role" whose "type" is absent or
+// "message" is a message; its text parts are those of type "input_text" or
+// "output_text". Any other item (function_call, function_call_output,
+// reasoning, a reference to an earlier item by its "id" alone, ...) is its
+// raw JSON text. previous_response_id comes first because a request that
 // continues a stored response begins, on the server, with that response's
 // whole conversation: only continuations of the same response share it.
 package request
