@@ -77,6 +77,14 @@ func (f *fixture) waitingIs(t *testing.T, n int) {
 	})
 }
 
+// respond plays the model server's response r on p's stream.
+func (p *pending) respond(t *testing.T, r envoy.Response) {
+	t.Helper()
+	if err := p.x.Respond(r); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func routedOK(t *testing.T, p *pending, what string) {
 	t.Helper()
 	if !p.answered(10 * time.Second) {
@@ -103,26 +111,18 @@ func TestHeldStreamsAreDispatchedInPriorityOrder(t *testing.T) {
 	}
 
 	// Each response's end frees the endpoint for one more.
-	if err := fill.x.Respond(okResponse); err != nil {
-		t.Fatal(err)
-	}
+	fill.respond(t, okResponse)
 	routedOK(t, high, "the critical request")
 	f.waitingIs(t, 2)
-	if err := high.x.Respond(okResponse); err != nil {
-		t.Fatal(err)
-	}
+	high.respond(t, okResponse)
 	// An unknown objective has priority 0, as batch: the older goes first.
 	routedOK(t, low, "the batch request")
 	if unknown.answered(50 * time.Millisecond) {
 		t.Fatal("two requests were dispatched for one freed slot")
 	}
-	if err := low.x.Respond(okResponse); err != nil {
-		t.Fatal(err)
-	}
+	low.respond(t, okResponse)
 	routedOK(t, unknown, "the request with an unknown objective")
-	if err := unknown.x.Respond(okResponse); err != nil {
-		t.Fatal(err)
-	}
+	unknown.respond(t, okResponse)
 	eventually(t, "an empty ledger", func() (bool, string) { return ledgerEmpty(f.picker) })
 }
 
@@ -161,9 +161,7 @@ func TestFullQueueShedAndTTLAre429WithRetryAfter(t *testing.T) {
 	if l := f.picker.Snapshot(); l.Waiting != 0 || l.InFlight != 1 {
 		t.Fatalf("%d waiting, %d in flight; want 0 and 1 (the huge request)", l.Waiting, l.InFlight)
 	}
-	if err := huge.x.Respond(okResponse); err != nil {
-		t.Fatal(err)
-	}
+	huge.respond(t, okResponse)
 	eventually(t, "an empty ledger", func() (bool, string) { return ledgerEmpty(f.picker) })
 }
 
@@ -181,12 +179,20 @@ func assert429(t *testing.T, what string, p *pending) {
 	t.Errorf("%s: the 429 has no retry-after header: %v", what, im.GetHeaders())
 }
 
-func TestDisconnectWhileWaitingLeavesNothingBehind(t *testing.T) {
-	f := flowFixture(t, nil, fixtureOptions{})
-	fill := f.send(t, bigRequest(1))
+// saturatedFlow is a flowFixture whose endpoint serves one request (fill)
+// and holds another (held) behind it.
+func saturatedFlow(t *testing.T) (f *fixture, fill, held *pending) {
+	t.Helper()
+	f = flowFixture(t, nil, fixtureOptions{})
+	fill = f.send(t, bigRequest(1))
 	routedOK(t, fill, "the first request")
-	gone := f.send(t, bigRequest(2))
+	held = f.send(t, bigRequest(2))
 	f.waitingIs(t, 1)
+	return f, fill, held
+}
+
+func TestDisconnectWhileWaitingLeavesNothingBehind(t *testing.T) {
+	f, fill, gone := saturatedFlow(t)
 	gone.x.Cancel() // the client went away: Envoy resets the stream
 	f.waitingIs(t, 0)
 	if l := f.picker.Snapshot(); l.InFlight != 1 {
@@ -194,22 +200,14 @@ func TestDisconnectWhileWaitingLeavesNothingBehind(t *testing.T) {
 	}
 	next := f.send(t, bigRequest(3))
 	f.waitingIs(t, 1)
-	if err := fill.x.Respond(okResponse); err != nil {
-		t.Fatal(err)
-	}
+	fill.respond(t, okResponse)
 	routedOK(t, next, "the request after the one that left")
-	if err := next.x.Respond(okResponse); err != nil {
-		t.Fatal(err)
-	}
+	next.respond(t, okResponse)
 	eventually(t, "an empty ledger", func() (bool, string) { return ledgerEmpty(f.picker) })
 }
 
 func TestShutdownAnswersWaitingRequests503(t *testing.T) {
-	f := flowFixture(t, nil, fixtureOptions{})
-	fill := f.send(t, bigRequest(1))
-	routedOK(t, fill, "the first request")
-	w := f.send(t, bigRequest(2))
-	f.waitingIs(t, 1)
+	f, fill, w := saturatedFlow(t)
 	if n := f.picker.CloseQueue(); n != 1 {
 		t.Fatalf("CloseQueue answered %d, want 1", n)
 	}
@@ -219,9 +217,7 @@ func TestShutdownAnswersWaitingRequests503(t *testing.T) {
 	if im := w.r.Immediate; w.err != nil || im == nil || im.GetStatus().GetCode() != 503 {
 		t.Fatalf("at shutdown: err %v, immediate %v; want 503", w.err, im)
 	}
-	if err := fill.x.Respond(okResponse); err != nil {
-		t.Fatal(err)
-	}
+	fill.respond(t, okResponse)
 	eventually(t, "an empty ledger", func() (bool, string) { return ledgerEmpty(f.picker) })
 }
 
@@ -230,25 +226,15 @@ func TestShutdownAnswersWaitingRequests503(t *testing.T) {
 // wait, as the upstream picker routes it, past admission; the waiting
 // request keeps its place.
 func TestABodilessRequestIsNotHeld(t *testing.T) {
-	f := flowFixture(t, nil, fixtureOptions{})
-	fill := f.send(t, bigRequest(1))
-	routedOK(t, fill, "the first request")
-	held := f.send(t, bigRequest(2))
-	f.waitingIs(t, 1)
+	f, fill, held := saturatedFlow(t)
 	models := f.send(t, envoy.Request{Headers: gatewayHeaders("GET", "/v1/models")})
 	routedOK(t, models, "GET /v1/models")
-	if err := models.x.Respond(response(200, `{"data":[]}`)); err != nil {
-		t.Fatal(err)
-	}
+	models.respond(t, response(200, `{"data":[]}`))
 	if held.answered(50 * time.Millisecond) {
 		t.Fatalf("the waiting request was answered by a bodiless request's end: %v %v", held.r.Immediate, held.err)
 	}
-	if err := fill.x.Respond(okResponse); err != nil {
-		t.Fatal(err)
-	}
+	fill.respond(t, okResponse)
 	routedOK(t, held, "the waiting request")
-	if err := held.x.Respond(okResponse); err != nil {
-		t.Fatal(err)
-	}
+	held.respond(t, okResponse)
 	eventually(t, "an empty ledger", func() (bool, string) { return ledgerEmpty(f.picker) })
 }
