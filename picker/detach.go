@@ -46,9 +46,15 @@ const (
 // Detach ends the stream's hold on the reservation without releasing it:
 // the gateway will show no response (see above). The reservation ends on
 // its own when the model says the request is done, when an engine scrape
-// says so, or by the sweeper. Calls after the first, and after a release,
-// do nothing.
+// says so, or by the sweeper; a bodiless request's is released at once.
+// Calls after the first, and after a release, do nothing.
 func (r *Reservation) Detach() {
+	if r.bodiless {
+		// A bodiless request (a GET of /v1/models) gives the engine no
+		// prefill or decoding to model: it is done when it is answered.
+		r.Release()
+		return
+	}
 	p := r.p
 	now := p.clock()
 	p.mu.Lock()

@@ -42,6 +42,24 @@ func TestDetachedReservationEndsWhenTheModelSaysDone(t *testing.T) {
 	assertLedgerEmpty(t, p)
 }
 
+// A bodiless request (a GET of /v1/models through a gateway that ends the
+// stream at the pick) has no prefill or decoding to model: detaching it
+// releases it at once, while a request with a body stays held.
+func TestADetachedBodilessRequestEndsAtOnce(t *testing.T) {
+	p := newPicker(t, 1, testConfig(), Options{})
+	mustPick(t, p, Request{}).Detach()
+	if l := p.Snapshot(); l.InFlight != 0 || l.Detached != 0 {
+		t.Fatalf("a detached bodiless request: in flight %d, detached %d; want none", l.InFlight, l.Detached)
+	}
+	r := mustPick(t, p, Request{Model: model, Bytes: 30})
+	r.Detach()
+	if l := p.Snapshot(); l.InFlight != 1 || l.Detached != 1 {
+		t.Fatalf("a detached request with a body: in flight %d, detached %d; want 1 and 1", l.InFlight, l.Detached)
+	}
+	r.Release()
+	assertLedgerEmpty(t, p)
+}
+
 // A burst of detached requests spreads as evenly as held ones: each pick
 // sees the earlier ones.
 func TestDetachedBurstSpreads(t *testing.T) {

@@ -477,6 +477,7 @@ func (p *Picker) prepare(req Request) *Reservation {
 		promptChars:  chars,
 		promptTokens: p.tokens(chars),
 		stream:       req.Stream,
+		bodiless:     req.bodiless(),
 		maxTokens:    max(req.MaxTokens, 0),
 		heapIdx:      -1,
 		nHashes:      len(hashes),
