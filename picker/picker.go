@@ -111,10 +111,10 @@ type Request struct {
 
 // bodiless reports whether the request gives an engine nothing to do: no
 // body, so no model, no prompt and no estimate of one (a GET of
-// /v1/models, a health check through the gateway). It is placed at once, saturated or not, as
-// the upstream picker routes a request without a body, past admission:
-// holding or refusing it would free nothing, and would fail a gateway's
-// probes while the pool is busy.
+// /v1/models, a health check through the gateway). It is placed at once,
+// saturated or not, as the upstream picker routes a request without a
+// body, past admission: holding or refusing it would free nothing, and
+// would fail a gateway's probes while the pool is busy.
 func (req Request) bodiless() bool {
 	return req.Model == "" && len(req.Prompt) == 0 && req.PromptChars == 0 && req.Bytes == 0
 }

@@ -156,11 +156,11 @@ const maxTokenLimit = math.MaxInt32
 
 // Parse reads an OpenAI-compatible request body sent to path (see KindOf
 // for the paths it reads; its query string is ignored). The body must be a
-// JSON object with a string "model" (empty for the server's default) and, for completions, a
-// "prompt", for chat a "messages" array, for embeddings an "input" (or
-// "messages"); for any
-// other path Parse returns Kind KindOther and no error, with the body's
-// top-level "model" where it names one (and no prompt).
+// JSON object with a string "model" (empty for the server's default) and,
+// for completions, a "prompt", for chat a "messages" array, for embeddings
+// an "input" (or "messages"); for any other path Parse returns Kind
+// KindOther and no error, with the body's top-level "model" where it names
+// one (and no prompt).
 //
 // Prompt is appended to dst[:0], so a caller can reuse one buffer across
 // requests; on error Prompt is still that (emptied) buffer. A field that
