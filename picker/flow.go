@@ -157,7 +157,7 @@ func (p *Picker) Enqueue(req Request) (*Reservation, *Ticket, error) {
 	now := r.pickedNs
 	q := &p.queue
 	p.mu.Lock()
-	if q.n == 0 || req.bodiless() {
+	if q.n == 0 || r.bodiless {
 		// The common case costs what a pick costs: nothing waits, so
 		// nothing can be passed over (and a bodiless request passes no
 		// one: it takes no capacity they wait for).

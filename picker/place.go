@@ -38,7 +38,7 @@ func (p *Picker) placeLocked(r *Reservation, req Request) error {
 
 	weight := workWeight(cands)
 	eligible, free := 0, 0
-	bodiless := req.bodiless()
+	bodiless := r.bodiless
 	whole := p.uncachedTokens(nil, r.promptChars, 0) // where nothing is held
 	// A held prompt's uncached tokens depend only on the blocks held and
 	// the engine's cache trust, which candidates mostly share: the last
