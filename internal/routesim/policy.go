@@ -227,12 +227,24 @@ type exactGreedy struct {
 }
 
 func (p *exactGreedy) pick(i int, j *job) (int, error) {
+	return p.cheapestBy(func(e *engine.Engine) (int, error) {
+		return j.InputTokens - e.CachedPrefixTokens(j.engineHashes, j.InputTokens) + e.Stats().QueuedPrefillTokens, nil
+	})
+}
+
+// cheapestBy brings every engine to now and returns the one of least cost
+// (ties broken by the run's seed).
+func (p *exactGreedy) cheapestBy(cost func(e *engine.Engine) (int, error)) (int, error) {
 	p.costs = p.costs[:0]
 	for k, e := range p.engines {
 		if evs := e.AdvanceTo(*p.now); len(evs) > 0 {
 			return 0, fmt.Errorf("engine %d had %d events unhandled at %v", k, len(evs), *p.now)
 		}
-		p.costs = append(p.costs, j.InputTokens-e.CachedPrefixTokens(j.engineHashes, j.InputTokens)+e.Stats().QueuedPrefillTokens)
+		c, err := cost(e)
+		if err != nil {
+			return 0, fmt.Errorf("engine %d: %w", k, err)
+		}
+		p.costs = append(p.costs, c)
 	}
 	return cheapest(p.costs, p.rng), nil
 }
@@ -245,18 +257,13 @@ func (p *exactGreedy) observe([]engine.Stats)      {}
 type forecastGreedy struct{ exactGreedy }
 
 func (p *forecastGreedy) pick(i int, j *job) (int, error) {
-	p.costs = p.costs[:0]
-	for k, e := range p.engines {
-		if evs := e.AdvanceTo(*p.now); len(evs) > 0 {
-			return 0, fmt.Errorf("engine %d had %d events unhandled at %v", k, len(evs), *p.now)
-		}
+	return p.cheapestBy(func(e *engine.Engine) (int, error) {
 		ttft, err := firstTokenOn(e.Clone(), i, j)
 		if err != nil {
-			return 0, fmt.Errorf("forecasting request %d on engine %d: %w", i, k, err)
+			return 0, fmt.Errorf("forecasting request %d: %w", i, err)
 		}
-		p.costs = append(p.costs, int(ttft))
-	}
-	return cheapest(p.costs, p.rng), nil
+		return int(ttft), nil
+	})
 }
 
 // firstTokenOn adds request i to e and runs e until its first token, which
