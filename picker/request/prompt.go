@@ -273,11 +273,7 @@ func (s *scanner) part(i, j int, responses bool) error {
 	err := s.members(func(f field) error {
 		switch {
 		case f == fieldType && s.peek() == '"':
-			at := len(s.dst)
-			err := s.appendString(false)
-			isText = isTextPart(s.dst[at:], responses)
-			s.dst = s.dst[:at]
-			return err
+			return s.inspectString(func(typ []byte) { isText = isTextPart(typ, responses) })
 		case f == fieldType:
 			isText = false
 		case f == fieldText && s.peek() == '"':
@@ -379,11 +375,7 @@ func (s *scanner) item(i int) error {
 			if s.peek() != '"' {
 				return s.typeError(depthField, "\"input[%d].type\" must be a string", i)
 			}
-			at := len(s.dst)
-			err := s.appendString(false)
-			message = string(s.dst[at:]) == "message"
-			s.dst = s.dst[:at]
-			return err
+			return s.inspectString(func(typ []byte) { message = string(typ) == "message" })
 		case fieldRole:
 			return s.role(i, true, &order)
 		case fieldContent:

@@ -79,6 +79,7 @@
 package request
 
 import (
+	"bytes"
 	"fmt"
 	"math"
 	"strconv"
@@ -578,11 +579,9 @@ func (s *scanner) stream() (bool, error) {
 	case c == 't':
 		return true, s.literal("true")
 	case c == '"':
-		mark := len(s.dst)
-		err := s.appendString(false)
-		text := strings.ToLower(strings.TrimSpace(string(s.dst[mark:])))
-		s.dst = s.dst[:mark]
-		return laxTrue[text], err
+		var on bool
+		err := s.inspectString(func(v []byte) { on = laxTrue[strings.ToLower(string(bytes.TrimSpace(v)))] })
+		return on, err
 	case c == '-' || c >= '0' && c <= '9':
 		start := s.pos
 		if err := s.skipNumber(); err != nil {
@@ -631,14 +630,16 @@ func (s *scanner) tokenLimit(unset int) (int, error) {
 		}
 		return int(v), nil
 	case c == '"':
-		mark := len(s.dst)
-		err := s.appendString(false)
-		v, perr := strconv.ParseUint(strings.TrimSpace(string(s.dst[mark:])), 10, 32)
-		s.dst = s.dst[:mark]
-		if err != nil || perr != nil || v > maxTokenLimit {
+		limit := unset
+		err := s.inspectString(func(v []byte) {
+			if n, perr := strconv.ParseUint(string(bytes.TrimSpace(v)), 10, 32); perr == nil && n <= maxTokenLimit {
+				limit = int(n)
+			}
+		})
+		if err != nil {
 			return unset, err
 		}
-		return int(v), nil
+		return limit, nil
 	}
 	return unset, s.skipValue(depthTop)
 }

@@ -200,6 +200,17 @@ func (s *scanner) typeError(depth int, format string, args ...any) error {
 	return &Error{Message: fmt.Sprintf(format, args...)}
 }
 
+// inspectString reads the JSON string at pos, decoded into scratch space
+// past the end of dst, lets inspect read it, then gives the space back: a
+// value the caller only looks at (a type, a flag) stays out of Prompt.
+func (s *scanner) inspectString(inspect func(decoded []byte)) error {
+	mark := len(s.dst)
+	err := s.appendString(false)
+	inspect(s.dst[mark:])
+	s.dst = s.dst[:mark]
+	return err
+}
+
 // appendString decodes the JSON string at pos and appends its text to dst.
 // With escapeNUL, a NUL character is written as "\x00\xff" so that the text
 // cannot imitate the chat markers (which are NUL and a tag byte). Invalid
