@@ -58,11 +58,11 @@ import "slices"
 // requests, as vLLM) is judged by the pool: in a pool where some engine
 // publishes adapters, a model that is no engine's base model, or that an
 // engine has run as an adapter, is an adapter everywhere.
-func (p *Picker) isAdapter(c *row, model string) bool {
-	if model == "" || !p.loraSeen || p.baseModels[model] {
+func (l *ledger) isAdapter(c *row, model string) bool {
+	if model == "" || !l.loraSeen || l.baseModels[model] {
 		return false
 	}
-	return c.adapterFor(model, p.knownAdapters[model])
+	return c.adapterFor(model, l.knownAdapters[model])
 }
 
 // adapterFor is isAdapter for a model no engine of the pool calls its base
@@ -182,7 +182,7 @@ const openSlack = 3
 // baseline's to 0.725, 0.724, 0.627 and 0.893, with swaps within 2%.
 const recruitShare = 1.25
 
-// Why adapterCostLocked takes a candidate out (row.loraOut).
+// Why adapterCost takes a candidate out (candidate.loraOut).
 const (
 	loraIn        = iota
 	loraFull      // runs max_lora other adapters
@@ -199,40 +199,41 @@ const (
 // the same runs at 35 to 70% load, and 0.928 against 0.924 at 100%.
 const maxLoadCharges = 16
 
-// adapterCostLocked adds what model's adapter costs on each candidate and
+// adapterCost adds what model's adapter costs on each candidate and
 // takes out those with no room for it, unless no candidate with room can
 // take the request within openSlack even shares; the full ones stay in
 // for an adapter short of endpoints when only its own have room
 // (recruitShare). It returns how many candidates it took out.
-func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int) (full int) {
-	if model == "" || p.baseModels[model] {
+func (l *ledger) adapterCost(cands []candidate, model string, promptTokens int) (full int) {
+	if model == "" || l.baseModels[model] {
 		return 0 // a base model is no adapter anywhere
 	}
 	// Whether model is an adapter on each candidate, active there, and
-	// its requests in flight there, worked out once (row scratch): the
+	// its requests in flight there, worked out once (on the candidate): the
 	// rules below read them several times over every candidate.
-	known := p.knownAdapters[model]
+	known := l.knownAdapters[model]
 	// The pool's even share of queued prefill, this request included, and
 	// whether an endpoint with the adapter takes it within twice that; the
 	// adapter's requests in flight and the pool's, this one in both; the
 	// endpoints where the adapter is active.
 	total, n, refs, inFlight, active := promptTokens, 0, 1, 1, 0
-	for _, c := range cands {
+	for i := range cands {
+		c := &cands[i]
 		if c.taken {
 			continue
 		}
-		c.adapterRefsHere = c.adapterRefs[model]
-		c.adapter = c.adapterFor(model, known)
-		c.adapterActiveHere = c.adapter && c.adapterActive(model, c.adapterRefsHere)
-		total += c.queued()
+		c.refs = c.w.adapterRefs[model]
+		c.adapter = c.w.adapterFor(model, known)
+		c.active = c.adapter && c.w.adapterActive(model, c.refs)
+		total += c.w.queued()
 		n++
-		refs += c.adapterRefsHere
-		inFlight += c.inFlight
-		if c.adapterActiveHere {
+		refs += c.refs
+		inFlight += c.w.inFlight
+		if c.active {
 			active++
 		}
 	}
-	within := func(c *row, shares int) bool { return (c.queued()+c.uncached)*n <= shares*total }
+	within := func(c *candidate, shares int) bool { return (c.w.queued()+c.uncached)*n <= shares*total }
 	// fits is within, except where the adapter's own requests are most of
 	// an endpoint's in flight (a burst of it): there the request counts
 	// shared among the adapter's active endpoints, which take the burst's
@@ -241,15 +242,16 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 	// prefix landed 43/43/42 on three of four endpoints, where two keep
 	// each within twice the even share, and on 7 of 8 (cmd/routesim's
 	// burst).
-	fits := func(c *row, shares int) bool {
-		if 2*c.adapterRefsHere > c.inFlight {
-			return (active*c.queued()+c.uncached)*n <= shares*active*total
+	fits := func(c *candidate, shares int) bool {
+		if 2*c.refs > c.w.inFlight {
+			return (active*c.w.queued()+c.uncached)*n <= shares*active*total
 		}
 		return within(c, shares)
 	}
 	affine, affineUncached := false, 0
-	for _, c := range cands {
-		if !c.taken && c.adapterActiveHere {
+	for i := range cands {
+		c := &cands[i]
+		if !c.taken && c.active {
 			if fits(c, 2) {
 				if !affine || c.uncached < affineUncached {
 					affineUncached = c.uncached
@@ -261,13 +263,14 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 	// open counts the endpoints with room within openSlack shares, others
 	// those of them where the adapter is not resident.
 	open, others := 0, 0
-	for _, c := range cands {
+	for i := range cands {
+		c := &cands[i]
 		c.loraOut = loraIn
-		if !c.taken && c.adapter && c.starves(model) {
+		if !c.taken && c.adapter && c.w.starves(model) {
 			c.loraOut = loraStarves
 			continue
 		}
-		if c.taken || !c.adapter || c.adapterActiveHere || c.adapterRecent(model) {
+		if c.taken || !c.adapter || c.active || c.w.adapterRecent(model) {
 			if !c.taken && fits(c, openSlack) {
 				open++
 			}
@@ -279,8 +282,8 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 		}
 		// Loading the adapter stalls the engine's whole batch: every
 		// request in flight there waits the load time too.
-		c.cost += int(p.loraLoad.mean() * c.rate * float64(min(1+c.inFlight, maxLoadCharges)))
-		if c.adapterSlotsFull() {
+		c.cost += int(l.loraLoad.mean() * c.w.rate * float64(min(1+c.w.inFlight, maxLoadCharges)))
+		if c.w.adapterSlotsFull() {
 			c.loraOut = loraFull
 			continue
 		}
@@ -294,7 +297,8 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 	}
 	short := active > 0 && float64(refs)/float64(inFlight) > recruitShare*float64(active)/float64(n)
 	recruit := short && others == 0
-	for _, c := range cands {
+	for i := range cands {
+		c := &cands[i]
 		if c.loraOut == loraIn || c.loraOut == loraFull && recruit {
 			continue
 		}
@@ -307,13 +311,13 @@ func (p *Picker) adapterCostLocked(cands []*row, model string, promptTokens int)
 // What loading an adapter takes is learned: a streamed request placed
 // where its adapter was not resident waits for the load before its
 // prefill, so its first byte, less what the prefill model says its queue
-// and prompt took, is one sample (learnPrefillLocked). Left in the rate
+// and prompt took, is one sample (learnPrefill). Left in the rate
 // fit, such samples dragged the prefill rate down. A request placed where
 // the engine ran max_lora other adapters waits first for one of them to
 // drain, for as long as their requests run: it teaches nothing. Learned
 // from those too, a load of 200 ms was learned as up to 3 s at 70% load
 // in the routing simulator and up to 13 s at 100%, and every load was
-// charged that much. The samples' mean (Picker.loraLoad) starts from
+// charged that much. The samples' mean (ledger.loraLoad) starts from
 // loraLoadPrior samples of the configured loraLoadMilliseconds, and each
 // sample weighs the earlier ones by loraLoadDecay (a memory of about ten
 // loads).
@@ -350,22 +354,22 @@ func (w *row) dropAdapter(r *Reservation) {
 // names come from engines, but a pool's are few.
 const maxKnownModels = 4096
 
-// learnModelsLocked remembers the base model and the adapters an engine
+// learnModels remembers the base model and the adapters an engine
 // reports.
-func (p *Picker) learnModelsLocked(s EngineStats) {
-	if s.Model != "" && !p.baseModels[s.Model] && len(p.baseModels) < maxKnownModels {
-		if p.baseModels == nil {
-			p.baseModels = map[string]bool{}
+func (l *ledger) learnModels(s EngineStats) {
+	if s.Model != "" && !l.baseModels[s.Model] && len(l.baseModels) < maxKnownModels {
+		if l.baseModels == nil {
+			l.baseModels = map[string]bool{}
 		}
-		p.baseModels[s.Model] = true
+		l.baseModels[s.Model] = true
 	}
 	for _, list := range [][]string{s.RunningAdapters, s.WaitingAdapters} {
 		for _, a := range list {
-			if !p.knownAdapters[a] && len(p.knownAdapters) < maxKnownModels {
-				if p.knownAdapters == nil {
-					p.knownAdapters = map[string]bool{}
+			if !l.knownAdapters[a] && len(l.knownAdapters) < maxKnownModels {
+				if l.knownAdapters == nil {
+					l.knownAdapters = map[string]bool{}
 				}
-				p.knownAdapters[a] = true
+				l.knownAdapters[a] = true
 			}
 		}
 	}

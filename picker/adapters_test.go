@@ -13,7 +13,7 @@ const baseModel = "base"
 // observeLoRA reports each endpoint's engine as vLLM with adapters: idle,
 // running the adapters given for it, max_lora maxLoRAs.
 func observeLoRA(p *Picker, maxLoRAs int, running map[int][]string) {
-	for i := range len(p.Stats()) {
+	for i := range len(p.Snapshot().Endpoints) {
 		p.ObserveEngine(addr(i), EngineStats{Model: baseModel, HasLoRA: true, MaxLoRAs: maxLoRAs,
 			RunningAdapters: running[i]})
 	}
@@ -73,7 +73,7 @@ func TestAFullEndpointIsAvoidedUnlessAllAre(t *testing.T) {
 	}
 	// Once every endpoint is full, the cost decides.
 	observeLoRA(p, 2, map[int][]string{0: {"a", "b"}, 1: {"c", "d"}, 2: {"e", "f"}})
-	if _, err := p.Pick(Request{Model: "other", Prompt: text("x", 400)}); err != nil {
+	if _, err := p.pick(Request{Model: "other", Prompt: text("x", 400)}); err != nil {
 		t.Fatalf("with every endpoint full: %v, want placed", err)
 	}
 }
@@ -90,12 +90,12 @@ func TestABurstForANewAdapterLoadsItOnFewEndpoints(t *testing.T) {
 		observeLoRA(p, 2, nil)
 		where, rs := placements(t, p, c.n, "fresh", func(i int) []byte { return text(fmt.Sprint("fresh", i), c.tokens*4) })
 		total := 0
-		for _, s := range p.Stats() {
+		for _, s := range p.Snapshot().Endpoints {
 			total += s.PrefillTokens
 		}
 		// Within twice the even share, give or take one request where
 		// the endpoints cannot split the burst evenly (128 over 3).
-		for _, s := range p.Stats() {
+		for _, s := range p.Snapshot().Endpoints {
 			if (s.PrefillTokens-c.tokens)*c.endpoints > 2*total {
 				t.Errorf("%d endpoints, %d x %d tokens: %v queues %d tokens, more than twice the even share %d (placements %v)",
 					c.endpoints, c.n, c.tokens, s.Endpoint.Address, s.PrefillTokens, total/c.endpoints, where)
@@ -109,10 +109,10 @@ func TestABurstForANewAdapterLoadsItOnFewEndpoints(t *testing.T) {
 		}
 		t.Logf("%d endpoints, %d x %d tokens: %v", c.endpoints, c.n, c.tokens, where)
 		for _, r := range rs {
-			r.Release()
+			p.End(r, Outcome{})
 		}
-		for _, s := range p.Stats() {
-			if n := len(p.byAddr[s.Endpoint.Address].adapterRefs); n != 0 {
+		for _, s := range p.Snapshot().Endpoints {
+			if n := len(p.l.byAddr[s.Endpoint.Address].adapterRefs); n != 0 {
 				t.Errorf("%v still counts %d adapters after every release", s.Endpoint.Address, n)
 			}
 		}
@@ -153,7 +153,7 @@ func TestAnAdapterStarvingForASlotIsNotFedAgainst(t *testing.T) {
 			t.Errorf("requests for %s landed %v, want both on endpoint 1 while c waits for a slot on endpoint 0", model, where)
 		}
 		for _, r := range rs {
-			r.Release()
+			p.End(r, Outcome{})
 		}
 	}
 	// Once nothing waits there, its running adapters draw their requests again.
@@ -176,14 +176,14 @@ func TestAnIdleAdapterInItsSlotStillCountsAsLoaded(t *testing.T) {
 		t.Fatalf("requests for the adapter idle on endpoint 0 landed %v, want all there", where)
 	}
 	for _, r := range rs {
-		r.Release()
+		p.End(r, Outcome{})
 	}
 	// Two other adapters used there since: sql's slot went to one of them.
 	for _, a := range []string{"chat", "tools"} {
 		p.ObserveEngine(addr(0), EngineStats{Model: baseModel, HasLoRA: true, MaxLoRAs: 2, RunningAdapters: []string{a}})
 	}
 	p.mu.Lock()
-	resident := p.byAddr[key(addr(0))].adapterResident("sql")
+	resident := p.l.byAddr[key(addr(0))].adapterResident("sql")
 	p.mu.Unlock()
 	if resident {
 		t.Error("after two other adapters took endpoint 0's two slots, sql still counts as loaded there")
@@ -202,7 +202,7 @@ func TestTheAdapterLoadTimeIsLearnedApartFromTheRate(t *testing.T) {
 		outputs = 16
 	)
 	clock := newFakeClock()
-	p := newPicker(t, 3, testConfig(), Options{Now: clock.Now})
+	p := newPicker(t, 3, testConfig(), Options{Clock: clock})
 	observeLoRA(p, 64, nil)
 	for i := range 60 {
 		model, tokens, wait := baseModel, 8000, time.Duration(0)
@@ -232,10 +232,10 @@ func serveStreamed(t *testing.T, p *Picker, clock *fakeClock, req Request, first
 	t.Helper()
 	r := mustPick(t, p, req)
 	clock.Advance(firstByte)
-	r.FirstByte()
+	p.FirstByte(r)
 	clock.Advance(time.Duration(outputs-1) * 8 * time.Millisecond)
-	r.Completed(outputs)
-	r.Release()
+	p.End(r, Outcome{CompletionTokens: outputs})
+	p.End(r, Outcome{})
 }
 
 // A burst for an adapter stays on the endpoints where it is active, but an
@@ -246,7 +246,7 @@ func TestAnEndpointHoldingThePromptIsNotPassedOver(t *testing.T) {
 	p := newPicker(t, 3, testConfig(), Options{})
 	observeLoRA(p, 2, map[int][]string{0: {"sql"}})
 	shared := text("report", 32_000) // 8,000 tokens
-	mustPick(t, p, onAs(1, "sql", shared)).Release()
+	p.End(mustPick(t, p, onAs(1, "sql", shared)), Outcome{})
 	// Endpoint 1 then runs two other adapters, which push sql out of its
 	// slots, and goes idle: sql is neither active nor resident there.
 	observeLoRA(p, 2, map[int][]string{0: {"sql"}, 1: {"x", "y"}})
@@ -323,7 +323,7 @@ func TestALoadIsChargedForABoundedBatch(t *testing.T) {
 	p := newPicker(t, 2, testConfig(), Options{})
 	observeLoRA(p, 4, nil)
 	for i := range 40 {
-		mustPick(t, p, onAs(0, baseModel, text(fmt.Sprint("decoding", i), 400))).FirstByte()
+		p.FirstByte(mustPick(t, p, onAs(0, baseModel, text(fmt.Sprint("decoding", i), 400))))
 	}
 	mustPick(t, p, onAs(1, baseModel, text("queued", 200_000))) // 50,000 tokens, 5 s
 	r := mustPick(t, p, Request{Model: "fresh", Prompt: text("fresh", 1600)})
@@ -381,7 +381,7 @@ func TestAWaitForAnAdapterSlotIsNotLearnedAsALoad(t *testing.T) {
 		outputs = 16
 	)
 	clock := newFakeClock()
-	p := newPicker(t, 2, testConfig(), Options{Now: clock.Now})
+	p := newPicker(t, 2, testConfig(), Options{Clock: clock})
 	for i := range 60 {
 		model, running, wait := baseModel, map[int][]string{}, time.Duration(0)
 		switch i % 3 {

@@ -67,13 +67,13 @@ func (l *pickLoad) step() {
 	binary.LittleEndian.PutUint64(l.prompt[benchSharedTokens*4:], l.n)
 	slot := &l.ring[l.n%uint64(len(l.ring))]
 	if *slot != nil {
-		(*slot).Release()
+		l.p.End(*slot, Outcome{})
 	}
 	model := "bench-model"
 	if len(l.models) > 0 {
 		model = l.models[l.n%uint64(len(l.models))]
 	}
-	r, err := l.p.Pick(Request{Model: model, Prompt: l.prompt})
+	r, err := l.p.pick(Request{Model: model, Prompt: l.prompt})
 	if err != nil {
 		panic(err)
 	}
@@ -161,7 +161,7 @@ func BenchmarkCriticalSection(b *testing.B) {
 					base := prefix.HashTiered(nil, req.Model, "", prompt, p.cfg.BlockSizeChars, p.blocks.fine, p.blocks.coarseChars, p.cfg.MaxPromptBlocks)
 					hashes := append([]uint64(nil), base...)
 					shared := benchSharedTokens * 4 / p.cfg.BlockSizeChars
-					r := &Reservation{p: p}
+					r := &Reservation{}
 					var n uint64
 					var critical time.Duration
 					place := func() {
@@ -171,14 +171,14 @@ func BenchmarkCriticalSection(b *testing.B) {
 								hashes[i] = base[i] ^ n<<40
 							}
 						}
-						*r = Reservation{p: p, hashes: hashes, promptChars: len(prompt)}
+						*r = Reservation{hashes: hashes, promptChars: len(prompt)}
 						p.mu.Lock()
 						start := time.Now()
-						if err := p.placeLocked(r, req); err != nil {
+						if err := p.l.place(r, req); err != nil {
 							panic(err)
 						}
 						critical += time.Since(start)
-						p.releaseLocked(r, 0)
+						p.l.release(r, 0)
 						p.mu.Unlock()
 						p.tidy()
 					}
@@ -243,11 +243,11 @@ func BenchmarkSmallPicksBesideHugePrompts(b *testing.B) {
 						default:
 						}
 						binary.LittleEndian.PutUint64(huge, n) // a fresh prompt each time
-						r, err := p.Pick(Request{Model: "bench-model", Prompt: huge})
+						r, err := p.pick(Request{Model: "bench-model", Prompt: huge})
 						if err != nil {
 							panic(err)
 						}
-						r.Release()
+						p.End(r, Outcome{})
 					}
 				}()
 			} else {
@@ -260,12 +260,12 @@ func BenchmarkSmallPicksBesideHugePrompts(b *testing.B) {
 				n++
 				binary.LittleEndian.PutUint64(small, n)
 				start := time.Now()
-				r, err := p.Pick(Request{Model: "bench-model", Prompt: small})
+				r, err := p.pick(Request{Model: "bench-model", Prompt: small})
 				lat = append(lat, time.Since(start))
 				if err != nil {
 					panic(err)
 				}
-				r.Release()
+				p.End(r, Outcome{})
 			}
 			close(stop)
 			<-done

@@ -25,7 +25,7 @@ func burst(t *testing.T, p *Picker, prompts [][]byte) map[netip.AddrPort]int {
 	for i, pr := range prompts {
 		wg.Go(func() {
 			<-start
-			res[i], errs[i] = p.Pick(Request{Model: model, Prompt: pr})
+			res[i], errs[i] = p.pick(Request{Model: model, Prompt: pr})
 		})
 	}
 	close(start)
@@ -42,7 +42,7 @@ func burst(t *testing.T, p *Picker, prompts [][]byte) map[netip.AddrPort]int {
 		t.Errorf("ledger holds %d requests after the burst, want %d", in, len(prompts))
 	}
 	for _, r := range res {
-		r.Release()
+		p.End(r, Outcome{})
 	}
 	assertLedgerEmpty(t, p)
 	return split
@@ -65,14 +65,14 @@ func burstPrompts(shared []byte, tag string) [][]byte {
 // returns that endpoint.
 func warm(t *testing.T, p *Picker, shared []byte) netip.AddrPort {
 	r := mustPick(t, p, Request{Model: model, Prompt: shared})
-	r.FirstByte()
-	r.Release()
+	p.FirstByte(r)
+	p.End(r, Outcome{})
 	return endpointOf(r)
 }
 
 func splitString(p *Picker, split map[netip.AddrPort]int, holder netip.AddrPort) string {
 	s := ""
-	for _, st := range p.Stats() {
+	for _, st := range p.Snapshot().Endpoints {
 		mark := ""
 		if st.Endpoint.Address == holder {
 			mark = " (held the prefix)"
@@ -123,7 +123,7 @@ func TestBurstWithALongHeldPrefixFavoursItsHolderButSpills(t *testing.T) {
 
 	split := burst(t, p, burstPrompts(shared, "long"))
 	t.Logf("30,000-token prefix held by one endpoint, 128 x 32k tokens:%s", splitString(p, split, holder))
-	for _, st := range p.Stats() {
+	for _, st := range p.Snapshot().Endpoints {
 		a := st.Endpoint.Address
 		if split[a] == 0 {
 			t.Errorf("%s got no request: a held prefix must not take the whole burst", a)

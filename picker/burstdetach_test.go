@@ -29,7 +29,7 @@ type arrival struct {
 
 func newThreeEngines(t *testing.T, seed uint64, interval, offset time.Duration) *threeEngines {
 	clock := newFakeClock()
-	e := &threeEngines{p: newPicker(t, 3, testConfig(), Options{Now: clock.Now, Rand: rand.New(rand.NewPCG(seed, 2))}), clock: clock, interval: interval,
+	e := &threeEngines{p: newPicker(t, 3, testConfig(), Options{Clock: clock, Rand: rand.New(rand.NewPCG(seed, 2))}), clock: clock, interval: interval,
 		nextScrape: clock.ns.Load() + int64(offset), index: map[string]int{}}
 	for i := range 3 {
 		e.index[addr(i).String()] = i
@@ -82,14 +82,14 @@ func burstAfterBurst(t *testing.T, seed uint64, interval, offset, lag time.Durat
 		placed = [3]int{}
 		for i := range 128 {
 			r := mustPick(t, e.p, Request{Model: model, Prompt: text(fmt.Sprint("burst", burst, "-", i), 8_000*4), MaxTokens: 16})
-			r.Detach()
+			e.p.End(r, Outcome{Detached: true})
 			placed[e.send(r, e.clock.ns.Load()+int64(lag))]++
 			e.step(1500 * time.Microsecond)
 		}
 		e.step(lag)
 		e.held = [3]int{} // the engines end the burst's requests
 	}
-	for i, w := range e.p.rows {
+	for i, w := range e.p.l.rows {
 		held[i] = w.inFlight
 	}
 	return placed, held
@@ -139,7 +139,7 @@ func TestLateArrivalsAreNotTakenForEndedRequests(t *testing.T) {
 		for i := range 128 {
 			// Long outputs: the model ends none of them in the test.
 			r := mustPick(t, e.p, Request{Model: model, Prompt: text(fmt.Sprint("late-", i), 8_000*4), MaxTokens: 100_000})
-			r.Detach()
+			e.p.End(r, Outcome{Detached: true})
 			// Arrivals spread over the lag, the first ones slowest: a
 			// gateway catching up.
 			e.send(r, e.clock.ns.Load()+int64(c.lag)-int64(i)*int64(c.lag)/256)

@@ -16,7 +16,7 @@ import (
 // to exactly zero without ever going negative.
 func TestReleasesTakeEffectExactlyOnce(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 4, testConfig(), Options{Now: clock.Now, MaxRequestLifetime: time.Minute})
+	p := newPicker(t, 4, testConfig(), Options{Clock: clock, MaxRequestLifetime: time.Minute})
 	const n = 300
 	res := make([]*Reservation, 0, n)
 	for i := range n {
@@ -39,9 +39,9 @@ func TestReleasesTakeEffectExactlyOnce(t *testing.T) {
 	)
 	for i, r := range res {
 		for k := range 2 {
-			wg.Go(func() { <-start; r.FirstByte() })
-			wg.Go(func() { <-start; r.ServedBy(addr((i + k) % 4)) })
-			wg.Go(func() { <-start; r.Release() })
+			wg.Go(func() { <-start; p.FirstByte(r) })
+			wg.Go(func() { <-start; p.ServedBy(r, addr((i+k)%4)) })
+			wg.Go(func() { <-start; p.End(r, Outcome{}) })
 		}
 	}
 	for range 3 {
@@ -55,7 +55,7 @@ func TestReleasesTakeEffectExactlyOnce(t *testing.T) {
 	obs.Go(func() { // the ledger never shows a negative count, even mid-race
 		<-start
 		for {
-			for _, s := range p.Stats() {
+			for _, s := range p.Snapshot().Endpoints {
 				if s.InFlight < 0 || s.PrefillTokens < 0 || s.Decoding < 0 {
 					negative.Add(1)
 				}
@@ -80,7 +80,7 @@ func TestReleasesTakeEffectExactlyOnce(t *testing.T) {
 	// ledger above or below zero (assertLedgerEmpty); one that never did,
 	// a reservation unreleased.
 	p.mu.Lock()
-	unreleased, oldest := 0, p.picks.head
+	unreleased, oldest := 0, p.l.picks.head
 	for _, r := range res {
 		if !r.released {
 			unreleased++
@@ -109,15 +109,15 @@ func TestPicksRaceWithReplace(t *testing.T) {
 	for g := range 8 {
 		wg.Go(func() {
 			for i := range 200 {
-				r, err := p.Pick(Request{Model: model, Prompt: text(fmt.Sprint("g", g, "i", i%7), 700)})
+				r, err := p.pick(Request{Model: model, Prompt: text(fmt.Sprint("g", g, "i", i%7), 700)})
 				if err != nil {
 					continue // the set may be empty for a moment
 				}
 				if i%2 == 0 {
-					r.FirstByte()
+					p.FirstByte(r)
 				}
-				r.ServedBy(addr(i % 4))
-				r.Release()
+				p.ServedBy(r, addr(i%4))
+				p.End(r, Outcome{})
 			}
 		})
 	}
@@ -136,21 +136,21 @@ func TestPicksRaceWithReplace(t *testing.T) {
 // clock stands still).
 func TestALaterFirstByteDoesNothing(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+	p := newPicker(t, 1, testConfig(), Options{Clock: clock})
 	r := mustPick(t, p, Request{Model: model, Prompt: text("once", 4000), Stream: true})
 	clock.Advance(100 * time.Millisecond)
-	r.FirstByte()
+	p.FirstByte(r)
 	p.mu.Lock()
 	first := r.firstByteNs
 	p.mu.Unlock()
 	clock.Advance(time.Second)
-	r.FirstByte()
+	p.FirstByte(r)
 	p.mu.Lock()
 	again := r.firstByteNs
 	p.mu.Unlock()
 	if again != first {
 		t.Errorf("a second FirstByte moved the first byte from %v to %v", time.Duration(first), time.Duration(again))
 	}
-	r.Release()
+	p.End(r, Outcome{})
 	assertLedgerEmpty(t, p)
 }

@@ -18,7 +18,7 @@ import (
 // expected output (max_tokens when the request gives one, else the mean
 // output the pool's responses have shown) at the pool's observed decode
 // speed (both also learned from the engines' counters where they publish
-// them: observeOutputCountsLocked). Engine scrapes shorten it when two in
+// them: observeOutputCounts). Engine scrapes shorten it when two in
 // a row report fewer requests than the ledger holds there (the request
 // finished early), and a request the model ended while the engine still
 // runs it shows as foreign load: the correction works both ways.
@@ -43,91 +43,77 @@ const (
 	detachArrival = 100 * time.Millisecond
 )
 
-// Detach ends the stream's hold on the reservation without releasing it:
-// the gateway will show no response (see above). The reservation ends on
-// its own when the model says the request is done, when an engine scrape
-// says so, or by the sweeper; a bodiless request's is released at once.
-// Calls after the first, and after a release, do nothing.
-func (r *Reservation) Detach() {
-	if r.bodiless {
-		// A bodiless request (a GET of /v1/models) gives the engine no
-		// prefill or decoding to model: it is done when it is answered.
-		r.Release()
-		return
+// detach ends the stream's hold on r without releasing it (Outcome.Detached):
+// the gateway will show no response. r ends on its own when the model says
+// the request is done, when an engine scrape says so, or by the sweeper. It
+// reports whether r was detached now.
+func (l *ledger) detach(r *Reservation, now int64) bool {
+	if r.released || r.detached {
+		return false
 	}
-	p := r.p
-	now := p.clock()
-	p.mu.Lock()
-	detached := false
-	if !r.released && !r.detached {
-		detached = true
-		r.detached = true
-		w := r.row
-		w.detached++
-		w.detachedList.push(r)
-		if r.decoding {
-			p.scheduleDetachedLocked(r, now)
-		}
+	r.detached = true
+	w := r.row
+	w.detached++
+	w.detachedList.push(r)
+	if r.decoding {
+		l.scheduleDetached(r, now)
 	}
-	p.mu.Unlock()
-	if detached {
-		p.metrics.detached.Inc()
-	}
+	return true
 }
 
 // expectedOutputTokens is how many tokens r is expected to generate.
-func (p *Picker) expectedOutputTokens(r *Reservation) float64 {
+func (l *ledger) expectedOutputTokens(r *Reservation) float64 {
 	if r.maxTokens > 0 {
 		return float64(min(r.maxTokens, maxExpectedOutputTokens))
 	}
-	return p.meanOutputTokens
+	return l.meanOutputTokens
 }
 
-// scheduleDetachedLocked gives a detached reservation whose prefill ended at
+// scheduleDetached gives a detached reservation whose prefill ended at
 // end its modelled end.
-func (p *Picker) scheduleDetachedLocked(r *Reservation, end int64) {
-	r.doneAt = end + int64(p.expectedOutputTokens(r)*p.decodeNsPerToken)
+func (l *ledger) scheduleDetached(r *Reservation, end int64) {
+	r.doneAt = end + int64(l.expectedOutputTokens(r)*l.decodeNsPerToken)
 	if r.heapIdx >= 0 {
-		heap.Fix(&p.detachedDue, r.heapIdx)
+		heap.Fix(&l.detachedDue, r.heapIdx)
 		return
 	}
-	heap.Push(&p.detachedDue, r)
+	heap.Push(&l.detachedDue, r)
 }
 
-// unlinkDetachedLocked takes a detached reservation off its row's list and
-// the schedule; releaseLocked calls it.
-func (p *Picker) unlinkDetachedLocked(r *Reservation) {
+// unlinkDetached takes a detached reservation off its row's list and
+// the schedule; release calls it.
+func (l *ledger) unlinkDetached(r *Reservation) {
 	w := r.row
 	w.detached--
 	w.detachedList.remove(r)
 	if r.heapIdx >= 0 {
-		heap.Remove(&p.detachedDue, r.heapIdx)
+		heap.Remove(&l.detachedDue, r.heapIdx)
 	}
 }
 
-// expireDetachedLocked releases the detached reservations the model says
+// expireDetached releases the detached reservations the model says
 // are done by now (rows drained first, so that every prefill the model has
 // ended is scheduled). It returns how many it released.
-func (p *Picker) expireDetachedLocked(now int64) (n int) {
-	for len(p.detachedDue) > 0 && p.detachedDue[0].doneAt <= now {
-		p.releaseLocked(p.detachedDue[0], now)
+func (l *ledger) expireDetached(now int64) (n int) {
+	for len(l.detachedDue) > 0 && l.detachedDue[0].doneAt <= now {
+		l.release(l.detachedDue[0], now)
 		n++
 	}
-	p.detachEnds[detachEndModel] += uint64(n)
+	l.detachEnds[detachEndModel] += uint64(n)
 	return n
 }
 
-// shortenDetachedLocked releases up to excess detached reservations of w,
+// shortenDetached releases up to excess detached reservations of w,
 // oldest first, that had reached the engine by seen (picked detachArrival
 // before it): the engine reports fewer requests than the ledger holds.
-func (p *Picker) shortenDetachedLocked(w *row, excess int, now, seen int64) {
+func (l *ledger) shortenDetached(w *row, excess int, now, seen int64) {
 	for r := w.detachedList.head; r != nil && excess > 0; {
 		next := r.detachLink.next
 		if r.pickedNs+int64(detachArrival) > seen {
 			break // the list is in detach order, close to pick order
 		}
-		p.releaseLocked(r, now)
-		p.detachEnds[detachEndEngine]++
+		l.release(r, now)
+		l.detachEnds[detachEndEngine]++
 		excess--
 		r = next
 	}
@@ -143,35 +129,35 @@ const (
 
 var detachEndNames = [numDetachEnds]string{"model", "engine", "swept"}
 
-// learnResponseLocked learns the pool's decode speed and output length from
+// learnResponse learns the pool's decode speed and output length from
 // a response that ended at now after completionTokens tokens (0: unknown).
-func (p *Picker) learnResponseLocked(r *Reservation, completionTokens int, now int64) {
+func (l *ledger) learnResponse(r *Reservation, completionTokens int, now int64) {
 	if completionTokens <= 0 {
 		return
 	}
-	p.meanOutputTokens += (float64(completionTokens) - p.meanOutputTokens) * outputLearnWeight
+	l.meanOutputTokens += (float64(completionTokens) - l.meanOutputTokens) * outputLearnWeight
 	if !r.stream || !r.sawFirstByte || completionTokens < 2 || r.firstByteNs <= 0 {
 		return
 	}
 	sample := float64(now-r.firstByteNs) / float64(completionTokens-1)
-	if sample < p.decodeNsPerToken/(2*decodeSampleSpreadAllowed) {
+	if sample < l.decodeNsPerToken/(2*decodeSampleSpreadAllowed) {
 		// The response arrived at once (a buffering proxy, a late first
 		// byte): it says nothing of the decode speed.
 		return
 	}
 	// One odd response moves the estimate a little, not a lot.
-	sample = min(max(sample, p.decodeNsPerToken/decodeSampleSpreadAllowed), p.decodeNsPerToken*decodeSampleSpreadAllowed)
-	p.decodeNsPerToken += (sample - p.decodeNsPerToken) * decodeLearnWeight
-	p.decodeNsPerToken = min(max(p.decodeNsPerToken, minDecodeNsPerToken), maxDecodeNsPerToken)
+	sample = min(max(sample, l.decodeNsPerToken/decodeSampleSpreadAllowed), l.decodeNsPerToken*decodeSampleSpreadAllowed)
+	l.decodeNsPerToken += (sample - l.decodeNsPerToken) * decodeLearnWeight
+	l.decodeNsPerToken = min(max(l.decodeNsPerToken, minDecodeNsPerToken), maxDecodeNsPerToken)
 }
 
-// observeOutputCountsLocked learns the pool's expected output, and its
+// observeOutputCounts learns the pool's expected output, and its
 // decode speed where the engine times its decoding, from w's engine's
 // counters: the requests finished since the last scrape weigh as many
-// responses would (learnResponseLocked), so a pool whose gateway shows no
+// responses would (learnResponse), so a pool whose gateway shows no
 // responses learns them too. Counters that went back (an engine restart)
 // start a new window.
-func (p *Picker) observeOutputCountsLocked(w *row, s EngineStats) {
+func (l *ledger) observeOutputCounts(w *row, s EngineStats) {
 	e := &w.engine
 	if !s.HasOutputCounts {
 		e.outputBase = false
@@ -186,33 +172,16 @@ func (p *Picker) observeOutputCountsLocked(w *row, s EngineStats) {
 			return // nothing finished yet: the window goes on
 		}
 		mean := min(max(dTok/dReq, 1), maxExpectedOutputTokens) // a request generates a token at least
-		p.meanOutputTokens += (mean - p.meanOutputTokens) * (1 - math.Pow(1-outputLearnWeight, dReq))
+		l.meanOutputTokens += (mean - l.meanOutputTokens) * (1 - math.Pow(1-outputLearnWeight, dReq))
 		// A request's decode time runs from its first token to its last:
 		// it spans its tokens after the first.
 		if intervals := dTok - dReq; timed && intervals >= 1 {
 			sample := min(max(dSec*1e9/intervals, minDecodeNsPerToken), maxDecodeNsPerToken)
-			p.decodeNsPerToken += (sample - p.decodeNsPerToken) * (1 - math.Pow(1-decodeLearnWeight, dReq))
+			l.decodeNsPerToken += (sample - l.decodeNsPerToken) * (1 - math.Pow(1-decodeLearnWeight, dReq))
 		}
 	}
 	e.outputBase, e.decodeBase = true, s.HasDecodeTiming
 	e.baseFinished, e.baseGenerated, e.baseDecode = s.FinishedRequestsTotal, s.GenerationTokensTotal, s.DecodeSecondsTotal
-}
-
-// Completed reports that the request's response ended with
-// completionTokens output tokens (from its usage, or counted events; 0 when
-// unknown): the pool learns its decode speed and output length from it,
-// and a streamed first byte that came with the whole response is not taken
-// for the end of prefill (ratefit.go). Call it before Release; it does
-// nothing after.
-func (r *Reservation) Completed(completionTokens int) {
-	p := r.p
-	now := p.clock()
-	p.mu.Lock()
-	if !r.released {
-		r.outputTokens = max(completionTokens, 0)
-		p.learnResponseLocked(r, completionTokens, now)
-	}
-	p.mu.Unlock()
 }
 
 // dueHeap orders detached reservations by their modelled end.

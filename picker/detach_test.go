@@ -13,13 +13,13 @@ func TestDetachedReservationEndsWhenTheModelSaysDone(t *testing.T) {
 	clock := newFakeClock()
 	cfg := testConfig()
 	cfg.PrefillTokensPerSecond = 10_000
-	p := newPicker(t, 1, cfg, Options{Now: clock.Now})
+	p := newPicker(t, 1, cfg, Options{Clock: clock})
 	// 40,000 characters: 10,000 tokens, one second of prefill.
 	req := on(addr(0), text("detached", 40_000))
 	req.MaxTokens = 100
 	r := mustPick(t, p, req)
-	r.Detach()
-	r.Detach() // harmless
+	p.End(r, Outcome{Detached: true})
+	p.End(r, Outcome{Detached: true}) // harmless
 
 	decode := time.Duration(100 * defaultDecodeNsPerToken)
 	start := clock.ns.Load()
@@ -38,7 +38,7 @@ func TestDetachedReservationEndsWhenTheModelSaysDone(t *testing.T) {
 	if got := p.Snapshot().DetachEnds[detachEndModel]; got != 1 {
 		t.Errorf("ends by the model = %d, want 1", got)
 	}
-	r.Release() // after the model ended it: nothing
+	p.End(r, Outcome{}) // after the model ended it: nothing
 	assertLedgerEmpty(t, p)
 }
 
@@ -47,16 +47,16 @@ func TestDetachedReservationEndsWhenTheModelSaysDone(t *testing.T) {
 // releases it at once, while a request with a body stays held.
 func TestADetachedBodilessRequestEndsAtOnce(t *testing.T) {
 	p := newPicker(t, 1, testConfig(), Options{})
-	mustPick(t, p, Request{}).Detach()
+	p.End(mustPick(t, p, Request{}), Outcome{Detached: true})
 	if l := p.Snapshot(); l.InFlight != 0 || l.Detached != 0 {
 		t.Fatalf("a detached bodiless request: in flight %d, detached %d; want none", l.InFlight, l.Detached)
 	}
 	r := mustPick(t, p, Request{Model: model, Bytes: 30})
-	r.Detach()
+	p.End(r, Outcome{Detached: true})
 	if l := p.Snapshot(); l.InFlight != 1 || l.Detached != 1 {
 		t.Fatalf("a detached request with a body: in flight %d, detached %d; want 1 and 1", l.InFlight, l.Detached)
 	}
-	r.Release()
+	p.End(r, Outcome{})
 	assertLedgerEmpty(t, p)
 }
 
@@ -64,12 +64,12 @@ func TestADetachedBodilessRequestEndsAtOnce(t *testing.T) {
 // sees the earlier ones.
 func TestDetachedBurstSpreads(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 3, testConfig(), Options{Now: clock.Now})
+	p := newPicker(t, 3, testConfig(), Options{Clock: clock})
 	shared := text("system", 2048)
 	count := map[string]int{}
 	for i := range 128 {
 		r := mustPick(t, p, Request{Model: model, Prompt: join(shared, text(fmt.Sprint(i), 256)), MaxTokens: 64})
-		r.Detach()
+		p.End(r, Outcome{Detached: true})
 		clock.Advance(time.Millisecond)
 	}
 	for _, s := range p.Snapshot().Endpoints {
@@ -90,11 +90,11 @@ func TestDetachedBurstSpreads(t *testing.T) {
 // been seen busy with, nor attached ones.
 func TestEngineScrapeShortensDetachedReservations(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+	p := newPicker(t, 1, testConfig(), Options{Clock: clock})
 	var detached []*Reservation
 	for i := range 4 {
 		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint(i), 400), MaxTokens: 10_000})
-		r.Detach()
+		p.End(r, Outcome{Detached: true})
 		detached = append(detached, r)
 	}
 	attached := mustPick(t, p, Request{Model: model, Prompt: text("attached", 400), MaxTokens: 10_000})
@@ -128,9 +128,9 @@ func TestEngineScrapeShortensDetachedReservations(t *testing.T) {
 	if l := p.Snapshot(); l.InFlight != 3 || l.Endpoints[0].ForeignRequests != 6 {
 		t.Errorf("in flight %d, foreign %d; want 3 and 6", l.InFlight, l.Endpoints[0].ForeignRequests)
 	}
-	attached.Release()
+	p.End(attached, Outcome{})
 	for _, r := range detached {
-		r.Release()
+		p.End(r, Outcome{})
 	}
 	assertLedgerEmpty(t, p)
 }
@@ -139,17 +139,17 @@ func TestEngineScrapeShortensDetachedReservations(t *testing.T) {
 // that arrived at once moves the speed only within bounds.
 func TestCompletedResponsesTeachTheDecodeModel(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+	p := newPicker(t, 1, testConfig(), Options{Clock: clock})
 	for i := range 200 {
 		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint(i), 400), Stream: true})
 		clock.Advance(50 * time.Millisecond)
-		r.FirstByte()
+		p.FirstByte(r)
 		clock.Advance(99 * 5 * time.Millisecond) // 100 tokens at 5 ms each
-		r.Completed(100)
-		r.Release()
+		p.End(r, Outcome{CompletionTokens: 100})
+		p.End(r, Outcome{})
 	}
 	p.mu.Lock()
-	decode, output := p.decodeNsPerToken, p.meanOutputTokens
+	decode, output := p.l.decodeNsPerToken, p.l.meanOutputTokens
 	p.mu.Unlock()
 	if decode < float64(4500*time.Microsecond) || decode > float64(5500*time.Microsecond) {
 		t.Errorf("decode %v per token, want about 5ms", time.Duration(decode))
@@ -161,15 +161,15 @@ func TestCompletedResponsesTeachTheDecodeModel(t *testing.T) {
 	for i := range 200 {
 		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("late", i), 400), Stream: true})
 		clock.Advance(50 * time.Millisecond)
-		r.FirstByte()
+		p.FirstByte(r)
 		if i%2 == 0 {
 			clock.Advance(99 * 5 * time.Millisecond)
 		}
-		r.Completed(100)
-		r.Release()
+		p.End(r, Outcome{CompletionTokens: 100})
+		p.End(r, Outcome{})
 	}
 	p.mu.Lock()
-	decode = p.decodeNsPerToken
+	decode = p.l.decodeNsPerToken
 	p.mu.Unlock()
 	if decode < float64(4500*time.Microsecond) || decode > float64(5500*time.Microsecond) {
 		t.Errorf("decode %v per token after late responses, want still about 5ms", time.Duration(decode))
@@ -182,10 +182,10 @@ func TestCompletedResponsesTeachTheDecodeModel(t *testing.T) {
 // round tells them all.
 func TestOneScrapeAloneEndsNoDetachedRequest(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 2, testConfig(), Options{Now: clock.Now})
+	p := newPicker(t, 2, testConfig(), Options{Clock: clock})
 	for i := range 8 {
 		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint(i), 400), MaxTokens: 10_000})
-		r.Detach()
+		p.End(r, Outcome{Detached: true})
 	}
 	busy := func(n int) EngineStats { return EngineStats{Running: n} }
 	clock.Advance(time.Second)
@@ -193,17 +193,17 @@ func TestOneScrapeAloneEndsNoDetachedRequest(t *testing.T) {
 	clock.Advance(250 * time.Millisecond)
 	// The pods end every request between the round's two scrapes.
 	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(4)}, {Address: addr(1), Stats: busy(0)}})
-	if s := p.Stats(); s[0].Detached != 4 || s[1].Detached != 4 {
+	if s := p.Snapshot().Endpoints; s[0].Detached != 4 || s[1].Detached != 4 {
 		t.Fatalf("detached %d and %d after one scrape said endpoint 1 had ended its 4, want 4 and 4", s[0].Detached, s[1].Detached)
 	}
 	clock.Advance(250 * time.Millisecond)
 	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(0)}, {Address: addr(1), Stats: busy(0)}})
-	if s := p.Stats(); s[0].Detached != 4 || s[1].Detached != 0 {
+	if s := p.Snapshot().Endpoints; s[0].Detached != 4 || s[1].Detached != 0 {
 		t.Fatalf("detached %d and %d after the second scrape, want 4 and 0", s[0].Detached, s[1].Detached)
 	}
 	clock.Advance(250 * time.Millisecond)
 	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(0)}, {Address: addr(1), Stats: busy(0)}})
-	if s := p.Stats(); s[0].Detached != 0 || s[1].Detached != 0 {
+	if s := p.Snapshot().Endpoints; s[0].Detached != 0 || s[1].Detached != 0 {
 		t.Fatalf("detached %d and %d after two scrapes of each said all ended, want none", s[0].Detached, s[1].Detached)
 	}
 	assertLedgerEmpty(t, p)
@@ -214,11 +214,11 @@ func TestOneScrapeAloneEndsNoDetachedRequest(t *testing.T) {
 // on it since, and they are not taken for ended ones.
 func TestAScrapeIsJudgedByWhenItWasSent(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+	p := newPicker(t, 1, testConfig(), Options{Clock: clock})
 	place := func(n int, what string) {
 		for i := range n {
 			r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint(what, i), 400), MaxTokens: 10_000})
-			r.Detach()
+			p.End(r, Outcome{Detached: true})
 		}
 	}
 	busy := func(n int) EngineStats { return EngineStats{Running: n} }
@@ -233,7 +233,7 @@ func TestAScrapeIsJudgedByWhenItWasSent(t *testing.T) {
 	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(10), Age: 500 * time.Millisecond}})
 	clock.Advance(50 * time.Millisecond)
 	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(10), Age: 500 * time.Millisecond}})
-	if s := p.Stats(); s[0].Detached != 15 {
+	if s := p.Snapshot().Endpoints; s[0].Detached != 15 {
 		t.Fatalf("detached %d after two rounds whose scrapes were sent before the 5 new requests could arrive, want 15", s[0].Detached)
 	}
 	// Sent 600 ms after the new requests, two scrapes find 12: 3 ended.
@@ -241,7 +241,7 @@ func TestAScrapeIsJudgedByWhenItWasSent(t *testing.T) {
 	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(12), Age: 100 * time.Millisecond}})
 	clock.Advance(250 * time.Millisecond)
 	p.ObserveScrapes([]Scrape{{Address: addr(0), Stats: busy(12), Age: 100 * time.Millisecond}})
-	if s := p.Stats(); s[0].Detached != 12 {
+	if s := p.Snapshot().Endpoints; s[0].Detached != 12 {
 		t.Fatalf("detached %d after two scrapes found 12, want 12", s[0].Detached)
 	}
 }
@@ -253,7 +253,7 @@ func TestEngineOutputCountersTeachTheExpectedOutput(t *testing.T) {
 	clock := newFakeClock()
 	cfg := testConfig()
 	cfg.PrefillTokensPerSecond = 10_000
-	p := newPicker(t, 2, cfg, Options{Now: clock.Now})
+	p := newPicker(t, 2, cfg, Options{Clock: clock})
 	expected := func() float64 { return p.Snapshot().ExpectedOutputTokens }
 	if got := expected(); got != defaultOutputTokens {
 		t.Fatalf("expected output before any counter: %v, want the default %d", got, defaultOutputTokens)
@@ -305,7 +305,7 @@ func expectDetachedDecodes(t *testing.T, p *Picker, clock *fakeClock, maxTokens 
 	req := on(addr(0), text("detached", 40_000)) // one second of prefill
 	req.MaxTokens = maxTokens
 	r := mustPick(t, p, req)
-	r.Detach()
+	p.End(r, Outcome{Detached: true})
 	start := clock.ns.Load()
 	clock.ns.Store(start + int64(time.Second+decode-100*time.Millisecond))
 	if l := p.Snapshot(); l.Detached != 1 {
@@ -326,7 +326,7 @@ func TestEngineDecodeTimeTeachesTheDecodeSpeed(t *testing.T) {
 	clock := newFakeClock()
 	cfg := testConfig()
 	cfg.PrefillTokensPerSecond = 10_000
-	p := newPicker(t, 2, cfg, Options{Now: clock.Now})
+	p := newPicker(t, 2, cfg, Options{Clock: clock})
 	speed := func() float64 { return p.Snapshot().DecodeSecondsPerToken }
 	var finished, generated, seconds [2]float64
 	scrape := func(i int, timed bool) {
@@ -381,10 +381,10 @@ func TestEngineDecodeTimeTeachesTheDecodeSpeed(t *testing.T) {
 // ends none of a burst still arriving.
 func TestAnEarlierShortfallEndsNoneOfANewBurst(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 1, testConfig(), Options{Now: clock.Now})
+	p := newPicker(t, 1, testConfig(), Options{Clock: clock})
 	pick := func(name string) *Reservation {
 		r := mustPick(t, p, Request{Model: model, Prompt: text(name, 400), MaxTokens: 100_000})
-		r.Detach()
+		p.End(r, Outcome{Detached: true})
 		return r
 	}
 	var old []*Reservation
@@ -396,7 +396,7 @@ func TestAnEarlierShortfallEndsNoneOfANewBurst(t *testing.T) {
 	clock.Advance(250 * time.Millisecond)
 	p.ObserveEngine(addr(0), EngineStats{Running: 5}) // a shortfall of 5, said once
 	for _, r := range old {
-		r.Release()
+		p.End(r, Outcome{})
 	}
 	// A burst right after, before any scrape: by the next one, sent
 	// 150 ms after its first pick, 3 of its 40 have reached the engine.

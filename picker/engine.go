@@ -112,15 +112,15 @@ type engineView struct {
 	busyAt           int64 // when the last scrape that found requests running or waiting was sent
 	sentAt           int64 // when the last scrape was sent
 	// The most requests the ledger held here since the last scrape (see
-	// observeEngineLocked).
+	// observeEngine).
 	peak int
 	// finished is how many fewer requests than the ledger held the last
 	// scrape found, and recent the picks made here that may not have
-	// reached the engine yet (see observeEngineLocked).
+	// reached the engine yet (see observeEngine).
 	finished int
 	recent   pickTimes
 	// The engine's output counters and decode time at the start of the
-	// current window (observeOutputCountsLocked); outputBase is false
+	// current window (observeOutputCounts); outputBase is false
 	// until one is read, and decodeBase says whether it had the decode
 	// time.
 	baseGenerated, baseFinished, baseDecode float64
@@ -130,7 +130,7 @@ type engineView struct {
 	excluded                                bool // unhealthy while another endpoint is healthy
 	cacheTokens                             int
 	kvUsage                                 float64 // -1: not published
-	delivered, predic                       int64   // cached prompt tokens delivered by the engine, and predicted
+	delivered, predicted                    int64   // cached prompt tokens delivered by the engine, and predicted
 	// LoRA (adapters.go): whether the engine publishes its adapters, its
 	// base model, the adapters of its running and waiting requests, and
 	// how many it runs at once.
@@ -205,7 +205,7 @@ func (e *engineView) fadedForeignCost(now int64) int {
 func (p *Picker) ScrapeTargets(dst []ScrapeTarget) []ScrapeTarget {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for _, w := range p.rows {
+	for _, w := range p.l.rows {
 		dst = append(dst, ScrapeTarget{Address: w.ep.Address, Engine: w.ep.Engine})
 	}
 	return dst
@@ -235,17 +235,10 @@ const maxScrapeAge = time.Second
 // endpoints that became candidates again and those that just stopped
 // being ones, for the caller to log.
 func (p *Picker) ObserveScrapes(round []Scrape) (recovered, failed []netip.AddrPort) {
-	now := p.clock()
+	now := p.now()
 	p.mu.Lock()
-	for _, s := range round {
-		switch {
-		case !s.Failed && p.observeEngineLocked(s.Address, s.Stats, now, now-int64(min(max(s.Age, 0), maxScrapeAge))):
-			recovered = append(recovered, s.Address)
-		case s.Failed && p.observeFailureLocked(s.Address):
-			failed = append(failed, s.Address)
-		}
-	}
-	p.freedLocked(now) // the engines may have reported less load than was thought
+	recovered, failed = p.l.observe(round, now)
+	p.rearm(now)
 	p.mu.Unlock()
 	if len(recovered) > 0 {
 		p.metrics.healthChanges.WithLabelValues("recovered").Add(float64(len(recovered)))
@@ -256,10 +249,24 @@ func (p *Picker) ObserveScrapes(round []Scrape) (recovered, failed []netip.AddrP
 	return recovered, failed
 }
 
-// observeEngineLocked records one endpoint's scrape, handed over at now and
+// observe records a round of scrapes handed over at now (ObserveScrapes).
+func (l *ledger) observe(round []Scrape, now int64) (recovered, failed []netip.AddrPort) {
+	for _, s := range round {
+		switch {
+		case !s.Failed && l.observeEngine(s.Address, s.Stats, now, now-int64(min(max(s.Age, 0), maxScrapeAge))):
+			recovered = append(recovered, s.Address)
+		case s.Failed && l.observeFailure(s.Address):
+			failed = append(failed, s.Address)
+		}
+	}
+	l.freed(now) // the engines may have reported less load than was thought
+	return recovered, failed
+}
+
+// observeEngine records one endpoint's scrape, handed over at now and
 // sent at sent.
-func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now, sent int64) (recovered bool) {
-	w, ok := p.byAddr[key(addr)]
+func (l *ledger) observeEngine(addr netip.AddrPort, s EngineStats, now, sent int64) (recovered bool) {
+	w, ok := l.byAddr[key(addr)]
 	if !ok {
 		return false
 	}
@@ -272,8 +279,8 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now, se
 	if s.Model != "" {
 		e.model = s.Model
 	}
-	p.loraSeen = p.loraSeen || s.HasLoRA
-	p.learnModelsLocked(s)
+	l.loraSeen = l.loraSeen || s.HasLoRA
+	l.learnModels(s)
 	for _, list := range [][]string{s.WaitingAdapters, s.RunningAdapters} { // running ones most recent
 		for _, a := range list {
 			w.useAdapter(a)
@@ -318,66 +325,66 @@ func (p *Picker) observeEngineLocked(addr netip.AddrPort, s EngineStats, now, se
 		// Both scrapes must have been sent late enough to count the
 		// requests ended: the last one's shortfall may have been of
 		// others (a gateway's cancelled requests just before a burst).
-		w.drain(now)
-		p.shortenDetachedLocked(w, n, now, min(e.busyAt, prevSent))
+		l.drain(w, now)
+		l.shortenDetached(w, n, now, min(e.busyAt, prevSent))
 	}
 	e.finished = finished
-	p.observePrefillTimingLocked(w, s, now)
-	p.observeOutputCountsLocked(w, s)
+	l.observePrefillTiming(w, s, now)
+	l.observeOutputCounts(w, s)
 	e.foreign = max(s.Running+s.Waiting-peak, 0)
 	e.peak = w.inFlight
 	// No engine the scraper reads says how many prompt tokens its queue
 	// holds: a foreign request is sized as the mean prompt placed here.
-	e.foreignTokens = int(p.meanPromptTokens)
+	e.foreignTokens = int(l.meanPromptTokens)
 	if s.CacheTokens > 0 && s.CacheTokens != e.cacheTokens {
 		e.cacheTokens = s.CacheTokens
-		p.index.SetCapacity(w.id, max(int(int64(s.CacheTokens)*int64(p.cfg.CharsPerToken)/int64(p.cfg.BlockSizeChars)), 1))
+		l.index.SetCapacity(w.id, max(int(int64(s.CacheTokens)*int64(l.cfg.CharsPerToken)/int64(l.cfg.BlockSizeChars)), 1))
 	}
 	if e.unhealthy {
 		e.unhealthy = false
 		recovered = true
-		p.refreshCandidatesLocked()
+		l.refreshCandidates()
 	}
 	return recovered
 }
 
-// observeFailureLocked records a failed scrape of the endpoint at addr. It
+// observeFailure records a failed scrape of the endpoint at addr. It
 // reports whether the endpoint just turned unhealthy. Only an endpoint whose
 // metrics have been read before can: one whose metrics were never read (on
 // another port or path, an engine the scraper cannot read) serves on the
 // ledger alone, since scrapes correct the ledger and do not decide who may
 // serve.
-func (p *Picker) observeFailureLocked(addr netip.AddrPort) (failed bool) {
-	w, ok := p.byAddr[key(addr)]
+func (l *ledger) observeFailure(addr netip.AddrPort) (failed bool) {
+	w, ok := l.byAddr[key(addr)]
 	if !ok || !w.engine.scraped {
 		return false
 	}
 	e := &w.engine
 	e.failures++
-	if !e.unhealthy && e.failures >= p.opts.ScrapeFailureThreshold {
+	if !e.unhealthy && e.failures >= l.failureThreshold {
 		e.unhealthy, failed = true, true
-		p.refreshCandidatesLocked()
+		l.refreshCandidates()
 	}
 	return failed
 }
 
-// refreshCandidatesLocked rebuilds the candidates after the set or an
+// refreshCandidates rebuilds the candidates after the set or an
 // endpoint's health changed.
-func (p *Picker) refreshCandidatesLocked() {
+func (l *ledger) refreshCandidates() {
 	healthy := 0
-	for _, w := range p.rows {
+	for _, w := range l.rows {
 		if !w.engine.unhealthy {
 			healthy++
 		}
 	}
-	p.candidates = p.candidates[:0]
-	for _, w := range p.rows {
+	l.candidateRows = l.candidateRows[:0]
+	for _, w := range l.rows {
 		w.engine.excluded = w.engine.unhealthy && healthy > 0
 		if !w.engine.excluded {
-			p.candidates = append(p.candidates, w)
+			l.candidateRows = append(l.candidateRows, w)
 		}
 	}
-	clear(p.candidates[len(p.candidates):cap(p.candidates)])
+	clear(l.candidateRows[len(l.candidateRows):cap(l.candidateRows)])
 }
 
 // pickTimes are the times of the recent picks on an endpoint, oldest first.

@@ -9,7 +9,7 @@ import (
 
 func TestForeignLoadSteersPicksAway(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 2, testConfig(), Options{Now: clock.Now})
+	p := newPicker(t, 2, testConfig(), Options{Clock: clock})
 	a, b := addr(0), addr(1)
 	mustPick(t, p, on(a, text("ours", 4000))) // one request of ours on a
 	// a's engine runs 5 requests: 4 are not ours. b's runs none.
@@ -35,7 +35,7 @@ func TestPrefixCapacityComesFromTheEngine(t *testing.T) {
 	p := newPicker(t, 1, testConfig(), Options{})
 	a := addr(0)
 	prompt := text("long", 64*200) // 200 blocks
-	mustPick(t, p, on(a, prompt)).Release()
+	p.End(mustPick(t, p, on(a, prompt)), Outcome{})
 	// 1,600 tokens of KV cache = 6,400 characters = 100 blocks of 64.
 	p.ObserveEngine(a, EngineStats{CacheTokens: 1600})
 	p.tidy()
@@ -72,10 +72,10 @@ func TestFailingScrapesExcludeAnEndpointUntilOneSucceeds(t *testing.T) {
 	}
 	// The gateway's hint names only the failing endpoint: it can serve,
 	// its scrapes only correct the ledger.
-	if r, err := p.Pick(on(a, nil)); err != nil || endpointOf(r) != a {
+	if r, err := p.pick(on(a, nil)); err != nil || endpointOf(r) != a {
 		t.Errorf("a subset naming only the failing endpoint: %v; want it routed there", err)
 	}
-	r, err := p.Pick(Request{Model: model, Subset: []netip.AddrPort{a, b}, HasSubset: true})
+	r, err := p.pick(Request{Model: model, Subset: []netip.AddrPort{a, b}, HasSubset: true})
 	if err != nil || endpointOf(r) != b {
 		t.Errorf("a subset naming the failing endpoint and a healthy one: %v; want the healthy one", err)
 	}
@@ -83,7 +83,7 @@ func TestFailingScrapesExcludeAnEndpointUntilOneSucceeds(t *testing.T) {
 	for range 3 {
 		p.ObserveScrapeFailure(b)
 	}
-	if _, err := p.Pick(on(a, nil)); err != nil {
+	if _, err := p.pick(on(a, nil)); err != nil {
 		t.Errorf("with every endpoint failing its scrapes, a was excluded: %v", err)
 	}
 	if !p.ObserveEngine(a, EngineStats{}) {
@@ -102,14 +102,14 @@ func TestADeliveredShortfallKeepsTheBlocksTheEngineRecomputed(t *testing.T) {
 	p := newPicker(t, 1, testConfig(), Options{})
 	a := addr(0)
 	prompt := text("cached?", 64*100) // 100 blocks, 1,600 tokens
-	mustPick(t, p, on(a, prompt)).Release()
+	p.End(mustPick(t, p, on(a, prompt)), Outcome{})
 	r := mustPick(t, p, on(a, prompt))
 	if cachedTokens(r) != 1600 {
 		t.Fatalf("predicted %d cached tokens, want 1600", cachedTokens(r))
 	}
-	r.Delivered(1600, 400) // only the first quarter came from its cache
-	r.Delivered(1600, 0)   // a second report has no effect
-	r.Release()
+	p.End(r, Outcome{PromptTokens: 1600, CachedTokens: 400}) // only the first quarter came from its cache
+	p.End(r, Outcome{PromptTokens: 1600, CachedTokens: 0})   // a second report has no effect
+	p.End(r, Outcome{})
 	if n := heldBlocks(p, prompt, a); n != 100 {
 		t.Errorf("a holds %d blocks after the shortfall, want all 100: it has just computed them", n)
 	}
@@ -141,17 +141,17 @@ func TestAnEngineThatNeverCachesStopsDrawingRepeats(t *testing.T) {
 			a, b := addr(0), addr(1)
 			mustPick(t, p, on(a, text("other work", 64*50))) // 800 tokens held on a throughout
 			prompt := text("repeated", 64*100)               // 100 blocks, 1,600 tokens
-			mustPick(t, p, on(a, prompt)).Release()
+			p.End(mustPick(t, p, on(a, prompt)), Outcome{})
 			var last []netip.AddrPort
 			for range 12 {
 				r := mustPick(t, p, Request{Model: model, Prompt: prompt})
 				at := endpointOf(r)
 				if at == a {
-					r.Delivered(1600, tc.delivers(cachedTokens(r)))
+					p.End(r, Outcome{PromptTokens: 1600, CachedTokens: tc.delivers(cachedTokens(r))})
 				} else {
-					r.Delivered(1600, cachedTokens(r)) // b caches
+					p.End(r, Outcome{PromptTokens: 1600, CachedTokens: cachedTokens(r)}) // b caches
 				}
-				r.Release()
+				p.End(r, Outcome{})
 				last = append(last, at)
 			}
 			for i, at := range last[8:] {
@@ -175,7 +175,7 @@ func TestAStaleScrapeOfEndedRequestsIsNotForeignLoad(t *testing.T) {
 	}
 	p.ObserveEngine(addr(0), EngineStats{Running: 6})
 	for _, r := range rs {
-		r.Release()
+		p.End(r, Outcome{})
 	}
 	p.ObserveEngine(addr(0), EngineStats{Waiting: 6}) // read before the releases
 	if s := statsOf(p, addr(0)); s.ForeignRequests != 0 {
@@ -197,20 +197,20 @@ func TestEndpointsHoldingTheSameBlocksAreTrustedEachByItsOwnEngine(t *testing.T)
 	prompt := text("held on both", 64*100) // 100 blocks, 1,600 tokens
 	for range 8 {
 		r := mustPick(t, p, on(a, prompt))
-		r.Delivered(1600, 0) // a never caches
-		r.Release()
+		p.End(r, Outcome{PromptTokens: 1600, CachedTokens: 0}) // a never caches
+		p.End(r, Outcome{})
 		r = mustPick(t, p, on(b, prompt))
-		r.Delivered(1600, cachedTokens(r))
-		r.Release()
+		p.End(r, Outcome{PromptTokens: 1600, CachedTokens: cachedTokens(r)})
+		p.End(r, Outcome{})
 	}
 	for i := range 12 {
 		r := mustPick(t, p, Request{Model: model, Prompt: prompt})
 		if at := endpointOf(r); at != b {
 			t.Errorf("repeat %d went to %v, want %v (a's cache trust %.2f, b's %.2f)", i, at, b, statsOf(p, a).CacheTrust, statsOf(p, b).CacheTrust)
-			r.Delivered(1600, 0)
+			p.End(r, Outcome{PromptTokens: 1600, CachedTokens: 0})
 		} else {
-			r.Delivered(1600, cachedTokens(r))
+			p.End(r, Outcome{PromptTokens: 1600, CachedTokens: cachedTokens(r)})
 		}
-		r.Release()
+		p.End(r, Outcome{})
 	}
 }

@@ -22,7 +22,7 @@ import (
 //
 // Invariant: a waiting request is in exactly one flow's list and in the
 // queue's arrival list, and is counted in its band and the queue; every way
-// out (dispatch, TTL, cancel, shutdown) goes through finishLocked, which
+// out (dispatch, TTL, cancel, shutdown) goes through finish, which
 // takes it out of all of them at once.
 
 var (
@@ -81,7 +81,7 @@ type Ticket struct {
 	enqueued, deadline int64
 	seq                uint64 // arrival order
 
-	// Guarded by p.mu.
+	// Guarded by the picker's lock.
 	flowLink    link[Ticket] // in its flow, oldest first
 	arrivalLink link[Ticket] // in the queue's arrival list
 	done        bool
@@ -115,88 +115,84 @@ type band struct {
 	activeFlows int
 }
 
-// flowQueue is the picker's queue; guarded by p.mu.
+// flowQueue is the ledger's queue.
 type flowQueue struct {
-	bands        []*band // by priority, highest first
-	n            int
-	bytes        int64
-	arrivals     list[Ticket, arrivalLinks]
-	closed       bool
-	seq          uint64 // arrivals so far
-	free         []*row // scratch: unsaturated candidates of a cycle
-	outcomes     [numOutcomes]uint64
-	timerArmedAt int64 // clock the dispatch timer is set for; 0 when not set
+	bands    []*band // by priority, highest first
+	n        int
+	bytes    int64
+	arrivals list[Ticket, arrivalLinks]
+	closed   bool
+	seq      uint64 // arrivals so far
+	free     []*row // scratch: unsaturated candidates of a cycle
+	outcomes [numOutcomes]uint64
 }
 
-// Admit places req at once when some candidate is below its saturation
-// threshold, as Pick does. With flow control on and every candidate
-// saturated, it waits in the queue until a dispatch cycle places it, its TTL
-// passes (ErrQueueTimeout), ctx ends (ctx's error: nothing is left behind),
-// or the picker shuts down (ErrShuttingDown). With flow control off it is
-// Pick.
-func (p *Picker) Admit(ctx context.Context, req Request) (*Reservation, error) {
-	if !p.flowOn {
-		return p.Pick(req)
-	}
-	r, t, err := p.Enqueue(req)
-	if t == nil {
-		return r, err
-	}
-	return t.Wait(ctx)
-}
-
-// Enqueue is Admit without the wait: it returns a reservation (placed at
-// once), a ticket (waiting), or an error (refused).
+// Enqueue is Admit without the wait, for callers that cannot block (a
+// simulation in virtual time, whose clock fires the dispatch timer): it
+// returns a reservation (placed at once), a ticket (waiting), or an error
+// (refused).
 func (p *Picker) Enqueue(req Request) (*Reservation, *Ticket, error) {
-	if !p.flowOn {
-		r, err := p.Pick(req)
+	if !p.cfg.FlowControl.Enabled {
+		r, err := p.pick(req)
 		return r, nil, err
 	}
 	start := time.Now()
 	r := p.prepare(req)
 	now := r.pickedNs
-	q := &p.queue
 	p.mu.Lock()
-	if q.n == 0 || r.bodiless {
-		// The common case costs what a pick costs: nothing waits, so
-		// nothing can be passed over (and a bodiless request passes no
-		// one: it takes no capacity they wait for).
-		err := p.placeLocked(r, req)
-		if !errors.Is(err, ErrSaturated) {
-			untidy := p.index.Untidy()
-			p.mu.Unlock()
-			r, err = p.placed(r, err, untidy, start)
-			return r, nil, err
-		}
+	t, placed, err := p.l.admit(r, req)
+	untidy := placed && p.l.index.Untidy()
+	done := t != nil && t.done
+	if t != nil {
+		t.p = p
 	}
-	var t *Ticket
-	var err error
-	if len(p.candidatesLocked(req)) == 0 {
-		err = ErrNoEndpoint // no capacity will ever free for it
-	} else {
-		t, err = p.enqueueLocked(r, req, now)
-	}
-	if err != nil {
-		q.outcomes[outcomeOf(err)]++
-		p.mu.Unlock()
-		p.metrics.observeRefused(req, err)
-		_, err = p.placed(r, err, false, start)
-		return nil, nil, err
-	}
-	// Waiting requests may not be passed over: the newcomer joins them
-	// and the cycle serves whoever comes first.
-	p.dispatchLocked(now)
-	if !t.done && req.Priority < 0 {
-		p.finishLocked(t, ErrShed, outcomeRejectedCapacity)
-	}
-	p.armLocked(now)
-	done := t.done
+	p.rearm(now)
 	p.mu.Unlock()
+	if t == nil {
+		if !placed {
+			p.metrics.observeRefused(req, err)
+		}
+		r, err = p.placed(r, err, untidy, start)
+		return r, nil, err
+	}
 	if done {
 		r, err := t.result()
 		return r, nil, err
 	}
 	return nil, t, nil
+}
+
+// admit places r at once, unless requests wait or every candidate is
+// saturated: then it waits in the queue (a ticket), or is refused. placed
+// says it went through place (err is place's).
+func (l *ledger) admit(r *Reservation, req Request) (t *Ticket, placed bool, err error) {
+	now := r.pickedNs
+	q := &l.queue
+	if q.n == 0 || r.bodiless {
+		// The common case costs what a pick costs: nothing waits, so
+		// nothing can be passed over (and a bodiless request passes no
+		// one: it takes no capacity they wait for).
+		err := l.place(r, req)
+		if !errors.Is(err, ErrSaturated) {
+			return nil, true, err
+		}
+	}
+	if len(l.candidates(req)) == 0 {
+		err = ErrNoEndpoint // no capacity will ever free for it
+	} else {
+		t, err = l.enqueue(r, req, now)
+	}
+	if err != nil {
+		q.outcomes[outcomeOf(err)]++
+		return nil, false, err
+	}
+	// Waiting requests may not be passed over: the newcomer joins them
+	// and the cycle serves whoever comes first.
+	l.dispatch(now)
+	if !t.done && req.Priority < 0 {
+		l.finish(t, ErrShed, outcomeRejectedCapacity)
+	}
+	return t, false, nil
 }
 
 // outcomeOf is the outcome of a request refused before it could wait.
@@ -207,10 +203,10 @@ func outcomeOf(err error) int {
 	return outcomeRejectedOther
 }
 
-// enqueueLocked adds r to its band and flow, or says why it may not wait.
-func (p *Picker) enqueueLocked(r *Reservation, req Request, now int64) (*Ticket, error) {
-	q := &p.queue
-	fc := p.cfg.FlowControl
+// enqueue adds r to its band and flow, or says why it may not wait.
+func (l *ledger) enqueue(r *Reservation, req Request, now int64) (*Ticket, error) {
+	q := &l.queue
+	fc := l.cfg.FlowControl
 	bytes := max(req.Bytes, int64(r.promptChars))
 	switch {
 	case q.closed:
@@ -218,7 +214,7 @@ func (p *Picker) enqueueLocked(r *Reservation, req Request, now int64) (*Ticket,
 	case fc.MaxRequests > 0 && q.n >= fc.MaxRequests, fc.MaxBytes > 0 && q.bytes+bytes > fc.MaxBytes:
 		return nil, ErrQueueFull
 	}
-	b := p.bandLocked(req.Priority)
+	b := l.band(req.Priority)
 	if b.n >= b.limit.MaxRequests || b.bytes+bytes > b.limit.MaxBytes {
 		return nil, ErrQueueFull
 	}
@@ -232,7 +228,7 @@ func (p *Picker) enqueueLocked(r *Reservation, req Request, now int64) (*Ticket,
 		b.flows[id] = f
 	}
 	req.Prompt = nil
-	t := &Ticket{p: p, r: r, req: req, bytes: bytes, flow: f, enqueued: now,
+	t := &Ticket{r: r, req: req, bytes: bytes, flow: f, enqueued: now,
 		deadline: now + int64(time.Duration(fc.RequestTTLSeconds)*time.Second),
 		ready:    make(chan struct{})}
 	q.seq++
@@ -250,14 +246,14 @@ func (p *Picker) enqueueLocked(r *Reservation, req Request, now int64) (*Ticket,
 	return t, nil
 }
 
-// bandLocked returns the band of priority, creating it.
-func (p *Picker) bandLocked(priority int) *band {
-	q := &p.queue
+// band returns the band of priority, creating it.
+func (l *ledger) band(priority int) *band {
+	q := &l.queue
 	i, ok := slices.BinarySearchFunc(q.bands, priority, func(b *band, prio int) int { return prio - b.priority })
 	if ok {
 		return q.bands[i]
 	}
-	b := &band{priority: priority, limit: p.cfg.FlowControl.BandFor(priority), flows: map[string]*flow{}}
+	b := &band{priority: priority, limit: l.cfg.FlowControl.BandFor(priority), flows: map[string]*flow{}}
 	q.bands = slices.Insert(q.bands, i, b)
 	return b
 }
@@ -291,10 +287,10 @@ func (b *band) leaveRing(f *flow) {
 	delete(b.flows, f.id)
 }
 
-// finishLocked takes t out of the queue with its outcome and wakes its
+// finish takes t out of the queue with its outcome and wakes its
 // waiter: placed (err nil, t.r holds the reservation) or refused.
-func (p *Picker) finishLocked(t *Ticket, err error, outcome int) {
-	q := &p.queue
+func (l *ledger) finish(t *Ticket, err error, outcome int) {
+	q := &l.queue
 	f := t.flow
 	b := f.band
 	f.tickets.remove(t)
@@ -312,117 +308,90 @@ func (p *Picker) finishLocked(t *Ticket, err error, outcome int) {
 	close(t.ready)
 }
 
-// Dispatch runs a dispatch cycle now: it places what it can of the waiting
-// requests and expires those past their TTL. The picker runs cycles itself
-// (on every event that frees capacity, and on a timer while Run runs);
-// callers in virtual time run them at NextDispatch. It returns how many
-// requests it placed.
-func (p *Picker) Dispatch() int {
-	now := p.clock()
-	p.mu.Lock()
-	n := p.dispatchLocked(now)
-	p.armLocked(now)
-	p.mu.Unlock()
-	return n
-}
-
-// NextDispatch is when a dispatch cycle may next place a waiting request
-// that no event frees (the drain model, a TTL); false when none waits.
-func (p *Picker) NextDispatch() (time.Time, bool) {
-	now := p.clock()
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.queue.n == 0 {
-		return time.Time{}, false
-	}
-	return p.epoch.Add(time.Duration(p.nextDueLocked(now))), true
-}
-
-// dispatchLocked is the dispatch cycle.
-func (p *Picker) dispatchLocked(now int64) (placed int) {
-	q := &p.queue
+// dispatch is the dispatch cycle.
+func (l *ledger) dispatch(now int64) (placed int) {
+	q := &l.queue
 	if q.n == 0 {
 		return 0
 	}
 	for t := q.arrivals.head; t != nil && t.deadline <= now; t = q.arrivals.head {
-		p.finishLocked(t, ErrQueueTimeout, outcomeEvictedTTL)
+		l.finish(t, ErrQueueTimeout, outcomeEvictedTTL)
 	}
-	for q.n > 0 && len(p.candidates) > 0 {
-		free := p.freeRowsLocked(now)
+	for q.n > 0 && len(l.candidateRows) > 0 {
+		free := l.freeRows(now)
 		if len(free) == 0 {
 			break
 		}
-		t := p.nextTicketLocked(free, now)
+		t := l.nextTicket(free, now)
 		if t == nil {
 			break
 		}
 		t.r.pickedNs = now
-		t.r.pickedAt = p.epoch.Add(time.Duration(now))
-		err := p.placeLocked(t.r, t.req)
+		err := l.place(t.r, t.req)
 		if errors.Is(err, ErrSaturated) {
 			// Its candidates filled since the check: it waits on. Cannot
-			// happen without a subset hint, which freeRowsLocked checks.
+			// happen without a subset hint, which freeRows checks.
 			break
 		}
 		if err != nil {
-			p.finishLocked(t, err, outcomeRejectedOther)
+			l.finish(t, err, outcomeRejectedOther)
 			continue
 		}
-		p.finishLocked(t, nil, outcomeDispatched)
+		l.finish(t, nil, outcomeDispatched)
 		placed++
 	}
 	return placed
 }
 
-// freeRowsLocked returns the current candidates below their saturation
+// freeRows returns the current candidates below their saturation
 // threshold, drained to now.
-func (p *Picker) freeRowsLocked(now int64) []*row {
-	q := &p.queue
+func (l *ledger) freeRows(now int64) []*row {
+	q := &l.queue
 	q.free = q.free[:0]
-	for _, c := range p.candidates {
-		c.drain(now)
-		if !p.saturatedLocked(c, c.queued(), now) {
+	for _, c := range l.candidateRows {
+		l.drain(c, now)
+		if !l.saturated(c, c.queued(), c.decoding, now) {
 			q.free = append(q.free, c)
 		}
 	}
 	return q.free
 }
 
-// saturatedLocked reports whether c may take no request now: over a static
-// limit (overLimitLocked) or, with flow control, over its threshold.
-func (p *Picker) saturatedLocked(c *row, queued int, now int64) bool {
-	return p.overLimitLocked(c, queued) || p.flowOn && p.flowFullLocked(c, queued+c.engine.foreignCost(now))
+// saturated reports whether c may take no request now: over a static
+// limit (overLimit) or, with flow control, over its threshold.
+func (l *ledger) saturated(c *row, queued, decoding int, now int64) bool {
+	return l.overLimit(c, queued) || l.flowOn && l.flowFull(c, queued+c.engine.foreignCost(now), decoding)
 }
 
-// overLimitLocked reports whether c is over a static saturation limit
+// overLimit reports whether c is over a static saturation limit
 // (cfg.Saturation): it is then no candidate at all.
-func (p *Picker) overLimitLocked(c *row, queued int) bool {
-	sat := &p.cfg.Saturation
+func (l *ledger) overLimit(c *row, queued int) bool {
+	sat := &l.cfg.Saturation
 	return sat.MaxInFlightRequests > 0 && c.inFlight >= sat.MaxInFlightRequests ||
 		sat.MaxPrefillTokens > 0 && queued >= sat.MaxPrefillTokens
 }
 
-// flowFullLocked reports whether c is over flow control's threshold: its
+// flowFull reports whether c is over flow control's threshold: its
 // queued prefill (the ledger's drain model, plus the load its engine
 // reports beyond the ledger) would take holdPrefillMilliseconds at its
 // rate, or its decoding slots are full. (Trusting an engine's waiting
 // count beyond the ledger's prefill held every request a scrape interval,
 // 250 ms, under extproc-load's steady load: the count is read before the
 // requests it counts have started.)
-func (p *Picker) flowFullLocked(c *row, work int) bool {
-	fc := &p.cfg.FlowControl
-	if fc.MaxDecodingRequests > 0 && c.decoding >= fc.MaxDecodingRequests {
+func (l *ledger) flowFull(c *row, work, decoding int) bool {
+	fc := &l.cfg.FlowControl
+	if fc.MaxDecodingRequests > 0 && decoding >= fc.MaxDecodingRequests {
 		return true
 	}
 	return work > 0 && float64(work)*1000 >= float64(fc.HoldPrefillMilliseconds)*c.rate
 }
 
-// nextTicketLocked chooses the next request to place on one of free: from
+// nextTicket chooses the next request to place on one of free: from
 // the highest band with one that may go there, the flow whose turn it is,
 // and in it the cheapest of the first few (or the oldest).
-func (p *Picker) nextTicketLocked(free []*row, now int64) *Ticket {
-	strict := p.cfg.FlowControl.Fairness == v1alpha1.FairnessGlobalStrict
-	for _, b := range p.queue.bands {
+func (l *ledger) nextTicket(free []*row, now int64) *Ticket {
+	strict := l.cfg.FlowControl.Fairness == v1alpha1.FairnessGlobalStrict
+	for _, b := range l.queue.bands {
 		if b.n == 0 {
 			continue
 		}
@@ -435,13 +404,13 @@ func (p *Picker) nextTicketLocked(free []*row, now int64) *Ticket {
 					oldest = f
 				}
 			}
-			if t := p.chooseInFlowLocked(oldest, free, now); t != nil {
+			if t := l.chooseInFlow(oldest, free, now); t != nil {
 				return t
 			}
 		}
 		f := b.cursor
 		for range b.activeFlows {
-			if t := p.chooseInFlowLocked(f, free, now); t != nil {
+			if t := l.chooseInFlow(f, free, now); t != nil {
 				b.cursor = f.next // the next flow's turn, even if t empties f
 				return t
 			}
@@ -451,10 +420,10 @@ func (p *Picker) nextTicketLocked(free []*row, now int64) *Ticket {
 	return nil
 }
 
-// chooseInFlowLocked returns the request of f to place next, or nil when
+// chooseInFlow returns the request of f to place next, or nil when
 // none of its first few may go on any of free.
-func (p *Picker) chooseInFlowLocked(f *flow, free []*row, now int64) *Ticket {
-	fc := &p.cfg.FlowControl
+func (l *ledger) chooseInFlow(f *flow, free []*row, now int64) *Ticket {
+	fc := &l.cfg.FlowControl
 	fcfs := fc.Ordering == v1alpha1.OrderingFCFS ||
 		now-f.tickets.head.enqueued >= int64(time.Duration(fc.MaxReorderMilliseconds)*time.Millisecond)
 	var best *Ticket
@@ -462,7 +431,7 @@ func (p *Picker) chooseInFlowLocked(f *flow, free []*row, now int64) *Ticket {
 	k := 0
 	for t := f.tickets.head; t != nil && k < cheapestWindow; t = t.flowLink.next {
 		k++
-		cost, ok := p.costOnFreeLocked(t, free, now)
+		cost, ok := l.costOnFree(t, free, now)
 		if !ok {
 			continue
 		}
@@ -476,13 +445,14 @@ func (p *Picker) chooseInFlowLocked(f *flow, free []*row, now int64) *Ticket {
 	return best
 }
 
-// costOnFreeLocked is t's least cost over the free rows it may go to: the
+// costOnFree is t's least cost over the free rows it may go to: the
 // prefill queued there plus its uncached prompt tokens there. ok is false
 // when it may go on none of them (a subset hint).
-func (p *Picker) costOnFreeLocked(t *Ticket, free []*row, now int64) (cost int, ok bool) {
-	rows := free
+func (l *ledger) costOnFree(t *Ticket, free []*row, now int64) (cost int, ok bool) {
+	rows, weight := free, workWeight(l.candidateRows)
 	if t.req.HasSubset {
-		cands := p.candidatesLocked(t.req)
+		cands := l.candidates(t.req)
+		weight = workWeight(cands)
 		n := 0
 		for _, c := range cands {
 			if slices.Contains(free, c) {
@@ -495,15 +465,13 @@ func (p *Picker) costOnFreeLocked(t *Ticket, free []*row, now int64) (cost int, 
 	if len(rows) == 0 {
 		return 0, false
 	}
-	ids, matched := p.candIDs[:len(rows)], p.matched[:len(rows)]
+	ids, matched := l.scratch.ids[:len(rows)], l.scratch.matched[:len(rows)]
 	for i, c := range rows {
 		ids[i] = c.id
 	}
-	p.index.Match(t.r.hashes, ids, matched)
+	l.index.Match(t.r.hashes, ids, matched)
 	for i, c := range rows {
-		// The cost placeLocked will weigh.
-		x := c.queued() + c.engine.foreignCost(now) + p.uncachedTokens(c, t.r.promptChars, matched[i]) +
-			p.cfg.DecodeWeightTokens*c.decoding
+		x := l.cost(c, l.uncachedTokens(c, t.r.promptChars, matched[i]), weight, now)
 		if i == 0 || x < cost {
 			cost = x
 		}
@@ -511,56 +479,59 @@ func (p *Picker) costOnFreeLocked(t *Ticket, free []*row, now int64) (cost int, 
 	return cost, true
 }
 
-// nextDueLocked is the clock at which a cycle should next run: when the
-// first saturated endpoint's modelled queue falls below its threshold, or
-// the oldest request's TTL ends, within the dispatch interval bounds.
-func (p *Picker) nextDueLocked(now int64) int64 {
-	fc := &p.cfg.FlowControl
+// nextDue is the time at which a cycle should next run: when the first
+// saturated endpoint's modelled queue falls below its threshold, or the
+// oldest request's TTL ends, within the dispatch interval bounds. It
+// changes nothing (the drain to now is worked out on the side).
+func (l *ledger) nextDue(now int64) int64 {
+	fc := &l.cfg.FlowControl
 	due := int64(maxDispatchInterval)
-	for _, c := range p.candidates {
-		c.drain(now)
-		over := float64(c.queued()) - float64(fc.HoldPrefillMilliseconds)*c.rate/1000
+	for _, c := range l.candidateRows {
+		over := float64(l.projected(c, now, nil).queued) - float64(fc.HoldPrefillMilliseconds)*c.rate/1000
 		if over > 0 && c.rate > 0 {
 			due = min(due, int64(over/c.rate*1e9))
 		}
 	}
 	due = max(due, int64(minDispatchInterval))
-	if t := p.queue.arrivals.head; t != nil {
+	if t := l.queue.arrivals.head; t != nil {
 		due = min(due, max(t.deadline-now, 0))
 	}
 	return now + due
 }
 
-// armLocked sets the dispatch timer (while Run runs) for the next cycle no
-// event will trigger. Resetting a timer made by AfterFunc never blocks.
-func (p *Picker) armLocked(now int64) {
-	q := &p.queue
-	if p.dispatchTimer == nil || q.n == 0 {
+// rearm sets the dispatch timer, while requests wait, for the next cycle
+// no event will run. It runs under the lock, after each of the ledger's
+// operations; resetting a timer made by AfterFunc never blocks.
+func (p *Picker) rearm(now int64) {
+	if p.l.queue.n == 0 {
 		return
 	}
-	due := p.nextDueLocked(now)
-	if q.timerArmedAt != 0 && q.timerArmedAt <= due && q.timerArmedAt > now {
+	due := p.l.nextDue(now)
+	if p.timerDue != 0 && p.timerDue <= due && p.timerDue > now {
 		return // it fires sooner already
 	}
-	q.timerArmedAt = due
+	p.timerDue = due
+	if p.dispatchTimer == nil {
+		p.dispatchTimer = p.clock.AfterFunc(time.Duration(due-now), p.dispatchOnTimer)
+		return
+	}
 	p.dispatchTimer.Reset(time.Duration(due - now))
 }
 
 // dispatchOnTimer is the timer's cycle.
 func (p *Picker) dispatchOnTimer() {
-	now := p.clock()
+	now := p.now()
 	p.mu.Lock()
-	p.queue.timerArmedAt = 0
-	p.dispatchLocked(now)
-	p.armLocked(now)
+	p.timerDue = 0
+	p.l.dispatch(now)
+	p.rearm(now)
 	p.mu.Unlock()
 }
 
-// freedLocked runs a cycle after an event that may have freed capacity.
-func (p *Picker) freedLocked(now int64) {
-	if p.queue.n > 0 {
-		p.dispatchLocked(now)
-		p.armLocked(now)
+// freed runs a cycle after an event that may have freed capacity.
+func (l *ledger) freed(now int64) {
+	if l.queue.n > 0 {
+		l.dispatch(now)
 	}
 }
 
@@ -570,11 +541,16 @@ func (p *Picker) freedLocked(now int64) {
 func (p *Picker) CloseQueue() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	q := &p.queue
+	return p.l.closeQueue()
+}
+
+// closeQueue refuses every waiting request, and every later one.
+func (l *ledger) closeQueue() int {
+	q := &l.queue
 	q.closed = true
 	n := q.n
 	for q.arrivals.head != nil {
-		p.finishLocked(q.arrivals.head, ErrShuttingDown, outcomeEvictedOther)
+		l.finish(q.arrivals.head, ErrShuttingDown, outcomeEvictedOther)
 	}
 	return n
 }
@@ -591,27 +567,27 @@ func (t *Ticket) Wait(ctx context.Context) (*Reservation, error) {
 }
 
 // Result returns t's outcome without waiting; done is false while it waits.
-func (t *Ticket) Result() (r *Reservation, err error, done bool) {
+func (t *Ticket) Result() (r *Reservation, done bool, err error) {
 	select {
 	case <-t.ready:
 		r, err = t.result()
-		return r, err, true
+		return r, true, err
 	default:
-		return nil, nil, false
+		return nil, false, nil
 	}
 }
 
-// Cancel withdraws t if it still waits, and releases its reservation if it
+// Cancel withdraws t if it still waits, and ends its reservation if it
 // was placed: nothing of it is left behind.
 func (t *Ticket) Cancel() {
 	p := t.p
 	p.mu.Lock()
 	if !t.done {
-		p.finishLocked(t, context.Canceled, outcomeEvictedCancelled)
+		p.l.finish(t, context.Canceled, outcomeEvictedCancelled)
 	}
 	p.mu.Unlock()
 	if r, _ := t.result(); r != nil {
-		r.Release()
+		p.End(r, Outcome{})
 	}
 }
 
@@ -620,7 +596,7 @@ func (t *Ticket) Cancel() {
 func (t *Ticket) result() (*Reservation, error) {
 	t.once.Do(func() {
 		p := t.p
-		p.metrics.observeQueue(t, time.Duration(p.clock()-t.enqueued))
+		p.metrics.observeQueue(t, time.Duration(p.now()-t.enqueued))
 		// The pick's duration is its own, not its wait (observed above).
 		t.res, t.resErr = p.placed(t.r, t.err, t.err == nil, time.Now())
 	})

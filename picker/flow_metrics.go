@@ -91,10 +91,16 @@ type queueGauge struct {
 // flowSnapshot reads the queue's gauges, the pool's saturation and the
 // outcome counts under one hold of the lock.
 func (p *Picker) flowSnapshot() (gauges []queueGauge, saturation float64, outcomes [numOutcomes]uint64) {
-	now := p.clock()
+	now := p.now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	q := &p.queue
+	return p.l.flowGauges(now)
+}
+
+// flowGauges reads the queue's gauges and the pool's saturation as of now,
+// changing nothing.
+func (l *ledger) flowGauges(now int64) (gauges []queueGauge, saturation float64, outcomes [numOutcomes]uint64) {
+	q := &l.queue
 	type key struct {
 		fairness, model string
 		priority        int
@@ -111,11 +117,11 @@ func (p *Picker) flowSnapshot() (gauges []queueGauge, saturation float64, outcom
 		gauges[i].n++
 		gauges[i].bytes += t.bytes
 	}
-	if n := len(p.candidates); n > 0 {
+	if n := len(l.candidateRows); n > 0 {
 		full := 0
-		for _, c := range p.candidates {
-			c.drain(now)
-			if p.saturatedLocked(c, c.queued(), now) {
+		for _, c := range l.candidateRows {
+			v := l.projected(c, now, nil)
+			if l.saturated(c, v.queued, v.decoding, now) {
 				full++
 			}
 		}

@@ -1,6 +1,8 @@
 package picker
 
 import (
+	"k8s.io/utils/clock"
+
 	"context"
 	"errors"
 	"fmt"
@@ -53,7 +55,7 @@ func mustWait(t *testing.T, p *Picker, req Request) *Ticket {
 
 func placed(t *testing.T, tk *Ticket) *Reservation {
 	t.Helper()
-	r, err, done := tk.Result()
+	r, done, err := tk.Result()
 	if !done || err != nil {
 		t.Fatalf("ticket: done %v err %v, want placed", done, err)
 	}
@@ -61,7 +63,7 @@ func placed(t *testing.T, tk *Ticket) *Reservation {
 }
 
 func waiting(tk *Ticket) bool {
-	_, _, done := tk.Result()
+	_, done, _ := tk.Result()
 	return !done
 }
 
@@ -86,7 +88,7 @@ func TestWaitsWhileEverythingIsSaturatedAndDispatchesOnRelease(t *testing.T) {
 	if l := p.Snapshot(); l.Waiting != 1 || l.InFlight != 2 {
 		t.Fatalf("ledger %d in flight, %d waiting; want 2 and 1", l.InFlight, l.Waiting)
 	}
-	fill[1].Release()
+	p.End(fill[1], Outcome{})
 	r := placed(t, tk)
 	if got := endpointOf(r); got != fill[1].Endpoints()[0] {
 		t.Errorf("placed on %v, want the freed endpoint %v", got, fill[1].Endpoints()[0])
@@ -94,38 +96,38 @@ func TestWaitsWhileEverythingIsSaturatedAndDispatchesOnRelease(t *testing.T) {
 	if l := p.Snapshot(); l.Waiting != 0 || l.InFlight != 2 {
 		t.Fatalf("after dispatch: %d in flight, %d waiting; want 2 and 0", l.InFlight, l.Waiting)
 	}
-	r.Release()
-	fill[0].Release()
+	p.End(r, Outcome{})
+	p.End(fill[0], Outcome{})
 	assertLedgerEmpty(t, p)
 }
 
 func TestFirstByteAndDrainFreeCapacity(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 1, flowConfig(), Options{Now: clock.Now})
+	p := newPicker(t, 1, flowConfig(), Options{Clock: clock})
 	fill := saturate(t, p, 1)
 	tk := mustWait(t, p, big("w1"))
-	fill[0].FirstByte()
+	p.FirstByte(fill[0])
 	r := placed(t, tk)
 
 	// The drain model frees capacity with no event: NextDispatch says when.
 	tk2 := mustWait(t, p, big("w2"))
-	due, ok := p.NextDispatch()
+	due, ok := clock.nextTimer()
 	if !ok {
 		t.Fatal("NextDispatch: nothing due while a request waits")
 	}
 	if d := due.Sub(clock.Now()); d <= 0 || d > maxDispatchInterval {
 		t.Fatalf("next dispatch in %v, want within (0, %v]", d, maxDispatchInterval)
 	}
-	if p.Dispatch() != 0 || !waiting(tk2) {
+	if p.dispatchNow() != 0 || !waiting(tk2) {
 		t.Fatal("dispatched before the queue drained")
 	}
 	clock.Advance(100 * time.Millisecond) // 3,000 queued drain to 2,000: below 2,500
-	if n := p.Dispatch(); n != 1 {
+	if n := p.dispatchNow(); n != 1 {
 		t.Fatalf("Dispatch placed %d, want 1", n)
 	}
-	placed(t, tk2).Release()
-	r.Release()
-	fill[0].Release()
+	p.End(placed(t, tk2), Outcome{})
+	p.End(r, Outcome{})
+	p.End(fill[0], Outcome{})
 	assertLedgerEmpty(t, p)
 }
 
@@ -134,13 +136,13 @@ func TestHigherPriorityDispatchedFirst(t *testing.T) {
 	fill := saturate(t, p, 1)
 	low := mustWait(t, p, Request{Model: model, Prompt: text("low", 400)})
 	high := mustWait(t, p, Request{Model: model, Prompt: text("high", 12_000), Priority: 10})
-	fill[0].Release()
+	p.End(fill[0], Outcome{})
 	placed(t, high)
 	if !waiting(low) {
 		t.Fatal("the low-priority request was dispatched before the high one, or beside it")
 	}
-	placed(t, high).Release()
-	placed(t, low).Release()
+	p.End(placed(t, high), Outcome{})
+	p.End(placed(t, low), Outcome{})
 	assertLedgerEmpty(t, p)
 }
 
@@ -173,10 +175,10 @@ func TestFlowsOfABandTakeTurns(t *testing.T) {
 			holder := fill[0]
 			counts := map[string]int{}
 			for range 20 {
-				holder.Release()
+				p.End(holder, Outcome{})
 				var next *Ticket
 				for _, tk := range tickets {
-					if r, err, done := tk.Result(); done && err == nil && r != nil && counts[fmt.Sprintf("%p", tk)] == 0 {
+					if r, done, err := tk.Result(); done && err == nil && r != nil && counts[fmt.Sprintf("%p", tk)] == 0 {
 						next = tk
 					}
 				}
@@ -187,7 +189,7 @@ func TestFlowsOfABandTakeTurns(t *testing.T) {
 				counts[tenant[next]]++
 				holder = placed(t, next)
 			}
-			holder.Release()
+			p.End(holder, Outcome{})
 			switch fairness {
 			case v1alpha1.FairnessRoundRobin:
 				if counts["light"] < 9 || counts["heavy"] < 9 {
@@ -215,7 +217,7 @@ func TestCheapestFirstWithinAnAgeBound(t *testing.T) {
 	cfg := flowConfig()
 	cfg.FlowControl.MaxReorderMilliseconds = 500
 	cfg.FlowControl.MaxDecodingRequests = 1
-	p := newPicker(t, 1, cfg, Options{Now: clock.Now})
+	p := newPicker(t, 1, cfg, Options{Clock: clock})
 	// One decoding request fills the endpoint's one slot; its release
 	// frees room for one request of 3,000 tokens (past the threshold).
 	hold := func(tag string) *Reservation {
@@ -223,19 +225,19 @@ func TestCheapestFirstWithinAnAgeBound(t *testing.T) {
 		if err != nil || tk != nil {
 			t.Fatalf("holder: ticket %v, err %v", tk != nil, err)
 		}
-		r.FirstByte()
+		p.FirstByte(r)
 		return r
 	}
 	r := hold("h1")
 	large := mustWait(t, p, Request{Model: model, Prompt: text("large", 40_000)})
 	small := mustWait(t, p, Request{Model: model, Prompt: text("small", 12_000)})
-	r.Release()
+	p.End(r, Outcome{})
 	placed(t, small)
 	if !waiting(large) {
 		t.Fatal("the large request went before the small one, or beside it")
 	}
-	placed(t, small).Release()
-	placed(t, large).Release()
+	p.End(placed(t, small), Outcome{})
+	p.End(placed(t, large), Outcome{})
 	assertLedgerEmpty(t, p)
 
 	// Past the age bound the oldest goes first, however large.
@@ -243,13 +245,13 @@ func TestCheapestFirstWithinAnAgeBound(t *testing.T) {
 	large = mustWait(t, p, Request{Model: model, Prompt: text("large2", 40_000)})
 	clock.Advance(600 * time.Millisecond)
 	small = mustWait(t, p, Request{Model: model, Prompt: text("small2", 12_000)})
-	r.Release()
+	p.End(r, Outcome{})
 	placed(t, large)
 	if !waiting(small) {
 		t.Fatal("the small request passed one older than the age bound")
 	}
-	placed(t, large).Release()
-	placed(t, small).Release()
+	p.End(placed(t, large), Outcome{})
+	p.End(placed(t, small), Outcome{})
 	assertLedgerEmpty(t, p)
 }
 
@@ -259,9 +261,9 @@ func TestQueueLimitsTTLAndShedding(t *testing.T) {
 	cfg.FlowControl.HoldPrefillMilliseconds = 100_000
 	cfg.FlowControl.MaxDecodingRequests = 1
 	cfg.FlowControl.Bands = []v1alpha1.Band{{Priority: 0, MaxRequests: 2}, {Priority: 5, MaxBytes: 1000}}
-	p := newPicker(t, 1, cfg, Options{Now: clock.Now})
+	p := newPicker(t, 1, cfg, Options{Clock: clock})
 	r, _, _ := p.Enqueue(Request{Model: model, Prompt: text("x", 400)})
-	r.FirstByte()
+	p.FirstByte(r)
 
 	a := mustWait(t, p, Request{Model: model, Prompt: text("a", 400)})
 	mustWait(t, p, Request{Model: model, Prompt: text("b", 400)})
@@ -279,14 +281,14 @@ func TestQueueLimitsTTLAndShedding(t *testing.T) {
 	}
 
 	clock.Advance(time.Duration(cfg.FlowControl.RequestTTLSeconds)*time.Second + time.Millisecond)
-	p.Dispatch()
-	if _, err, done := a.Result(); !done || !errors.Is(err, ErrQueueTimeout) {
+	p.dispatchNow()
+	if _, done, err := a.Result(); !done || !errors.Is(err, ErrQueueTimeout) {
 		t.Fatalf("after the TTL: done %v, err %v; want ErrQueueTimeout", done, err)
 	}
 	if l := p.Snapshot(); l.Waiting != 0 || l.InFlight != 1 {
 		t.Fatalf("after the TTL: %d waiting, %d in flight; want 0 and 1", l.Waiting, l.InFlight)
 	}
-	r.Release()
+	p.End(r, Outcome{})
 	assertLedgerEmpty(t, p)
 }
 
@@ -308,11 +310,11 @@ func TestCloseQueueRefusesWaitersAndNewcomers(t *testing.T) {
 	if _, _, err := p.Enqueue(big("late")); !errors.Is(err, ErrShuttingDown) {
 		t.Fatalf("a request that would wait after CloseQueue: %v, want ErrShuttingDown", err)
 	}
-	fill[0].Release()
+	p.End(fill[0], Outcome{})
 	if r, _, err := p.Enqueue(big("free")); err != nil {
 		t.Fatalf("a request with room after CloseQueue: %v, want placed", err)
 	} else {
-		r.Release()
+		p.End(r, Outcome{})
 	}
 	assertLedgerEmpty(t, p)
 }
@@ -320,7 +322,7 @@ func TestCloseQueueRefusesWaitersAndNewcomers(t *testing.T) {
 // Many clients wait, give up and are dispatched at once, under the race
 // detector: every outcome leaves the ledger and the queue empty.
 func TestWaitCancelAndDispatchRaceLeaveNothingBehind(t *testing.T) {
-	p := newPicker(t, 3, flowConfig(), Options{Now: time.Now})
+	p := newPicker(t, 3, flowConfig(), Options{Clock: clock.RealClock{}})
 	ctx, stop := context.WithCancel(context.Background())
 	defer stop()
 	go p.Run(ctx)
@@ -344,9 +346,9 @@ func TestWaitCancelAndDispatchRaceLeaveNothingBehind(t *testing.T) {
 			}
 			time.Sleep(time.Duration(rng.IntN(5)) * time.Millisecond)
 			if rng.IntN(2) == 0 {
-				r.FirstByte()
+				p.FirstByte(r)
 			}
-			r.Release()
+			p.End(r, Outcome{})
 		}()
 	}
 	wg.Wait()
@@ -376,8 +378,8 @@ inference_extension_flow_control_pool_saturation{inference_pool="pool"} 1
 		"inference_extension_flow_control_queue_size", "inference_extension_flow_control_pool_saturation"); err != nil {
 		t.Fatal(err)
 	}
-	fill[0].Release()
-	placed(t, tk).Release()
+	p.End(fill[0], Outcome{})
+	p.End(placed(t, tk), Outcome{})
 	if got := testutil.CollectAndCount(p, "inference_extension_flow_control_queue_size"); got != 0 {
 		t.Errorf("queue size series after the dispatch: %d, want none", got)
 	}
@@ -400,7 +402,7 @@ func TestARequestNoEndpointCanTakeIsNotQueued(t *testing.T) {
 		t.Fatalf("waiting %d, want 1", l.Waiting)
 	}
 	tk.Cancel()
-	fill[0].Release()
+	p.End(fill[0], Outcome{})
 	assertLedgerEmpty(t, p)
 }
 
@@ -420,8 +422,8 @@ func TestABodilessRequestIsPlacedAtOnceWhateverTheLoad(t *testing.T) {
 	if err != nil {
 		t.Fatalf("a bodiless request over the static limit: %v, want placed", err)
 	}
-	r.Release()
-	fill.Release()
+	p.End(r, Outcome{})
+	p.End(fill, Outcome{})
 	assertLedgerEmpty(t, p)
 
 	p = newPicker(t, 2, flowConfig(), Options{})
@@ -434,14 +436,14 @@ func TestABodilessRequestIsPlacedAtOnceWhateverTheLoad(t *testing.T) {
 	if !waiting(tk) {
 		t.Fatalf("the waiting request was dispatched by a bodiless one")
 	}
-	r.Release()
+	p.End(r, Outcome{})
 	if !waiting(tk) {
 		t.Fatalf("the bodiless request's release dispatched the waiting request: it freed no capacity")
 	}
 	mustWait(t, p, Request{Model: model, Bytes: 40}).Cancel()
 	for _, f := range fills {
-		f.Release()
+		p.End(f, Outcome{})
 	}
-	placed(t, tk).Release()
+	p.End(placed(t, tk), Outcome{})
 	assertLedgerEmpty(t, p)
 }

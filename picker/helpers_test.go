@@ -5,9 +5,12 @@ import (
 	"hash/fnv"
 	"math/rand/v2"
 	"net/netip"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"k8s.io/utils/clock"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/picker/prefix"
@@ -72,10 +75,10 @@ func newPicker(t testing.TB, n int, cfg v1alpha1.PickerConfig, opts Options) *Pi
 	if opts.Rand == nil {
 		opts.Rand = rand.New(rand.NewPCG(1, 2))
 	}
-	if opts.Now == nil {
+	if opts.Clock == nil {
 		// A clock that stands still unless a test moves it: the drain model
 		// then releases no prefill behind a test's back.
-		opts.Now = newFakeClock().Now
+		opts.Clock = newFakeClock()
 	}
 	p := New(cfg, opts)
 	p.Replace(endpoints(n))
@@ -84,7 +87,7 @@ func newPicker(t testing.TB, n int, cfg v1alpha1.PickerConfig, opts Options) *Pi
 
 func mustPick(t testing.TB, p *Picker, req Request) *Reservation {
 	t.Helper()
-	r, err := p.Pick(req)
+	r, err := p.pick(req)
 	if err != nil {
 		t.Fatalf("Pick: %v", err)
 	}
@@ -102,12 +105,12 @@ func heldBlocks(p *Picker, prompt []byte, a netip.AddrPort) int {
 	h := prefix.HashSalted(nil, model, "", prompt, p.cfg.BlockSizeChars)
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	r, ok := p.byAddr[key(a)]
+	r, ok := p.l.byAddr[key(a)]
 	if !ok {
 		return -1
 	}
 	out := []int{0}
-	p.index.Match(h, []int{r.id}, out)
+	p.l.index.Match(h, []int{r.id}, out)
 	return out[0]
 }
 
@@ -115,14 +118,18 @@ func heldBlocks(p *Picker, prompt []byte, a netip.AddrPort) int {
 // unlocks, before the rest of the pick (a long prompt's tail, the evictions
 // owed, the metrics).
 func pickPausing(p *Picker, req Request, pause func()) (*Reservation, error) {
-	r, untidy, err := p.place(req)
+	r := p.prepare(req)
+	p.mu.Lock()
+	err := p.l.place(r, req)
+	untidy := p.l.index.Untidy()
+	p.mu.Unlock()
 	pause()
 	return p.placed(r, err, untidy, time.Now())
 }
 
 // statsOf returns the ledger row of a (zero if a is not an endpoint).
 func statsOf(p *Picker, a netip.AddrPort) EndpointStats {
-	for _, s := range p.Stats() {
+	for _, s := range p.Snapshot().Endpoints {
 		if s.Endpoint.Address == a {
 			return s
 		}
@@ -136,7 +143,7 @@ func assertLedgerEmpty(t *testing.T, p *Picker) {
 	if l := p.Snapshot(); l.InFlight != 0 || l.PrefillTokens != 0 {
 		t.Errorf("totals = (%d in flight, %d prefill tokens), want (0, 0)", l.InFlight, l.PrefillTokens)
 	}
-	for _, s := range p.Stats() {
+	for _, s := range p.Snapshot().Endpoints {
 		if s.InFlight != 0 || s.PrefillTokens != 0 || s.Decoding != 0 {
 			t.Errorf("%s: %+v, want all zero", s.Endpoint.Address, s)
 		}
@@ -144,7 +151,11 @@ func assertLedgerEmpty(t *testing.T, p *Picker) {
 }
 
 // fakeClock is a clock tests move by hand; safe for concurrent use.
-type fakeClock struct{ ns atomic.Int64 }
+type fakeClock struct {
+	ns     atomic.Int64
+	mu     sync.Mutex
+	timers []*fakeTimer
+}
 
 func newFakeClock() *fakeClock {
 	c := &fakeClock{}
@@ -155,11 +166,76 @@ func newFakeClock() *fakeClock {
 func (c *fakeClock) Now() time.Time          { return time.Unix(0, c.ns.Load()) }
 func (c *fakeClock) Advance(d time.Duration) { c.ns.Add(int64(d)) }
 
+// AfterFunc makes a timer that never fires: tests run the dispatch cycle
+// it would run by hand (dispatchNow), and read when it is due (nextTimer).
+func (c *fakeClock) AfterFunc(d time.Duration, f func()) clock.Timer {
+	t := &fakeTimer{c: c}
+	t.Reset(d)
+	c.mu.Lock()
+	c.timers = append(c.timers, t)
+	c.mu.Unlock()
+	return t
+}
+
+// nextTimer is when the earliest armed timer is due.
+func (c *fakeClock) nextTimer() (time.Time, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var at time.Time
+	ok := false
+	for _, t := range c.timers {
+		if due, armed := t.due(); armed && (!ok || due.Before(at)) {
+			at, ok = due, true
+		}
+	}
+	return at, ok
+}
+
+type fakeTimer struct {
+	c     *fakeClock
+	mu    sync.Mutex
+	at    time.Time
+	armed bool
+}
+
+func (t *fakeTimer) C() <-chan time.Time { return nil }
+
+func (t *fakeTimer) Stop() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	was := t.armed
+	t.armed = false
+	return was
+}
+
+func (t *fakeTimer) Reset(d time.Duration) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	was := t.armed
+	t.at, t.armed = t.c.Now().Add(d), true
+	return was
+}
+
+func (t *fakeTimer) due() (time.Time, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.at, t.armed
+}
+
+// dispatchNow runs a dispatch cycle now, as the dispatch timer does, and
+// returns how many requests it placed.
+func (p *Picker) dispatchNow() int {
+	now := p.now()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := p.l.dispatch(now)
+	p.rearm(now)
+	return n
+}
+
 // endpointOf is the endpoint now holding r: the chosen one, or the one
 // named by ServedBy.
 func endpointOf(r *Reservation) netip.AddrPort {
-	r.p.mu.Lock()
-	defer r.p.mu.Unlock()
 	return r.row.ep.Address
 }
 
@@ -169,8 +245,6 @@ func promptTokens(r *Reservation) int { return r.promptTokens }
 // cachedTokens is the prompt tokens the endpoint holding r held in its
 // prefix index when it took r.
 func cachedTokens(r *Reservation) int {
-	r.p.mu.Lock()
-	defer r.p.mu.Unlock()
 	return r.cachedTokens
 }
 

@@ -15,11 +15,11 @@ func TestMetricsMatchStats(t *testing.T) {
 	clock := newFakeClock()
 	cfg := testConfig()
 	cfg.Saturation.MaxInFlightRequests = 3
-	p := newPicker(t, 3, cfg, Options{Registerer: reg, Now: clock.Now, MaxRequestLifetime: time.Minute})
+	p := newPicker(t, 3, cfg, Options{Registerer: reg, Clock: clock, MaxRequestLifetime: time.Minute})
 
 	var picked []*Reservation
 	pick := func(req Request) error {
-		r, err := p.Pick(req)
+		r, err := p.pick(req)
 		if err == nil {
 			picked = append(picked, r)
 		}
@@ -36,7 +36,7 @@ func TestMetricsMatchStats(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	picked[2].FirstByte()
+	p.FirstByte(picked[2])
 	clock.Advance(2 * time.Minute)
 	for range 3 {
 		if err := pick(on(addr(1), nil)); err != nil {
@@ -49,7 +49,7 @@ func TestMetricsMatchStats(t *testing.T) {
 	if err := pick(Request{Model: model, HasSubset: true}); err != ErrNoEndpoint {
 		t.Fatalf("empty subset: %v, want ErrNoEndpoint", err)
 	}
-	picked[len(picked)-1].Release()
+	p.End(picked[len(picked)-1], Outcome{})
 	if n := p.Sweep(); n != 4 {
 		t.Fatalf("Sweep released %d, want the 4 picks made before the clock moved", n)
 	}
@@ -57,7 +57,7 @@ func TestMetricsMatchStats(t *testing.T) {
 	var want strings.Builder
 	gauge := func(name, help string, value func(EndpointStats) int) {
 		fmt.Fprintf(&want, "# HELP %s %s\n# TYPE %s gauge\n", name, help, name)
-		for _, s := range p.Stats() {
+		for _, s := range p.Snapshot().Endpoints {
 			fmt.Fprintf(&want, "%s{endpoint=%q} %d\n", name, s.Endpoint.Address.String(), value(s))
 		}
 	}
@@ -93,7 +93,7 @@ tally_prompt_tokens_total %d
 # HELP tally_prefix_cached_tokens_total Estimated prompt tokens found in the chosen endpoint's prefix index; divided by tally_prompt_tokens_total it is the prefix hit rate.
 # TYPE tally_prefix_cached_tokens_total counter
 tally_prefix_cached_tokens_total %d
-`, len(p.Stats()), inFlight, len(picked), promptSum, cachedSum)
+`, len(p.Snapshot().Endpoints), inFlight, len(picked), promptSum, cachedSum)
 
 	if inFlight != 2 || cachedSum == 0 {
 		t.Fatalf("scenario went wrong: %d in flight (want 2), %d cached tokens (want > 0)", inFlight, cachedSum)

@@ -1,6 +1,8 @@
 package picker
 
 import (
+	"k8s.io/utils/clock"
+
 	"context"
 	"errors"
 	"math"
@@ -46,17 +48,17 @@ func TestLedgerCountsPrefillDecodingAndRelease(t *testing.T) {
 		t.Errorf("with a tiny and a promptless request: %+v, want 4 in flight, 261 prefill", got)
 	}
 
-	r1.FirstByte()
-	r1.FirstByte()
+	p.FirstByte(r1)
+	p.FirstByte(r1)
 	if got := statsOf(p, a); got.InFlight != 4 || got.PrefillTokens != 11 || got.Decoding != 1 {
 		t.Errorf("after the first byte of r1 (twice): %+v, want 4 in flight, 11 prefill, 1 decoding", got)
 	}
-	r1.Release()
-	r2.Release()
-	r2.Release()
-	tiny.Release()
-	bare.FirstByte()
-	bare.Release()
+	p.End(r1, Outcome{})
+	p.End(r2, Outcome{})
+	p.End(r2, Outcome{})
+	p.End(tiny, Outcome{})
+	p.FirstByte(bare)
+	p.End(bare, Outcome{})
 	assertLedgerEmpty(t, p)
 }
 
@@ -73,7 +75,7 @@ func TestCostWeighsDecodingRequests(t *testing.T) {
 		cfg.DecodeWeightTokens = tc.weight
 		p := newPicker(t, 2, cfg, Options{})
 		dec := mustPick(t, p, on(addr(0), nil))
-		dec.FirstByte()
+		p.FirstByte(dec)
 		mustPick(t, p, on(addr(1), text("queued", 400))) // 100 prefill tokens
 		if got := endpointOf(mustPick(t, p, Request{Model: model})); got != addr(tc.want) {
 			t.Errorf("decode weight %d: picked %s, want %s", tc.weight, got, addr(tc.want))
@@ -102,14 +104,14 @@ func TestSustainedLoadWeighsUncachedTokens(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			clk := newFakeClock()
-			p := newPicker(t, 2, testConfig(), Options{Now: clk.Now})
+			p := newPicker(t, 2, testConfig(), Options{Clock: clk})
 			if tc.busy > 0 {
 				rate := statsOf(p, addr(0)).PrefillTokensPerSecond
 				backlog := text("backlog", int(rate*tc.busy.Seconds())*4)
 				a, b := mustPick(t, p, on(addr(0), backlog)), mustPick(t, p, on(addr(1), backlog))
 				clk.Advance(tc.busy)
-				a.Release()
-				b.Release()
+				p.End(a, Outcome{})
+				p.End(b, Outcome{})
 				clk.Advance(tc.idle)
 			}
 			if got := p.Snapshot().WorkWeight; math.Abs(got-tc.weight) > 0.01 {
@@ -118,7 +120,7 @@ func TestSustainedLoadWeighsUncachedTokens(t *testing.T) {
 			mustPick(t, p, on(addr(0), prefix))               // the holder: 1,000 tokens queued
 			mustPick(t, p, on(addr(0), text("filler", 1000))) // 250 more
 			if got := endpointOf(mustPick(t, p, req)); got != addr(tc.want) {
-				t.Errorf("picked %s, want %s (ledger %+v)", got, addr(tc.want), p.Stats())
+				t.Errorf("picked %s, want %s (ledger %+v)", got, addr(tc.want), p.Snapshot().Endpoints)
 			}
 		})
 	}
@@ -199,7 +201,7 @@ func TestTiesAreBrokenAtRandomNotByListOrder(t *testing.T) {
 			}
 			r := mustPick(t, p, Request{Model: model, Prompt: prompt})
 			counts[endpointOf(r)]++
-			r.Release()
+			p.End(r, Outcome{})
 		}
 		// A fair coin stays within 10% of half in 2000 tosses except with
 		// probability far below 1e-9.
@@ -257,7 +259,7 @@ func TestSubsetRestrictsCandidates(t *testing.T) {
 		"empty subset":        {Model: model, HasSubset: true},
 		"unknown-only subset": {Model: model, HasSubset: true, Subset: []netip.AddrPort{unknown}},
 	} {
-		if _, err := p.Pick(req); !errors.Is(err, ErrNoEndpoint) {
+		if _, err := p.pick(req); !errors.Is(err, ErrNoEndpoint) {
 			t.Errorf("%s: err = %v, want ErrNoEndpoint", name, err)
 		}
 	}
@@ -286,14 +288,14 @@ func TestNoEndpoints(t *testing.T) {
 	if p.Synced() {
 		t.Error("synced before the first Replace")
 	}
-	if _, err := p.Pick(Request{Model: model}); !errors.Is(err, ErrNoEndpoint) {
+	if _, err := p.pick(Request{Model: model}); !errors.Is(err, ErrNoEndpoint) {
 		t.Errorf("before Replace: err = %v, want ErrNoEndpoint", err)
 	}
 	p.Replace(nil)
 	if !p.Synced() {
 		t.Error("not synced after Replace")
 	}
-	if _, err := p.Pick(Request{Model: model}); !errors.Is(err, ErrNoEndpoint) {
+	if _, err := p.pick(Request{Model: model}); !errors.Is(err, ErrNoEndpoint) {
 		t.Errorf("with an empty pool: err = %v, want ErrNoEndpoint", err)
 	}
 }
@@ -302,7 +304,7 @@ func TestSaturation(t *testing.T) {
 	t.Run("off by default", func(t *testing.T) {
 		p := newPicker(t, 1, testConfig(), Options{})
 		for i := range 200 {
-			if _, err := p.Pick(Request{Model: model, Prompt: text("big", 40_000)}); err != nil {
+			if _, err := p.pick(Request{Model: model, Prompt: text("big", 40_000)}); err != nil {
 				t.Fatalf("pick %d: %v", i, err)
 			}
 		}
@@ -316,15 +318,15 @@ func TestSaturation(t *testing.T) {
 		for range 4 {
 			held = append(held, mustPick(t, p, Request{Model: model}))
 		}
-		for _, s := range p.Stats() {
+		for _, s := range p.Snapshot().Endpoints {
 			if s.InFlight != 2 {
 				t.Errorf("%s holds %d, want 2", s.Endpoint.Address, s.InFlight)
 			}
 		}
-		if _, err := p.Pick(Request{Model: model}); !errors.Is(err, ErrSaturated) {
+		if _, err := p.pick(Request{Model: model}); !errors.Is(err, ErrSaturated) {
 			t.Fatalf("fifth pick: err = %v, want ErrSaturated", err)
 		}
-		held[0].Release()
+		p.End(held[0], Outcome{})
 		r := mustPick(t, p, Request{Model: model})
 		if endpointOf(r) != endpointOf(held[0]) {
 			t.Errorf("after a release, picked %s, want the endpoint with room %s", endpointOf(r), endpointOf(held[0]))
@@ -344,10 +346,10 @@ func TestSaturation(t *testing.T) {
 		if endpointOf(r) != b || len(r.Endpoints()) != 1 {
 			t.Errorf("picked %v, want only %s: a saturated endpoint is neither chosen nor a fallback", r.Endpoints(), b)
 		}
-		if _, err := p.Pick(Request{Model: model}); !errors.Is(err, ErrSaturated) {
+		if _, err := p.pick(Request{Model: model}); !errors.Is(err, ErrSaturated) {
 			t.Errorf("with both over the prefill limit: err = %v, want ErrSaturated", err)
 		}
-		full.FirstByte() // a's prefill is done: it has room again
+		p.FirstByte(full) // a's prefill is done: it has room again
 		if r := mustPick(t, p, Request{Model: model}); endpointOf(r) != a {
 			t.Errorf("after a's first byte, picked %s, want %s", endpointOf(r), a)
 		}
@@ -359,7 +361,7 @@ func TestServedByMovesTheReservation(t *testing.T) {
 	a, b, c := addr(0), addr(1), addr(2)
 	shared := text("shared", 640) // 10 blocks a already holds
 	warm := mustPick(t, p, on(a, shared))
-	warm.Release()
+	p.End(warm, Outcome{})
 
 	prompt := join(shared, text("tail", 3360)) // 4000 characters, 62 blocks
 	r := mustPick(t, p, on(a, prompt))
@@ -368,7 +370,7 @@ func TestServedByMovesTheReservation(t *testing.T) {
 		t.Fatalf("a holds %d prefill tokens, want %d", uncached, (4000-640)/4)
 	}
 
-	r.ServedBy(b)
+	p.ServedBy(r, b)
 	if got := statsOf(p, a); got.InFlight != 0 || got.PrefillTokens != 0 || got.Decoding != 0 {
 		t.Errorf("after ServedBy(b), a = %+v, want zero", got)
 	}
@@ -386,27 +388,27 @@ func TestServedByMovesTheReservation(t *testing.T) {
 		t.Errorf("a holds %d blocks of the prompt, want 10: the shared head it had before, not the tail it never computed", got)
 	}
 
-	r.ServedBy(b)                                      // already there
-	r.ServedBy(netip.MustParseAddrPort("10.0.0.1:80")) // unknown
-	r.FirstByte()
-	r.ServedBy(c)
+	p.ServedBy(r, b)                                      // already there
+	p.ServedBy(r, netip.MustParseAddrPort("10.0.0.1:80")) // unknown
+	p.FirstByte(r)
+	p.ServedBy(r, c)
 	if got := statsOf(p, c); got.InFlight != 1 || got.PrefillTokens != 0 || got.Decoding != 1 {
 		t.Errorf("after first byte and ServedBy(c), c = %+v, want 1 in flight, 1 decoding", got)
 	}
 	if got := statsOf(p, b); got.InFlight != 0 || got.PrefillTokens != 0 || got.Decoding != 0 {
 		t.Errorf("after ServedBy(c), b = %+v, want zero", got)
 	}
-	r.Release()
-	r.ServedBy(a)
+	p.End(r, Outcome{})
+	p.ServedBy(r, a)
 	assertLedgerEmpty(t, p)
 }
 
 func TestSweepReleasesOnlyOldReservations(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 2, testConfig(), Options{Now: clock.Now, MaxRequestLifetime: 10 * time.Minute})
+	p := newPicker(t, 2, testConfig(), Options{Clock: clock, MaxRequestLifetime: 10 * time.Minute})
 
 	old := mustPick(t, p, Request{Model: model, Prompt: text("old", 400)})
-	old.FirstByte()
+	p.FirstByte(old)
 	clock.Advance(5 * time.Minute)
 	mustPick(t, p, Request{Model: model, Prompt: text("young", 800)})
 	clock.Advance(6 * time.Minute) // old: 11 minutes, young: 6
@@ -418,7 +420,7 @@ func TestSweepReleasesOnlyOldReservations(t *testing.T) {
 	if l := p.Snapshot(); l.InFlight != 1 || l.PrefillTokens != 0 {
 		t.Errorf("after the sweep: %d in flight, %d prefill, want only the young request (1, 0)", l.InFlight, l.PrefillTokens)
 	}
-	old.Release() // already swept: no effect
+	p.End(old, Outcome{}) // already swept: no effect
 	if in := p.Snapshot().InFlight; in != 1 {
 		t.Errorf("releasing a swept reservation changed the ledger: %d in flight", in)
 	}
@@ -436,7 +438,7 @@ func TestSweepReleasesOnlyOldReservations(t *testing.T) {
 }
 
 func TestRunSweepsUntilCancelled(t *testing.T) {
-	p := newPicker(t, 1, testConfig(), Options{Now: time.Now, MaxRequestLifetime: 50 * time.Millisecond})
+	p := newPicker(t, 1, testConfig(), Options{Clock: clock.RealClock{}, MaxRequestLifetime: 50 * time.Millisecond})
 	mustPick(t, p, Request{Model: model, Prompt: text("forgotten", 400)})
 
 	ctx, cancel := context.WithCancel(t.Context())
@@ -468,15 +470,15 @@ func TestCriticalSectionDoesNotAllocateOnKnownBlocks(t *testing.T) {
 	p := newPicker(t, 16, testConfig(), Options{})
 	req := Request{Model: model, Prompt: text("known", 8000)}
 	hashes := prefix.HashSalted(nil, model, "", req.Prompt, p.cfg.BlockSizeChars)
-	r := &Reservation{p: p}
+	r := &Reservation{}
 	place := func() {
-		*r = Reservation{p: p, hashes: hashes, promptChars: len(req.Prompt)}
+		*r = Reservation{hashes: hashes, promptChars: len(req.Prompt)}
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		if err := p.placeLocked(r, req); err != nil {
+		if err := p.l.place(r, req); err != nil {
 			t.Fatal(err)
 		}
-		p.releaseLocked(r, 0)
+		p.l.release(r, 0)
 	}
 	place()
 	if allocs := testing.AllocsPerRun(100, place); allocs != 0 {

@@ -2,166 +2,235 @@ package picker
 
 import "slices"
 
-// placeLocked is the critical section of a pick: score, choose, reserve and
-// record, all against the same view of the ledger and the prefix index.
-//
-// The cost of an endpoint estimates the request's time to first token there,
-// in prefill tokens: the prefill the model says is still queued on it, plus
-// the load its engine reports beyond the ledger (foreign load, engine.go),
-// plus this request's prompt tokens it does not hold, plus a weight per
-// request decoding on it. Because the cost includes the request's own uncached
-// tokens, a shared prefix pulls only as much as the tokens it saves: once the
-// queue on its holder is longer than the saving, the next request goes
-// elsewhere (and records the prefix there too).
-//
-// The request's own uncached tokens are weighted by the pool's load
-// (workWeight): a token computed on a busy pool also delays the requests
-// that queue behind it, so under sustained load a prefix is worth more than
-// the wait it saves this request alone.
-func (p *Picker) placeLocked(r *Reservation, req Request) error {
-	cands := p.candidatesLocked(req)
+// candidate is one endpoint a pick weighs, with what the scoring steps
+// work out for it and pass to each other.
+type candidate struct {
+	w        *row
+	matched  int // leading blocks of the prompt its prefix index holds
+	uncached int // this request's uncached prompt tokens there
+	cost     int
+	taken    bool // chosen already, or not eligible
+	// loraOut says why the adapter rules take it out, if they do; adapter,
+	// active and refs: whether the request's model is an adapter there,
+	// active there, and its requests in flight there (adapters.go).
+	loraOut         uint8
+	adapter, active bool
+	refs            int
+}
+
+// scratch is the room one operation works in, sized on setEndpoints so that
+// picks do not grow it.
+type scratch struct {
+	rows     []*row      // the rows a request may go to
+	cands    []candidate // and what the pick works out for them
+	ids      []int
+	matched  []int
+	seen     []uint64 // by row.pos: mark of the pick that took the row in
+	mark     uint64
+	best     []int // best's result and its tie keys: room for one more than the longest list
+	bestKeys []uint64
+	ended    []endedPrefill // the detached prefills a drain ended
+}
+
+func newScratch() scratch {
+	return scratch{best: make([]int, 0, maxFallbackEndpoints+1), bestKeys: make([]uint64, 0, maxFallbackEndpoints+1)}
+}
+
+// size makes room for n rows.
+func (s *scratch) size(n int) {
+	if cap(s.rows) < n {
+		s.rows = make([]*row, 0, n)
+		s.cands = make([]candidate, 0, n)
+		s.ids = make([]int, 0, n)
+		s.matched = make([]int, n)
+		s.seen = make([]uint64, n)
+	}
+}
+
+// place is the critical section of a pick: score, choose, reserve and
+// record, all against the same view of the ledger and the prefix index. It
+// is given its time in r.pickedNs.
+func (l *ledger) place(r *Reservation, req Request) error {
+	now := r.pickedNs
+	cands := l.score(l.candidates(req), r, now)
 	if len(cands) == 0 {
 		return ErrNoEndpoint
 	}
-	ids, matched := p.candIDs[:len(cands)], p.matched[:len(cands)]
-	for i, c := range cands {
-		ids[i] = c.id
-	}
-	p.index.Match(r.hashes, ids, matched)
-
-	for _, c := range cands {
-		c.drain(r.pickedNs)
-	}
-	if len(p.detachedDue) > 0 {
-		p.expireDetachedLocked(r.pickedNs)
-	}
-
-	weight := workWeight(cands)
-	eligible, free := 0, 0
-	bodiless := r.bodiless
-	whole := p.uncachedTokens(nil, r.promptChars, 0) // where nothing is held
-	// A held prompt's uncached tokens depend only on the blocks held and
-	// the engine's cache trust, which candidates mostly share: the last
-	// estimate is reused (working it out for every candidate took about 5%
-	// of a pick over 128 endpoints).
-	lastMatched, lastTrust, lastUncached := 0, 0.0, whole
-	for i, c := range cands {
-		queued := c.queued()
-		foreign := c.engine.foreignCost(r.pickedNs)
-		c.uncached = whole
-		if m := matched[i]; m > 0 {
-			if t := c.engine.cacheTrust(); m != lastMatched || t != lastTrust {
-				lastMatched, lastTrust, lastUncached = m, t, p.uncachedTokens(c, r.promptChars, m)
-			}
-			c.uncached = lastUncached
-		}
-		c.cost = queued + foreign + int(float64(c.uncached)*weight) + p.cfg.DecodeWeightTokens*c.decoding
-		c.saturated = !bodiless && p.overLimitLocked(c, queued)
-		c.taken = c.saturated
-		if !c.saturated {
-			eligible++
-			if !p.flowOn || bodiless || !p.flowFullLocked(c, queued+foreign) {
-				free++
-			}
-		}
-	}
+	eligible, free := l.saturation(cands, r, now)
 	// Flow control's threshold decides whether the request may be placed
 	// now, not where: a saturated endpoint whose prefix saves more than its
-	// queue costs is still the cheapest place. (Placing only where capacity
-	// freed cost a trace replay at 80% load half its prefix hits, and its
-	// TTFT p50 went from 395 to 671 times the bound: cmd/routesim.)
+	// queue costs is still the cheapest place.
 	if free == 0 {
 		return ErrSaturated
 	}
-	if p.loraSeen {
-		eligible -= p.adapterCostLocked(cands, req.Model, r.promptTokens)
+	if l.loraSeen {
+		eligible -= l.adapterCost(cands, req.Model, r.promptTokens)
 	}
 
-	r.nEndpoints = min(eligible, p.cfg.FallbackEndpoints)
-	best := p.bestLocked(cands, max(r.nEndpoints, 1))
+	r.nEndpoints = min(eligible, l.cfg.FallbackEndpoints)
+	best := l.best(cands, max(r.nEndpoints, 1))
 	for k, i := range best {
 		cands[i].taken = true
-		r.endpoints[k] = cands[i].ep.Address
+		r.endpoints[k] = cands[i].w.ep.Address
 	}
-	first := best[0]
-
-	c := cands[first]
-	if p.isAdapter(c, req.Model) {
-		r.adapter = req.Model
-		r.adapterLoad, r.adapterWait = c.adapterLoadFor(req.Model)
-	}
-	p.owners++
-	r.owner = p.owners
-	r.row = c
-	r.prefill = c.uncached
-	r.heldBefore = matched[first]
-	r.cachedBlocks = matched[first]
-	r.cachedTokens = p.heldTokens(matched[first])
-	c.hold(r, r.pickedNs)
-	c.engine.recent.add(r.pickedNs)
-	p.meanPromptTokens += (float64(r.promptTokens) - p.meanPromptTokens) * meanPromptWeight
-	p.picks.push(r)
-	// The head of the prompt (its first 32,000 tokens or so) is recorded
-	// here; a longer tail right after, in a lock hold of its own (Pick), so
-	// that a huge prompt holds this critical section no longer than a
-	// 32,000-token one.
-	p.index.Record(c.id, r.hashes[:min(len(r.hashes), p.blocks.inLock)], r.owner)
-	r.tailOn = c
+	l.reserve(r, &cands[best[0]], req.Model, now)
 	return nil
 }
 
-// maxWorkWeight bounds workWeight. On a saturated pool a prefix held by one
-// endpoint then pulls at most 1.5 times the tokens it saves: a held burst of
-// 128 requests of 32,000 tokens over 3 pods, sharing 30,000 tokens that one
-// pod holds, leaves that pod under half of it (at weight 1 it takes 15
-// requests more than the others before they take their first; at 1.5, 22).
-// On a trace replay at 50% and 80% prefill load, weights up to 1.5 took
-// most of what unbounded ones gained (cmd/routesim; docs/benchmarks.md).
+// score drains rows to now and works out each one's cost for r: the
+// candidates, in the scratch.
+func (l *ledger) score(rows []*row, r *Reservation, now int64) []candidate {
+	s := &l.scratch
+	cands := s.cands[:len(rows)]
+	if len(rows) == 0 {
+		return cands
+	}
+	ids, matched := s.ids[:len(rows)], s.matched[:len(rows)]
+	for i, w := range rows {
+		ids[i] = w.id
+	}
+	l.index.Match(r.hashes, ids, matched)
+	for _, w := range rows {
+		l.drain(w, now)
+	}
+	if len(l.detachedDue) > 0 {
+		l.expireDetached(now)
+	}
+
+	weight := workWeight(rows)
+	whole := l.uncachedTokens(nil, r.promptChars, 0) // where nothing is held
+	// A held prompt's uncached tokens depend only on the blocks held and
+	// the engine's cache trust, which candidates mostly share: the last
+	// estimate is reused.
+	lastMatched, lastTrust, lastUncached := 0, 0.0, whole
+	for i, w := range rows {
+		c := candidate{w: w, matched: matched[i], uncached: whole}
+		if m := c.matched; m > 0 {
+			if t := w.engine.cacheTrust(); m != lastMatched || t != lastTrust {
+				lastMatched, lastTrust, lastUncached = m, t, l.uncachedTokens(w, r.promptChars, m)
+			}
+			c.uncached = lastUncached
+		}
+		c.cost = l.cost(w, c.uncached, weight, now)
+		cands[i] = c
+	}
+	return cands
+}
+
+// cost estimates a request's time to first token on w, in prefill tokens:
+// the prefill the model says is still queued there, plus the load its
+// engine reports beyond the ledger (foreign load, engine.go), plus the
+// request's uncached prompt tokens there weighted by the pool's load, plus
+// a weight per request decoding there. Because it includes the request's
+// own uncached tokens, a shared prefix pulls only as much as the tokens it
+// saves: once the queue on its holder is longer than the saving, the next
+// request goes elsewhere (and records the prefix there too). w must be
+// drained to now.
+//
+// The uncached tokens are weighted by the pool's load (workWeight): a
+// token computed on a busy pool also delays the requests that queue behind
+// it, so under sustained load a prefix is worth more than the wait it
+// saves this request alone.
+func (l *ledger) cost(w *row, uncached int, weight float64, now int64) int {
+	return w.queued() + w.engine.foreignCost(now) + int(float64(uncached)*weight) + l.cfg.DecodeWeightTokens*w.decoding
+}
+
+// saturation takes out the candidates over a static saturation limit, and
+// counts those left (eligible) and those of them below flow control's
+// threshold (free).
+func (l *ledger) saturation(cands []candidate, r *Reservation, now int64) (eligible, free int) {
+	for i := range cands {
+		c := &cands[i]
+		queued := c.w.queued()
+		c.taken = !r.bodiless && l.overLimit(c.w, queued)
+		if c.taken {
+			continue
+		}
+		eligible++
+		if !l.flowOn || r.bodiless || !l.flowFull(c.w, queued+c.w.engine.foreignCost(now), c.w.decoding) {
+			free++
+		}
+	}
+	return eligible, free
+}
+
+// reserve holds r on c's row and records its prompt's head there.
+func (l *ledger) reserve(r *Reservation, c *candidate, model string, now int64) {
+	w := c.w
+	if l.isAdapter(w, model) {
+		r.adapter = model
+		r.adapterLoad, r.adapterWait = w.adapterLoadFor(model)
+	}
+	l.owners++
+	r.owner = l.owners
+	r.row = w
+	r.prefill = c.uncached
+	r.heldBefore = c.matched
+	r.cachedBlocks = c.matched
+	r.cachedTokens = l.heldTokens(c.matched)
+	w.hold(r, now)
+	w.engine.recent.add(now)
+	l.meanPromptTokens += (float64(r.promptTokens) - l.meanPromptTokens) * meanPromptWeight
+	l.picks.push(r)
+	// The head of the prompt (its first 32,000 tokens or so) is recorded
+	// here; a longer tail right after, in a lock hold of its own
+	// (recordTail), so that a huge prompt holds this critical section no
+	// longer than a 32,000-token one.
+	l.index.Record(w.id, r.hashes[:min(len(r.hashes), l.blocks.inLock)], r.owner)
+	r.tailOn = w
+}
+
+// maxWorkWeight bounds workWeight: on a saturated pool a prefix held by one
+// endpoint pulls at most 1.5 times the tokens it saves (docs/design.md).
 const maxWorkWeight = 1.5
 
-// workWeight is what one uncached prompt token costs on cands' pool,
+// workWeight is what one uncached prompt token costs on rows' pool,
 // relative to a queued one: 1/(1-ρ), bounded by maxWorkWeight, for the
 // pool's mean utilization ρ (drained first). In a queue busy a share ρ of
 // the time, work added now delays the requests that arrive while it runs
 // by about ρ/(1-ρ) of its length, on top of the request's own wait; an
 // idle pool weighs a token as its wait alone, and so does an empty one.
-func workWeight(cands []*row) float64 {
-	if len(cands) == 0 {
+func workWeight(rows []*row) float64 {
+	if len(rows) == 0 {
 		return 1
 	}
 	u := 0.0
-	for _, c := range cands {
-		u += c.utilization
+	for _, w := range rows {
+		u += w.utilization
 	}
-	u /= float64(len(cands))
-	return 1 / max(1-u, 1/maxWorkWeight)
+	return weightAt(u / float64(len(rows)))
 }
 
-// bestLocked returns the indices of the k cheapest candidates not yet
-// taken (fewer if fewer are left), cheapest first, in one pass over cands.
-// Exact ties are ordered at random: list order must never decide, or idle
-// pools would load their first endpoint. Each tied candidate's random key
-// is drawn when a comparison first needs it, so the order is that of the
+// weightAt is workWeight at the pool's mean utilization u.
+func weightAt(u float64) float64 { return 1 / max(1-u, 1/maxWorkWeight) }
+
+// best returns the indices of the k cheapest candidates not yet taken
+// (fewer if fewer are left), cheapest first, in one pass over cands. Exact
+// ties are ordered at random: list order must never decide, or idle pools
+// would load their first endpoint. Each tied candidate's random key is
+// drawn when a comparison first needs it, so the order is that of the
 // costs and then of independent uniform keys.
-func (p *Picker) bestLocked(cands []*row, k int) []int {
-	best, keys := p.best[:0], p.bestKeys[:0]
-	for i, c := range cands {
+func (l *ledger) best(cands []candidate, k int) []int {
+	s := &l.scratch
+	best, keys := s.best[:0], s.bestKeys[:0]
+	for i := range cands {
+		c := &cands[i]
 		if c.taken || len(best) == k && c.cost > cands[best[k-1]].cost {
 			continue
 		}
 		var key uint64 // 0: not drawn yet
 		j := len(best)
 		for ; j > 0; j-- {
-			o := cands[best[j-1]]
+			o := &cands[best[j-1]]
 			if o.cost < c.cost {
 				break
 			}
 			if o.cost == c.cost {
 				if key == 0 {
-					key = p.tieKey()
+					key = l.tieKey()
 				}
 				if keys[j-1] == 0 {
-					keys[j-1] = p.tieKey()
+					keys[j-1] = l.tieKey()
 				}
 				if keys[j-1] < key {
 					break
@@ -176,16 +245,16 @@ func (p *Picker) bestLocked(cands []*row, k int) []int {
 			best, keys = best[:k], keys[:k]
 		}
 	}
-	p.best, p.bestKeys = best, keys
+	s.best, s.bestKeys = best, keys
 	return best
 }
 
 // tieKey draws a tie's random key, never 0.
-func (p *Picker) tieKey() uint64 { return p.rand.Uint64() | 1 }
+func (l *ledger) tieKey() uint64 { return l.rand.Uint64() | 1 }
 
 // heldTokens estimates the prompt tokens of matchedBlocks leading blocks.
-func (p *Picker) heldTokens(matchedBlocks int) int {
-	return p.blocks.chars(matchedBlocks) / p.cfg.CharsPerToken
+func (l *ledger) heldTokens(matchedBlocks int) int {
+	return l.blocks.chars(matchedBlocks) / l.cfg.CharsPerToken
 }
 
 // uncachedTokens estimates the prompt tokens w, whose prefix index holds
@@ -194,13 +263,13 @@ func (p *Picker) heldTokens(matchedBlocks int) int {
 // delivered from its cache (engineView.cacheTrust); at least one token for
 // any prompt, since the last token is always computed. w is not read
 // when nothing is held (it may be nil then).
-func (p *Picker) uncachedTokens(w *row, promptChars, matchedBlocks int) int {
+func (l *ledger) uncachedTokens(w *row, promptChars, matchedBlocks int) int {
 	if promptChars == 0 {
 		return 0
 	}
 	if matchedBlocks == 0 {
-		return max(p.tokens(promptChars), 1)
+		return max(l.tokens(promptChars), 1)
 	}
-	held := float64(p.blocks.chars(matchedBlocks)) * w.engine.cacheTrust()
-	return max(p.tokens(promptChars-int(held)), 1)
+	held := float64(l.blocks.chars(matchedBlocks)) * w.engine.cacheTrust()
+	return max(l.tokens(promptChars-int(held)), 1)
 }

@@ -257,21 +257,21 @@ type endpointRate struct {
 
 // rateOf is w's prefill rate: the pool's times its bounded factor, and at
 // least the pool's engine floor times the bounded factor of its own timing.
-func (p *Picker) rateOf(w *row) float64 {
+func (l *ledger) rateOf(w *row) float64 {
 	e := &w.rates
 	var logRatio float64
 	if e.samples > 0 && e.seconds > 0 {
-		logRatio = math.Log(e.tokens / e.seconds / p.pool.rate)
-		logRatio *= kept(logRatio, e.noise(), p.pool.spread)
+		logRatio = math.Log(e.tokens / e.seconds / l.pool.rate)
+		logRatio *= kept(logRatio, e.noise(), l.pool.spread)
 	}
-	rate := p.pool.rate * math.Exp(bounded(logRatio, e.samples))
+	rate := l.pool.rate * math.Exp(bounded(logRatio, e.samples))
 	var floor float64
-	if p.pool.floor > 0 {
+	if l.pool.floor > 0 {
 		var own float64
 		if e.engineFloor > 0 {
-			own = math.Log(e.engineFloor / p.pool.floor)
+			own = math.Log(e.engineFloor / l.pool.floor)
 		}
-		floor = p.pool.floor * math.Exp(drift(own, e.floorWindows))
+		floor = l.pool.floor * math.Exp(drift(own, e.floorWindows))
 	}
 	return min(max(rate, floor, minPrefillRate), maxPrefillRate)
 }
@@ -315,9 +315,9 @@ func kept(x, noise, spread float64) float64 {
 
 // factorSpread is the variance of the endpoints' log factors beyond their
 // noise: the variance of their measured factors less their mean noise.
-func (p *Picker) factorSpread() float64 {
+func (l *ledger) factorSpread() float64 {
 	var k, sum, squares, noise float64
-	for _, w := range p.byKey {
+	for _, w := range l.all {
 		e := &w.rates
 		if e.samples < minSpreadSamples || e.seconds <= 0 {
 			continue
@@ -331,53 +331,53 @@ func (p *Picker) factorSpread() float64 {
 	return max((squares-sum*sum/k)/(k-1)-noise/k, 0)
 }
 
-// setRatesLocked moves every row's drain model to now at its old rate, then
+// setRates moves every row's drain model to now at its old rate, then
 // gives it its current one.
-func (p *Picker) setRatesLocked(now int64) {
-	p.pool.spread, p.pool.unwalked = p.factorSpread(), 0
-	for _, w := range p.byKey {
+func (l *ledger) setRates(now int64) {
+	l.pool.spread, l.pool.unwalked = l.factorSpread(), 0
+	for _, w := range l.all {
 		w.advance(now)
-		w.rate = p.rateOf(w)
+		w.rate = l.rateOf(w)
 	}
 }
 
-// learnPrefillLocked takes r's streamed first byte as a prefill sample, as
+// learnPrefill takes r's streamed first byte as a prefill sample, as
 // its response ends at now (see above).
-func (p *Picker) learnPrefillLocked(r *Reservation, now int64) {
+func (l *ledger) learnPrefill(r *Reservation, now int64) {
 	seconds := float64(r.firstByteNs-r.enqueuedAt) / 1e9
 	if seconds <= 0 || r.work < minLearnTokens {
-		p.rateSamples[rateSampleShort]++
+		l.rateSamples[rateSampleShort]++
 		return
 	}
 	w := r.row
 	if out := r.outputTokens; out >= lateMinOutput {
 		spread := float64(now - r.firstByteNs)
-		if spread < lateSpreadShare*float64(out-1)*p.decodeNsPerToken {
-			p.rateSamples[rateSampleLate]++
+		if spread < lateSpreadShare*float64(out-1)*l.decodeNsPerToken {
+			l.rateSamples[rateSampleLate]++
 			return
 		}
 	}
 	if r.adapterWait {
-		p.rateSamples[rateSampleAdapterWait]++
+		l.rateSamples[rateSampleAdapterWait]++
 		return
 	}
 	if r.adapterLoad {
-		p.rateSamples[rateSampleAdapterLoad]++
-		load := seconds - p.pool.overhead - float64(r.work)/w.rate
-		p.loraLoad.add(min(max(load, 0), maxLoRALoadSeconds), loraLoadDecay)
+		l.rateSamples[rateSampleAdapterLoad]++
+		load := seconds - l.pool.overhead - float64(r.work)/w.rate
+		l.loraLoad.add(min(max(load, 0), maxLoRALoadSeconds), loraLoadDecay)
 		return
 	}
-	if p.pool.samples >= outlierEvidence {
-		whole := p.pool.overhead + float64(r.work)/w.rate + p.expectedOutputTokens(r)*p.decodeNsPerToken/1e9
+	if l.pool.samples >= outlierEvidence {
+		whole := l.pool.overhead + float64(r.work)/w.rate + l.expectedOutputTokens(r)*l.decodeNsPerToken/1e9
 		if seconds > outlierFactor*whole {
-			p.rateSamples[rateSampleOutlier]++
+			l.rateSamples[rateSampleOutlier]++
 			return
 		}
 	}
-	p.rateSamples[rateSampleLearned]++
+	l.rateSamples[rateSampleLearned]++
 
-	pool := &p.pool
-	decay := 1 - (1-poolRateDecay)/float64(max(len(p.byKey), 1))
+	pool := &l.pool
+	decay := 1 - (1-poolRateDecay)/float64(max(len(l.byKey), 1))
 	pool.fit.decay(decay)
 	pool.fit.add(float64(r.work), seconds, 1)
 	pool.samples = pool.samples*decay + 1
@@ -393,18 +393,18 @@ func (p *Picker) learnPrefillLocked(r *Reservation, now int64) {
 	e.logSquares = e.logSquares*poolRateDecay + logRate*logRate
 	e.samples = e.samples*poolRateDecay + 1
 	pool.unwalked++
-	if math.Abs(pool.rate/pool.applied-1) > rateReapply || pool.unwalked >= len(p.byKey) {
+	if math.Abs(pool.rate/pool.applied-1) > rateReapply || pool.unwalked >= len(l.byKey) {
 		pool.applied = pool.rate
-		p.setRatesLocked(now)
+		l.setRates(now)
 		return
 	}
 	w.advance(now)
-	w.rate = p.rateOf(w)
+	w.rate = l.rateOf(w)
 }
 
-// observePrefillTimingLocked updates w's engine floor from a scrape's
+// observePrefillTiming updates w's engine floor from a scrape's
 // prefill counters.
-func (p *Picker) observePrefillTimingLocked(w *row, s EngineStats, now int64) {
+func (l *ledger) observePrefillTiming(w *row, s EngineStats, now int64) {
 	e := &w.rates
 	if !s.HasPrefillTiming {
 		return
@@ -422,15 +422,15 @@ func (p *Picker) observePrefillTimingLocked(w *row, s EngineStats, now int64) {
 			e.engineFloor *= math.Exp((math.Log(sample) - math.Log(e.engineFloor)) * engineRateWeight)
 		}
 		e.floorWindows = e.floorWindows*poolRateDecay + 1
-		pool := &p.pool
+		pool := &l.pool
 		pool.floorLog.add(math.Log(sample), poolRateDecay)
 		pool.floor = math.Exp(pool.floorLog.mean())
 		if pool.floorApplied == 0 || math.Abs(pool.floor/pool.floorApplied-1) > rateReapply {
 			pool.floorApplied = pool.floor
-			p.setRatesLocked(now)
+			l.setRates(now)
 		} else {
 			w.advance(now)
-			w.rate = p.rateOf(w)
+			w.rate = l.rateOf(w)
 		}
 	}
 	// A new window (also after an engine restart reset its counters).

@@ -34,14 +34,14 @@ func (s *engineSim) run(n int) {
 		decode := time.Duration(s.outputs-1) * s.decode
 		if s.late != nil && s.late(i) {
 			s.clock.Advance(prefill + decode)
-			r.FirstByte()
+			s.p.FirstByte(r)
 		} else {
 			s.clock.Advance(prefill)
-			r.FirstByte()
+			s.p.FirstByte(r)
 			s.clock.Advance(decode)
 		}
-		r.Completed(s.outputs)
-		r.Release()
+		s.p.End(r, Outcome{CompletionTokens: s.outputs})
+		s.p.End(r, Outcome{})
 	}
 }
 
@@ -63,7 +63,7 @@ func spread(rs []float64) float64 {
 
 func newSim(t *testing.T, engineRates []float64, seed uint64) *engineSim {
 	clock := newFakeClock()
-	p := newPicker(t, len(engineRates), testConfig(), Options{Now: clock.Now})
+	p := newPicker(t, len(engineRates), testConfig(), Options{Clock: clock})
 	return &engineSim{t: t, p: p, clock: clock, rng: rand.New(rand.NewPCG(seed, 1)), rates: engineRates,
 		decode: 8 * time.Millisecond, outputs: 64}
 }
@@ -142,7 +142,7 @@ func TestEnginePrefillTimingFloorsTheRate(t *testing.T) {
 	clock := newFakeClock()
 	cfg := testConfig()
 	cfg.PrefillTokensPerSecond = 1_000 // badly wrong
-	p := newPicker(t, 1, cfg, Options{Now: clock.Now})
+	p := newPicker(t, 1, cfg, Options{Clock: clock})
 	a := addr(0)
 	var sec, prompt, cached float64
 	for range 5 {
@@ -176,7 +176,7 @@ func newEngineTimer(t *testing.T, n int) *engineTimer {
 	clock := newFakeClock()
 	cfg := testConfig()
 	cfg.PrefillTokensPerSecond = 10_000
-	p := newPicker(t, n, cfg, Options{Now: clock.Now})
+	p := newPicker(t, n, cfg, Options{Clock: clock})
 	return &engineTimer{p: p, clock: clock, sec: make([]float64, n), tok: make([]float64, n)}
 }
 
@@ -248,14 +248,14 @@ func TestAFasterEnginesTimingIsLearnedWithEvidence(t *testing.T) {
 // a cache the index did not predict) teach no more than maxPrefillRate.
 func TestInstantFirstBytesTeachABoundedRate(t *testing.T) {
 	clock := newFakeClock()
-	p := newPicker(t, 3, testConfig(), Options{Now: clock.Now})
+	p := newPicker(t, 3, testConfig(), Options{Clock: clock})
 	for i := range 60 {
 		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("instant", i), (2000+i*100)*4), Stream: true})
 		clock.Advance(time.Millisecond)
-		r.FirstByte()
+		p.FirstByte(r)
 		clock.Advance(400 * time.Millisecond) // 16 tokens, decoded as they come
-		r.Completed(16)
-		r.Release()
+		p.End(r, Outcome{CompletionTokens: 16})
+		p.End(r, Outcome{})
 	}
 	for _, r := range rates(p) {
 		if r > maxPrefillRate {

@@ -1,20 +1,14 @@
 package picker
 
-import (
-	"net/netip"
-	"time"
-)
+import "net/netip"
 
-// Reservation is one placed request's hold on the ledger. Its methods are
-// safe to call concurrently and in any order; each of FirstByte and Release
-// takes effect at most once, whoever calls it first (the stream, or the
-// sweeper through Release).
+// Reservation is one placed request's hold on the ledger, from Admit to
+// End. Its lifecycle goes through the Picker (FirstByte, ServedBy, End),
+// safe to call concurrently and in any order; each takes effect at most
+// once, and none after the reservation ended (End, or the sweeper).
 type Reservation struct {
-	p *Picker
-
 	// Fixed at pick time.
-	pickedAt     time.Time
-	pickedNs     int64 // pickedAt on the picker's clock
+	pickedNs     int64 // ledger time of the pick
 	promptChars  int
 	promptTokens int
 	cachedBlocks int // of the hashed blocks, those the chosen endpoint held
@@ -31,7 +25,7 @@ type Reservation struct {
 	endpoints                [maxFallbackEndpoints]netip.AddrPort
 	nEndpoints               int
 
-	// Guarded by p.mu.
+	// Guarded by the picker's lock.
 	row          *row // current holder; its counters include this reservation until released
 	prefill      int  // prefill tokens still held (0 once decoding)
 	decoding     bool // past the first byte, or past the modelled prefill
@@ -45,7 +39,7 @@ type Reservation struct {
 	hashes       []uint64 // the prompt's blocks, kept for ServedBy
 	hashBuf      *[]uint64
 	firstByteNs  int64 // clock of its first response bytes
-	outputTokens int   // its response's output tokens, when Completed said
+	outputTokens int   // its response's output tokens, when its End said
 
 	// Detached (detach.go): its row's list of detached reservations, and
 	// its modelled end and place in the picker's schedule once its prefill
@@ -63,7 +57,7 @@ type Reservation struct {
 	enqueuedAt  int64
 	prefillLink link[Reservation]
 
-	// The sweeper's list, in pick order; guarded by p.mu.
+	// The sweeper's list, in pick order.
 	pickLink link[Reservation]
 }
 
@@ -71,130 +65,3 @@ type Reservation struct {
 // in random order), at most FallbackEndpoints in all; saturated endpoints are
 // not listed. The slice is shared: do not modify it.
 func (r *Reservation) Endpoints() []netip.AddrPort { return r.endpoints[:r.nEndpoints] }
-
-// FirstByte marks the first response bytes: the endpoint has computed the
-// prompt, so what is left of the prefill is released and the request is
-// decoding. For a streamed request it also teaches the endpoint's prefill
-// rate. Later calls do nothing.
-func (r *Reservation) FirstByte() {
-	p := r.p
-	now := p.clock()
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if r.released || r.sawFirstByte {
-		return
-	}
-	r.sawFirstByte = true
-	r.firstByteNs = now
-	w := r.row
-	// A streamed first byte teaches the prefill rate when the response
-	// ends (releaseLocked): only then can a late one be told apart.
-	if !r.decoding {
-		w.endPrefill(r, now)
-	}
-	p.freedLocked(now)
-}
-
-// Release releases everything the reservation still holds. Later calls,
-// and calls after the sweeper released it, do nothing.
-func (r *Reservation) Release() {
-	p := r.p
-	now := p.clock()
-	p.mu.Lock()
-	buf := p.releaseLocked(r, now)
-	p.freedLocked(now)
-	p.mu.Unlock()
-	if buf != nil {
-		*buf = (*buf)[:0]
-		p.hashBufs.Put(buf)
-	}
-}
-
-// Delivered reports the engine's usage for the request: of promptTokens
-// prompt tokens (the engine's count), cachedTokens came from its prefix
-// cache. It books them, and the picker's prediction, in the endpoint's drift
-// counters. It forgets nothing from the prefix index, even when the engine
-// held fewer of the request's blocks than the index said: the usage comes
-// once the engine has computed the whole prompt, so the blocks it lacked are
-// in its cache again. Call it before Release; later calls do nothing.
-func (r *Reservation) Delivered(promptTokens, cachedTokens int) {
-	p := r.p
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if r.released || r.delivered || promptTokens <= 0 {
-		return
-	}
-	r.delivered = true
-	e := &r.row.engine
-	delivered := min(max(cachedTokens, 0), promptTokens)
-	e.delivered += int64(delivered)
-	e.predic += int64(r.cachedTokens)
-	e.learnCacheTrust(delivered, r.cachedTokens)
-}
-
-// releaseLocked releases r if it is still held and returns its hash buffer
-// for reuse (outside the lock).
-func (p *Picker) releaseLocked(r *Reservation, now int64) *[]uint64 {
-	if r.released {
-		return nil
-	}
-	if r.detached {
-		p.unlinkDetachedLocked(r)
-	}
-	if r.stream && r.sawFirstByte {
-		p.learnPrefillLocked(r, now)
-	}
-	r.row.drop(r, now)
-	r.prefill = 0
-	r.released = true
-	p.picks.remove(r)
-	buf := r.hashBuf
-	r.hashes, r.hashBuf = nil, nil
-	return buf
-}
-
-// ServedBy moves what the reservation still holds to addr, the endpoint
-// that actually served the request (the gateway may have used a fallback),
-// and records the prompt's blocks there. The blocks this request added to
-// the previous holder are forgotten there, unless another request recorded
-// them since: this one never computed them. Nothing happens if addr is not
-// a current endpoint, already the holder, or the reservation has been
-// released.
-func (r *Reservation) ServedBy(addr netip.AddrPort) {
-	p := r.p
-	now := p.clock()
-	p.mu.Lock()
-	untidy := r.moveLocked(addr, now)
-	p.mu.Unlock()
-	if untidy {
-		p.tidy()
-	}
-}
-
-// moveLocked is ServedBy under the lock; it reports whether the index owes
-// evictions.
-func (r *Reservation) moveLocked(addr netip.AddrPort, now int64) bool {
-	p := r.p
-	to, ok := p.byAddr[key(addr)]
-	if r.released || r.detached || !ok || to == r.row {
-		return false
-	}
-	from := r.row
-	from.drop(r, now)
-	p.index.ForgetOwn(from.id, r.hashes[r.heldBefore:], r.owner)
-
-	ids, matched := p.candIDs[:1], p.matched[:1]
-	ids[0] = to.id
-	p.index.Match(r.hashes, ids, matched)
-	r.heldBefore = matched[0]
-	r.cachedTokens = p.heldTokens(matched[0])
-	if !r.decoding {
-		r.prefill = p.uncachedTokens(to, r.promptChars, matched[0])
-	}
-	r.row = to
-	r.tailOn = nil // recorded whole just below
-	r.adapterLoad, r.adapterWait = to.adapterLoadFor(r.adapter)
-	to.hold(r, now)
-	p.index.Record(to.id, r.hashes, r.owner)
-	return p.index.Untidy()
-}

@@ -69,7 +69,7 @@ func TestRewriteWeightsWithinABinomialBound(t *testing.T) {
 func TestPrefixesNeverMatchAcrossModels(t *testing.T) {
 	p := newPicker(t, 1, testConfig(), Options{})
 	prompt := text("shared", 8000)
-	mustPick(t, p, Request{Model: "base", Prompt: prompt}).Release()
+	p.End(mustPick(t, p, Request{Model: "base", Prompt: prompt}), Outcome{})
 	if r := mustPick(t, p, Request{Model: "adapter-a", Prompt: prompt}); cachedTokens(r) != 0 {
 		t.Errorf("adapter-a found %d cached tokens of base's prompt, want 0", cachedTokens(r))
 	}

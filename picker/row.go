@@ -41,20 +41,6 @@ type row struct {
 	// Reservations still in prefill, in the order they joined the queue.
 	inPrefill list[Reservation, prefillLinks]
 
-	// Scratch of the pick in progress (under the lock).
-	mark      uint64
-	uncached  int // this request's uncached prompt tokens here
-	cost      int
-	saturated bool
-	loraOut   uint8 // why the adapter rules take it out, if they do (adapters.go)
-	taken     bool  // chosen already, or not eligible
-	// The request's adapter here, for the adapter rules (adapters.go):
-	// whether its model is an adapter on this engine, whether the adapter
-	// is active, and its requests in flight; set only for candidates not
-	// taken.
-	adapter, adapterActiveHere bool
-	adapterRefsHere            int
-
 	// What the engine's metrics say (see engine.go).
 	engine engineView
 
@@ -62,7 +48,11 @@ type row struct {
 	key     rowKey
 	current bool
 	dropped bool
-	leftAt  int64 // clock (ns) when it left the set, while retained
+	leftAt  int64 // ledger time when it left the set, while retained
+	// pos is its place in the ledger's rows while current; listed, the
+	// last setEndpoints that listed it.
+	pos    int
+	listed uint64
 
 	// How this endpoint's prefill differs from the pool's, learned from
 	// its streamed first bytes, and the floor its engine's own prefill
@@ -135,10 +125,18 @@ func (w *row) advance(now int64) {
 	w.at = now
 }
 
+// endedPrefill is a detached reservation whose modelled prefill a drain
+// ended, and when.
+type endedPrefill struct {
+	r  *Reservation
+	at int64
+}
+
 // drain advances the model and moves every reservation whose modelled
 // prefill is done to decoding: amortised O(1), since each reservation leaves
-// the queue once.
-func (w *row) drain(now int64) {
+// the queue once. It appends the detached ones to ended, with the time
+// their prefill ended, for the ledger to schedule their end.
+func (w *row) drain(now int64, ended []endedPrefill) []endedPrefill {
 	fromAt, fromOut := w.at, w.posOut
 	w.advance(now)
 	for r := w.inPrefill.head; r != nil && (r.endPos <= w.posOut || w.posOut >= w.posIn); r = w.inPrefill.head {
@@ -147,9 +145,10 @@ func (w *row) drain(now int64) {
 		end := fromAt + int64(max(r.endPos-fromOut, 0)/w.rate*1e9)
 		w.endPrefill(r, now)
 		if r.detached {
-			r.p.scheduleDetachedLocked(r, min(max(end, r.enqueuedAt), now))
+			ended = append(ended, endedPrefill{r, min(max(end, r.enqueuedAt), now)})
 		}
 	}
+	return ended
 }
 
 // queued is the modelled prefill still to compute here, in tokens (call

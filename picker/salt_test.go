@@ -14,7 +14,7 @@ func TestCacheSaltSeparatesPrefixes(t *testing.T) {
 		return r
 	}
 	first := mustPick(t, p, salted("tenant-a"))
-	defer first.Release()
+	defer p.End(first, Outcome{})
 
 	for _, tc := range []struct {
 		name       string
@@ -29,13 +29,13 @@ func TestCacheSaltSeparatesPrefixes(t *testing.T) {
 		if got := cachedTokens(r) > 0; got != tc.wantCached {
 			t.Errorf("%s: %d cached tokens on the endpoint that holds the tenant-a prefix; want cached %v", tc.name, cachedTokens(r), tc.wantCached)
 		}
-		r.Release()
+		p.End(r, Outcome{})
 	}
 
 	// Unsalted requests hash as before: the index holds the unsalted chain
 	// of an unsalted pick.
 	plain := mustPick(t, p, on(addr(1), prompt))
-	plain.Release()
+	p.End(plain, Outcome{})
 	if got := heldBlocks(p, prompt, addr(1)); got != 40 {
 		t.Errorf("unsalted pick recorded %d blocks of prefix.Hash's chain on its endpoint, want 40", got)
 	}

@@ -40,11 +40,11 @@ func TestSubsetMatchesByIP(t *testing.T) {
 		{"unknown IP", []netip.AddrPort{ip("127.0.0.9"), ap("127.0.0.9:3000")}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			p := New(testConfig(), Options{Now: newFakeClock().Now})
+			p := New(testConfig(), Options{Clock: newFakeClock()})
 			p.Replace(eps)
 			var got []string
 			for range 3 * len(eps) {
-				r, err := p.Pick(Request{Model: model, PromptChars: 640, Subset: tc.subset, HasSubset: true})
+				r, err := p.pick(Request{Model: model, PromptChars: 640, Subset: tc.subset, HasSubset: true})
 				if tc.want == nil {
 					if !errors.Is(err, ErrNoEndpoint) {
 						t.Fatalf("err %v, want ErrNoEndpoint", err)
@@ -77,18 +77,18 @@ func TestSubsetByIPDoesNotAllocate(t *testing.T) {
 	req := Request{Model: model, Prompt: text("known", 8000), HasSubset: true,
 		Subset: []netip.AddrPort{netip.AddrPortFrom(addr(3).Addr(), 0), netip.AddrPortFrom(addr(5).Addr(), 9), addr(7)}}
 	hashes := prefix.HashSalted(nil, model, "", req.Prompt, p.cfg.BlockSizeChars)
-	r := &Reservation{p: p}
+	r := &Reservation{}
 	place := func() {
-		*r = Reservation{p: p, hashes: hashes, promptChars: len(req.Prompt)}
+		*r = Reservation{hashes: hashes, promptChars: len(req.Prompt)}
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		if err := p.placeLocked(r, req); err != nil {
+		if err := p.l.place(r, req); err != nil {
 			t.Fatal(err)
 		}
 		if e := r.endpoints[0]; e != addr(3) && e != addr(5) && e != addr(7) { // endpointOf(r) would take the lock held here
 			t.Fatalf("picked %s, outside the hint", e)
 		}
-		p.releaseLocked(r, 0)
+		p.l.release(r, 0)
 	}
 	place()
 	if allocs := testing.AllocsPerRun(100, place); allocs != 0 {
@@ -126,7 +126,7 @@ func BenchmarkCandidates(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
 				p.mu.Lock()
-				if len(p.candidatesLocked(req)) != 8 {
+				if len(p.l.candidates(req)) != 8 {
 					b.Fatal("wrong candidates")
 				}
 				p.mu.Unlock()

@@ -16,7 +16,7 @@ import (
 // yet decoding).
 func TestUpstreamPoolMetricsFollowTheLedger(t *testing.T) {
 	reg := prometheus.NewPedanticRegistry()
-	p := New(testConfig(), Options{Registerer: reg, Now: newFakeClock().Now, PoolName: "pool-a"})
+	p := New(testConfig(), Options{Registerer: reg, Clock: newFakeClock(), PoolName: "pool-a"})
 	// Two pods, the first with two target ports: upstream names endpoints
 	// "<pod>-rank-<port index>".
 	p.Replace([]Endpoint{
@@ -29,7 +29,7 @@ func TestUpstreamPoolMetricsFollowTheLedger(t *testing.T) {
 		return Request{Model: model, Prompt: text("queued", 4000), Subset: []netip.AddrPort{netip.MustParseAddrPort(a)}, HasSubset: true}
 	}
 	mustPick(t, p, on("127.0.0.2:8000"))
-	mustPick(t, p, on("127.0.0.2:8000")).FirstByte() // decoding: no longer queued
+	p.FirstByte(mustPick(t, p, on("127.0.0.2:8000"))) // decoding: no longer queued
 	mustPick(t, p, on("127.0.0.3:8000"))
 	mustPick(t, p, on("127.0.0.3:8000"))
 	mustPick(t, p, on("127.0.0.3:8000"))
@@ -102,7 +102,7 @@ func TestUpstreamPickHistograms(t *testing.T) {
 	mustPick(t, p, on(addr(0), prompt))                                   // warm: 1
 	mustPick(t, p, on(addr(0), join(prompt[:64*5], text("other", 64*5)))) // half: 0.5
 	mustPick(t, p, on(addr(1), nil))                                      // no prompt: not observed
-	if _, err := p.Pick(Request{Model: model, HasSubset: true}); err != ErrNoEndpoint {
+	if _, err := p.pick(Request{Model: model, HasSubset: true}); err != ErrNoEndpoint {
 		t.Fatalf("empty subset: %v, want ErrNoEndpoint", err)
 	}
 
@@ -157,7 +157,7 @@ func assertBuckets(t *testing.T, h *dto.Histogram, want []float64) {
 // scrapes does not count.
 func TestUpstreamKVCacheUtilizationAveragesTheScrapes(t *testing.T) {
 	reg := prometheus.NewPedanticRegistry()
-	p := New(testConfig(), Options{Registerer: reg, Now: newFakeClock().Now, PoolName: "pool-a"})
+	p := New(testConfig(), Options{Registerer: reg, Clock: newFakeClock(), PoolName: "pool-a"})
 	a, b, c, d := netip.MustParseAddrPort("127.0.0.2:8000"), netip.MustParseAddrPort("127.0.0.3:8000"),
 		netip.MustParseAddrPort("127.0.0.4:8000"), netip.MustParseAddrPort("127.0.0.5:8000")
 	p.Replace([]Endpoint{{Pod: "a", Address: a}, {Pod: "b", Address: b}, {Pod: "c", Address: c}, {Pod: "d", Address: d}})

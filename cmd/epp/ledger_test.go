@@ -1,6 +1,8 @@
 package main
 
 import (
+	"context"
+
 	"encoding/json"
 	"net/http/httptest"
 	"net/netip"
@@ -16,7 +18,7 @@ func TestDebugLedgerIsOneSnapshotWithRetainedRows(t *testing.T) {
 	b := picker.Endpoint{Pod: "b", UID: "uid-b", Address: netip.MustParseAddrPort("10.0.0.2:8000")}
 	p.Replace([]picker.Endpoint{a, b})
 	for _, ep := range []picker.Endpoint{a, b} {
-		if _, err := p.Pick(picker.Request{Model: "m", Prompt: make([]byte, 4000), Subset: []netip.AddrPort{ep.Address}, HasSubset: true}); err != nil {
+		if _, err := p.Admit(context.Background(), picker.Request{Model: "m", Prompt: make([]byte, 4000), Subset: []netip.AddrPort{ep.Address}, HasSubset: true}); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -46,7 +46,7 @@ func (h *holdChecker) check(when string) {
 	}
 	waiting := 0
 	for _, w := range h.waiting {
-		if _, _, done := w.t.Result(); done {
+		if _, done, _ := w.t.Result(); done {
 			continue // placed or refused by a cycle; the simulation collects it next
 		}
 		waiting++

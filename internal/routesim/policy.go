@@ -1,6 +1,7 @@
 package routesim
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -286,8 +287,8 @@ func firstTokenOn(e *engine.Engine, i int, j *job) (time.Duration, error) {
 
 // tally drives the real picker on the simulation's clock.
 type tally struct {
-	p      *picker.Picker
-	origin time.Time // of the picker's clock
+	p     *picker.Picker
+	clock *virtualClock // the picker's
 	// rates is the range of the prefill rates the picker held at its
 	// scrapes, its starting value (prefillTokensPerSecond) included.
 	rates       RateRange
@@ -321,14 +322,11 @@ func newTally(cfg Config, now *time.Duration, rng *rand.Rand, texts *idText) *ta
 	// The picker's clock is the simulation's: virtual time from a fixed
 	// origin, so that its drain model and rate learning run as they would
 	// in real time.
-	origin := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-	p := picker.New(cfg.Picker, picker.Options{
-		Now:  func() time.Time { return origin.Add(*now) },
-		Rand: rng,
-	})
+	clock := &virtualClock{origin: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC), now: now}
+	p := picker.New(cfg.Picker, picker.Options{Clock: clock, Rand: rng})
 	t := &tally{
 		p:           p,
-		origin:      origin,
+		clock:       clock,
 		byAddr:      make(map[netip.AddrPort]int, cfg.Engines),
 		res:         make(map[int]*picker.Reservation),
 		texts:       texts,
@@ -350,7 +348,8 @@ func newTally(cfg Config, now *time.Duration, rng *rand.Rand, texts *idText) *ta
 
 func (t *tally) pick(i int, j *job) (int, error) {
 	t.prompt = t.texts.appendPrompt(t.prompt[:0], j.Request)
-	r, err := t.p.Pick(picker.Request{Model: j.model(), Prompt: t.prompt, Stream: j.stream})
+	// Without flow control, Admit never waits.
+	r, err := t.p.Admit(context.Background(), picker.Request{Model: j.model(), Prompt: t.prompt, Stream: j.stream})
 	if err != nil {
 		return 0, err
 	}
@@ -364,7 +363,7 @@ func (t *tally) pick(i int, j *job) (int, error) {
 
 func (t *tally) firstByte(i int) {
 	if r := t.res[i]; r != nil {
-		r.FirstByte()
+		t.p.FirstByte(r)
 	}
 }
 
@@ -372,8 +371,7 @@ func (t *tally) firstByte(i int) {
 // server does with a response's cached-token count.
 func (t *tally) done(i, promptTokens, cachedTokens int) {
 	if r := t.res[i]; r != nil {
-		r.Delivered(promptTokens, cachedTokens)
-		r.Release()
+		t.p.End(r, picker.Outcome{PromptTokens: promptTokens, CachedTokens: cachedTokens})
 		delete(t.res, i)
 	}
 }
@@ -402,7 +400,7 @@ func (t *tally) observe(stats []engine.Stats) {
 		round = append(round, picker.Scrape{Address: t.addrs[i], Stats: es})
 	}
 	t.p.ObserveScrapes(round)
-	for _, st := range t.p.Stats() {
+	for _, st := range t.p.Snapshot().Endpoints {
 		t.rates.add(st.PrefillTokensPerSecond)
 	}
 }
@@ -413,7 +411,7 @@ func (t *tally) learnedRates() RateRange { return t.rates }
 // tallyFlow is tally with flow control: the picker's non-blocking Enqueue,
 // and its dispatch cycles in virtual time. A cycle runs inside every call
 // that may free capacity (first byte, release, scrape), when a request
-// arrives, and at the picker's NextDispatch; a held request reaches its
+// arrives, and when the picker's dispatch timer fires; a held request reaches its
 // engine (the reservation's first endpoint) only once its ticket says it
 // was placed.
 type tallyFlow struct {
@@ -476,7 +474,7 @@ func (t *tallyFlow) dispatched(dst []admission) ([]admission, error) {
 	n := 0
 	var errs []error
 	for _, w := range t.waiting {
-		r, err, done := w.t.Result()
+		r, done, err := w.t.Result()
 		switch {
 		case !done:
 			t.waiting[n] = w
@@ -502,12 +500,7 @@ func (t *tallyFlow) dispatched(dst []admission) ([]admission, error) {
 	return dst, errors.Join(errs...)
 }
 
-func (t *tallyFlow) nextDispatch() (time.Duration, bool) {
-	at, ok := t.p.NextDispatch()
-	if !ok {
-		return 0, false
-	}
-	return at.Sub(t.tally.origin), true
-}
+// nextDispatch is when the picker's dispatch timer fires.
+func (t *tallyFlow) nextDispatch() (time.Duration, bool) { return t.clock.next() }
 
-func (t *tallyFlow) dispatch() { t.p.Dispatch() }
+func (t *tallyFlow) dispatch() { t.clock.fire() }

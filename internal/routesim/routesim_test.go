@@ -287,7 +287,7 @@ func TestTallySeesBypassAsForeignLoad(t *testing.T) {
 	stats[e].RunningRequests = 1                                  // the picked request
 	stats[1-e].RunningRequests, stats[1-e].WaitingRequests = 2, 1 // bypassing ones
 	p.observe(stats)
-	for _, s := range p.(*tally).p.Stats() {
+	for _, s := range p.(*tally).p.Snapshot().Endpoints {
 		want := 0
 		if s.Endpoint.Address == p.(*tally).addrs[1-e] {
 			want = 3

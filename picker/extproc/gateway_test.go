@@ -1,6 +1,8 @@
 package extproc_test
 
 import (
+	"k8s.io/utils/clock"
+
 	"bytes"
 	"context"
 	"fmt"
@@ -101,7 +103,7 @@ func newFixture(t testing.TB, o fixtureOptions) *fixture {
 	if now == nil {
 		now = func() time.Time { return frozen }
 	}
-	p := picker.New(cfg, picker.Options{Rand: rand.New(rand.NewPCG(1, 2)), Log: log, Registerer: reg, Now: now})
+	p := picker.New(cfg, picker.Options{Rand: rand.New(rand.NewPCG(1, 2)), Log: log, Registerer: reg, Clock: nowClock(now)})
 	p.Replace(o.endpoints)
 	var routed extproc.Picker = p
 	if o.wrap != nil {
@@ -232,7 +234,7 @@ func ledgerEmpty(p *picker.Picker) (bool, string) {
 	ok := inFlight == 0 && prefill == 0
 	var b strings.Builder
 	fmt.Fprintf(&b, "totals in-flight=%d prefill=%d;", inFlight, prefill)
-	for _, s := range p.Stats() {
+	for _, s := range p.Snapshot().Endpoints {
 		fmt.Fprintf(&b, " %s;", statsString(s))
 		ok = ok && s.InFlight == 0 && s.PrefillTokens == 0 && s.Decoding == 0
 	}
@@ -240,7 +242,7 @@ func ledgerEmpty(p *picker.Picker) (bool, string) {
 }
 
 func statsOf(p *picker.Picker, addr netip.AddrPort) picker.EndpointStats {
-	for _, s := range p.Stats() {
+	for _, s := range p.Snapshot().Endpoints {
 		if s.Endpoint.Address == addr {
 			return s
 		}
@@ -290,4 +292,14 @@ func (f *fixture) counter(t testing.TB, name string, labels map[string]string) f
 		}
 	}
 	return 0
+}
+
+// nowClock is a picker clock read from now, whose timers run in real time
+// (flow control's dispatch timer, as with the real clock).
+type nowClock func() time.Time
+
+func (c nowClock) Now() time.Time { return c() }
+
+func (nowClock) AfterFunc(d time.Duration, f func()) clock.Timer {
+	return clock.RealClock{}.AfterFunc(d, f)
 }

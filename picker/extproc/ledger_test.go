@@ -118,7 +118,7 @@ func TestLedgerReturnsToZero(t *testing.T) {
 		l := f.picker.Snapshot()
 		in, prefill := l.InFlight, l.PrefillTokens
 		ok := in == len(sentinels) && prefill == 100*len(sentinels)
-		for _, s := range f.picker.Stats() {
+		for _, s := range f.picker.Snapshot().Endpoints {
 			ok = ok && s.InFlight == 1 && s.PrefillTokens == 100 && s.Decoding == 0
 		}
 		_, state := ledgerEmpty(f.picker)

@@ -17,6 +17,7 @@ import (
 	"fmt"
 	"io"
 	"math/bits"
+	"net/netip"
 	"sync"
 	"sync/atomic"
 
@@ -33,11 +34,15 @@ import (
 )
 
 // Picker chooses an endpoint for a request and reserves its cost, waiting
-// (with flow control) until one has room or ctx ends; *picker.Picker
-// implements it. Admit must not keep req.Prompt after it returns: the
-// stream recycles the buffer as soon as the request is routed.
+// (with flow control) until one has room or ctx ends, and follows the
+// reservation through its response; *picker.Picker implements it. Admit
+// must not keep req.Prompt after it returns: the stream recycles the
+// buffer as soon as the request is routed.
 type Picker interface {
 	Admit(ctx context.Context, req picker.Request) (*picker.Reservation, error)
+	FirstByte(r *picker.Reservation)
+	ServedBy(r *picker.Reservation, addr netip.AddrPort)
+	End(r *picker.Reservation, o picker.Outcome)
 }
 
 // Objectives gives the priority of the InferenceObjective a request names;

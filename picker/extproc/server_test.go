@@ -460,7 +460,7 @@ func TestEndpointRemovedWhileRequestsAreInFlight(t *testing.T) {
 		return b.InFlight == 1 && b.PrefillTokens == 300 && in == 2 && prefill == 600,
 			"B " + statsString(b) + "; " + func() string { _, s := ledgerEmpty(f.picker); return s }()
 	})
-	for _, s := range f.picker.Stats() {
+	for _, s := range f.picker.Snapshot().Endpoints {
 		if s.InFlight < 0 || s.PrefillTokens < 0 || s.Decoding < 0 {
 			t.Errorf("negative count: %s", statsString(s))
 		}

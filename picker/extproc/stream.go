@@ -410,7 +410,7 @@ func (st *stream) requestTrailers() error {
 func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) error {
 	st.resp.headers(h.GetHeaders())
 	if addr, ok := servedBy(md); ok && st.res != nil {
-		st.res.ServedBy(addr)
+		st.s.picker.ServedBy(st.res, addr)
 	}
 	if code, err := strconv.Atoi(headerValue(h.GetHeaders(), ":status")); err == nil && code >= 500 {
 		st.s.metrics.upstreamErrors.Inc()
@@ -475,7 +475,7 @@ func (st *stream) restoreModel(chunk []byte) (_ []byte, changed bool) {
 
 func (st *stream) responseBody(b *extprocv3.HttpBody) error {
 	if !st.resp.firstByte && len(b.GetBody()) > 0 && st.res != nil {
-		st.res.FirstByte()
+		st.s.picker.FirstByte(st.res)
 	}
 	st.resp.body(b.GetBody(), st.res != nil, &st.s.tails)
 	st.up.responseBody(len(b.GetBody()))
@@ -770,7 +770,7 @@ func (st *stream) violation(what string) error {
 // its reservation is detached, not released (picker/detach.go).
 func (st *stream) halfClosed() {
 	if st.res != nil && !st.resp.seen {
-		st.res.Detach()
+		st.s.picker.End(st.res, picker.Outcome{Detached: true})
 		st.res = nil
 	}
 }
@@ -780,15 +780,16 @@ func (st *stream) release() {
 		return
 	}
 	res := st.res
-	st.res = nil // released once: close runs release again
+	st.res = nil // ended once: close runs release again
+	var o picker.Outcome
 	if u, ok := st.resp.usage(); ok && u.hasCached {
 		// What the engine really had cached corrects the prefix index.
-		res.Delivered(u.promptTokens, u.cachedTokens)
+		o.PromptTokens, o.CachedTokens = u.promptTokens, u.cachedTokens
 	}
-	if out := st.resp.outputTokens(); out > 0 && st.resp.seen {
-		res.Completed(out)
+	if st.resp.seen {
+		o.CompletionTokens = st.resp.outputTokens()
 	}
-	res.Release()
+	st.s.picker.End(res, o)
 }
 
 // dropBody gives the body buffer back to the pool and its bytes back to the

@@ -45,11 +45,11 @@ func FuzzHeldStreamsLeaveNothingBehind(f *testing.F) {
 	fuzzStreams(f, fx, &offset, func(t *testing.T) func() {
 		// With the clock standing still, 3,000 tokens keep it saturated: a
 		// prompt of its own each time, which no earlier one left cached.
-		r, err := fx.picker.Pick(picker.Request{Model: "m", Prompt: []byte(letters(1000+inputs.Add(1), 12_000))})
+		r, err := fx.picker.Admit(context.Background(), picker.Request{Model: "m", Prompt: []byte(letters(1000+inputs.Add(1), 12_000))})
 		if err != nil {
 			t.Fatalf("saturating the endpoint: %v", err)
 		}
-		return r.Release
+		return func() { fx.picker.End(r, picker.Outcome{}) }
 	})
 }
 

@@ -42,7 +42,7 @@ func newUpstreamFixture(t *testing.T, maxModels int) *fixture {
 	reg := prometheus.NewPedanticRegistry()
 	frozen := time.Now()
 	p := picker.New(v1alpha1.Default(), picker.Options{Rand: rand.New(rand.NewPCG(1, 2)), Log: log, Registerer: reg,
-		Now: func() time.Time { return frozen }, PoolName: "pool-a"})
+		Clock: nowClock(func() time.Time { return frozen }), PoolName: "pool-a"})
 	p.Replace(endpoints(epA, epB, epC))
 	srv := extproc.NewServer(p, extproc.Options{
 		MaxRequestBytes:    v1alpha1.Default().MaxRequestBytes,

@@ -60,7 +60,7 @@ func TestScrapesSizeThePrefixIndexFromTheEngine(t *testing.T) {
 	s.Round(t.Context(), p.ScrapeTargets(nil))
 	cfg := v1alpha1.Default()
 	want := 1000 * 16 * cfg.CharsPerToken / cfg.BlockSizeChars
-	for _, st := range p.Stats() {
+	for _, st := range p.Snapshot().Endpoints {
 		if !st.Scraped || st.PrefixCapacityBlocks != want || st.EngineRunning != 0 {
 			t.Errorf("%s after a scrape: %+v, want scraped, capacity %d blocks", st.Endpoint.Address, st, want)
 		}
@@ -183,18 +183,18 @@ func TestAnEndpointWhoseScrapesFailLeavesTheCandidatesAndComesBack(t *testing.T)
 		s.Round(t.Context(), p.ScrapeTargets(nil))
 	}
 	for range 10 {
-		r, err := p.Pick(picker.Request{Model: "m"})
+		r, err := p.Admit(context.Background(), picker.Request{Model: "m"})
 		if err != nil {
 			t.Fatal(err)
 		}
 		if r.Endpoints()[0] == bad {
 			t.Fatal("picked the endpoint whose scrapes fail")
 		}
-		r.Release()
+		p.End(r, picker.Outcome{})
 	}
 	f.failing.Store(false)
 	s.Round(t.Context(), p.ScrapeTargets(nil))
-	if _, err := p.Pick(picker.Request{Model: "m", Subset: []netip.AddrPort{bad}, HasSubset: true}); err != nil {
+	if _, err := p.Admit(context.Background(), picker.Request{Model: "m", Subset: []netip.AddrPort{bad}, HasSubset: true}); err != nil {
 		t.Errorf("after a successful scrape the endpoint is still excluded: %v", err)
 	}
 }
@@ -219,10 +219,10 @@ func TestForeignRequestsOnTheEngineSteerPicks(t *testing.T) {
 	s := New(p, Options{})
 	waitFor(t, func() bool {
 		s.Round(ctx, p.ScrapeTargets(nil))
-		return p.Stats()[0].ForeignRequests == 4
+		return p.Snapshot().Endpoints[0].ForeignRequests == 4
 	})
 	for i := range 6 {
-		r, err := p.Pick(picker.Request{Model: server.DefaultModel, Prompt: fmt.Appendf(nil, "ours %d %0400d", i, 0)})
+		r, err := p.Admit(context.Background(), picker.Request{Model: server.DefaultModel, Prompt: fmt.Appendf(nil, "ours %d %0400d", i, 0)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -277,7 +277,7 @@ func TestScrapesReuseEachEndpointsConnection(t *testing.T) {
 	for range rounds {
 		s.Round(t.Context(), p.ScrapeTargets(nil))
 	}
-	for _, st := range p.Stats() {
+	for _, st := range p.Snapshot().Endpoints {
 		if !st.Scraped || st.Unhealthy {
 			t.Fatalf("%s not scraped: %+v", st.Endpoint.Address, st)
 		}
@@ -308,7 +308,7 @@ func TestAnEndpointWhoseMetricsWereNeverReadKeepsServing(t *testing.T) {
 	}
 	seen := map[netip.AddrPort]int{}
 	for i := range 30 {
-		r, err := p.Pick(picker.Request{Model: "m", Prompt: fmt.Appendf(nil, "request %d %0800d", i, 0)})
+		r, err := p.Admit(context.Background(), picker.Request{Model: "m", Prompt: fmt.Appendf(nil, "request %d %0800d", i, 0)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -370,7 +370,7 @@ func TestARoundReachesThePickerAtOnce(t *testing.T) {
 	var seenEarly atomic.Int32
 	slow, stop := serve(t, netip.AddrFrom4([4]byte{127, 0, 45, 8}), http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		time.Sleep(300 * time.Millisecond) // the fast ones have answered
-		for _, st := range p.Stats() {
+		for _, st := range p.Snapshot().Endpoints {
 			if st.Scraped {
 				seenEarly.Add(1)
 			}
@@ -400,7 +400,7 @@ func TestARoundReachesThePickerAtOnce(t *testing.T) {
 			t.Errorf("scrape of %v: age %v, want at least the slow scrape's 300ms", s.Address, s.Age)
 		}
 	}
-	for _, st := range p.Stats() {
+	for _, st := range p.Snapshot().Endpoints {
 		if st.Scraped != (st.Endpoint.Address != refused) {
 			t.Errorf("%s after the round: scraped %v", st.Endpoint.Pod, st.Scraped)
 		}
