@@ -11,12 +11,13 @@ import (
 )
 
 // usageTailBytes bounds what a stream keeps of its response body to read the
-// token usage from: the last 4 KiB, whatever the response's size.
-// OpenAI-compatible servers put `usage` at the end of a non-streamed body
-// (vLLM follows it with a few short fields) and in the last data event of a
-// stream, just before `data: [DONE]` (sent only when the client asked for
-// stream_options.include_usage). A response whose usage lies further from
-// its end goes uncounted rather than buffered.
+// token usage from. Of an event stream, it keeps the last 4 KiB, whatever
+// the response's size: OpenAI-compatible servers put `usage` in the last
+// data event, just before `data: [DONE]` (sent only when the client asked
+// for stream_options.include_usage); a stream whose usage lies further from
+// its end goes uncounted rather than buffered. Of a non-streamed JSON body,
+// whose usage may stand anywhere (vLLM writes it after the choices, other
+// servers before them), it keeps the usage object alone (usageScanner).
 const usageTailBytes = 4 << 10
 
 // usageTail is a ring holding the last usageTailBytes of a response body.
@@ -56,15 +57,19 @@ func (t *usageTail) bytes() []byte {
 }
 
 // response follows a stream's response for what the stream learns from it:
-// whether one came, its first byte, its SSE events, and the tail of its body
-// with the token usage read from it. It owns the tail: the metrics recorder
-// and the reservation's release both ask it for the usage, which it reads
-// once. Only the stream's goroutine touches it.
+// whether one came, its first byte, its SSE events, and the token usage,
+// read from the tail of an event stream or by scanning a JSON body. It owns
+// the tail and the scanner: the metrics recorder and the reservation's
+// release both ask it for the usage, which it reads once. Only the stream's
+// goroutine touches it.
 type response struct {
 	// seen: a response phase message came. A stream that ends before one
 	// does was cut at the pick by the gateway (see stream.halfClosed).
 	seen      bool
 	firstByte bool
+	// kind is what the body is, told by its first byte other than
+	// whitespace.
+	kind bodyKind
 	// events counts the response's SSE events ("data:" lines): its output
 	// tokens when its usage does not say.
 	events int
@@ -72,11 +77,35 @@ type response struct {
 	encoded bool
 	// ended: the response was seen to its end; nothing more is kept.
 	ended bool
-	tail  usageTail
-	// read: the usage was read from the tail; u and ok are what it said.
+	tail  usageTail    // of an event stream
+	scan  usageScanner // of a JSON body
+	// read: the usage was read; u and ok are what it said.
 	read bool
 	u    usage
 	ok   bool
+}
+
+type bodyKind uint8
+
+const (
+	bodyUnknown bodyKind = iota // no byte other than whitespace yet
+	bodyJSON                    // starts with '{': a non-streamed response
+	bodyEvents                  // anything else: an event stream ("data:", "event:", ":")
+)
+
+// kindOf tells a body's kind from its first chunk that holds more than
+// whitespace. The content-type is not asked: servers and gateways differ
+// in what they put there, never in how a JSON document or an event stream
+// begins.
+func kindOf(chunk []byte) bodyKind {
+	rest := bytes.TrimLeft(chunk, " \t\r\n")
+	switch {
+	case len(rest) == 0:
+		return bodyUnknown
+	case rest[0] == '{':
+		return bodyJSON
+	}
+	return bodyEvents
 }
 
 func (r *response) headers(h *corev3.HeaderMap) {
@@ -94,8 +123,17 @@ func (r *response) body(chunk []byte, keep bool, pool *sync.Pool) {
 		return
 	}
 	r.firstByte = true
+	if r.kind == bodyUnknown {
+		r.kind = kindOf(chunk)
+	}
+	if r.kind == bodyJSON {
+		if keep && !r.encoded && !r.ended && !r.read {
+			r.scan.write(chunk, pool)
+		}
+		return
+	}
 	r.events += bytes.Count(chunk, dataPrefix)
-	if !keep || r.encoded || r.ended || r.read {
+	if !keep || r.encoded || r.ended || r.read || r.kind == bodyUnknown {
 		return
 	}
 	if r.tail.buf == nil {
@@ -110,7 +148,12 @@ var dataPrefix = []byte("data:")
 // body: at its end, or, when the stream ended before the response did (a
 // client closing at "data: [DONE]"), from what came.
 func (r *response) usage() (usage, bool) {
-	if !r.read && r.tail.buf != nil {
+	switch {
+	case r.read:
+	case r.kind == bodyJSON:
+		r.read = true
+		r.u, r.ok = r.scan.u, r.scan.ok
+	case r.tail.buf != nil:
 		r.read = true
 		r.u, r.ok = parseUsage(r.tail.bytes())
 	}
@@ -126,12 +169,13 @@ func (r *response) outputTokens() int {
 	return max(r.events-1, 0)
 }
 
-// close gives the tail's buffer back to pool.
+// close gives the tail's or the scanner's buffer back to pool.
 func (r *response) close(pool *sync.Pool) {
 	if r.tail.buf != nil {
 		pool.Put(r.tail.buf)
 		r.tail.buf = nil
 	}
+	r.scan.close(pool)
 }
 
 // usage is a response's token counts.
@@ -197,14 +241,19 @@ func parseUsage(tail []byte) (usage, bool) {
 		if end < 0 || json.Unmarshal(rest[:end], &w) != nil {
 			return usage{}, false
 		}
-		u := usage{promptTokens: max(w.PromptTokens, w.InputTokens), completionTokens: max(w.CompletionTokens, w.OutputTokens)}
-		for _, d := range []*tokenDetails{w.PromptTokensDetails, w.InputTokensDetails} {
-			if d != nil {
-				u.cachedTokens, u.hasCached = max(u.cachedTokens, d.CachedTokens), true
-			}
-		}
-		return u, true
+		return w.usage(), true
 	}
+}
+
+// usage is what w says, whichever API's names it used.
+func (w *wireUsage) usage() usage {
+	u := usage{promptTokens: max(w.PromptTokens, w.InputTokens), completionTokens: max(w.CompletionTokens, w.OutputTokens)}
+	for _, d := range []*tokenDetails{w.PromptTokensDetails, w.InputTokensDetails} {
+		if d != nil {
+			u.cachedTokens, u.hasCached = max(u.cachedTokens, d.CachedTokens), true
+		}
+	}
+	return u
 }
 
 // objectEnd returns the length of the JSON object at the start of b (which

@@ -154,3 +154,193 @@ func TestResponseReadsItsUsageOnce(t *testing.T) {
 		t.Error("close kept the tail's buffer")
 	}
 }
+
+// scanUsage scans body in the given pieces, as a response's chunks.
+func scanUsage(pool *sync.Pool, pieces ...[]byte) (usage, bool, *usageScanner) {
+	var s usageScanner
+	for _, p := range pieces {
+		s.write(p, pool)
+	}
+	return s.u, s.ok, &s
+}
+
+func capturePool() *sync.Pool {
+	return &sync.Pool{New: func() any { return new([usageTailBytes]byte) }}
+}
+
+func TestUsageScannerReadsTheTopLevelUsage(t *testing.T) {
+	long := strings.Repeat(`word \"quoted\" {[}] \\ `, 300) // past usageTailBytes, brackets and escapes in a string
+	for _, c := range []struct {
+		name, body string
+		want       usage
+		ok         bool
+	}{
+		{"usage first", `{"id":"x","usage":{"prompt_tokens":1234,"completion_tokens":56,"prompt_tokens_details":{"cached_tokens":1024}},"choices":[{"text":"` + long + `"}]}`,
+			usage{promptTokens: 1234, completionTokens: 56, cachedTokens: 1024, hasCached: true}, true},
+		{"usage last, spaces", "{ \"choices\" : [ {\"text\": \"" + long + "\"} ] ,\n \"usage\" : { \"prompt_tokens\" : 7 , \"completion_tokens\" : 2 } , \"kv_transfer_params\" : null }",
+			usage{promptTokens: 7, completionTokens: 2}, true},
+		{"responses API", `{"object":"response","output":[],"usage":{"input_tokens":40,"input_tokens_details":{"cached_tokens":32},"output_tokens":9}}`,
+			usage{promptTokens: 40, completionTokens: 9, cachedTokens: 32, hasCached: true}, true},
+		{"nested usage is not the response's", `{"choices":[{"message":{"usage":{"prompt_tokens":1}}}],"data":{"usage":{"prompt_tokens":2}}}`, usage{}, false},
+		{"usage as text", `{"choices":[{"text":"\"usage\": {\"prompt_tokens\":1}"}],"note":"usage","usage":{"prompt_tokens":3}}`, usage{promptTokens: 3}, true},
+		{"usage null", `{"usage":null,"choices":[]}`, usage{}, false},
+		{"the last of two", `{"usage":{"prompt_tokens":1},"usage":{"prompt_tokens":2}}`, usage{promptTokens: 2}, true},
+		{"a later null", `{"usage":{"prompt_tokens":1},"usage":null}`, usage{}, false},
+		{"a key ending in usage", `{"xusage":{"prompt_tokens":1},"usagex":{"prompt_tokens":2},"usag":{"prompt_tokens":3}}`, usage{}, false},
+		{"not a number", `{"usage":{"prompt_tokens":"many"}}`, usage{}, false},
+		{"cut off", `{"usage":{"prompt_tokens":12,"comp`, usage{}, false},
+		{"too long to keep", `{"usage":{"prompt_tokens":5,"x":"` + long + `"}}`, usage{}, false},
+		{"an array", `[{"usage":{"prompt_tokens":1}}]`, usage{}, false},
+		{"JSON lines", "{\"a\":1}\n{\"usage\":{\"prompt_tokens\":4}}\n", usage{promptTokens: 4}, true},
+	} {
+		body := []byte(c.body)
+		for _, n := range []int{len(body), 4096, 7, 1} {
+			var pieces [][]byte
+			for b := body; len(b) > 0; b = b[min(n, len(b)):] {
+				pieces = append(pieces, b[:min(n, len(b))])
+			}
+			pool := capturePool()
+			got, ok, s := scanUsage(pool, pieces...)
+			if got != c.want || ok != c.ok {
+				t.Errorf("%s, in pieces of %d bytes: got %+v %v, want %+v %v", c.name, n, got, ok, c.want, c.ok)
+			}
+			if c.name != "cut off" && s.buf != nil {
+				t.Errorf("%s: the capture buffer is held after the usage object ended", c.name)
+			}
+			s.close(pool)
+		}
+	}
+}
+
+// topLevelUsage is what encoding/json reads as the usage of body, a valid
+// JSON document: the value of its top-level object's last key written
+// "usage" (an object; null or anything else is none), decoded as the
+// scanner decodes it. big: the value is larger than the scanner keeps.
+func topLevelUsage(t *testing.T, body []byte) (u usage, ok, big bool) {
+	dec := json.NewDecoder(bytes.NewReader(body))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		return usage{}, false, false
+	}
+	var last json.RawMessage
+	for dec.More() {
+		before := dec.InputOffset()
+		if _, err := dec.Token(); err != nil {
+			t.Fatalf("%q: reading a key: %v", body, err)
+		}
+		key := bytes.TrimLeft(body[before:dec.InputOffset()], " \t\r\n,")
+		var v json.RawMessage
+		if err := dec.Decode(&v); err != nil {
+			t.Fatalf("%q: reading a value: %v", body, err)
+		}
+		if string(key) == `"usage"` {
+			last = v
+		}
+	}
+	if len(last) == 0 || last[0] != '{' {
+		return usage{}, false, false
+	}
+	var w wireUsage
+	if err := json.Unmarshal(last, &w); err != nil {
+		return usage{}, false, len(last) > usageTailBytes
+	}
+	return w.usage(), true, len(last) > usageTailBytes
+}
+
+// The scanner reads what encoding/json reads, however the body is cut into
+// chunks; on a body that is not JSON it must only not fail or overrun.
+func FuzzUsageScannerReadsAsEncodingJSON(f *testing.F) {
+	for _, s := range []string{
+		`{"id":"x","usage":{"prompt_tokens":12,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":8}},"choices":[{"text":"a\"b\\"}]}`,
+		`{"choices":[{"message":{"usage":{"prompt_tokens":1}}}],"usage" : {"input_tokens":4,"input_tokens_details":null}}`,
+		`{"usage":{"prompt_tokens":1},"usage":null}`,
+		`{"usage":{"prompt_tokens":"}\"{","completion_tokens":[1,{"a":"]"}]}}`,
+		`{"us\u0061ge":{"prompt_tokens":1},"Usage":{"prompt_tokens":2}}`,
+		`{"usage":{"prompt_tokens":1.5}}`, `{"usage":{"prompt_tokens":1]}`, `[{"usage":{}}]`, ` {"usage":{}} `,
+	} {
+		f.Add([]byte(s), uint16(5), uint16(17))
+	}
+	f.Fuzz(func(t *testing.T, body []byte, cut1, cut2 uint16) {
+		a, b := int(cut1)%(len(body)+1), int(cut2)%(len(body)+1)
+		if a > b {
+			a, b = b, a
+		}
+		pool := capturePool()
+		gotU, gotOK, s := scanUsage(pool, body[:a], body[a:b], body[b:])
+		if s.n > usageTailBytes {
+			t.Fatalf("%q: kept %d bytes", body, s.n)
+		}
+		s.close(pool)
+		bytewise := make([][]byte, len(body))
+		for i := range body {
+			bytewise[i] = body[i : i+1]
+		}
+		if u, ok, _ := scanUsage(pool, bytewise...); u != gotU || ok != gotOK {
+			t.Fatalf("%q: cut at %d and %d: %+v %v; byte by byte: %+v %v", body, a, b, gotU, gotOK, u, ok)
+		}
+		if !json.Valid(body) {
+			return
+		}
+		wantU, wantOK, big := topLevelUsage(t, body)
+		if big {
+			if gotOK {
+				t.Fatalf("%q: read a usage larger than the bound: %+v", body, gotU)
+			}
+			return
+		}
+		if gotU != wantU || gotOK != wantOK {
+			t.Fatalf("%q: scanner %+v %v, encoding/json %+v %v", body, gotU, gotOK, wantU, wantOK)
+		}
+	})
+}
+
+// BenchmarkUsageScanPerChunk is the scanner's cost per 16 KiB chunk of a
+// non-streamed body: generated text (one long string, with the escapes of
+// code), or logprobs (all structure: brackets, keys and numbers), usage
+// last. "tail" is what writing the same chunks to an event stream's tail
+// costs, for comparison.
+func BenchmarkUsageScanPerChunk(b *testing.B) {
+	const chunkBytes = 16 << 10
+	final := `],"usage":{"prompt_tokens":7000,"completion_tokens":500,"total_tokens":7500,"prompt_tokens_details":{"cached_tokens":4096}}}`
+	text := []byte(`{"id":"chatcmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"`)
+	for len(text) < 256<<10 {
+		text = append(text, `    if err := f(\"x\"); err != nil {\n        return err\n    }\n`...)
+	}
+	text = append(append(text, `"}}`...), final...)
+	logprobs := []byte(`{"id":"chatcmpl-1","object":"chat.completion","choices":[{"index":0,"logprobs":{"content":[`)
+	for len(logprobs) < 256<<10 {
+		logprobs = append(logprobs, `{"token":" the","logprob":-0.0123,"bytes":[32,116,104,101],"top_logprobs":[{"token":" a","logprob":-4.5,"bytes":[32,97]}]},`...)
+	}
+	logprobs = append(append(logprobs, `{"token":".","logprob":0,"bytes":[46],"top_logprobs":[]}]}}`...), final...)
+	pool := capturePool()
+	for _, c := range []struct {
+		name string
+		body []byte
+	}{{"text", text}, {"logprobs", logprobs}} {
+		var chunks [][]byte
+		for rest := c.body; len(rest) > 0; rest = rest[min(chunkBytes, len(rest)):] {
+			chunks = append(chunks, rest[:min(chunkBytes, len(rest))])
+		}
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			b.SetBytes(int64(len(c.body)))
+			for b.Loop() {
+				if u, ok, _ := scanUsage(pool, chunks...); !ok || u.completionTokens != 500 {
+					b.Fatalf("usage %+v %v", u, ok)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(chunks)), "ns/chunk")
+		})
+		b.Run(c.name+"/tail", func(b *testing.B) {
+			buf := new([usageTailBytes]byte)
+			b.ReportAllocs()
+			b.SetBytes(int64(len(c.body)))
+			for b.Loop() {
+				t := usageTail{buf: buf}
+				for _, ch := range chunks {
+					t.write(ch)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(chunks)), "ns/chunk")
+		})
+	}
+}

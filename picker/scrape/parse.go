@@ -44,7 +44,7 @@ type names struct {
 	// loraInfo is an info gauge of the LoRA adapters in use: labels of
 	// the running and waiting requests' adapters (comma-separated) and
 	// the most adapters run at once; its value is the time it was set,
-	// and the latest series is read.
+	// and the latest series is read (loraSet).
 	loraInfo, loraRunningLabel, loraWaitingLabel, maxLoRALabel string
 	// modelLabel names the base model on the request gauges.
 	modelLabel string
@@ -104,10 +104,15 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		sum float64
 		n   int
 	}
-	seen, hasPrefill, hasPrompt := false, false, false
+	hasPrefill, hasPrompt := false, false
 	hasGenerated, hasFinished, hasDecode := false, false, false
-	var lora []byte // the labels of the latest lora_requests_info series
+	// loraTied holds the labels of the lora_requests_info series at the
+	// newest value (its time of setting): one, unless a change of adapters
+	// was set within the clock's resolution of the last.
+	var loraTiedBuf [4][]byte
+	loraTied := loraTiedBuf[:0]
 	loraAt := 0.0
+	seenRunning, seenWaiting := false, false
 	for len(body) > 0 {
 		line := body
 		if i := bytes.IndexByte(body, '\n'); i >= 0 {
@@ -133,9 +138,9 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		name := line[:end]
 		switch {
 		case string(name) == n.running:
-			which, found = &running, &seen
+			which, found = &running, &seenRunning
 		case string(name) == n.waiting:
-			which, found = &waiting, &seen
+			which, found = &waiting, &seenWaiting
 		case string(name) == n.prefillSeconds:
 			which, found = &st.PrefillSecondsTotal, &hasPrefill
 		case string(name) == n.promptTokens:
@@ -167,8 +172,12 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 				st.Model = labelString(labels, n.modelLabel)
 			}
 		case string(name) == n.loraInfo:
-			if lora == nil || value >= loraAt {
-				lora, loraAt = labels, value
+			switch {
+			case value != value: // NaN: no time, so no order
+			case len(loraTied) == 0 || value > loraAt:
+				loraTied, loraAt = append(loraTied[:0], labels), value
+			case value == loraAt:
+				loraTied = append(loraTied, labels)
 			}
 		case string(name) == n.cacheTokens:
 			st.CacheTokens += int(value)
@@ -186,12 +195,19 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 			}
 		}
 	}
+	seen := seenRunning || seenWaiting
 	st.Running, st.Waiting = int(running), int(waiting)
-	if lora != nil {
+	if len(loraTied) > 0 {
 		st.HasLoRA = true
-		st.RunningAdapters = splitNames(labelString(lora, n.loraRunningLabel))
-		st.WaitingAdapters = splitNames(labelString(lora, n.loraWaitingLabel))
-		st.MaxLoRAs, _ = labelInt(lora, n.maxLoRALabel)
+		lora := loraSet{running: -1, waiting: -1}
+		if seenRunning {
+			lora.running = st.Running
+		}
+		if seenWaiting {
+			lora.waiting = st.Waiting
+		}
+		lora.choose(loraTied, n)
+		st.RunningAdapters, st.WaitingAdapters, st.MaxLoRAs = lora.runningAdapters, lora.waitingAdapters, lora.max
 	}
 	st.HasPrefillTiming = hasPrefill && hasPrompt
 	if !st.HasPrefillTiming {
@@ -213,6 +229,77 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		st.HasKVCacheUsage = true
 	}
 	return st, seen
+}
+
+// loraSet is the adapter set read from vLLM's lora_requests_info. vLLM sets
+// the series of the current running and waiting adapters to the current
+// time on each stats update, so a new series appears each time the set
+// changes and the current one is the newest. Two series can share the
+// newest value: a clock read to whole seconds, or two changes within its
+// resolution. The upstream picker keeps the first of them (the datalayer
+// extractor) or passes over a series whose lists are both empty (the older
+// backend), so it reads an adapter as running after its last request has
+// ended; among ties this one reads the series that agrees with the
+// engine's request counts, set in the same stats update, and then the
+// fewest adapters: a phantom adapter makes an idle engine look full (with
+// max_lora 1, for every other adapter), a missed one costs only an
+// adapter's load time.
+type loraSet struct {
+	// running and waiting are the engine's running and waiting requests;
+	// -1 when it does not publish them.
+	running, waiting int
+
+	runningAdapters, waitingAdapters []string
+	max                              int
+}
+
+// choose reads the set from the labels of the series tied at the newest
+// value (at least one).
+func (l *loraSet) choose(tied [][]byte, n names) {
+	var best []byte
+	for i, labels := range tied {
+		r := splitNames(labelString(labels, n.loraRunningLabel))
+		w := splitNames(labelString(labels, n.loraWaitingLabel))
+		if i > 0 && !l.before(r, w, labels, best) {
+			continue
+		}
+		best, l.runningAdapters, l.waitingAdapters = labels, r, w
+	}
+	l.max, _ = labelInt(best, n.maxLoRALabel)
+	// An engine that runs nothing runs no adapter, whatever the newest
+	// series says: with several API server processes, vLLM's gauge sums
+	// the processes' times, so an old set that each process set can
+	// outweigh the newer one that only one did.
+	if l.running == 0 {
+		l.runningAdapters = nil
+	}
+	if l.waiting == 0 {
+		l.waitingAdapters = nil
+	}
+}
+
+// before reports whether the series of labels, with running r and
+// waiting w, is to be read rather than the one chosen so far (of labels
+// than, with l's lists): the one that agrees with the request counts, then
+// fewer running adapters, then fewer waiting ones, then the labels' bytes,
+// so that the order of the exposition does not matter.
+func (l *loraSet) before(r, w []string, labels, than []byte) bool {
+	if a, b := l.agrees(r, w), l.agrees(l.runningAdapters, l.waitingAdapters); a != b {
+		return a
+	}
+	if len(r) != len(l.runningAdapters) {
+		return len(r) < len(l.runningAdapters)
+	}
+	if len(w) != len(l.waitingAdapters) {
+		return len(w) < len(l.waitingAdapters)
+	}
+	return bytes.Compare(labels, than) < 0
+}
+
+// agrees reports whether lists of running and waiting adapters fit the
+// engine's request counts: each adapter listed is some request's.
+func (l *loraSet) agrees(r, w []string) bool {
+	return (l.running < 0 || len(r) <= l.running) && (l.waiting < 0 || len(w) <= l.waiting)
 }
 
 // splitSample splits `name{labels} value [timestamp]`.

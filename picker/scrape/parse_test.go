@@ -1,7 +1,9 @@
 package scrape
 
 import (
+	"fmt"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -165,5 +167,58 @@ vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B"} 1
 	st, _ = parse([]byte("vllm:num_requests_running 1\n"), engines[EngineVLLM])
 	if st.HasLoRA || st.Model != "" {
 		t.Errorf("without lora_requests_info or labels: %+v, want no LoRA and no model", st)
+	}
+}
+
+// vLLM sets a new lora_requests_info series to the current time each time
+// the adapter set changes (labels in the order it declares them); series
+// that share the newest value are read the same whatever their order: the
+// one that agrees with the engine's request counts, then the fewest
+// adapters.
+func TestParseLoRATiesAtTheNewestValue(t *testing.T) {
+	const (
+		help = "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge\n"
+		// Whole seconds, as prometheus_client writes 1745896800.0.
+		older = `vllm:lora_requests_info{max_lora="1",waiting_lora_adapters="",running_lora_adapters="sql-lora"} 1.7458967e+09` + "\n"
+		idle  = `vllm:lora_requests_info{max_lora="1",waiting_lora_adapters="",running_lora_adapters=""} 1.7458968e+09` + "\n"
+		sql   = `vllm:lora_requests_info{max_lora="1",waiting_lora_adapters="",running_lora_adapters="sql-lora"} 1.7458968e+09` + "\n"
+		both  = `vllm:lora_requests_info{max_lora="1",waiting_lora_adapters="",running_lora_adapters="sql-lora,chat-lora"} 1.7458968e+09` + "\n"
+		queue = `vllm:lora_requests_info{max_lora="1",waiting_lora_adapters="tool-lora",running_lora_adapters=""} 1.7458968e+09` + "\n"
+		nan   = `vllm:lora_requests_info{max_lora="1",waiting_lora_adapters="",running_lora_adapters="nan-lora"} NaN` + "\n"
+	)
+	counts := func(running, waiting int) string {
+		return fmt.Sprintf("vllm:num_requests_running{engine=\"0\",model_name=\"m\"} %d.0\nvllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} %d.0\n", running, waiting)
+	}
+	cases := []struct {
+		name             string
+		counts           string
+		tied             []string // also read in reverse order
+		running, waiting []string
+	}{
+		{"every request ended within the second", counts(0, 0), []string{older, sql, idle}, nil, nil},
+		{"one request running, adapter or base model", counts(1, 0), []string{sql, idle}, nil, nil},
+		{"two adapters need two requests", counts(1, 0), []string{both, sql}, []string{"sql-lora"}, nil},
+		{"two requests, the fewer adapters", counts(2, 0), []string{both, sql}, []string{"sql-lora"}, nil},
+		{"a waiting adapter needs a waiting request", counts(1, 0), []string{queue, sql}, []string{"sql-lora"}, nil},
+		{"a waiting request", counts(0, 1), []string{queue, sql}, nil, []string{"tool-lora"}},
+		{"NaN is no time", counts(1, 0), []string{nan, sql}, []string{"sql-lora"}, nil},
+		// With several API server processes vLLM sums the processes' times:
+		// an old set both processes set can come out newest.
+		{"a stale adapter series on an idle engine", counts(0, 0), []string{idle, strings.Replace(sql, "1.7458968e+09", "3.4917936e+09", 1)}, nil, nil},
+		{"no request counts published", "", []string{older, sql}, []string{"sql-lora"}, nil},
+	}
+	for _, c := range cases {
+		for _, reversed := range []bool{false, true} {
+			series := slices.Clone(c.tied)
+			if reversed {
+				slices.Reverse(series)
+			}
+			body := c.counts + help + strings.Join(series, "") + "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.0\n"
+			st, _ := parse([]byte(body), engines[EngineVLLM])
+			if !st.HasLoRA || st.MaxLoRAs != 1 || !slices.Equal(st.RunningAdapters, c.running) || !slices.Equal(st.WaitingAdapters, c.waiting) {
+				t.Errorf("%s (reversed %v): LoRA %v, max %d, running %q, waiting %q; want max 1, running %q, waiting %q",
+					c.name, reversed, st.HasLoRA, st.MaxLoRAs, st.RunningAdapters, st.WaitingAdapters, c.running, c.waiting)
+			}
+		}
 	}
 }
