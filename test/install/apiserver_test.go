@@ -30,6 +30,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -469,6 +470,8 @@ func downwardEnv(t *testing.T, d appsv1.Deployment, c corev1.Container) []string
 			env = append(env, e.Name+"="+d.Namespace)
 		case e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "metadata.name":
 			env = append(env, e.Name+"="+d.Name+"-0")
+		case e.ValueFrom.ResourceFieldRef != nil:
+			env = append(env, e.Name+"="+resourceFieldValue(t, d, e.ValueFrom.ResourceFieldRef))
 		default:
 			t.Fatalf("env %s: the test cannot resolve %+v", e.Name, e.ValueFrom)
 		}
@@ -585,4 +588,38 @@ func (b *syncBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()
+}
+
+// resourceFieldValue resolves a Downward API resourceFieldRef as the kubelet
+// does: the named container's request or limit, divided by the divisor
+// (default 1) and rounded up.
+func resourceFieldValue(t *testing.T, d appsv1.Deployment, ref *corev1.ResourceFieldSelector) string {
+	t.Helper()
+	var ctr *corev1.Container
+	for i := range d.Spec.Template.Spec.Containers {
+		if d.Spec.Template.Spec.Containers[i].Name == ref.ContainerName {
+			ctr = &d.Spec.Template.Spec.Containers[i]
+		}
+	}
+	if ctr == nil {
+		t.Fatalf("resourceFieldRef %+v names no container of the pod", ref)
+	}
+	kind, name, _ := strings.Cut(ref.Resource, ".")
+	var q resource.Quantity
+	var ok bool
+	switch kind {
+	case "limits":
+		q, ok = ctr.Resources.Limits[corev1.ResourceName(name)]
+	case "requests":
+		q, ok = ctr.Resources.Requests[corev1.ResourceName(name)]
+	}
+	if !ok {
+		// Unset limits give the node's allocatable: not what a chart means.
+		t.Fatalf("resourceFieldRef %s: container %s sets no %s", ref.Resource, ctr.Name, ref.Resource)
+	}
+	divisor := int64(1)
+	if !ref.Divisor.IsZero() {
+		divisor = ref.Divisor.Value()
+	}
+	return strconv.FormatInt((q.Value()+divisor-1)/divisor, 10)
 }
