@@ -499,8 +499,7 @@ type picker struct {
 func startPicker(t *testing.T, bin string, r rendered, user *envtest.AuthenticatedUser) *picker {
 	t.Helper()
 	d, c := pickerDeployment(t, r)
-	var cm corev1.ConfigMap
-	r.one(t, "ConfigMap", &cm)
+	cm, _ := configFileMap(t, r)
 	dir := t.TempDir()
 	kubeconfig, err := user.KubeConfig()
 	if err != nil {

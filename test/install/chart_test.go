@@ -44,10 +44,27 @@ func pickerDeployment(t *testing.T, r rendered) (appsv1.Deployment, corev1.Conta
 // the path the Deployment's --config-file names, as the picker would.
 func pickerConfig(t *testing.T, r rendered) v1alpha1.PickerConfig {
 	t.Helper()
+	_, c := pickerDeployment(t, r)
+	path := flagValue(t, c.Args, "--config-file")
+	cm, mount := configFileMap(t, r)
+	key := strings.TrimPrefix(path, mount.MountPath+"/")
+	data, ok := cm.Data[key]
+	if !ok {
+		t.Fatalf("ConfigMap %s has no key %q (the file --config-file names); keys: %v", cm.Name, key, cm.Data)
+	}
+	cfg, err := v1alpha1.Load([]byte(data))
+	if err != nil {
+		t.Fatalf("the picker would refuse the rendered configuration:\n%s\n%v", data, err)
+	}
+	return cfg
+}
+
+// configFileMap returns the rendered ConfigMap that holds the file the
+// picker's --config-file names, and the mount it is read through.
+func configFileMap(t *testing.T, r rendered) (corev1.ConfigMap, *corev1.VolumeMount) {
+	t.Helper()
 	d, c := pickerDeployment(t, r)
 	path := flagValue(t, c.Args, "--config-file")
-	var cm corev1.ConfigMap
-	r.one(t, "ConfigMap", &cm)
 	var mount *corev1.VolumeMount
 	for i := range c.VolumeMounts {
 		if strings.HasPrefix(path, c.VolumeMounts[i].MountPath+"/") {
@@ -63,19 +80,15 @@ func pickerConfig(t *testing.T, r rendered) v1alpha1.PickerConfig {
 			fromConfigMap = v.ConfigMap.Name
 		}
 	}
-	if fromConfigMap != cm.Name {
-		t.Fatalf("--config-file=%s is in volume %q of ConfigMap %q, want the rendered ConfigMap %q", path, mount.Name, fromConfigMap, cm.Name)
+	for _, o := range r.all("ConfigMap") {
+		if o.GetName() == fromConfigMap {
+			var cm corev1.ConfigMap
+			decodeStrict(t, o, &cm)
+			return cm, mount
+		}
 	}
-	key := strings.TrimPrefix(path, mount.MountPath+"/")
-	data, ok := cm.Data[key]
-	if !ok {
-		t.Fatalf("ConfigMap %s has no key %q (the file --config-file names); keys: %v", cm.Name, key, cm.Data)
-	}
-	cfg, err := v1alpha1.Load([]byte(data))
-	if err != nil {
-		t.Fatalf("the picker would refuse the rendered configuration:\n%s\n%v", data, err)
-	}
-	return cfg
+	t.Fatalf("--config-file=%s is in volume %q of ConfigMap %q, which the chart does not render", path, mount.Name, fromConfigMap)
+	return corev1.ConfigMap{}, nil
 }
 
 // flagValue returns the value of the --name=value argument; it fails the
