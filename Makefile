@@ -17,6 +17,10 @@ help: ## Show this help.
 build: ## Build every binary into bin/.
 	$(GO) build -o bin/ ./cmd/...
 
+.PHONY: chart-readme
+chart-readme: ## Regenerate the values table of charts/tally/README.md from values.yaml.
+	$(GO) run ./hack/chartdoc
+
 .PHONY: envtest-assets
 envtest-assets: ## Build (once) the kube-apiserver and etcd the tests run against.
 	@hack/envtest-assets.sh >/dev/null

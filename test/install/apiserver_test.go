@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -30,6 +31,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -84,6 +86,12 @@ httpRoute: {create: true, gateway: {name: inference-gateway}, requestTimeout: 30
 serviceMonitor: {create: true, labels: {release: prometheus}}
 podDisruptionBudget: {create: true}
 networkPolicy: {create: true, extProcFrom: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: gateways}}}]}
+grafanaDashboard: {create: true}
+prometheusRule: {create: true, labels: {release: prometheus}}
+picker:
+  env: [{name: GODEBUG, value: tlsrsakex=0}]
+  extraVolumes: [{name: epp-tls, secret: {secretName: llama-epp-tls}}]
+  extraVolumeMounts: [{name: epp-tls, mountPath: /etc/epp-tls, readOnly: true}]
 `)
 		c.createNamespace(t, ns)
 		c.applyAll(t, r.objects)
@@ -94,6 +102,11 @@ networkPolicy: {create: true, extProcFrom: [{namespaceSelector: {matchLabels: {k
 		user := c.serviceAccountUser(t, ns, sa)
 		p := startPicker(t, bin, r, user)
 		p.waitReady(t)
+		// GOMEMLIMIT is the default 2Gi limit, and the buffer budget half
+		// of it.
+		if out := p.output.String(); !regexp.MustCompile(`request buffering.*"maxBufferedRequestBytes"\W+1073741824.*half of GOMEMLIMIT`).MatchString(out) {
+			t.Errorf("the picker did not log a 1 GiB buffer budget from half of GOMEMLIMIT:\n%s", out)
+		}
 		// Metrics are served over HTTPS to the ServiceMonitor's identity only.
 		reader := metricsReader(t, r)
 		p.waitForEndpoint(t, "https", c.token(t, ns, reader), "127.0.0.2:8000")
@@ -132,6 +145,53 @@ networkPolicy: {create: true, extProcFrom: [{namespaceSelector: {matchLabels: {k
 				t.Errorf("%s can %s (error: %v), want Forbidden", sa, what, err)
 			}
 		}
+	})
+
+	t.Run("chart with provider istio, as OpenShift assigns users", func(t *testing.T) {
+		const ns = "tally-istio"
+		r := mustRender(t, ns, requiredValues, `
+provider: {name: istio, istio: {destinationRule: {trafficPolicy: {connectionPool: {http: {maxRequestsPerConnection: 256000}}}}}}
+picker: {podSecurityContext: {runAsUser: null, runAsGroup: null}}
+`)
+		c.createNamespace(t, ns)
+		c.applyAll(t, r.objects)
+		dr := only(t, r, "DestinationRule")
+		ri, err := c.resourceFor(dr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := ri.Get(t.Context(), dr.GetName(), metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if mode, _, _ := unstructured.NestedString(got.Object, "spec", "trafficPolicy", "tls", "mode"); mode != "SIMPLE" {
+			t.Errorf("the stored DestinationRule's tls mode = %q, want SIMPLE: %v", mode, got.Object["spec"])
+		}
+		d, err := c.kube.AppsV1().Deployments(ns).Get(t.Context(), "llama-epp", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if psc := d.Spec.Template.Spec.SecurityContext; psc == nil || psc.RunAsUser != nil || psc.RunAsNonRoot == nil || !*psc.RunAsNonRoot {
+			t.Errorf("the stored pod securityContext %+v: want runAsNonRoot without runAsUser", psc)
+		}
+	})
+
+	t.Run("chart with provider gke: what applies without GKE's CRDs", func(t *testing.T) {
+		const ns = "tally-gke"
+		r := mustRender(t, ns, requiredValues, `{provider: {name: gke}, serviceMonitor: {create: true}}`)
+		c.createNamespace(t, ns)
+		var kube []*unstructured.Unstructured
+		for _, o := range r.objects {
+			// GKE's own kinds are compared with the upstream chart's
+			// render instead (TestChartProviderGKE).
+			if !strings.HasSuffix(o.GroupVersionKind().Group, ".googleapis.com") && !strings.HasSuffix(o.GroupVersionKind().Group, ".gke.io") {
+				kube = append(kube, o)
+			}
+		}
+		if len(kube) == len(r.objects) {
+			t.Fatalf("no GKE object among %v", r.kinds())
+		}
+		c.applyAll(t, kube)
 	})
 
 	t.Run("ext_proc certificate reloaded from --cert-path", func(t *testing.T) {
@@ -241,6 +301,8 @@ func startCluster(t *testing.T, root string) *cluster {
 	env, cfg, err := testenv.Start(
 		filepath.Join(gatewayAPI, "config", "crd", "standard"),
 		filepath.Join(root, "test", "install", "testdata", "monitoring.coreos.com_servicemonitors.yaml"),
+		filepath.Join(root, "test", "install", "testdata", "monitoring.coreos.com_prometheusrules.yaml"),
+		istioCRD(t, root, "destinationrules.networking.istio.io"),
 	)
 	if err != nil {
 		t.Fatalf("starting the API server: %v", err)
@@ -258,6 +320,49 @@ func startCluster(t *testing.T, root string) *cluster {
 		dyn:    dynamic.NewForConfigOrDie(cfg),
 		mapper: restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(kube.Discovery())),
 	}
+}
+
+// istioModule holds Istio's CRDs (kubernetes/customresourcedefinitions.gen.yaml).
+const istioModule = "istio.io/api@v1.32.0"
+
+// istioCRD writes the CRD called name, taken from Istio's CRD file, to a
+// file of its own, so that the API server serves that kind and no other of
+// Istio's.
+func istioCRD(t *testing.T, root, name string) string {
+	t.Helper()
+	cmd := exec.Command("go", "mod", "download", "-json", istioModule)
+	cmd.Dir = root
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("go mod download %s: %v", istioModule, err)
+	}
+	var mod struct{ Dir string }
+	if err := json.Unmarshal(out, &mod); err != nil || mod.Dir == "" {
+		t.Fatalf("go mod download %s printed %s: %v", istioModule, out, err)
+	}
+	data, err := os.ReadFile(filepath.Join(mod.Dir, "kubernetes", "customresourcedefinitions.gen.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	crds, err := decodeManifests(string(data))
+	if err != nil {
+		t.Fatalf("Istio's CRDs: %v", err)
+	}
+	for _, crd := range crds {
+		if crd.GetName() == name {
+			b, err := json.Marshal(crd.Object)
+			if err != nil {
+				t.Fatal(err)
+			}
+			path := filepath.Join(t.TempDir(), name+".json")
+			if err := os.WriteFile(path, b, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			return path
+		}
+	}
+	t.Fatalf("%s has no CRD %s", istioModule, name)
+	return ""
 }
 
 // moduleDir returns the directory of a module go.mod requires.
@@ -394,8 +499,7 @@ type picker struct {
 func startPicker(t *testing.T, bin string, r rendered, user *envtest.AuthenticatedUser) *picker {
 	t.Helper()
 	d, c := pickerDeployment(t, r)
-	var cm corev1.ConfigMap
-	r.one(t, "ConfigMap", &cm)
+	cm, _ := configFileMap(t, r)
 	dir := t.TempDir()
 	kubeconfig, err := user.KubeConfig()
 	if err != nil {
@@ -469,6 +573,8 @@ func downwardEnv(t *testing.T, d appsv1.Deployment, c corev1.Container) []string
 			env = append(env, e.Name+"="+d.Namespace)
 		case e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "metadata.name":
 			env = append(env, e.Name+"="+d.Name+"-0")
+		case e.ValueFrom.ResourceFieldRef != nil:
+			env = append(env, e.Name+"="+resourceFieldValue(t, d, e.ValueFrom.ResourceFieldRef))
 		default:
 			t.Fatalf("env %s: the test cannot resolve %+v", e.Name, e.ValueFrom)
 		}
@@ -585,4 +691,38 @@ func (b *syncBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()
+}
+
+// resourceFieldValue resolves a Downward API resourceFieldRef as the kubelet
+// does: the named container's request or limit, divided by the divisor
+// (default 1) and rounded up.
+func resourceFieldValue(t *testing.T, d appsv1.Deployment, ref *corev1.ResourceFieldSelector) string {
+	t.Helper()
+	var ctr *corev1.Container
+	for i := range d.Spec.Template.Spec.Containers {
+		if d.Spec.Template.Spec.Containers[i].Name == ref.ContainerName {
+			ctr = &d.Spec.Template.Spec.Containers[i]
+		}
+	}
+	if ctr == nil {
+		t.Fatalf("resourceFieldRef %+v names no container of the pod", ref)
+	}
+	kind, name, _ := strings.Cut(ref.Resource, ".")
+	var q resource.Quantity
+	var ok bool
+	switch kind {
+	case "limits":
+		q, ok = ctr.Resources.Limits[corev1.ResourceName(name)]
+	case "requests":
+		q, ok = ctr.Resources.Requests[corev1.ResourceName(name)]
+	}
+	if !ok {
+		// Unset limits give the node's allocatable: not what a chart means.
+		t.Fatalf("resourceFieldRef %s: container %s sets no %s", ref.Resource, ctr.Name, ref.Resource)
+	}
+	divisor := int64(1)
+	if !ref.Divisor.IsZero() {
+		divisor = ref.Divisor.Value()
+	}
+	return strconv.FormatInt((q.Value()+divisor-1)/divisor, 10)
 }

@@ -44,10 +44,27 @@ func pickerDeployment(t *testing.T, r rendered) (appsv1.Deployment, corev1.Conta
 // the path the Deployment's --config-file names, as the picker would.
 func pickerConfig(t *testing.T, r rendered) v1alpha1.PickerConfig {
 	t.Helper()
+	_, c := pickerDeployment(t, r)
+	path := flagValue(t, c.Args, "--config-file")
+	cm, mount := configFileMap(t, r)
+	key := strings.TrimPrefix(path, mount.MountPath+"/")
+	data, ok := cm.Data[key]
+	if !ok {
+		t.Fatalf("ConfigMap %s has no key %q (the file --config-file names); keys: %v", cm.Name, key, cm.Data)
+	}
+	cfg, err := v1alpha1.Load([]byte(data))
+	if err != nil {
+		t.Fatalf("the picker would refuse the rendered configuration:\n%s\n%v", data, err)
+	}
+	return cfg
+}
+
+// configFileMap returns the rendered ConfigMap that holds the file the
+// picker's --config-file names, and the mount it is read through.
+func configFileMap(t *testing.T, r rendered) (corev1.ConfigMap, *corev1.VolumeMount) {
+	t.Helper()
 	d, c := pickerDeployment(t, r)
 	path := flagValue(t, c.Args, "--config-file")
-	var cm corev1.ConfigMap
-	r.one(t, "ConfigMap", &cm)
 	var mount *corev1.VolumeMount
 	for i := range c.VolumeMounts {
 		if strings.HasPrefix(path, c.VolumeMounts[i].MountPath+"/") {
@@ -63,19 +80,15 @@ func pickerConfig(t *testing.T, r rendered) v1alpha1.PickerConfig {
 			fromConfigMap = v.ConfigMap.Name
 		}
 	}
-	if fromConfigMap != cm.Name {
-		t.Fatalf("--config-file=%s is in volume %q of ConfigMap %q, want the rendered ConfigMap %q", path, mount.Name, fromConfigMap, cm.Name)
+	for _, o := range r.all("ConfigMap") {
+		if o.GetName() == fromConfigMap {
+			var cm corev1.ConfigMap
+			decodeStrict(t, o, &cm)
+			return cm, mount
+		}
 	}
-	key := strings.TrimPrefix(path, mount.MountPath+"/")
-	data, ok := cm.Data[key]
-	if !ok {
-		t.Fatalf("ConfigMap %s has no key %q (the file --config-file names); keys: %v", cm.Name, key, cm.Data)
-	}
-	cfg, err := v1alpha1.Load([]byte(data))
-	if err != nil {
-		t.Fatalf("the picker would refuse the rendered configuration:\n%s\n%v", data, err)
-	}
-	return cfg
+	t.Fatalf("--config-file=%s is in volume %q of ConfigMap %q, which the chart does not render", path, mount.Name, fromConfigMap)
+	return corev1.ConfigMap{}, nil
 }
 
 // flagValue returns the value of the --name=value argument; it fails the
@@ -618,6 +631,13 @@ func TestChartRejectsBadValues(t *testing.T) {
 		{"termination grace below the drain", []string{requiredValues, "picker: {terminationGracePeriodSeconds: 30}"}, []string{"picker.terminationGracePeriodSeconds (30) must be above", "(605)"}},
 		{"lease not above the renew deadline", []string{requiredValues, "picker: {leaderElection: {leaseDurationSeconds: 10}}"}, []string{"picker.leaderElection.leaseDurationSeconds (10) must be more than renewDeadlineSeconds (10)"}},
 		{"renew deadline within a retry", []string{requiredValues, "picker: {leaderElection: {renewDeadlineSeconds: 2}}"}, []string{"renewDeadlineSeconds (2) must be more than 1.2 times retryPeriodSeconds (2)"}},
+		{"unknown provider", []string{requiredValues, "provider: {name: nginx}"}, []string{"/provider/name", "none", "istio", "gke"}},
+		{"GKE with an HTTPRoute timeout", []string{requiredValues, "{provider: {name: gke}, httpRoute: {create: true, gateway: {name: gw}, requestTimeout: 300s}}"}, []string{"httpRoute.requestTimeout (300s) must be empty with provider.name gke", "provider.gke.timeoutSeconds"}},
+		{"GKE without target ports", []string{"inferencePool: {name: llama, create: false}", "provider: {name: gke}"}, []string{"inferencePool.targetPorts is required with provider.name gke"}},
+		{"env the chart sets", []string{requiredValues, "picker: {env: [{name: GOMEMLIMIT, value: 1GiB}]}"}, []string{"picker.env sets GOMEMLIMIT, which the chart sets itself"}},
+		{"env without a name", []string{requiredValues, "picker: {env: [{value: x}]}"}, []string{"/picker/env/0", "name"}},
+		{"volume named as the chart's", []string{requiredValues, "picker: {extraVolumes: [{name: tmp, emptyDir: {}}]}"}, []string{`picker.extraVolumes names a volume "tmp"`}},
+		{"mount without a path", []string{requiredValues, "picker: {extraVolumeMounts: [{name: x}]}"}, []string{"/picker/extraVolumeMounts/0", "mountPath"}},
 		{"budget without a bound", []string{requiredValues, `podDisruptionBudget: {create: true, maxUnavailable: ""}`}, []string{"set minAvailable or maxUnavailable"}},
 	}
 	for _, tc := range cases {
@@ -643,10 +663,21 @@ picker: {replicas: 2}
 httpRoute: {create: true, gateway: {name: inference-gateway}}
 serviceMonitor: {create: true}
 podDisruptionBudget: {create: true}
+grafanaDashboard: {create: true}
+prometheusRule: {create: true}
 `
 	for name, vals := range map[string]map[string]any{
 		"required values": values(t, requiredValues),
 		"all resources":   values(t, requiredValues, allOn),
+		"istio":           values(t, requiredValues, allOn, `provider: {name: istio}`),
+		"gke":             values(t, requiredValues, allOn, `{provider: {name: gke}, httpRoute: {requestTimeout: ""}}`),
+		"pod options": values(t, requiredValues, `
+picker:
+  env: [{name: GODEBUG, value: tlsrsakex=0}]
+  extraVolumes: [{name: epp-tls, secret: {secretName: llama-epp-tls}}]
+  extraVolumeMounts: [{name: epp-tls, mountPath: /etc/epp-tls, readOnly: true}]
+  podSecurityContext: {runAsUser: null, runAsGroup: null}
+`),
 	} {
 		t.Run(name, func(t *testing.T) {
 			linter := lint.All(chartDir(t), vals, testNamespace, true)

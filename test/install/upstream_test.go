@@ -31,6 +31,7 @@ import (
 	"helm.sh/helm/v3/pkg/chart/loader"
 	"helm.sh/helm/v3/pkg/chartutil"
 	"helm.sh/helm/v3/pkg/engine"
+	"helm.sh/helm/v3/pkg/releaseutil"
 	appsv1 "k8s.io/api/apps/v1"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -80,6 +81,24 @@ func upstreamChart(t *testing.T, root string) *chart.Chart {
 // would, namespaced objects without a namespace getting the release's.
 func renderUpstream(t *testing.T, c *cluster, ch *chart.Chart, release, ns string, docs ...string) rendered {
 	t.Helper()
+	r := renderUpstreamObjects(t, ch, release, ns, docs...)
+	for _, o := range r.objects {
+		gvk := o.GroupVersionKind()
+		m, err := c.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+		if err != nil {
+			t.Fatalf("the upstream chart renders %s, which this API server does not serve: %v", gvk, err)
+		}
+		if m.Scope.Name() == meta.RESTScopeNameNamespace && o.GetNamespace() == "" {
+			o.SetNamespace(ns)
+		}
+	}
+	return r
+}
+
+// renderUpstreamObjects renders the upstream chart as `helm template` would,
+// leaving namespaces as the templates write them.
+func renderUpstreamObjects(t *testing.T, ch *chart.Chart, release, ns string, docs ...string) rendered {
+	t.Helper()
 	vals := values(t, docs...)
 	if err := chartutil.ProcessDependenciesWithMerge(ch, vals); err != nil {
 		t.Fatalf("processing the upstream chart's dependencies: %v", err)
@@ -103,20 +122,20 @@ func renderUpstream(t *testing.T, c *cluster, ch *chart.Chart, release, ns strin
 		if base := filepath.Base(name); base == "NOTES.txt" || strings.HasPrefix(base, "_") || !strings.HasSuffix(base, ".yaml") {
 			continue
 		}
-		objs, err := decodeManifests(files[name])
-		if err != nil {
-			t.Fatalf("%s: %v", name, err)
+		// Split as Helm does: its templates may leave a separator glued to
+		// the next document ("---apiVersion: v1"), which Helm accepts.
+		docs := releaseutil.SplitManifests(files[name])
+		keys := make([]string, 0, len(docs))
+		for k := range docs {
+			keys = append(keys, k)
 		}
-		r.objects = append(r.objects, objs...)
-	}
-	for _, o := range r.objects {
-		gvk := o.GroupVersionKind()
-		m, err := c.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
-		if err != nil {
-			t.Fatalf("the upstream chart renders %s, which this API server does not serve: %v", gvk, err)
-		}
-		if m.Scope.Name() == meta.RESTScopeNameNamespace && o.GetNamespace() == "" {
-			o.SetNamespace(ns)
+		sort.Sort(releaseutil.BySplitManifestsOrder(keys))
+		for _, k := range keys {
+			objs, err := decodeManifests(docs[k])
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			r.objects = append(r.objects, objs...)
 		}
 	}
 	return r
@@ -533,6 +552,8 @@ func containerEnv(t *testing.T, d appsv1.Deployment, c corev1.Container) []strin
 			default:
 				t.Fatalf("env %s: the test cannot resolve field %s", e.Name, e.ValueFrom.FieldRef.FieldPath)
 			}
+		case e.ValueFrom.ResourceFieldRef != nil:
+			v = resourceFieldValue(t, d, e.ValueFrom.ResourceFieldRef)
 		default:
 			t.Fatalf("env %s: the test cannot resolve %+v", e.Name, e.ValueFrom)
 		}

@@ -104,6 +104,28 @@ Rendered (to nothing) by every template that needs them.
 {{- fail (printf "picker.leaderElection.renewDeadlineSeconds (%d) must be more than 1.2 times retryPeriodSeconds (%d)" (int .renewDeadlineSeconds) (int .retryPeriodSeconds)) -}}
 {{- end -}}
 {{- end -}}
+{{- if eq .Values.provider.name "gke" -}}
+{{- if .Values.httpRoute.requestTimeout -}}
+{{- fail (printf "httpRoute.requestTimeout (%s) must be empty with provider.name gke: GKE's gateway does not take HTTPRoute timeouts; set provider.gke.timeoutSeconds (the GCPBackendPolicy's timeoutSec) instead" .Values.httpRoute.requestTimeout) -}}
+{{- end -}}
+{{- if not .Values.inferencePool.targetPorts -}}
+{{- fail "inferencePool.targetPorts is required with provider.name gke: the HealthCheckPolicy checks the model servers on the first one" -}}
+{{- end -}}
+{{- end -}}
+{{- $ownEnv := list "NAMESPACE" "POD_NAME" -}}
+{{- if dig "limits" "memory" "" .Values.picker.resources -}}
+{{- $ownEnv = append $ownEnv "GOMEMLIMIT" -}}
+{{- end -}}
+{{- range .Values.picker.env -}}
+{{- if has .name $ownEnv -}}
+{{- fail (printf "picker.env sets %s, which the chart sets itself (%s)" .name (join ", " $ownEnv)) -}}
+{{- end -}}
+{{- end -}}
+{{- range .Values.picker.extraVolumes -}}
+{{- if has .name (list "config" "tmp") -}}
+{{- fail (printf "picker.extraVolumes names a volume %q, a name the chart uses itself (config, tmp)" .name) -}}
+{{- end -}}
+{{- end -}}
 {{- if and .Values.podDisruptionBudget.create (eq (toString .Values.podDisruptionBudget.minAvailable) "") (eq (toString .Values.podDisruptionBudget.maxUnavailable) "") -}}
 {{- fail "podDisruptionBudget: set minAvailable or maxUnavailable when podDisruptionBudget.create is true" -}}
 {{- end -}}
