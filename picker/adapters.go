@@ -164,22 +164,13 @@ func (c *row) activeAdapters() int {
 // an endpoint with room for an adapter may take a request to while the
 // full and starving endpoints are kept out. It is above the affinity's 2,
 // so a burst that fills the adapter's endpoints spreads to open ones
-// before full ones. In the routing simulator (4 engines, where 4 never
-// gives way), 3 cut the TTFT tail at every load; 2.5 gave way too soon on
-// a loaded pool and swapped adapters more.
+// before full ones (docs/design.md, "LoRA adapters").
 const openSlack = 3
 
 // recruitShare is how far an adapter's share of the pool's requests in
 // flight (the request included) must exceed its active endpoints' share
-// of the endpoints for it to be short of endpoints. The full endpoints
-// were kept out while any endpoint with room, its active ones included,
-// was within openSlack shares, which on 4 endpoints let one of them hold
-// three quarters of the pool's queue: on a pool at 100% load the hottest
-// adapter (40% of the requests) queued on the one endpoint it ran on
-// while endpoints full of colder adapters drained theirs. In the routing
-// simulator (seeds 1 to 80 at 35, 50, 70 and 100% load) 1.25 took the
-// TTFT p99 from 0.729, 0.729, 0.644 and 0.922 times the better
-// baseline's to 0.725, 0.724, 0.627 and 0.893, with swaps within 2%.
+// of the endpoints for it to be short of endpoints: then the full
+// endpoints may take it too, and the cost decides (docs/design.md).
 const recruitShare = 1.25
 
 // Why adapterCost takes a candidate out (candidate.loraOut).
@@ -191,12 +182,9 @@ const (
 )
 
 // maxLoadCharges bounds how many times an adapter's load is charged on an
-// endpoint (once for the request, once for each request in flight there).
-// An engine decoding hundreds of long responses would otherwise keep an
-// adapter off it until its holders' queues were minutes longer: the
-// decoding requests' wait is an extra step, not their first token. In the
-// routing simulator, where engines seldom hold more, 16 and no bound gave
-// the same runs at 35 to 70% load, and 0.928 against 0.924 at 100%.
+// endpoint (once for the request, once for each request in flight there):
+// the decoding requests' wait is one extra step, not their first token
+// (docs/design.md).
 const maxLoadCharges = 16
 
 // adapterCost adds what model's adapter costs on each candidate and

@@ -9,14 +9,15 @@ import (
 // The engine's own view of an endpoint, as its /metrics report it, corrects
 // the ledger for what the ledger cannot see; it never gates a pick. A
 // scraper (package picker/scrape) reads each endpoint's metrics on an
-// interval and hands the picker a few integers per scrape, under the lock.
+// interval and hands the picker each round at once (ObserveScrapes: counts,
+// cumulative counters, model, adapters), under one hold of the lock.
 //
 //   - Foreign load: requests the engine runs or queues beyond the ledger's
 //     in-flight count for it came from elsewhere (another gateway, another
 //     picker replica, a batch job calling the Service, or everything before
 //     this picker started). Each counts in the endpoint's cost as one
-//     prompt's prefill: the engine's queued prompt tokens per waiting
-//     request where it publishes them, else the mean prompt placed here.
+//     prompt's prefill, the mean prompt placed here (no engine the scraper
+//     reads publishes its queued prompt tokens).
 //     The correction fades once scrapes stop coming.
 //   - Prefix capacity: the engine's KV cache size, in tokens, sizes the
 //     endpoint's prefix index (the configured lruCapacityBlocks is the
@@ -300,25 +301,9 @@ func (l *ledger) observeEngine(addr netip.AddrPort, s EngineStats, now, sent int
 	// Fewer requests than the ledger holds, less those placed later than
 	// detachArrival before the scrape was sent (they may not have reached
 	// the engine when it was read): some detached ones ended before the
-	// model says. (Judged by the round's arrival instead, a round held up
-	// by one slow engine took the others' requests placed meanwhile for
-	// ended ones.) Only as many
-	// as two scrapes in a row say are ended: when the pods end a burst's
-	// requests between two of one round's scrapes, the pod scraped after
-	// them would otherwise draw the next burst until the next round told
-	// the others' (through NGINX Gateway Fabric's exchange, scraped every
-	// 10 ms: 3 of 10 bursts after a burst within one of even, 31 / 64 / 33
-	// at worst). Compared with the ledger's fewest requests since the last
-	// scrape instead, a burst's requests placed since then (which the
-	// engine counted and that minimum did not) hid as many old ones that
-	// had ended, so each pod's old ones ended in pieces as its picks came
-	// (scraped every 50 ms: 30 / 47 / 51). Requests that reach the engine
-	// later than the scrape interval plus detachArrival after their pick
-	// (a gateway slower than that to send them on) may be taken for ended.
-	// (Holding off while the engine's count rose since its last scrape
-	// kept a late burst's, but cost staggered traffic its corrections:
-	// the busiest pod 1.20 to 1.23 times the even share, against 1.08 to
-	// 1.14.)
+	// model says. Only as many as two scrapes in a row say are ended, so
+	// one round's scrapes on either side of a burst's end do not draw the
+	// next burst to the pod scraped last (docs/design.md, "Engine scrapes").
 	young := e.recent.since(sent - int64(detachArrival))
 	finished := max(w.inFlight-young-(s.Running+s.Waiting), 0)
 	if n := min(finished, e.finished); n > 0 && w.detached > 0 {

@@ -235,8 +235,8 @@ func (p *Picker) Collect(ch chan<- prometheus.Metric) {
 // engine's own waiting count, as upstream, for an endpoint whose last scrape
 // succeeded; otherwise (never scraped, or failing its scrapes) what the
 // ledger holds: in flight and not yet decoding. Running requests come from
-// scrapes only. The engines' KV-cache use is not scraped, so its average is
-// not sent at all (docs/metrics.md).
+// scrapes only, and the KV-cache use is averaged over the endpoints whose
+// last successful scrape published it (not sent when none did).
 func (m *metrics) collectPool(ch chan<- prometheus.Metric, eps []EndpointStats) {
 	ch <- prometheus.MustNewConstMetric(m.poolReadyPods, prometheus.GaugeValue, float64(len(eps)), m.poolName)
 	if len(eps) == 0 {

@@ -16,9 +16,10 @@ import (
 // window, and dropped after that; a dropped row holds no reservations.
 //
 // A row's counters are the sums over the unreleased reservations that point
-// at it, so they never go negative: hold and drop are the only places that
-// change them, besides endPrefill, which moves a reservation from prefill to
-// decoding.
+// at it, so they never go negative: hold and drop change inFlight, prefill,
+// decoding and adapterRefs; endPrefill moves a reservation from prefill to
+// decoding; the ledger's detach and unlinkDetached change detached and its
+// list.
 type row struct {
 	// The fields every pick reads for every candidate come first, to share
 	// as few cache lines as they can: a pick over 128 endpoints reads
@@ -89,10 +90,8 @@ func key(a netip.AddrPort) netip.AddrPort {
 	return netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
 }
 
-// utilizationWindow is the memory of a row's utilization. A burst on an
-// idle pool is placed from none; after about 8 s of unbroken backlog a
-// pool's weight reaches maxWorkWeight (ρ = 1/3), and from a full minute of
-// it, idle time brings the weight back within 1% of 1 in about 90 s.
+// utilizationWindow is the memory of a row's utilization: a burst on an
+// idle pool is placed from none (docs/design.md).
 const utilizationWindow = 20 * time.Second
 
 // advance moves the drain model to now: the queue has drained at rate since

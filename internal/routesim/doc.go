@@ -17,7 +17,7 @@
 // (running and waiting requests, KV-cache usage); Tally the prompt text,
 // each response's first bytes (at the first token when the client streams,
 // at the end otherwise), its usage (cached tokens) before the release, and
-// every engine's scrape every 250 ms (picker.ObserveEngine: running,
+// every engine's scrape every 250 ms (picker.ObserveScrapes: running,
 // waiting, cache size), through which requests that bypass it appear as
 // foreign load. Not modelled: the network and the gateway (no latency, no
 // failures), and scrapes take no time.

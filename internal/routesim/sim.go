@@ -89,7 +89,7 @@ const (
 	// engines' gauges (the upstream picker's default refresh).
 	scrapeInterval = 50 * time.Millisecond
 	// observeInterval is how often Tally's picker is given each engine's
-	// scrape (picker.ObserveEngine), as the scraper does by default.
+	// scrape (picker.ObserveScrapes), as the scraper does by default.
 	observeInterval = 250 * time.Millisecond
 )
 

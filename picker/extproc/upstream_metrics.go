@@ -21,8 +21,8 @@ const (
 	DefaultMaxModelNameLabels = 1000
 	// otherModelLabel is the model_name of every model past the cap.
 	otherModelLabel = "other"
-	// defaultPriority is the priority label: Tally reads no
-	// InferenceObjective, and the upstream picker's default priority is 0.
+	// defaultPriority is the priority label of a request that names no
+	// known InferenceObjective: 0, as the upstream picker's.
 	defaultPriority = "0"
 )
 

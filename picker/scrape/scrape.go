@@ -4,7 +4,7 @@
 //
 // The invariant not to break: a pick never waits for a scrape. Scrapes run
 // on their own goroutines with a timeout and a bound on how many run at
-// once; each result enters the picker as a few integers under its lock.
+// once; each round enters the picker at once, under one hold of its lock.
 package scrape
 
 import (
