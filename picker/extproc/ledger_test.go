@@ -138,8 +138,8 @@ func TestLedgerReturnsToZero(t *testing.T) {
 	if got := f.counter(t, "tally_picks_total", map[string]string{"result": "ok"}); got != float64(wantRouted) {
 		t.Errorf("the picker's tally_picks_total{result=ok} = %v, want %d", got, wantRouted)
 	}
-	if got := f.counter(t, "tally_upstream_errors_total", nil); got != requests*5/100 {
-		t.Errorf("tally_upstream_errors_total = %v, want %d", got, requests*5/100)
+	if got := f.counter(t, "tally_model_server_errors_total", nil); got != requests*5/100 {
+		t.Errorf("tally_model_server_errors_total = %v, want %d", got, requests*5/100)
 	}
 }
 

@@ -5,7 +5,7 @@
 //
 // The invariant not to break: every reservation a stream obtains, and every
 // byte it charges to the server's buffer budget, is given back by that
-// stream, whatever way the stream ends (response end, upstream error, client
+// stream, whatever way the stream ends (response end, model server error, client
 // disconnect, stream reset, protocol violation, panic). Process gives them
 // back in a deferred call, so a new exit path cannot leak them; the picker
 // makes repeated releases harmless, never the other way round.
@@ -324,7 +324,7 @@ type metrics struct {
 	protocolErrors    prometheus.Counter
 	streamsActive     prometheus.Gauge
 	streamPanics      prometheus.Counter
-	upstreamErrors    prometheus.Counter
+	serverErrors      prometheus.Counter
 }
 
 // newMetrics builds the collectors unregistered: with no Registerer they still
@@ -371,8 +371,8 @@ func newMetrics(buffered *atomic.Int64) metrics {
 			Name: "tally_stream_panics_total",
 			Help: "ext_proc streams ended by a recovered panic.",
 		}),
-		upstreamErrors: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "tally_upstream_errors_total",
+		serverErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "tally_model_server_errors_total",
 			Help: "Responses from model servers with a status of 500 or more.",
 		}),
 	}
@@ -380,5 +380,5 @@ func newMetrics(buffered *atomic.Int64) metrics {
 
 func (m metrics) register(r prometheus.Registerer) {
 	r.MustRegister(m.requests, m.requestBytes, m.bufferedBytes, m.budgetRejections, m.loadOnlyRoutes,
-		m.unappliedRewrites, m.protocolErrors, m.streamsActive, m.streamPanics, m.upstreamErrors)
+		m.unappliedRewrites, m.protocolErrors, m.streamsActive, m.streamPanics, m.serverErrors)
 }

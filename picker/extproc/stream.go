@@ -413,7 +413,7 @@ func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders)
 		st.s.picker.ServedBy(st.res, addr)
 	}
 	if code, err := strconv.Atoi(headerValue(h.GetHeaders(), ":status")); err == nil && code >= 500 {
-		st.s.metrics.upstreamErrors.Inc()
+		st.s.metrics.serverErrors.Inc()
 	}
 	st.up.responseHeaders(h.GetHeaders())
 	if h.GetEndOfStream() {
