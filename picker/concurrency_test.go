@@ -48,7 +48,7 @@ func TestReleasesTakeEffectExactlyOnce(t *testing.T) {
 		wg.Go(func() {
 			<-start
 			for range 20 {
-				swept.Add(int64(p.Sweep()))
+				swept.Add(int64(p.sweep()))
 			}
 		})
 	}

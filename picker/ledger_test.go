@@ -112,12 +112,12 @@ func TestARetainedRowIsForgottenAfterItsWindowAndItsRequests(t *testing.T) {
 
 	p.Replace(eps[1:])
 	clock.Advance(2 * time.Minute)
-	p.Sweep()
+	p.sweep()
 	if l := p.Snapshot(); len(l.Retained) != 1 {
 		t.Fatalf("a row with a request in flight was forgotten after its window: retained %v", l.Retained)
 	}
 	p.End(r, Outcome{})
-	p.Sweep()
+	p.sweep()
 	if l := p.Snapshot(); len(l.Retained) != 0 {
 		t.Errorf("retained %v after its window and its last request, want none", l.Retained)
 	}

@@ -50,7 +50,7 @@ func TestMetricsMatchStats(t *testing.T) {
 		t.Fatalf("empty subset: %v, want ErrNoEndpoint", err)
 	}
 	p.End(picked[len(picked)-1], Outcome{})
-	if n := p.Sweep(); n != 4 {
+	if n := p.sweep(); n != 4 {
 		t.Fatalf("Sweep released %d, want the 4 picks made before the clock moved", n)
 	}
 

@@ -407,7 +407,7 @@ func (p *Picker) Run(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			if n := p.Sweep(); n > 0 {
+			if n := p.sweep(); n > 0 {
 				p.opts.Log.Info("released reservations that outlived the maximum request lifetime; their streams never ended",
 					"released", n, "maxRequestLifetime", p.opts.MaxRequestLifetime)
 			}
@@ -415,11 +415,11 @@ func (p *Picker) Run(ctx context.Context) {
 	}
 }
 
-// Sweep releases every reservation picked more than MaxRequestLifetime ago
+// sweep releases every reservation picked more than MaxRequestLifetime ago
 // and returns how many it released. It is the backstop for a stream whose end
 // was never seen; a later End of a swept reservation does nothing. It also
 // forgets retained endpoints whose retention is over.
-func (p *Picker) Sweep() int {
+func (p *Picker) sweep() int {
 	now := p.now()
 	p.mu.Lock()
 	n, dropped := p.l.sweep(now, int64(p.opts.MaxRequestLifetime))

@@ -413,7 +413,7 @@ func TestSweepReleasesOnlyOldReservations(t *testing.T) {
 	mustPick(t, p, Request{Model: model, Prompt: text("young", 800)})
 	clock.Advance(6 * time.Minute) // old: 11 minutes, young: 6
 
-	if n := p.Sweep(); n != 1 {
+	if n := p.sweep(); n != 1 {
 		t.Fatalf("Sweep released %d, want 1", n)
 	}
 	// The young request's prefill has long drained in the model.
@@ -424,11 +424,11 @@ func TestSweepReleasesOnlyOldReservations(t *testing.T) {
 	if in := p.Snapshot().InFlight; in != 1 {
 		t.Errorf("releasing a swept reservation changed the ledger: %d in flight", in)
 	}
-	if n := p.Sweep(); n != 0 {
+	if n := p.sweep(); n != 0 {
 		t.Errorf("second Sweep released %d, want 0", n)
 	}
 	clock.Advance(5 * time.Minute)
-	if n := p.Sweep(); n != 1 {
+	if n := p.sweep(); n != 1 {
 		t.Errorf("Sweep after young aged released %d, want 1", n)
 	}
 	assertLedgerEmpty(t, p)
