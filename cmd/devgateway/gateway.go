@@ -26,17 +26,11 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
-	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/picker/protocol"
 )
 
-// Names of the endpoint picker protocol (the Gateway API Inference
-// Extension's endpoint picker protocol).
-const (
-	destinationHeader = extproc.DestinationHeader
-	lbMetadataKey     = "envoy.lb"
-	servedMetadataKey = "x-gateway-destination-endpoint-served"
-	requestIDHeader   = "x-request-id"
-)
+// requestIDHeader is the header Envoy gives each request a UUID in.
+const requestIDHeader = "x-request-id"
 
 const (
 	defaultBodyChunkBytes     = 16 << 10
@@ -105,7 +99,7 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	g.closing.Add(1)
 	defer g.closing.Done()
 	// Only the picker names the destination; a client cannot choose the pod.
-	r.Header.Del(destinationHeader)
+	r.Header.Del(protocol.DestinationHeader)
 	if r.Header.Get(requestIDHeader) == "" {
 		r.Header.Set(requestIDHeader, uuid.NewString())
 	}
@@ -454,11 +448,11 @@ func newUpstreamRequest(r *http.Request, d *decision) (*upstreamRequest, error) 
 	for _, k := range []string{":path", ":authority", ":method", ":scheme"} {
 		delete(h, k)
 	}
-	out.destinations = parseDestinations(h.Values(destinationHeader))
+	out.destinations = parseDestinations(h.Values(protocol.DestinationHeader))
 	if len(out.destinations) == 0 {
 		// The header is what Envoy's original-destination cluster reads; the
 		// metadata carries the same value.
-		if v := d.metadata.GetFields()[lbMetadataKey].GetStructValue().GetFields()[destinationHeader].GetStringValue(); v != "" {
+		if v := d.metadata.GetFields()[protocol.LBNamespace].GetStructValue().GetFields()[protocol.DestinationKey].GetStringValue(); v != "" {
 			out.destinations = parseDestinations([]string{v})
 		}
 	}
@@ -548,7 +542,7 @@ func (ex *exchange) responsePath(resp *http.Response, served string) bool {
 	}
 	if served != "" {
 		msg.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
-			lbMetadataKey: {Fields: map[string]*structpb.Value{servedMetadataKey: structpb.NewStringValue(served)}},
+			protocol.LBNamespace: {Fields: map[string]*structpb.Value{protocol.ServedKey: structpb.NewStringValue(served)}},
 		}}
 	}
 	timer := time.AfterFunc(ex.g.pickerTimeout(), ex.cancelStream)

@@ -28,6 +28,8 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
+
+	"github.com/tallyepp/tally/picker/protocol"
 )
 
 // testDeadline bounds every wait in these tests; nothing should come near it.
@@ -136,13 +138,13 @@ func (p *testPicker) process(stream extprocv3.ExternalProcessor_ProcessServer, r
 			Response: &extprocv3.CommonResponse{
 				ClearRouteCache: true,
 				HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-					{Header: &corev3.HeaderValue{Key: destinationHeader, RawValue: []byte(dest)}},
+					{Header: &corev3.HeaderValue{Key: protocol.DestinationHeader, RawValue: []byte(dest)}},
 				}},
 			},
 		}},
 		DynamicMetadata: &structpb.Struct{Fields: map[string]*structpb.Value{
-			lbMetadataKey: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
-				destinationHeader: structpb.NewStringValue(dest),
+			protocol.LBNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
+				protocol.DestinationKey: structpb.NewStringValue(dest),
 			}}),
 		}},
 	}); err != nil {
@@ -180,7 +182,7 @@ func (p *testPicker) process(stream extprocv3.ExternalProcessor_ProcessServer, r
 			rec.responseStatus = string(h.GetRawValue())
 		}
 	}
-	if v, ok := m.GetMetadataContext().GetFilterMetadata()[lbMetadataKey].GetFields()[servedMetadataKey]; ok {
+	if v, ok := m.GetMetadataContext().GetFilterMetadata()[protocol.LBNamespace].GetFields()[protocol.ServedKey]; ok {
 		rec.servedBy, rec.hasServedBy = v.GetStringValue(), true
 	}
 	if err := stream.Send(&extprocv3.ProcessingResponse{
@@ -380,7 +382,7 @@ func TestForwardsABodyByteForByteThroughThePicker(t *testing.T) {
 	req, _ := http.NewRequest(http.MethodPost, base+"/v1/completions?x=1", bytes.NewReader(reqBody))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Custom", "kept")
-	req.Header.Set(destinationHeader, "10.9.9.9:1") // a client must not choose the pod
+	req.Header.Set(protocol.DestinationHeader, "10.9.9.9:1") // a client must not choose the pod
 	resp, err := newClient(t).Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -404,7 +406,7 @@ func TestForwardsABodyByteForByteThroughThePicker(t *testing.T) {
 	if !bytes.Equal(upBody, reqBody) {
 		t.Errorf("upstream got %d body bytes that differ from the %d sent", len(upBody), len(reqBody))
 	}
-	if upHeader.Get(destinationHeader) != up.addr() || upHeader.Get("X-Custom") != "kept" {
+	if upHeader.Get(protocol.DestinationHeader) != up.addr() || upHeader.Get("X-Custom") != "kept" {
 		t.Errorf("upstream headers: %v", upHeader)
 	}
 	if want := strings.TrimPrefix(base, "http://"); upHost != want {
@@ -428,8 +430,8 @@ func TestForwardsABodyByteForByteThroughThePicker(t *testing.T) {
 			t.Errorf("picker got header %s=%q, want %q", k, rec.headers[k], v)
 		}
 	}
-	if _, ok := rec.headers[destinationHeader]; ok {
-		t.Errorf("the client's %s reached the picker", destinationHeader)
+	if _, ok := rec.headers[protocol.DestinationHeader]; ok {
+		t.Errorf("the client's %s reached the picker", protocol.DestinationHeader)
 	}
 	if rec.headersEOS {
 		t.Error("request headers carried end_of_stream although a body follows")

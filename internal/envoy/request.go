@@ -12,6 +12,8 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/tallyepp/tally/picker/protocol"
 )
 
 // defaultChunkBytes is the size of the body chunks a Request is sent in
@@ -88,7 +90,7 @@ func (s *Stream) HeadersMessage(req Request) *extprocv3.ProcessingRequest {
 	}}
 	if req.SubsetHint != nil {
 		m.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
-			subsetNamespace: {Fields: map[string]*structpb.Value{s.o.Destination + "-subset": req.SubsetHint}},
+			protocol.SubsetNamespace: {Fields: map[string]*structpb.Value{protocol.SubsetKey: req.SubsetHint}},
 		}}
 	}
 	if req.Mode != filterv3.ProcessingMode_NONE {
@@ -191,8 +193,8 @@ func (s *Stream) sendBodyAfterAnswer(req Request, r *Routed) error {
 	}
 	r.BodyAnswer = common
 	if r.Destination == "" { // only BUFFERED routes in the body answer
-		r.Destination, _ = HeaderValue(common, s.o.Destination)
-		r.Metadata = LBMetadata(resp, s.o.Destination)
+		r.Destination, _ = HeaderValue(common, protocol.DestinationHeader)
+		r.Metadata = LBMetadata(resp, protocol.DestinationKey)
 		r.Decided = time.Now()
 	}
 	r.Body = req.Body // the body passes on unless mutated
@@ -218,8 +220,8 @@ func (s *Stream) RecvHeadersAnswer(r *Routed) error {
 		return fmt.Errorf("answer to the request headers is %T, want a headers answer", resp.GetResponse())
 	}
 	r.HeadersAnswer = h.GetResponse()
-	r.Destination, _ = HeaderValue(h.GetResponse(), s.o.Destination)
-	r.Metadata = LBMetadata(resp, s.o.Destination)
+	r.Destination, _ = HeaderValue(h.GetResponse(), protocol.DestinationHeader)
+	r.Metadata = LBMetadata(resp, protocol.DestinationKey)
 	return nil
 }
 
@@ -254,5 +256,5 @@ func HeaderValue(c *extprocv3.CommonResponse, key string) (string, bool) {
 // LBMetadata is the string an answer's dynamic metadata sets under key in
 // the envoy.lb namespace ("" if none).
 func LBMetadata(resp *extprocv3.ProcessingResponse, key string) string {
-	return resp.GetDynamicMetadata().GetFields()[lbNamespace].GetStructValue().GetFields()[key].GetStringValue()
+	return resp.GetDynamicMetadata().GetFields()[protocol.LBNamespace].GetStructValue().GetFields()[key].GetStringValue()
 }

@@ -9,6 +9,8 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/tallyepp/tally/picker/protocol"
 )
 
 // eventStream is the content type of a streamed (SSE) response.
@@ -53,7 +55,7 @@ func (s *Stream) ResponseHeadersMessage(r Response) *extprocv3.ProcessingRequest
 	}}
 	if r.ServedBy != "" {
 		msg.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
-			lbNamespace: {Fields: map[string]*structpb.Value{s.o.Destination + "-served": structpb.NewStringValue(r.ServedBy)}},
+			protocol.LBNamespace: {Fields: map[string]*structpb.Value{protocol.ServedKey: structpb.NewStringValue(r.ServedBy)}},
 		}}
 	}
 	return msg
