@@ -26,9 +26,9 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
-	"google.golang.org/protobuf/types/known/wrapperspb"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
+	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker/protocol"
 )
 
@@ -247,7 +247,7 @@ func (p *testPicker) record(t *testing.T) *streamRecord {
 }
 
 // startPicker serves p over plaintext gRPC on loopback and returns a client.
-func startPicker(t *testing.T, p *testPicker, opts ...grpc.ServerOption) (string, extprocv3.ExternalProcessorClient) {
+func startPicker(t *testing.T, p *testPicker, opts ...grpc.ServerOption) (string, *envoy.Client) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -260,14 +260,14 @@ func startPicker(t *testing.T, p *testPicker, opts ...grpc.ServerOption) (string
 	return ln.Addr().String(), pickerClient(t, ln.Addr().String())
 }
 
-func pickerClient(t *testing.T, addr string) extprocv3.ExternalProcessorClient {
+func pickerClient(t *testing.T, addr string) *envoy.Client {
 	t.Helper()
 	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	return extprocv3.NewExternalProcessorClient(conn)
+	return envoy.NewClient(envoy.Options{}, conn)
 }
 
 // startGateway serves gw on loopback and returns its base URL.
@@ -636,7 +636,7 @@ func TestFailureModeWhenThePickerCannotDecide(t *testing.T) {
 			up := startUpstream(t, func(w http.ResponseWriter, _ *http.Request) {
 				_, _ = io.WriteString(w, "served without the picker")
 			})
-			var client extprocv3.ExternalProcessorClient
+			var client *envoy.Client
 			if tc.unreachable {
 				client = pickerClient(t, closedAddr(t))
 			} else {
@@ -787,38 +787,4 @@ func TestClientDisconnectCancelsThePickerStream(t *testing.T) {
 			t.Error("the upstream request was not cancelled")
 		}
 	})
-}
-
-func TestApplyHeaderMutation(t *testing.T) {
-	set := func(key, value string, action corev3.HeaderValueOption_HeaderAppendAction) *corev3.HeaderValueOption {
-		return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: key, RawValue: []byte(value)}, AppendAction: action}
-	}
-	h := http.Header{"A": {"1"}, "B": {"2"}, "C": {"3"}, "D": {"4"}, "Gone": {"x"}}
-	err := applyHeaderMutation(h, &extprocv3.HeaderMutation{
-		RemoveHeaders: []string{"gone"},
-		SetHeaders: []*corev3.HeaderValueOption{
-			set("a", "new", corev3.HeaderValueOption_APPEND_IF_EXISTS_OR_ADD), // unset action: overwrite, as Envoy
-			set("b", "new", corev3.HeaderValueOption_ADD_IF_ABSENT),
-			{Header: &corev3.HeaderValue{Key: "c", RawValue: []byte("more")}, Append: wrapperspb.Bool(true)},
-			set("d", "new", corev3.HeaderValueOption_OVERWRITE_IF_EXISTS),
-			set("e", "new", corev3.HeaderValueOption_OVERWRITE_IF_EXISTS),
-			set("f", "new", corev3.HeaderValueOption_ADD_IF_ABSENT),
-			{Header: &corev3.HeaderValue{Key: ":path", Value: "/rewritten"}},
-		},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := http.Header{"A": {"new"}, "B": {"2"}, "C": {"3", "more"}, "D": {"new"}, "F": {"new"}, ":path": {"/rewritten"}}
-	if fmt.Sprint(h) != fmt.Sprint(want) {
-		t.Errorf("got %v, want %v", h, want)
-	}
-
-	err = applyHeaderMutation(h, &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-		{Header: &corev3.HeaderValue{Key: "c", RawValue: []byte("again")}, AppendAction: corev3.HeaderValueOption_ADD_IF_ABSENT},
-		{Header: &corev3.HeaderValue{Key: "both", Value: "v", RawValue: []byte("r")}},
-	}})
-	if err == nil || !strings.Contains(err.Error(), "both") {
-		t.Errorf("a header with value and raw_value: err %v, want one naming it", err)
-	}
 }
