@@ -62,6 +62,7 @@ import (
 	"github.com/tallyepp/tally/internal/modelsim/server"
 	"github.com/tallyepp/tally/internal/stack"
 	"github.com/tallyepp/tally/internal/testenv"
+	"github.com/tallyepp/tally/picker/debugledger"
 )
 
 const (
@@ -232,7 +233,7 @@ type policy struct {
 	// baseURL says where request i goes.
 	baseURL func(i int) string
 	// ledger reads the picker's ledger; nil for no picker.
-	ledger func(ctx context.Context) (stack.Ledger, error)
+	ledger func(ctx context.Context) (debugledger.Ledger, error)
 	// traceOnly: the policy replays the mooncake trace alone.
 	traceOnly bool
 	// start and done, when set, run before the policy's first workload
@@ -463,7 +464,7 @@ func warmUp(ctx context.Context, s *stack.Stack, baseURL func(int) string, n int
 }
 
 // waitLedgerIdle checks that the picker released every reservation.
-func waitLedgerIdle(ctx context.Context, ledger func(context.Context) (stack.Ledger, error)) error {
+func waitLedgerIdle(ctx context.Context, ledger func(context.Context) (debugledger.Ledger, error)) error {
 	deadline := time.Now().Add(ledgerIdleTimeout)
 	for {
 		l, err := ledger(ctx)

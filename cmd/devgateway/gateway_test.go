@@ -26,8 +26,10 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
-	"google.golang.org/protobuf/types/known/wrapperspb"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
+
+	"github.com/tallyepp/tally/internal/envoy"
+	"github.com/tallyepp/tally/picker/protocol"
 )
 
 // testDeadline bounds every wait in these tests; nothing should come near it.
@@ -136,13 +138,13 @@ func (p *testPicker) process(stream extprocv3.ExternalProcessor_ProcessServer, r
 			Response: &extprocv3.CommonResponse{
 				ClearRouteCache: true,
 				HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-					{Header: &corev3.HeaderValue{Key: destinationHeader, RawValue: []byte(dest)}},
+					{Header: &corev3.HeaderValue{Key: protocol.DestinationHeader, RawValue: []byte(dest)}},
 				}},
 			},
 		}},
 		DynamicMetadata: &structpb.Struct{Fields: map[string]*structpb.Value{
-			lbMetadataKey: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
-				destinationHeader: structpb.NewStringValue(dest),
+			protocol.LBNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
+				protocol.DestinationKey: structpb.NewStringValue(dest),
 			}}),
 		}},
 	}); err != nil {
@@ -180,7 +182,7 @@ func (p *testPicker) process(stream extprocv3.ExternalProcessor_ProcessServer, r
 			rec.responseStatus = string(h.GetRawValue())
 		}
 	}
-	if v, ok := m.GetMetadataContext().GetFilterMetadata()[lbMetadataKey].GetFields()[servedMetadataKey]; ok {
+	if v, ok := m.GetMetadataContext().GetFilterMetadata()[protocol.LBNamespace].GetFields()[protocol.ServedKey]; ok {
 		rec.servedBy, rec.hasServedBy = v.GetStringValue(), true
 	}
 	if err := stream.Send(&extprocv3.ProcessingResponse{
@@ -245,7 +247,7 @@ func (p *testPicker) record(t *testing.T) *streamRecord {
 }
 
 // startPicker serves p over plaintext gRPC on loopback and returns a client.
-func startPicker(t *testing.T, p *testPicker, opts ...grpc.ServerOption) (string, extprocv3.ExternalProcessorClient) {
+func startPicker(t *testing.T, p *testPicker, opts ...grpc.ServerOption) (string, *envoy.Client) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -258,14 +260,14 @@ func startPicker(t *testing.T, p *testPicker, opts ...grpc.ServerOption) (string
 	return ln.Addr().String(), pickerClient(t, ln.Addr().String())
 }
 
-func pickerClient(t *testing.T, addr string) extprocv3.ExternalProcessorClient {
+func pickerClient(t *testing.T, addr string) *envoy.Client {
 	t.Helper()
 	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	return extprocv3.NewExternalProcessorClient(conn)
+	return envoy.NewClient(envoy.Options{}, conn)
 }
 
 // startGateway serves gw on loopback and returns its base URL.
@@ -380,7 +382,7 @@ func TestForwardsABodyByteForByteThroughThePicker(t *testing.T) {
 	req, _ := http.NewRequest(http.MethodPost, base+"/v1/completions?x=1", bytes.NewReader(reqBody))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Custom", "kept")
-	req.Header.Set(destinationHeader, "10.9.9.9:1") // a client must not choose the pod
+	req.Header.Set(protocol.DestinationHeader, "10.9.9.9:1") // a client must not choose the pod
 	resp, err := newClient(t).Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -404,7 +406,7 @@ func TestForwardsABodyByteForByteThroughThePicker(t *testing.T) {
 	if !bytes.Equal(upBody, reqBody) {
 		t.Errorf("upstream got %d body bytes that differ from the %d sent", len(upBody), len(reqBody))
 	}
-	if upHeader.Get(destinationHeader) != up.addr() || upHeader.Get("X-Custom") != "kept" {
+	if upHeader.Get(protocol.DestinationHeader) != up.addr() || upHeader.Get("X-Custom") != "kept" {
 		t.Errorf("upstream headers: %v", upHeader)
 	}
 	if want := strings.TrimPrefix(base, "http://"); upHost != want {
@@ -428,8 +430,8 @@ func TestForwardsABodyByteForByteThroughThePicker(t *testing.T) {
 			t.Errorf("picker got header %s=%q, want %q", k, rec.headers[k], v)
 		}
 	}
-	if _, ok := rec.headers[destinationHeader]; ok {
-		t.Errorf("the client's %s reached the picker", destinationHeader)
+	if _, ok := rec.headers[protocol.DestinationHeader]; ok {
+		t.Errorf("the client's %s reached the picker", protocol.DestinationHeader)
 	}
 	if rec.headersEOS {
 		t.Error("request headers carried end_of_stream although a body follows")
@@ -634,7 +636,7 @@ func TestFailureModeWhenThePickerCannotDecide(t *testing.T) {
 			up := startUpstream(t, func(w http.ResponseWriter, _ *http.Request) {
 				_, _ = io.WriteString(w, "served without the picker")
 			})
-			var client extprocv3.ExternalProcessorClient
+			var client *envoy.Client
 			if tc.unreachable {
 				client = pickerClient(t, closedAddr(t))
 			} else {
@@ -785,38 +787,4 @@ func TestClientDisconnectCancelsThePickerStream(t *testing.T) {
 			t.Error("the upstream request was not cancelled")
 		}
 	})
-}
-
-func TestApplyHeaderMutation(t *testing.T) {
-	set := func(key, value string, action corev3.HeaderValueOption_HeaderAppendAction) *corev3.HeaderValueOption {
-		return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: key, RawValue: []byte(value)}, AppendAction: action}
-	}
-	h := http.Header{"A": {"1"}, "B": {"2"}, "C": {"3"}, "D": {"4"}, "Gone": {"x"}}
-	err := applyHeaderMutation(h, &extprocv3.HeaderMutation{
-		RemoveHeaders: []string{"gone"},
-		SetHeaders: []*corev3.HeaderValueOption{
-			set("a", "new", corev3.HeaderValueOption_APPEND_IF_EXISTS_OR_ADD), // unset action: overwrite, as Envoy
-			set("b", "new", corev3.HeaderValueOption_ADD_IF_ABSENT),
-			{Header: &corev3.HeaderValue{Key: "c", RawValue: []byte("more")}, Append: wrapperspb.Bool(true)},
-			set("d", "new", corev3.HeaderValueOption_OVERWRITE_IF_EXISTS),
-			set("e", "new", corev3.HeaderValueOption_OVERWRITE_IF_EXISTS),
-			set("f", "new", corev3.HeaderValueOption_ADD_IF_ABSENT),
-			{Header: &corev3.HeaderValue{Key: ":path", Value: "/rewritten"}},
-		},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := http.Header{"A": {"new"}, "B": {"2"}, "C": {"3", "more"}, "D": {"new"}, "F": {"new"}, ":path": {"/rewritten"}}
-	if fmt.Sprint(h) != fmt.Sprint(want) {
-		t.Errorf("got %v, want %v", h, want)
-	}
-
-	err = applyHeaderMutation(h, &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-		{Header: &corev3.HeaderValue{Key: "c", RawValue: []byte("again")}, AppendAction: corev3.HeaderValueOption_ADD_IF_ABSENT},
-		{Header: &corev3.HeaderValue{Key: "both", Value: "v", RawValue: []byte("r")}},
-	}})
-	if err == nil || !strings.Contains(err.Error(), "both") {
-		t.Errorf("a header with value and raw_value: err %v, want one naming it", err)
-	}
 }

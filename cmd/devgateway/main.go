@@ -65,7 +65,6 @@ import (
 	"syscall"
 	"time"
 
-	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials"
@@ -75,6 +74,7 @@ import (
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
 	"github.com/tallyepp/tally/controllers"
+	"github.com/tallyepp/tally/internal/envoy"
 )
 
 // Exit codes: 2 for bad flags (as the flag package does), 1 for anything
@@ -293,7 +293,7 @@ func serve(ctx context.Context, opts options, log *slog.Logger, stderr io.Writer
 	}
 
 	gw := &Gateway{
-		Picker:        extprocv3.NewExternalProcessorClient(conn),
+		Picker:        envoy.NewClient(envoy.Options{}, conn),
 		Pool:          state.View,
 		PickerTimeout: opts.pickerTimeout,
 		Log:           log,

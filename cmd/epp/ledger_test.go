@@ -10,6 +10,7 @@ import (
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/debugledger"
 )
 
 func TestDebugLedgerIsOneSnapshotWithRetainedRows(t *testing.T) {
@@ -26,7 +27,7 @@ func TestDebugLedgerIsOneSnapshotWithRetainedRows(t *testing.T) {
 
 	rec := httptest.NewRecorder()
 	ledgerHandler(p).ServeHTTP(rec, httptest.NewRequest("GET", "/debug/ledger", nil))
-	var got ledger
+	var got debugledger.Ledger
 	if err := json.Unmarshal(rec.Body.Bytes(), &got); err != nil {
 		t.Fatalf("decoding %s: %v", rec.Body, err)
 	}

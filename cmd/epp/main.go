@@ -38,7 +38,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
-	"github.com/tallyepp/tally/internal/upstreamconfig"
+	"github.com/tallyepp/tally/picker/upstreamconfig"
 )
 
 // Exit codes: 2 for bad flags (as the flag package does), 1 for anything

@@ -16,6 +16,7 @@ import (
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/debugledger"
 )
 
 // With --metrics-endpoint-auth the picker asks the API server who a scraper
@@ -34,7 +35,7 @@ func newMetricsServer(opts options, kube *rest.Config, reg *prometheus.Registry,
 	if opts.metricsBindAddress == "0" {
 		return nil, func() {}, nil
 	}
-	extra := map[string]http.Handler{"/debug/ledger": ledgerHandler(pick)}
+	extra := map[string]http.Handler{debugledger.Path: ledgerHandler(pick)}
 	if opts.enablePprof {
 		extra["/debug/pprof/"] = http.HandlerFunc(pprof.Index)
 		extra["/debug/pprof/cmdline"] = http.HandlerFunc(pprof.Cmdline)
@@ -129,67 +130,12 @@ func (m gatheredMetric) Write(out *dto.Metric) error {
 	return nil
 }
 
-// ledgerRow is one endpoint in /debug/ledger.
-type ledgerRow struct {
-	Pod                    string  `json:"pod"`
-	UID                    string  `json:"uid,omitempty"`
-	Endpoint               string  `json:"endpoint"`
-	InFlight               int     `json:"inFlight"`
-	PrefillTokens          int     `json:"prefillTokens"`
-	Decoding               int     `json:"decoding"`
-	PrefillTokensPerSecond float64 `json:"prefillTokensPerSecond"`
-	// Utilization is the share of recent time the model had prefill
-	// queued here.
-	Utilization float64 `json:"utilization"`
-	// The engine's side (picker/engine.go): its last scrape (absent before
-	// the first), the load beyond the ledger, the prefix index's size and
-	// the cached tokens delivered against those predicted.
-	Engine *ledgerEngine `json:"engine,omitempty"`
-	// Unhealthy: enough scrapes in a row failed that it is not a candidate.
-	Unhealthy             bool  `json:"unhealthy"`
-	PrefixCapacityBlocks  int   `json:"prefixCapacityBlocks"`
-	DeliveredCachedTokens int64 `json:"deliveredCachedTokens"`
-	PredictedCachedTokens int64 `json:"predictedCachedTokens"`
-	// CacheTrust is the share of predicted cached tokens the cost counts.
-	CacheTrust float64 `json:"cacheTrust"`
-	// Adapters counts the requests in flight by LoRA adapter.
-	Adapters map[string]int `json:"adapters,omitempty"`
-}
-
-// ledgerEngine is what an endpoint's last successful scrape said.
-type ledgerEngine struct {
-	Running         int `json:"running"`
-	Waiting         int `json:"waiting"`
-	ForeignRequests int `json:"foreignRequests"`
-	// ForeignTokens is what the foreign requests add to the cost now.
-	ForeignTokens int `json:"foreignTokens"`
-	// The LoRA adapters of its running and waiting requests, and the most
-	// it runs at once, for an engine that publishes them.
-	RunningAdapters []string `json:"runningAdapters,omitempty"`
-	WaitingAdapters []string `json:"waitingAdapters,omitempty"`
-	MaxLoRAs        int      `json:"maxLoras,omitempty"`
-}
-
-// ledger is /debug/ledger: one snapshot of the picker's ledger, its totals
-// and rows read under one hold of its lock.
-type ledger struct {
-	InFlight      int `json:"inFlight"`
-	PrefillTokens int `json:"prefillTokens"`
-	// LoRALoadSeconds is what placement charges for loading an adapter.
-	LoRALoadSeconds float64 `json:"loraLoadSeconds"`
-	// WorkWeight is what an uncached prompt token costs a pick, relative
-	// to a queued one.
-	WorkWeight float64     `json:"workWeight"`
-	Endpoints  []ledgerRow `json:"endpoints"`
-	// Retained are endpoints that left the set and keep their row.
-	Retained []ledgerRow `json:"retained"`
-}
-
-func ledgerJSON(l picker.Ledger) ledger {
-	rows := func(stats []picker.EndpointStats) []ledgerRow {
-		out := make([]ledgerRow, 0, len(stats))
+// ledgerJSON is the ledger as /debug/ledger serves it.
+func ledgerJSON(l picker.Ledger) debugledger.Ledger {
+	rows := func(stats []picker.EndpointStats) []debugledger.Endpoint {
+		out := make([]debugledger.Endpoint, 0, len(stats))
 		for _, s := range stats {
-			row := ledgerRow{
+			row := debugledger.Endpoint{
 				Pod: s.Endpoint.Pod, UID: s.Endpoint.UID, Endpoint: s.Endpoint.Address.String(),
 				InFlight: s.InFlight, PrefillTokens: s.PrefillTokens, Decoding: s.Decoding,
 				PrefillTokensPerSecond: s.PrefillTokensPerSecond,
@@ -202,7 +148,7 @@ func ledgerJSON(l picker.Ledger) ledger {
 				Adapters:               s.Adapters,
 			}
 			if s.Scraped {
-				row.Engine = &ledgerEngine{Running: s.EngineRunning, Waiting: s.EngineWaiting,
+				row.Engine = &debugledger.Engine{Running: s.EngineRunning, Waiting: s.EngineWaiting,
 					ForeignRequests: s.ForeignRequests, ForeignTokens: s.ForeignTokens,
 					RunningAdapters: s.RunningAdapters, WaitingAdapters: s.WaitingAdapters, MaxLoRAs: s.MaxLoRAs}
 			}
@@ -210,5 +156,5 @@ func ledgerJSON(l picker.Ledger) ledger {
 		}
 		return out
 	}
-	return ledger{InFlight: l.InFlight, PrefillTokens: l.PrefillTokens, LoRALoadSeconds: l.LoRALoadSeconds, WorkWeight: l.WorkWeight, Endpoints: rows(l.Endpoints), Retained: rows(l.Retained)}
+	return debugledger.Ledger{InFlight: l.InFlight, PrefillTokens: l.PrefillTokens, LoRALoadSeconds: l.LoRALoadSeconds, WorkWeight: l.WorkWeight, Endpoints: rows(l.Endpoints), Retained: rows(l.Retained)}
 }

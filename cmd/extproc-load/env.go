@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/internal/stack"
+	"github.com/tallyepp/tally/picker/debugledger"
 )
 
 // firstPodIP is the first pod's address. The demo counts up from
@@ -102,16 +103,16 @@ func (e *benchEnv) startTarget(ctx context.Context, kind, bin string, useTLS boo
 		return nil, err
 	}
 	fmt.Fprintf(e.log, "[extproc-load] %s picker ready with %d endpoints in %v\n", kind, len(e.cluster.Endpoints()), time.Since(began).Round(time.Millisecond))
-	c, err := dial(proc.grpcAddr, useTLS, conns)
+	c, err := dial(proc.ports.GRPCAddr(), useTLS, conns)
 	if err != nil {
-		return nil, errors.Join(err, proc.stop())
+		return nil, errors.Join(err, proc.Stop())
 	}
-	t := &target{name: kind, client: c, prompts: newPrompts(1), pods: e.pods, pid: proc.pid(), endpoints: e.endpoints(), log: e.log}
+	t := &target{name: kind, client: c, prompts: newPrompts(1), pods: e.pods, pid: proc.Pid(), endpoints: e.endpoints(), log: e.log}
 	if kind == pickerTally {
-		t.ledger = func(ctx context.Context) (stack.Ledger, error) { return ledgerAt(ctx, proc.metricsURL) }
+		t.ledger = func(ctx context.Context) (debugledger.Ledger, error) { return ledgerAt(ctx, proc.ports.MetricsURL()) }
 	}
 	pt := &pickerTarget{target: t, proc: proc}
-	if rss, _, err := procMemory(proc.pid()); err == nil {
+	if rss, _, err := procMemory(proc.Pid()); err == nil {
 		pt.idleRSS = rss
 	}
 	return pt, nil
@@ -119,5 +120,5 @@ func (e *benchEnv) startTarget(ctx context.Context, kind, bin string, useTLS boo
 
 func (pt *pickerTarget) stop() error {
 	pt.client.close()
-	return pt.proc.stop()
+	return pt.proc.Stop()
 }

@@ -17,7 +17,6 @@ import (
 
 	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/internal/ngfshim"
-	"github.com/tallyepp/tally/picker/extproc"
 )
 
 // maxChunkBytes is the largest body chunk Envoy's ext_proc filter sends or
@@ -56,7 +55,7 @@ func dial(addr string, useTLS bool, conns int) (*client, error) {
 		c.conns = append(c.conns, conn)
 		ccs = append(ccs, conn)
 	}
-	c.Client = envoy.NewClient(envoy.Options{Destination: extproc.DestinationHeader}, ccs...)
+	c.Client = envoy.NewClient(envoy.Options{}, ccs...)
 	return c, nil
 }
 

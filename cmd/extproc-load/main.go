@@ -64,7 +64,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/tallyepp/tally/internal/stack"
+	"github.com/tallyepp/tally/picker/debugledger"
 )
 
 // The gateways whose exchange --gateway plays.
@@ -230,7 +230,7 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 		t.pid = o.pid
 		if o.metricsURL != "" {
 			url := strings.TrimSuffix(o.metricsURL, "/")
-			t.ledger = func(ctx context.Context) (stack.Ledger, error) { return ledgerAt(ctx, url) }
+			t.ledger = func(ctx context.Context) (debugledger.Ledger, error) { return ledgerAt(ctx, url) }
 		}
 	} else {
 		env, err := startEnv(ctx, o.pods, o.keepLogs, stderr)

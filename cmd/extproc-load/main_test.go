@@ -19,8 +19,8 @@ import (
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/internal/docsection"
-	"github.com/tallyepp/tally/internal/stack"
 	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/debugledger"
 	"github.com/tallyepp/tally/picker/extproc"
 )
 
@@ -57,11 +57,11 @@ func inProcessTally(t *testing.T) (*target, *picker.Picker) {
 		t.Fatal(err)
 	}
 	t.Cleanup(c.close)
-	ledger := func(context.Context) (stack.Ledger, error) {
+	ledger := func(context.Context) (debugledger.Ledger, error) {
 		snap := p.Snapshot()
-		l := stack.Ledger{InFlight: snap.InFlight, PrefillTokens: snap.PrefillTokens}
+		l := debugledger.Ledger{InFlight: snap.InFlight, PrefillTokens: snap.PrefillTokens}
 		for _, s := range snap.Endpoints {
-			l.Endpoints = append(l.Endpoints, stack.LedgerEndpoint{
+			l.Endpoints = append(l.Endpoints, debugledger.Endpoint{
 				Pod: s.Endpoint.Pod, Endpoint: s.Endpoint.Address.String(),
 				InFlight: s.InFlight, PrefillTokens: s.PrefillTokens, Decoding: s.Decoding,
 			})

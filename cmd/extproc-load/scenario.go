@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/internal/envoy"
-	"github.com/tallyepp/tally/internal/stack"
+	"github.com/tallyepp/tally/picker/debugledger"
 )
 
 const (
@@ -43,7 +43,7 @@ type target struct {
 	pid int
 	// ledger reads the picker's in-flight ledger; nil skips the churn check
 	// (the upstream picker has none).
-	ledger func(context.Context) (stack.Ledger, error)
+	ledger func(context.Context) (debugledger.Ledger, error)
 	// endpoints lists the pool in order, for placement tables; nil orders
 	// endpoints as first seen.
 	endpoints []string

@@ -3,13 +3,15 @@
 // (cmd/extproc-load): it opens one stream per HTTP request, sends the request
 // headers, the body in the mode the request announces, the response headers
 // and body chunks and the half-close, in the order Envoy sends them, and
-// reads the picker's answers.
+// reads the picker's answers. The dev gateway (cmd/devgateway) plays its
+// ext_proc side with it too.
 //
 // The invariant: the client sends only what Envoy sends and reads only what
 // Envoy reads; what a caller wants to check beyond that is either its own
-// (the answers are handed back) or asked for with Options.Strict. It does
-// not import the picker: the names the picker and the gateway share are the
-// gateway's configuration (Options.Destination), as they are Envoy's.
+// (the answers are handed back) or asked for with Options.Strict. Of the
+// picker it imports only the names of the endpoint picker protocol
+// (picker/protocol), which are the Inference Extension's, as they are
+// Envoy's configuration's.
 package envoy
 
 import (
@@ -24,21 +26,8 @@ import (
 	"google.golang.org/grpc"
 )
 
-// lbNamespace is the dynamic metadata namespace Envoy's load balancer reads
-// the destination from and writes the served-by endpoint into.
-const lbNamespace = "envoy.lb"
-
-// subsetNamespace is the metadata namespace of the gateway's subset hint.
-const subsetNamespace = "envoy.lb.subset_hint"
-
 // Options configure a Client as a gateway's configuration does.
 type Options struct {
-	// Destination is the header, and the key under the envoy.lb metadata,
-	// in which the picker names the endpoints to route to
-	// (x-gateway-destination-endpoint in the Inference Extension). The
-	// subset hint and the served-by endpoint go under it with "-subset"
-	// and "-served" appended.
-	Destination string
 	// Strict checks what Envoy takes on trust: that the answer to each
 	// response chunk passes it on unchanged in FULL_DUPLEX_STREAMED mode
 	// and leaves it alone in the other modes, and that nothing but the

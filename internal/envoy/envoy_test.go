@@ -13,9 +13,9 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-)
 
-const testDestination = "x-test-destination"
+	"github.com/tallyepp/tally/picker/protocol"
+)
 
 // echoPicker answers as a FULL_DUPLEX_STREAMED picker does: the headers
 // answer (routed to 10.0.0.1:8000) once the request body has ended, then
@@ -49,7 +49,7 @@ func (p *echoPicker) Process(s extprocv3.ExternalProcessor_ProcessServer) error 
 			if b.GetEndOfStream() {
 				answers = append([]*extprocv3.ProcessingResponse{{Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{
 					Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{{
-						Header: &corev3.HeaderValue{Key: testDestination, RawValue: []byte("10.0.0.1:8000,10.0.0.2:8000")}}}}},
+						Header: &corev3.HeaderValue{Key: protocol.DestinationHeader, RawValue: []byte("10.0.0.1:8000,10.0.0.2:8000")}}}}},
 				}}}}, held...)
 			}
 		case m.GetResponseHeaders() != nil:
@@ -85,7 +85,7 @@ func startEcho(t *testing.T, alter func([]byte) []byte, strict bool) (*Client, *
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return NewClient(Options{Destination: testDestination, Strict: strict}, conn), p
+	return NewClient(Options{Strict: strict}, conn), p
 }
 
 func TestARequestIsStreamedInChunksAndRoutedAsEnvoyDoes(t *testing.T) {

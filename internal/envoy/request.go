@@ -12,6 +12,8 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/tallyepp/tally/picker/protocol"
 )
 
 // defaultChunkBytes is the size of the body chunks a Request is sent in
@@ -30,6 +32,10 @@ type Request struct {
 	Body []byte
 	// Chunked leaves content-length out, as for a chunked HTTP/1.1 body.
 	Chunked bool
+	// BodyFollows announces a body (no end_of_stream on the headers) that
+	// the caller sends itself as it arrives, Body being nil: a gateway
+	// reading its client. Headers carry its content-length, if known.
+	BodyFollows bool
 	// ChunkBytes is the size of the body chunks sent in
 	// FULL_DUPLEX_STREAMED mode; 0: 16 KiB.
 	ChunkBytes int
@@ -84,11 +90,11 @@ func (s *Stream) HeadersMessage(req Request) *extprocv3.ProcessingRequest {
 		headers.Headers = append(headers.Headers, &corev3.HeaderValue{Key: "content-length", RawValue: strconv.AppendInt(nil, int64(len(req.Body)), 10)})
 	}
 	m := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
-		RequestHeaders: &extprocv3.HttpHeaders{Headers: headers, EndOfStream: req.Body == nil},
+		RequestHeaders: &extprocv3.HttpHeaders{Headers: headers, EndOfStream: req.Body == nil && !req.BodyFollows},
 	}}
 	if req.SubsetHint != nil {
 		m.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
-			subsetNamespace: {Fields: map[string]*structpb.Value{s.o.Destination + "-subset": req.SubsetHint}},
+			protocol.SubsetNamespace: {Fields: map[string]*structpb.Value{protocol.SubsetKey: req.SubsetHint}},
 		}}
 	}
 	if req.Mode != filterv3.ProcessingMode_NONE {
@@ -191,8 +197,8 @@ func (s *Stream) sendBodyAfterAnswer(req Request, r *Routed) error {
 	}
 	r.BodyAnswer = common
 	if r.Destination == "" { // only BUFFERED routes in the body answer
-		r.Destination, _ = HeaderValue(common, s.o.Destination)
-		r.Metadata = LBMetadata(resp, s.o.Destination)
+		r.Destination, _ = HeaderValue(common, protocol.DestinationHeader)
+		r.Metadata = LBMetadata(resp, protocol.DestinationKey)
 		r.Decided = time.Now()
 	}
 	r.Body = req.Body // the body passes on unless mutated
@@ -218,8 +224,52 @@ func (s *Stream) RecvHeadersAnswer(r *Routed) error {
 		return fmt.Errorf("answer to the request headers is %T, want a headers answer", resp.GetResponse())
 	}
 	r.HeadersAnswer = h.GetResponse()
-	r.Destination, _ = HeaderValue(h.GetResponse(), s.o.Destination)
-	r.Metadata = LBMetadata(resp, s.o.Destination)
+	r.Destination, _ = HeaderValue(h.GetResponse(), protocol.DestinationHeader)
+	r.Metadata = LBMetadata(resp, protocol.DestinationKey)
+	return nil
+}
+
+// RecvDecision reads the picker's answers on the request path of a
+// FULL_DUPLEX_STREAMED stream into r, while the caller may still be
+// sending the body: until the picker has answered the headers and
+// streamed the whole body back (a bodiless request: answered the
+// headers), or refused the request.
+func (s *Stream) RecvDecision(r *Routed, bodiless bool) error {
+	headersDone, bodyDone := false, bodiless
+	for !headersDone || !bodyDone {
+		resp, err := s.stream.Recv()
+		if err != nil {
+			return fmt.Errorf("receiving the picker's decision: %w", err)
+		}
+		switch m := resp.GetResponse().(type) {
+		case *extprocv3.ProcessingResponse_ImmediateResponse:
+			r.Immediate, r.Decided = m.ImmediateResponse, time.Now()
+			return nil
+		case *extprocv3.ProcessingResponse_RequestHeaders:
+			if headersDone {
+				return errors.New("the picker answered the request headers twice")
+			}
+			headersDone = true
+			r.HeadersAnswer, r.Decided = m.RequestHeaders.GetResponse(), time.Now()
+			r.Destination, _ = HeaderValue(r.HeadersAnswer, protocol.DestinationHeader)
+			r.Metadata = LBMetadata(resp, protocol.DestinationKey)
+		case *extprocv3.ProcessingResponse_RequestBody:
+			if bodyDone {
+				return errors.New("the picker returned request body after its end_of_stream")
+			}
+			sb := m.RequestBody.GetResponse().GetBodyMutation().GetStreamedResponse()
+			if sb == nil {
+				return errors.New("the picker's request body response has no streamed_response, which FULL_DUPLEX_STREAMED mode requires")
+			}
+			r.Body = append(r.Body, sb.GetBody()...)
+			r.BodyChunks = append(r.BodyChunks, len(sb.GetBody()))
+			bodyDone = sb.GetEndOfStream()
+		case *extprocv3.ProcessingResponse_RequestTrailers:
+			// No request trailers are sent; nothing to apply.
+		default:
+			return fmt.Errorf("unexpected %T on the request path", m)
+		}
+	}
 	return nil
 }
 
@@ -254,5 +304,5 @@ func HeaderValue(c *extprocv3.CommonResponse, key string) (string, bool) {
 // LBMetadata is the string an answer's dynamic metadata sets under key in
 // the envoy.lb namespace ("" if none).
 func LBMetadata(resp *extprocv3.ProcessingResponse, key string) string {
-	return resp.GetDynamicMetadata().GetFields()[lbNamespace].GetStructValue().GetFields()[key].GetStringValue()
+	return resp.GetDynamicMetadata().GetFields()[protocol.LBNamespace].GetStructValue().GetFields()[key].GetStringValue()
 }

@@ -40,7 +40,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/picker/protocol"
 )
 
 // The headers of NGF's NJS-to-shim exchange.
@@ -51,7 +51,7 @@ const (
 	// DestinationHeader carries the chosen endpoint: in the picker's header
 	// mutation (lowercase, as the protocol spells it), and in the shim's
 	// answer to NJS.
-	DestinationHeader = extproc.DestinationHeader
+	DestinationHeader = protocol.DestinationHeader
 )
 
 // Shim is an http.Handler that turns each request into one ext_proc

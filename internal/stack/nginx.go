@@ -85,7 +85,7 @@ func (s *Stack) StartNGINX(ctx context.Context, opts NGINXOptions) (*NGINX, erro
 		JSModule:      jsModule,
 		Listen:        n.addr,
 		Shim:          shimAddr,
-		Picker:        netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(s.pickerPorts.grpc)),
+		Picker:        netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(s.ports.GRPC)),
 		PoolEndpoints: pods,
 		FailureMode:   opts.FailureMode,
 	})

@@ -19,7 +19,11 @@ import (
 // nothing is in flight when a Stack stops them, so they exit sooner.
 const processStopGrace = 15 * time.Second
 
-// Process is a child process of the stack (the picker or the gateway).
+// Process is a child process: the stack's pickers, gateways and NGINX, and
+// the pickers the load tool (cmd/extproc-load) starts. It is the one
+// supervisor of picker processes: what a process wrote is kept for error
+// messages, it dies with its parent (Linux), and Stop gives it a grace
+// period before it is killed.
 type Process struct {
 	name string
 	cmd  *exec.Cmd
@@ -37,12 +41,13 @@ const keptOutputLines = 20
 // stdout or stderr goes to out (nil: nowhere) prefixed with its name, and
 // to onLine when set (it runs on the reading goroutine: keep it short).
 func startProcess(name, path string, args []string, out io.Writer, onLine func(string)) (*Process, error) {
-	return startCommand(name, exec.Command(path, args...), out, onLine)
+	return StartCommand(name, exec.Command(path, args...), out, onLine)
 }
 
-// startCommand starts cmd as startProcess does: cmd sets what startProcess
-// does not (an environment, for one).
-func startCommand(name string, cmd *exec.Cmd, out io.Writer, onLine func(string)) (*Process, error) {
+// StartCommand starts cmd as startProcess does: cmd sets what startProcess
+// does not (an environment, for one). Its Stdout, Stderr and SysProcAttr
+// are the supervisor's.
+func StartCommand(name string, cmd *exec.Cmd, out io.Writer, onLine func(string)) (*Process, error) {
 	path := cmd.Path
 	cmd.SysProcAttr = childProcAttr()
 	pr, pw, err := os.Pipe()
@@ -98,6 +103,9 @@ func (p *Process) Output() string {
 	defer p.mu.Unlock()
 	return strings.Join(p.lines, "\n")
 }
+
+// Pid is the process's id.
+func (p *Process) Pid() int { return p.cmd.Process.Pid }
 
 // Done is closed when the process has exited.
 func (p *Process) Done() <-chan struct{} { return p.done }

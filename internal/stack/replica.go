@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+
+	"github.com/tallyepp/tally/picker/debugledger"
 )
 
 // Replica is one more picker process of the stack's pool, run with the same
@@ -16,7 +18,7 @@ import (
 type Replica struct {
 	stack       *Stack
 	name        string
-	ports       pickerPorts
+	ports       PickerPorts
 	picker      *Process
 	gateway     *Process
 	gatewayAddr string
@@ -41,7 +43,7 @@ func (s *Stack) StartReplica(ctx context.Context, extraArgs ...string) (_ *Repli
 	if err := r.WaitForEndpoints(ctx, s.PodNames()...); err != nil {
 		return nil, err
 	}
-	if r.gateway, r.gatewayAddr, err = s.startGateway(ctx, "devgateway-"+r.name, ports.grpc); err != nil {
+	if r.gateway, r.gatewayAddr, err = s.startGateway(ctx, "devgateway-"+r.name, ports.GRPC); err != nil {
 		return nil, err
 	}
 	return r, nil
@@ -49,12 +51,12 @@ func (s *Stack) StartReplica(ctx context.Context, extraArgs ...string) (_ *Repli
 
 // replicaPorts finds free ports for another picker, none of them the
 // first picker's or another replica's.
-func (s *Stack) replicaPorts() (pickerPorts, error) {
-	taken := []pickerPorts{s.pickerPorts}
+func (s *Stack) replicaPorts() (PickerPorts, error) {
+	taken := []PickerPorts{s.ports}
 	for _, r := range s.replicas {
 		taken = append(taken, r.ports)
 	}
-	return freePickerPorts(taken...)
+	return FreePickerPorts(taken...)
 }
 
 // Name is the replica's process name in the stack's output.
@@ -64,11 +66,11 @@ func (r *Replica) Name() string { return r.name }
 func (r *Replica) GatewayURL() string { return "http://" + r.gatewayAddr }
 
 // MetricsURL is the replica's metrics server ("/metrics", "/debug/ledger").
-func (r *Replica) MetricsURL() string { return r.ports.metricsURL() }
+func (r *Replica) MetricsURL() string { return r.ports.MetricsURL() }
 
 // Ledger reads the replica's /debug/ledger.
-func (r *Replica) Ledger(ctx context.Context) (Ledger, error) {
-	return readLedger(ctx, r.stack.http, r.MetricsURL())
+func (r *Replica) Ledger(ctx context.Context) (debugledger.Ledger, error) {
+	return ReadLedger(ctx, r.stack.http, r.MetricsURL())
 }
 
 // Metrics reads the replica's /metrics.
@@ -84,7 +86,7 @@ func (r *Replica) Ready(ctx context.Context) (bool, error) {
 		return false, r.picker.exitError()
 	default:
 	}
-	return pickerReady(ctx, r.ports.health)
+	return pickerReady(ctx, r.ports.Health)
 }
 
 // WaitForEndpoints waits until the replica's endpoint set is exactly the

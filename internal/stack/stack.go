@@ -149,7 +149,7 @@ type Stack struct {
 	opts Options
 	apiServer
 
-	pickerPorts pickerPorts
+	ports       PickerPorts // the first picker's
 	picker      *Process
 	gateway     *Process
 	gatewayAddr string
@@ -190,7 +190,7 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 			return nil, err
 		}
 	}
-	if s.pickerPorts, err = freePickerPorts(); err != nil {
+	if s.ports, err = FreePickerPorts(); err != nil {
 		return nil, err
 	}
 	if err := s.StartPicker(ctx); err != nil {
@@ -199,7 +199,7 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	if err := s.WaitForEndpoints(ctx, s.PodNames()...); err != nil {
 		return nil, err
 	}
-	if s.gateway, s.gatewayAddr, err = s.startGateway(ctx, "devgateway", s.pickerPorts.grpc); err != nil {
+	if s.gateway, s.gatewayAddr, err = s.startGateway(ctx, "devgateway", s.ports.GRPC); err != nil {
 		return nil, err
 	}
 	return s, nil
@@ -261,7 +261,7 @@ func (s *Stack) Options() Options {
 func (s *Stack) GatewayURL() string { return "http://" + s.gatewayAddr }
 
 // PickerMetricsURL is the picker's metrics server ("/metrics", "/debug/ledger").
-func (s *Stack) PickerMetricsURL() string { return s.pickerPorts.metricsURL() }
+func (s *Stack) PickerMetricsURL() string { return s.ports.MetricsURL() }
 
 // HTTPClient is the client the stack uses for its own requests.
 func (s *Stack) HTTPClient() *http.Client { return s.http }
@@ -291,10 +291,15 @@ func FreePort() (int, error) {
 	return 0, fmt.Errorf("finding a free port: none of 1000 tried from %d to %d was free", minFreePort, maxFreePort)
 }
 
-// pickerPorts are one picker process's ports.
-type pickerPorts struct{ grpc, health, metrics int }
+// PickerPorts are the loopback ports one picker process serves on: ext_proc,
+// gRPC health and metrics.
+type PickerPorts struct{ GRPC, Health, Metrics int }
 
-func (p pickerPorts) metricsURL() string { return "http://127.0.0.1:" + strconv.Itoa(p.metrics) }
+// GRPCAddr is the picker's ext_proc address.
+func (p PickerPorts) GRPCAddr() string { return "127.0.0.1:" + strconv.Itoa(p.GRPC) }
+
+// MetricsURL is the base URL of the picker's metrics server.
+func (p PickerPorts) MetricsURL() string { return "http://127.0.0.1:" + strconv.Itoa(p.Metrics) }
 
 // FreePorts finds n distinct free ports (FreePort), none of them in taken.
 func FreePorts(n int, taken ...int) ([]int, error) {
@@ -311,17 +316,17 @@ func FreePorts(n int, taken ...int) ([]int, error) {
 	return ports, nil
 }
 
-// freePickerPorts finds three distinct free ports, none of them in taken.
-func freePickerPorts(taken ...pickerPorts) (pickerPorts, error) {
+// FreePickerPorts finds three distinct free ports, none of them in taken.
+func FreePickerPorts(taken ...PickerPorts) (PickerPorts, error) {
 	var used []int
 	for _, t := range taken {
-		used = append(used, t.grpc, t.health, t.metrics)
+		used = append(used, t.GRPC, t.Health, t.Metrics)
 	}
 	ports, err := FreePorts(3, used...)
 	if err != nil {
-		return pickerPorts{}, err
+		return PickerPorts{}, err
 	}
-	return pickerPorts{grpc: ports[0], health: ports[1], metrics: ports[2]}, nil
+	return PickerPorts{GRPC: ports[0], Health: ports[1], Metrics: ports[2]}, nil
 }
 
 // StartPicker starts the picker process and waits until its gRPC health
@@ -335,27 +340,27 @@ func (s *Stack) StartPicker(ctx context.Context) error {
 			return errors.New("the picker is already running")
 		}
 	}
-	p, err := s.startPickerProcess("epp", s.pickerPorts)
+	p, err := s.startPickerProcess("epp", s.ports)
 	if err != nil {
 		return err
 	}
 	s.picker = p
 	return p.waitFor(ctx, "the picker to report readiness SERVING", pickerReadyTimeout, pollInterval, func(ctx context.Context) bool {
-		ready, _ := pickerReady(ctx, s.pickerPorts.health)
+		ready, _ := pickerReady(ctx, s.ports.Health)
 		return ready
 	})
 }
 
 // startPickerProcess starts a picker of the stack's pool on ports, with
 // Options.PickerArgs and then extraArgs.
-func (s *Stack) startPickerProcess(name string, ports pickerPorts, extraArgs ...string) (*Process, error) {
+func (s *Stack) startPickerProcess(name string, ports PickerPorts, extraArgs ...string) (*Process, error) {
 	args := append([]string{
 		"--pool-name=" + s.opts.PoolName,
 		"--pool-namespace=" + s.opts.Namespace,
 		"--kubeconfig=" + s.kubeconfig,
-		"--grpc-port=" + strconv.Itoa(ports.grpc),
-		"--grpc-health-port=" + strconv.Itoa(ports.health),
-		"--metrics-port=" + strconv.Itoa(ports.metrics),
+		"--grpc-port=" + strconv.Itoa(ports.GRPC),
+		"--grpc-health-port=" + strconv.Itoa(ports.Health),
+		"--metrics-port=" + strconv.Itoa(ports.Metrics),
 		// Tests and the demo read /metrics and /debug/ledger over plain
 		// HTTP on loopback, without a token.
 		"--metrics-endpoint-auth=false",

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"strconv"
@@ -31,48 +32,51 @@ func (s *Stack) StartUpstream(ctx context.Context, bin string, extraArgs ...stri
 	args := append([]string{
 		"--pool-name=" + s.opts.PoolName,
 		"--pool-namespace=" + s.opts.Namespace,
-		"--grpc-port=" + strconv.Itoa(ports.grpc),
-		"--grpc-health-port=" + strconv.Itoa(ports.health),
-		"--metrics-port=" + strconv.Itoa(ports.metrics),
+		"--grpc-port=" + strconv.Itoa(ports.GRPC),
+		"--grpc-health-port=" + strconv.Itoa(ports.Health),
+		"--metrics-port=" + strconv.Itoa(ports.Metrics),
 		"--metrics-endpoint-auth=false",
 		"-v=1", "--tracing=false",
 	}, extraArgs...)
 	cmd := exec.Command(bin, args...)
 	cmd.Env = append(os.Environ(), "KUBECONFIG="+s.kubeconfig, "NAMESPACE="+s.opts.Namespace)
-	if r.picker, err = startCommand(r.name, cmd, s.opts.Output, nil); err != nil {
+	if r.picker, err = StartCommand(r.name, cmd, s.opts.Output, nil); err != nil {
 		return nil, err
 	}
 	s.replicas = append(s.replicas, r)
-	if err := r.waitUpstreamReady(ctx, len(s.PodNames())); err != nil {
+	if err := r.picker.WaitServing(ctx, s.http, ports, len(s.PodNames()), upstreamReadyTimeout); err != nil {
 		return nil, err
 	}
-	if r.gateway, r.gatewayAddr, err = s.startGateway(ctx, "devgateway-"+r.name, ports.grpc); err != nil {
+	if r.gateway, r.gatewayAddr, err = s.startGateway(ctx, "devgateway-"+r.name, ports.GRPC); err != nil {
 		return nil, err
 	}
 	return r, nil
 }
 
-// waitUpstreamReady waits until the upstream picker's health service says
-// "readiness" is SERVING, its ext_proc port accepts connections (it
-// reports ready before, while it makes its certificate) and its metrics
-// have an inference_pool_per_pod_queue_size series for each of the pods.
-func (r *Replica) waitUpstreamReady(ctx context.Context, pods int) error {
+// WaitServing waits, for at most timeout, until the picker process p on
+// ports serves a pool of the given number of endpoints: its health service
+// says "readiness" is SERVING, its metrics have an
+// inference_pool_per_pod_queue_size series (Tally and the upstream picker
+// both publish it) for each endpoint, and its ext_proc port accepts
+// connections (the upstream picker reports ready before it listens, while
+// it makes its certificate). c reads the metrics.
+func (p *Process) WaitServing(ctx context.Context, c *http.Client, ports PickerPorts, endpoints int, timeout time.Duration) error {
 	last := "not serving"
-	err := r.picker.waitFor(ctx, "the upstream picker to serve every pod", upstreamReadyTimeout, pollInterval, func(ctx context.Context) bool {
-		if ok, err := pickerReady(ctx, r.ports.health); !ok || err != nil {
+	err := p.waitFor(ctx, fmt.Sprintf("%s to serve %d endpoints", p.name, endpoints), timeout, pollInterval, func(ctx context.Context) bool {
+		if ok, err := pickerReady(ctx, ports.Health); !ok || err != nil {
 			last = fmt.Sprintf("not serving (%v)", err)
 			return false
 		}
-		m, err := r.Metrics(ctx)
+		m, err := readMetrics(ctx, c, ports.MetricsURL(), p.name+"'s metrics")
 		if err != nil {
 			last = err.Error()
 			return false
 		}
-		if n := len(m["inference_pool_per_pod_queue_size"].GetMetric()); n != pods {
-			last = fmt.Sprintf("serving, %d of %d pods listed", n, pods)
+		if n := len(m["inference_pool_per_pod_queue_size"].GetMetric()); n != endpoints {
+			last = fmt.Sprintf("serving, %d of %d endpoints listed", n, endpoints)
 			return false
 		}
-		conn, err := net.DialTimeout("tcp", "127.0.0.1:"+strconv.Itoa(r.ports.grpc), requestTimeout)
+		conn, err := net.DialTimeout("tcp", ports.GRPCAddr(), requestTimeout)
 		if err != nil {
 			last = "ready, but its ext_proc port does not accept connections yet"
 			return false

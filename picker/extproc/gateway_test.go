@@ -25,6 +25,7 @@ import (
 	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/picker/protocol"
 )
 
 // This file plays the gateway: it drives the real ext_proc server over a real
@@ -145,7 +146,7 @@ func serve(t testing.TB, g *grpc.Server, creds grpc.DialOption) *gateway {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	c := envoy.NewClient(envoy.Options{Destination: extproc.DestinationHeader, Strict: true}, conn)
+	c := envoy.NewClient(envoy.Options{Strict: true}, conn)
 	return &gateway{Client: c, conn: conn}
 }
 
@@ -181,7 +182,7 @@ func completionBody(model, prompt string) []byte {
 
 // destination is the destination an answer's header mutation sets.
 func destination(c *extprocv3.CommonResponse) string {
-	d, _ := envoy.HeaderValue(c, extproc.DestinationHeader)
+	d, _ := envoy.HeaderValue(c, protocol.DestinationHeader)
 	return d
 }
 

@@ -25,6 +25,7 @@ import (
 	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/picker/protocol"
 )
 
 // recording remembers what each pick was asked, the prompt by its length
@@ -216,7 +217,7 @@ func playBuffered(t *testing.T, x *envoy.Stream, body []byte) {
 		t.Fatal(err)
 	}
 	common := resp.GetRequestBody().GetResponse()
-	if d := destination(common); d == "" || envoy.LBMetadata(resp, extproc.DestinationHeader) != d || !common.GetClearRouteCache() {
+	if d := destination(common); d == "" || envoy.LBMetadata(resp, protocol.DestinationKey) != d || !common.GetClearRouteCache() {
 		t.Fatalf("body answer %v: want the destination in its header mutation and metadata", resp)
 	}
 	if cl, ok := envoy.HeaderValue(common, "content-length"); ok {

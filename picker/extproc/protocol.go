@@ -13,38 +13,14 @@ import (
 
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc/internal/wire"
+	"github.com/tallyepp/tally/picker/protocol"
 	"github.com/tallyepp/tally/picker/request"
-)
-
-// DestinationHeader is the header in which the picker names the chosen
-// endpoint, then its fallbacks: the one name of it that the repository's
-// gateways and tools use.
-const DestinationHeader = wire.DestinationHeader
-
-// Names the picker shares with the gateway. Gateways that implement the
-// Inference Extension (and their Helm charts) use exactly these.
-const (
-	// destinationHeader carries the chosen endpoint, then its fallbacks;
-	// lbNamespace is the dynamic metadata namespace the gateway's load
-	// balancer reads the destination from (under destinationKey) and
-	// writes the served-by into. The routing answer writes them, so they
-	// are defined beside it, in wire.
-	destinationHeader = wire.DestinationHeader
-	lbNamespace       = wire.LBNamespace
-	destinationKey    = wire.DestinationKey
-	// servedKey, under lbNamespace, names the endpoint that actually served
-	// the request (a fallback may have been used).
-	servedKey = "x-gateway-destination-endpoint-served"
-	// subsetNamespace and subsetKey carry the gateway's subset hint: the
-	// only endpoints the pick may come from.
-	subsetNamespace = "envoy.lb.subset_hint"
-	subsetKey       = "x-gateway-destination-endpoint-subset"
 )
 
 // ownedHeaders are the request headers only the picker may set. A copy sent
 // by the client is removed, so that a client cannot choose its own endpoint
 // on a path where the picker writes none.
-var ownedHeaders = []string{destinationHeader}
+var ownedHeaders = []string{protocol.DestinationHeader}
 
 // maxChunkBytes bounds each body chunk sent back in FULL_DUPLEX_STREAMED
 // mode; Envoy's ext_proc filter expects chunks no larger than this.
@@ -199,7 +175,7 @@ func headerValue(h *corev3.HeaderMap, key string) string {
 // every endpoint at that IP (see picker.Request.Subset). Entries that are not
 // addresses can match no endpoint and are returned in bad for logging.
 func subsetHint(md *corev3.Metadata) (subset []netip.AddrPort, ok bool, bad []string) {
-	v, ok := md.GetFilterMetadata()[subsetNamespace].GetFields()[subsetKey]
+	v, ok := md.GetFilterMetadata()[protocol.SubsetNamespace].GetFields()[protocol.SubsetKey]
 	if !ok {
 		return nil, false, nil
 	}
@@ -240,7 +216,7 @@ func appendEndpoints(subset []netip.AddrPort, bad []string, list string) ([]neti
 
 // servedBy reads which endpoint the gateway actually sent the request to.
 func servedBy(md *corev3.Metadata) (netip.AddrPort, bool) {
-	v := md.GetFilterMetadata()[lbNamespace].GetFields()[servedKey].GetStringValue()
+	v := md.GetFilterMetadata()[protocol.LBNamespace].GetFields()[protocol.ServedKey].GetStringValue()
 	ap, err := netip.ParseAddrPort(strings.TrimSpace(v))
 	return ap, err == nil
 }
@@ -291,11 +267,11 @@ func (st *stream) testSelection(headers *corev3.HeaderMap) {
 // servedForTest is the value of testServedHeader: the served-by endpoint as
 // the gateway wrote it, or, as upstream answers, why there is none.
 func servedForTest(md *corev3.Metadata) string {
-	lb, ok := md.GetFilterMetadata()[lbNamespace]
+	lb, ok := md.GetFilterMetadata()[protocol.LBNamespace]
 	if !ok {
 		return "fail: missing envoy lb metadata"
 	}
-	v, ok := lb.GetFields()[servedKey]
+	v, ok := lb.GetFields()[protocol.ServedKey]
 	if !ok {
 		return "fail: missing destination endpoint served metadata"
 	}

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/tallyepp/tally/picker/extproc/internal/wire"
+	"github.com/tallyepp/tally/picker/protocol"
 )
 
 func TestAppendEndpoints(t *testing.T) {
@@ -33,15 +34,15 @@ func TestAppendEndpoints(t *testing.T) {
 
 func TestServedForTest(t *testing.T) {
 	lb := func(fields map[string]*structpb.Value) *corev3.Metadata {
-		return &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{lbNamespace: {Fields: fields}}}
+		return &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{protocol.LBNamespace: {Fields: fields}}}
 	}
 	for _, tc := range []struct {
 		md   *corev3.Metadata
 		want string
 	}{
-		{lb(map[string]*structpb.Value{servedKey: structpb.NewStringValue("10.0.0.7:3000")}), "10.0.0.7:3000"},
+		{lb(map[string]*structpb.Value{protocol.ServedKey: structpb.NewStringValue("10.0.0.7:3000")}), "10.0.0.7:3000"},
 		{nil, "fail: missing envoy lb metadata"},
-		{lb(map[string]*structpb.Value{destinationKey: structpb.NewStringValue("10.0.0.7:3000")}), "fail: missing destination endpoint served metadata"},
+		{lb(map[string]*structpb.Value{protocol.DestinationKey: structpb.NewStringValue("10.0.0.7:3000")}), "fail: missing destination endpoint served metadata"},
 	} {
 		if got := servedForTest(tc.md); got != tc.want {
 			t.Errorf("servedForTest(%v) = %q, want %q", tc.md, got, tc.want)

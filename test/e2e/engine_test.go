@@ -16,6 +16,7 @@ import (
 	"github.com/tallyepp/tally/internal/modelsim/engine"
 	"github.com/tallyepp/tally/internal/modelsim/server"
 	"github.com/tallyepp/tally/internal/stack"
+	"github.com/tallyepp/tally/picker/debugledger"
 )
 
 // engineFirstPodIP keeps this pool's pods off the other specs' addresses.
@@ -130,7 +131,7 @@ func (d *direct) stop() {
 
 // foreignOf returns each pod's foreign requests as a ledger reports them
 // (-1 for a pod never scraped).
-func foreignOf(l stack.Ledger, pods []*stack.Pod) map[string]int {
+func foreignOf(l debugledger.Ledger, pods []*stack.Pod) map[string]int {
 	out := map[string]int{}
 	for _, p := range pods {
 		out[p.Name] = -1
@@ -242,7 +243,7 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 	It("sizes each endpoint's prefix index from its engine's KV cache", func(ctx SpecContext) {
 		// The engine's tokens in the picker's blocks of prompt characters.
 		want := engineKVBlocks * engine.DefaultBlockSizeTokens * engineCharsPerToken / engineBlockSizeChars
-		capacities := func(l stack.Ledger) map[string]int {
+		capacities := func(l debugledger.Ledger) map[string]int {
 			out := map[string]int{}
 			for _, p := range pods {
 				row, _ := l.RowAt(p.Addr)
@@ -250,7 +251,7 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 			}
 			return out
 		}
-		var last stack.Ledger
+		var last debugledger.Ledger
 		took, learnErr := await(ctx, 5*time.Second, func(g Gomega) {
 			l, err := es.Ledger(ctx)
 			g.Expect(err).NotTo(HaveOccurred())
@@ -291,7 +292,7 @@ var _ = Describe("The picker's loop with the engines", Ordered, ContinueOnFailur
 		}
 		d.send(es.HTTPClient(), pod0.URL(), reqs, "foreign")
 		eventually(ctx, func() int { return engineLoad(es)[pod0.Name] }).WithTimeout(10*time.Second).Should(Equal(foreign), "requests running on %s", pod0.Name)
-		var seen stack.Ledger
+		var seen debugledger.Ledger
 		took, seenErr := await(ctx, 5*time.Second, func(g Gomega) {
 			l, err := es.Ledger(ctx)
 			g.Expect(err).NotTo(HaveOccurred())
@@ -457,7 +458,7 @@ var _ = Describe("A standby picker taking over from a crashed leader", Ordered, 
 		Expect(fs.WaitForEndpoints(ctx, fs.PodNames()...)).To(Succeed())
 		Expect(standby.WaitForEndpoints(ctx, fs.PodNames()...)).To(Succeed())
 		pods := fs.Pods()
-		var beforeKill stack.Ledger
+		var beforeKill debugledger.Ledger
 		_, seenErr := await(ctx, 5*time.Second, func(g Gomega) {
 			l, err := standby.Ledger(ctx)
 			g.Expect(err).NotTo(HaveOccurred())

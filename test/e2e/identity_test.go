@@ -12,6 +12,7 @@ import (
 	. "github.com/onsi/gomega"
 
 	"github.com/tallyepp/tally/internal/stack"
+	"github.com/tallyepp/tally/picker/debugledger"
 )
 
 // identityFirstPodIP keeps this pool's pods off the routing specs' addresses.
@@ -126,8 +127,8 @@ func sum(a, b map[string]int) map[string]int {
 }
 
 // rowsAt returns the ledger's current rows for one endpoint address.
-func rowsAt(l stack.Ledger, addr netip.AddrPort) []stack.LedgerEndpoint {
-	var rows []stack.LedgerEndpoint
+func rowsAt(l debugledger.Ledger, addr netip.AddrPort) []debugledger.Endpoint {
+	var rows []debugledger.Endpoint
 	for _, e := range l.Endpoints {
 		if e.Endpoint == addr.String() {
 			rows = append(rows, e)

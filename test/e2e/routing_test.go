@@ -20,6 +20,7 @@ import (
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
 	"github.com/tallyepp/tally/internal/stack"
+	"github.com/tallyepp/tally/picker/debugledger"
 )
 
 // firstPodIP keeps the suite's pods off the demo's 127.0.0.x addresses, so
@@ -162,7 +163,7 @@ func parseSSE(body []byte) []completionResponse {
 // heldBurst sends reqs through the gateway while the pods hold every
 // request, waits until all have reached a pod, and returns where they went
 // and the picker's ledger at that moment; then it lets them finish.
-func heldBurst(ctx context.Context, reqs []stack.Request, what string) (map[string]int, stack.Ledger, []stack.Result) {
+func heldBurst(ctx context.Context, reqs []stack.Request, what string) (map[string]int, debugledger.Ledger, []stack.Result) {
 	GinkgoHelper()
 	return heldBurstVia(ctx, st, st.GatewayURL(), reqs, what)
 }
@@ -177,7 +178,7 @@ func heldBurst(ctx context.Context, reqs []stack.Request, what string) (map[stri
 // arrives over a time in which the picker's model drains the first
 // requests' prefill, and a burst spread over time may rightly be placed
 // unevenly: the first pods reached have less left to compute.
-func heldBurstVia(ctx context.Context, s *stack.Stack, baseURL string, reqs []stack.Request, what string) (map[string]int, stack.Ledger, []stack.Result) {
+func heldBurstVia(ctx context.Context, s *stack.Stack, baseURL string, reqs []stack.Request, what string) (map[string]int, debugledger.Ledger, []stack.Result) {
 	GinkgoHelper()
 	// Earlier traffic has left the ledger and the engines: none of it
 	// weighs on where the burst goes.

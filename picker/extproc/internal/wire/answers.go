@@ -9,6 +9,8 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/tallyepp/tally/picker/protocol"
 )
 
 // The answers the Codec writes itself. Each is a proto message too
@@ -161,19 +163,6 @@ func (r *RouteAnswer) Message() *extprocv3.ProcessingResponse {
 // ProtoReflect makes a RouteAnswer a proto message for codecs other than ours.
 func (r *RouteAnswer) ProtoReflect() protoreflect.Message { return r.Message().ProtoReflect() }
 
-// The names a routing answer writes, which the gateway reads. Gateways that
-// implement the Inference Extension (and their Helm charts) use exactly
-// these.
-const (
-	// DestinationHeader carries the chosen endpoint, then its fallbacks.
-	DestinationHeader = "x-gateway-destination-endpoint"
-	// LBNamespace is the dynamic metadata namespace the gateway's load
-	// balancer reads the destination from and writes the served-by into.
-	LBNamespace = "envoy.lb"
-	// DestinationKey is the destination's key under LBNamespace.
-	DestinationKey = DestinationHeader
-)
-
 // routeTo is the generated form of a routing answer to value: the
 // destination header (and a route cache clear so the gateway routes on
 // it), and the metadata the gateway's load balancer reads.
@@ -181,12 +170,12 @@ func routeTo(value string) (*extprocv3.CommonResponse, *structpb.Struct) {
 	common := &extprocv3.CommonResponse{
 		ClearRouteCache: true,
 		HeaderMutation: &extprocv3.HeaderMutation{
-			SetHeaders: []*corev3.HeaderValueOption{HeaderOption(DestinationHeader, value)},
+			SetHeaders: []*corev3.HeaderValueOption{HeaderOption(protocol.DestinationHeader, value)},
 		},
 	}
 	metadata := &structpb.Struct{Fields: map[string]*structpb.Value{
-		LBNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
-			DestinationKey: structpb.NewStringValue(value),
+		protocol.LBNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
+			protocol.DestinationKey: structpb.NewStringValue(value),
 		}}),
 	}}
 	return common, metadata
@@ -254,17 +243,17 @@ type routeSizes struct {
 
 func (r *RouteAnswer) sizes() routeSizes {
 	var s routeSizes
-	s.mutation = lenField(fieldSetHeaders, sizeOption(DestinationHeader, r.Destination))
+	s.mutation = lenField(fieldSetHeaders, sizeOption(protocol.DestinationHeader, r.Destination))
 	if r.ContentLength != "" {
 		s.mutation += lenField(fieldSetHeaders, sizeOption("content-length", r.ContentLength))
 	}
 	s.common = lenField(fieldHeaderMutation, s.mutation) + protowire.SizeTag(fieldClearRouteCache) + protowire.SizeVarint(1)
 	s.response = lenField(fieldBodyResponse, s.common)
 	s.innerValue = lenField(fieldValueString, len(r.Destination))
-	s.innerEntry = lenField(fieldEntryKey, len(DestinationKey)) + lenField(fieldEntryValue, s.innerValue)
+	s.innerEntry = lenField(fieldEntryKey, len(protocol.DestinationKey)) + lenField(fieldEntryValue, s.innerValue)
 	s.innerStruct = lenField(fieldStructFields, s.innerEntry)
 	s.outerValue = lenField(fieldValueStruct, s.innerStruct)
-	s.outerEntry = lenField(fieldEntryKey, len(LBNamespace)) + lenField(fieldEntryValue, s.outerValue)
+	s.outerEntry = lenField(fieldEntryKey, len(protocol.LBNamespace)) + lenField(fieldEntryValue, s.outerValue)
 	s.metadata = lenField(fieldStructFields, s.outerEntry)
 	s.whole = lenField(fieldRespRequestBody, s.response) + lenField(fieldRespMetadata, s.metadata)
 	return s
@@ -280,13 +269,13 @@ func (r *RouteAnswer) appendWire(b []byte) []byte {
 	}
 	b = appendLen(b, fieldRespMetadata, s.metadata)
 	b = appendLen(b, fieldStructFields, s.outerEntry)
-	b = appendLen(b, fieldEntryKey, len(LBNamespace))
-	b = append(b, LBNamespace...)
+	b = appendLen(b, fieldEntryKey, len(protocol.LBNamespace))
+	b = append(b, protocol.LBNamespace...)
 	b = appendLen(b, fieldEntryValue, s.outerValue)
 	b = appendLen(b, fieldValueStruct, s.innerStruct)
 	b = appendLen(b, fieldStructFields, s.innerEntry)
-	b = appendLen(b, fieldEntryKey, len(DestinationKey))
-	b = append(b, DestinationKey...)
+	b = appendLen(b, fieldEntryKey, len(protocol.DestinationKey))
+	b = append(b, protocol.DestinationKey...)
 	b = appendLen(b, fieldEntryValue, s.innerValue)
 	b = appendLen(b, fieldValueString, len(r.Destination))
 	b = append(b, r.Destination...)
@@ -294,7 +283,7 @@ func (r *RouteAnswer) appendWire(b []byte) []byte {
 	b = appendLen(b, field, s.response)
 	b = appendLen(b, fieldBodyResponse, s.common) // HeadersResponse.response is field 1 too
 	b = appendLen(b, fieldHeaderMutation, s.mutation)
-	b = appendOption(b, DestinationHeader, r.Destination)
+	b = appendOption(b, protocol.DestinationHeader, r.Destination)
 	if r.ContentLength != "" {
 		b = appendOption(b, "content-length", r.ContentLength)
 	}

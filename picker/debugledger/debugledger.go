@@ -1,0 +1,139 @@
+// Package debugledger is the document the picker serves at /debug/ledger:
+// its in-flight ledger as JSON, one snapshot of the totals and every row.
+// The picker binary (cmd/epp) writes it; the local stack, the demo, the load
+// tool and the end-to-end tests read it with these same types.
+//
+// The invariant: the JSON names here are what operators and scripts read
+// from a running picker, so a field is added, never renamed. The package
+// imports nothing of the picker, so that readers need not build it.
+package debugledger
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+)
+
+// Path is where the picker's metrics server serves the document.
+const Path = "/debug/ledger"
+
+// Ledger is one snapshot of the picker's ledger: its totals and rows read
+// under one hold of its lock.
+type Ledger struct {
+	// InFlight and PrefillTokens sum every row, retained ones included.
+	InFlight      int `json:"inFlight"`
+	PrefillTokens int `json:"prefillTokens"`
+	// LoRALoadSeconds is what placement charges for loading an adapter.
+	LoRALoadSeconds float64 `json:"loraLoadSeconds"`
+	// WorkWeight is what an uncached prompt token costs a pick, relative
+	// to a queued one.
+	WorkWeight float64    `json:"workWeight"`
+	Endpoints  []Endpoint `json:"endpoints"`
+	// Retained are rows of endpoints that left the set (a pod turned
+	// NotReady or deleted) and that the picker keeps for a while.
+	Retained []Endpoint `json:"retained"`
+}
+
+// Endpoint is one endpoint's row of the ledger.
+type Endpoint struct {
+	Pod      string `json:"pod"`
+	UID      string `json:"uid,omitempty"`
+	Endpoint string `json:"endpoint"`
+	InFlight int    `json:"inFlight"`
+	// PrefillTokens is what the picker's drain model says is still queued.
+	PrefillTokens int `json:"prefillTokens"`
+	Decoding      int `json:"decoding"`
+	// PrefillTokensPerSecond is the endpoint's prefill rate as the picker
+	// has learned it.
+	PrefillTokensPerSecond float64 `json:"prefillTokensPerSecond"`
+	// Utilization is the share of recent time the model had prefill
+	// queued here.
+	Utilization float64 `json:"utilization"`
+	// Engine is what the endpoint's engine said at the picker's last
+	// successful scrape of its metrics; nil before the first.
+	Engine *Engine `json:"engine,omitempty"`
+	// Unhealthy says enough scrapes in a row failed that the picker does
+	// not pick the endpoint.
+	Unhealthy bool `json:"unhealthy"`
+	// PrefixCapacityBlocks is the size of the endpoint's prefix index.
+	PrefixCapacityBlocks int `json:"prefixCapacityBlocks"`
+	// Cached prompt tokens the engine reported in usage, and those the
+	// picker predicted for the same responses.
+	DeliveredCachedTokens int64 `json:"deliveredCachedTokens"`
+	PredictedCachedTokens int64 `json:"predictedCachedTokens"`
+	// CacheTrust is the share of predicted cached tokens the cost counts.
+	CacheTrust float64 `json:"cacheTrust"`
+	// Adapters counts the requests in flight by LoRA adapter.
+	Adapters map[string]int `json:"adapters,omitempty"`
+}
+
+// Engine is an endpoint's engine as the picker last scraped it.
+type Engine struct {
+	Running int `json:"running"`
+	Waiting int `json:"waiting"`
+	// ForeignRequests are the engine's requests beyond the ledger's;
+	// ForeignTokens is what they add to the endpoint's cost now.
+	ForeignRequests int `json:"foreignRequests"`
+	ForeignTokens   int `json:"foreignTokens"`
+	// The LoRA adapters of its running and waiting requests, and the most
+	// it runs at once (0 until it publishes lora_requests_info).
+	RunningAdapters []string `json:"runningAdapters,omitempty"`
+	WaitingAdapters []string `json:"waitingAdapters,omitempty"`
+	MaxLoRAs        int      `json:"maxLoras,omitempty"`
+}
+
+// String prints the fields, so that a row printed with %+v shows them.
+func (e *Engine) String() string {
+	if e == nil {
+		return "<not scraped>"
+	}
+	return fmt.Sprintf("{Running:%d Waiting:%d ForeignRequests:%d ForeignTokens:%d}", e.Running, e.Waiting, e.ForeignRequests, e.ForeignTokens)
+}
+
+// Idle reports whether nothing is reserved anywhere in the ledger.
+func (l Ledger) Idle() bool {
+	if l.InFlight != 0 || l.PrefillTokens != 0 {
+		return false
+	}
+	for _, e := range slices.Concat(l.Endpoints, l.Retained) {
+		if e.InFlight != 0 || e.PrefillTokens != 0 || e.Decoding != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// Row returns the row of the pod object with this UID, current or retained.
+func (l Ledger) Row(uid string) (row Endpoint, current, ok bool) {
+	for _, e := range l.Endpoints {
+		if e.UID == uid {
+			return e, true, true
+		}
+	}
+	for _, e := range l.Retained {
+		if e.UID == uid {
+			return e, false, true
+		}
+	}
+	return Endpoint{}, false, false
+}
+
+// RowAt returns the current row of the endpoint at addr, if there is one.
+func (l Ledger) RowAt(addr netip.AddrPort) (Endpoint, bool) {
+	for _, e := range l.Endpoints {
+		if e.Endpoint == addr.String() {
+			return e, true
+		}
+	}
+	return Endpoint{}, false
+}
+
+// Pods lists the pods of the ledger's endpoints, sorted.
+func (l Ledger) Pods() []string {
+	pods := make([]string, 0, len(l.Endpoints))
+	for _, e := range l.Endpoints {
+		pods = append(pods, e.Pod)
+	}
+	slices.Sort(pods)
+	return slices.Compact(pods)
+}
