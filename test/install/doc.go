@@ -5,7 +5,8 @@
 // `kubectl kustomize config/default` produce is then applied to a real API
 // server, and the picker binary is run with the rendered Deployment's
 // arguments as the rendered ServiceAccount, which must be enough for it to
-// become ready and no more.
+// become ready and no more. TestDocCommands runs the commands and YAML
+// blocks of README.md, docs/install.md and the chart's README the same way.
 //
 // The invariant not to break: every kind of object the chart or the kustomize
 // bases can produce is applied to the real API server with strict field

@@ -128,8 +128,14 @@ func values(t *testing.T, docs ...string) map[string]any {
 // the templates are rendered. It returns the error Helm would print.
 func render(t *testing.T, namespace string, vals map[string]any) (rendered, error) {
 	t.Helper()
+	return renderRelease(t, releaseName, namespace, vals)
+}
+
+// renderRelease is render for the release called release.
+func renderRelease(t *testing.T, release, namespace string, vals map[string]any) (rendered, error) {
+	t.Helper()
 	c := loadChart(t)
-	opts := chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, Revision: 1, IsInstall: true}
+	opts := chartutil.ReleaseOptions{Name: release, Namespace: namespace, Revision: 1, IsInstall: true}
 	top, err := chartutil.ToRenderValues(c, vals, opts, chartutil.DefaultCapabilities)
 	if err != nil {
 		return rendered{}, err
