@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/picker/internal/ilist"
 	"github.com/tallyepp/tally/picker/prefix"
 )
 
@@ -56,7 +57,7 @@ type ledger struct {
 	baseModels, knownAdapters map[string]bool
 
 	// Reservations not yet released, oldest pick first (for the sweeper).
-	picks list[Reservation, pickLinks]
+	picks ilist.List[Reservation, pickLinks]
 
 	// The pool's prefill rate, learned from every endpoint's streamed first
 	// bytes (ratefit.go), and the fate of those samples.
@@ -185,7 +186,7 @@ func (l *ledger) sweep(now, lifetime int64) (released, dropped int) {
 	// The list is in lock order, and pick times are read just before the
 	// lock, so a reservation may sit behind one a few microseconds younger:
 	// it is then swept on the next run.
-	for r := l.picks.head; r != nil && r.pickedNs < cutoff; r = l.picks.head {
+	for r := l.picks.Front(); r != nil && r.pickedNs < cutoff; r = l.picks.Front() {
 		if r.detached {
 			l.detachEnds[detachEndSwept]++
 		}
@@ -327,7 +328,7 @@ func (l *ledger) release(r *Reservation, now int64) *[]uint64 {
 	r.row.drop(r, now)
 	r.prefill = 0
 	r.released = true
-	l.picks.remove(r)
+	l.picks.Remove(r)
 	buf := r.hashBuf
 	r.hashes, r.hashBuf = nil, nil
 	return buf
