@@ -8,6 +8,7 @@ import (
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/picker/internal/ilist"
+	"github.com/tallyepp/tally/picker/internal/ratemodel"
 	"github.com/tallyepp/tally/picker/prefix"
 )
 
@@ -61,11 +62,11 @@ type ledger struct {
 
 	// The pool's prefill rate, learned from every endpoint's streamed first
 	// bytes (ratefit.go), and the fate of those samples.
-	pool        poolRate
+	pool        ratemodel.Pool
 	rateSamples [numRateSamples]uint64
 	// What loading an adapter takes, learned from the first bytes of
 	// requests that waited for one (adapters.go).
-	loraLoad decayedMean
+	loraLoad ratemodel.DecayedMean
 
 	// Detached reservations past their prefill, by modelled end, and the
 	// pool's decode model they end by (detach.go); why they ended.
@@ -95,8 +96,8 @@ func newLedger(cfg v1alpha1.PickerConfig, rnd *rand.Rand, failureThreshold int) 
 		index:            prefix.NewIndex(cfg.LRUCapacityBlocks),
 		// Until picks teach it: a guess at one request's prompt.
 		meanPromptTokens: defaultForeignRequestTokens,
-		pool:             newPoolRate(float64(cfg.PrefillTokensPerSecond)),
-		loraLoad:         startedAt(float64(cfg.LoRALoadMilliseconds)/1000, loraLoadPrior),
+		pool:             ratemodel.NewPool(float64(cfg.PrefillTokensPerSecond)),
+		loraLoad:         ratemodel.StartedAt(float64(cfg.LoRALoadMilliseconds)/1000, loraLoadPrior),
 		decodeNsPerToken: defaultDecodeNsPerToken,
 		meanOutputTokens: defaultOutputTokens,
 		scratch:          newScratch(),

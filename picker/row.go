@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/picker/internal/ilist"
+	"github.com/tallyepp/tally/picker/internal/ratemodel"
 )
 
 // row is one endpoint's line in the ledger. Reservations point at their row,
@@ -59,7 +60,7 @@ type row struct {
 	// How this endpoint's prefill differs from the pool's, learned from
 	// its streamed first bytes, and the floor its engine's own prefill
 	// timing sets (ratefit.go).
-	rates endpointRate
+	rates ratemodel.Endpoint
 	// Detached reservations (detach.go), in the order they were detached.
 	detached     int
 	detachedList ilist.List[Reservation, detachLinks]

@@ -91,7 +91,7 @@ func (l *ledger) snapshot(now int64) Ledger {
 	s.DetachEnds = l.detachEnds
 	s.Waiting = l.queue.n
 	s.RateSamples = l.rateSamples
-	s.LoRALoadSeconds = l.loraLoad.mean()
+	s.LoRALoadSeconds = l.loraLoad.Mean()
 	s.WorkWeight = 1
 	s.ExpectedOutputTokens, s.DecodeSecondsPerToken = l.meanOutputTokens, l.decodeNsPerToken/1e9
 	// The detached reservations the model says are done by now, and the
