@@ -15,7 +15,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	"github.com/tallyepp/tally/api/v1alpha2"
-	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/rewrite"
 )
 
 // +kubebuilder:rbac:groups=inference.networking.x-k8s.io,namespace=tally-system,resources=inferencemodelrewrites,verbs=get;list;watch
@@ -23,7 +23,7 @@ import (
 
 // RewriteSink is told the whole set of the pool's model rewrite rules, in
 // precedence order (see RewritesOf).
-type RewriteSink interface{ ReplaceRewrites([]picker.RewriteRule) }
+type RewriteSink interface{ ReplaceRewrites([]rewrite.Rule) }
 
 // InferenceModelRewriteReconciler follows the InferenceModelRewrites of the
 // pool's namespace and tells Sink the rules of those that name the pool.
@@ -95,7 +95,7 @@ func (s SkippedPart) String() string { return "InferenceModelRewrite " + s.Rewri
 
 // poolRewrites returns the rewrites whose spec.poolRef names the
 // InferencePool pool (the same group and kind rules as ObjectivesOf;
-// rewrites being deleted are left out), in the order picker.Rewrites takes
+// rewrites being deleted are left out), in the order rewrite.Table takes
 // them: resources oldest first by creationTimestamp, ties (the timestamp
 // has whole seconds) by name.
 func poolRewrites(pool string, rewrites []v1alpha2.InferenceModelRewrite) []*v1alpha2.InferenceModelRewrite {
@@ -114,11 +114,11 @@ func poolRewrites(pool string, rewrites []v1alpha2.InferenceModelRewrite) []*v1a
 }
 
 // RewritesOf returns the rules of the pool's rewrites (poolRewrites), in
-// the order picker.Rewrites takes them: the resources in poolRewrites'
-// order, and each resource's rules in list order. picker.Rewrites applies
+// the order rewrite.Table takes them: the resources in poolRewrites'
+// order, and each resource's rules in list order. rewrite.Table applies
 // upstream's precedence on that order.
 //
-// A rule becomes one picker.RewriteRule named after its resource, with the
+// A rule becomes one rewrite.Rule named after its resource, with the
 // values of its matches as Models (nil for a rule without matches: a
 // catch-all) and its targets with their weights. What cannot be used is
 // left out and described in skipped: a match of a type other than Exact
@@ -127,7 +127,7 @@ func poolRewrites(pool string, rewrites []v1alpha2.InferenceModelRewrite) []*v1a
 // catch-all), and a target with an empty modelRewrite (the CRD allows one;
 // upstream would send the model server an empty model). The caller passes
 // one namespace's rewrites.
-func RewritesOf(pool string, rewrites []v1alpha2.InferenceModelRewrite) (rules []picker.RewriteRule, skipped []SkippedPart) {
+func RewritesOf(pool string, rewrites []v1alpha2.InferenceModelRewrite) (rules []rewrite.Rule, skipped []SkippedPart) {
 	for _, rw := range poolRewrites(pool, rewrites) {
 		skip := func(format string, a ...any) {
 			skipped = append(skipped, SkippedPart{Rewrite: rw.Name, Part: fmt.Sprintf(format, a...)})
@@ -148,15 +148,15 @@ func RewritesOf(pool string, rewrites []v1alpha2.InferenceModelRewrite) (rules [
 				skip("spec.rules[%d] has no match Tally can use, so it matches no request", ri)
 				continue
 			}
-			var targets []picker.RewriteTarget
+			var targets []rewrite.Target
 			for ti, t := range rule.Targets {
 				if t.ModelRewrite == "" {
 					skip("spec.rules[%d].targets[%d].modelRewrite is empty", ri, ti)
 					continue
 				}
-				targets = append(targets, picker.RewriteTarget{Model: t.ModelRewrite, Weight: int(t.Weight)})
+				targets = append(targets, rewrite.Target{Model: t.ModelRewrite, Weight: int(t.Weight)})
 			}
-			rules = append(rules, picker.RewriteRule{Name: rw.Name, Models: models, Targets: targets})
+			rules = append(rules, rewrite.Rule{Name: rw.Name, Models: models, Targets: targets})
 		}
 	}
 	return rules, skipped

@@ -21,7 +21,7 @@ import (
 
 	"github.com/tallyepp/tally/api/v1alpha2"
 	"github.com/tallyepp/tally/controllers"
-	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/rewrite"
 )
 
 var _ = Describe("The picker's model rewrites", func() {
@@ -52,10 +52,10 @@ var _ = Describe("The picker's model rewrites", func() {
 		nextSecond(zeta.CreationTimestamp)
 		createRewrite(ns, "alpha", poolName, rule(models("llama"), "never", 1), rule(nil, "fallback", 1))
 
-		Eventually(sink.Rules).Should(Equal([]picker.RewriteRule{
-			{Name: "zeta", Models: []string{"llama"}, Targets: []picker.RewriteTarget{{Model: "llama-3.1", Weight: 90}, {Model: "llama-3.2", Weight: 10}}},
-			{Name: "alpha", Models: []string{"llama"}, Targets: []picker.RewriteTarget{{Model: "never", Weight: 1}}},
-			{Name: "alpha", Targets: []picker.RewriteTarget{{Model: "fallback", Weight: 1}}},
+		Eventually(sink.Rules).Should(Equal([]rewrite.Rule{
+			{Name: "zeta", Models: []string{"llama"}, Targets: []rewrite.Target{{Model: "llama-3.1", Weight: 90}, {Model: "llama-3.2", Weight: 10}}},
+			{Name: "alpha", Models: []string{"llama"}, Targets: []rewrite.Target{{Model: "never", Weight: 1}}},
+			{Name: "alpha", Targets: []rewrite.Target{{Model: "fallback", Weight: 1}}},
 		}))
 	})
 
@@ -67,12 +67,12 @@ var _ = Describe("The picker's model rewrites", func() {
 		updateRewrite(ns, "split", func(rw *v1alpha2.InferenceModelRewrite) {
 			rw.Spec.Rules[0].Targets[0].Weight, rw.Spec.Rules[0].Targets[1].Weight = 50, 50
 		})
-		Eventually(sink.Rules).Should(ContainElement(picker.RewriteRule{
-			Name: "split", Models: []string{"llama"}, Targets: []picker.RewriteTarget{{Model: "llama-3.1", Weight: 50}, {Model: "llama-3.2", Weight: 50}},
+		Eventually(sink.Rules).Should(ContainElement(rewrite.Rule{
+			Name: "split", Models: []string{"llama"}, Targets: []rewrite.Target{{Model: "llama-3.1", Weight: 50}, {Model: "llama-3.2", Weight: 50}},
 		}))
 
 		updateRewrite(ns, "split", func(rw *v1alpha2.InferenceModelRewrite) { rw.Spec.PoolRef.Name = "chat-pool" })
-		Eventually(sink.Rules).Should(Equal([]picker.RewriteRule{{Name: "all", Targets: []picker.RewriteTarget{{Model: "llama-3.1"}}}}))
+		Eventually(sink.Rules).Should(Equal([]rewrite.Rule{{Name: "all", Targets: []rewrite.Target{{Model: "llama-3.1"}}}}))
 
 		Expect(k8s.Delete(context.Background(), &v1alpha2.InferenceModelRewrite{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "all"}})).To(Succeed())
 		Eventually(sink.Rules).Should(BeEmpty())
@@ -104,7 +104,7 @@ var _ = Describe("The picker's model rewrites", func() {
 		elsewhere := newNamespace()
 		createRewrite(elsewhere, "stranger", poolName, rule(nil, "x", 1))
 		createRewrite(ns, "ours", poolName, rule(nil, "y", 1))
-		want := []picker.RewriteRule{{Name: "ours", Targets: []picker.RewriteTarget{{Model: "y", Weight: 1}}}}
+		want := []rewrite.Rule{{Name: "ours", Targets: []rewrite.Target{{Model: "y", Weight: 1}}}}
 		Eventually(sink.Rules).Should(Equal(want))
 		Consistently(sink.Rules, 300*time.Millisecond).Should(Equal(want))
 	})
@@ -140,17 +140,17 @@ var _ = Describe("Without InferenceModelRewrite served", func() {
 type recordingRewrites struct {
 	mu    sync.Mutex
 	calls int
-	last  []picker.RewriteRule
+	last  []rewrite.Rule
 }
 
-func (s *recordingRewrites) ReplaceRewrites(rules []picker.RewriteRule) {
+func (s *recordingRewrites) ReplaceRewrites(rules []rewrite.Rule) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.calls++
 	s.last = slices.Clone(rules)
 }
 
-func (s *recordingRewrites) Rules() []picker.RewriteRule {
+func (s *recordingRewrites) Rules() []rewrite.Rule {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return slices.Clone(s.last)

@@ -16,7 +16,7 @@ import (
 
 	"github.com/tallyepp/tally/api/v1alpha2"
 	"github.com/tallyepp/tally/controllers"
-	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/rewrite"
 )
 
 // listedRewrites is a cache that holds items.
@@ -46,15 +46,15 @@ func (w *statusWriter) Patch(_ context.Context, obj client.Object, _ client.Patc
 	return w.err
 }
 
-type ruleSink struct{ rules []picker.RewriteRule }
+type ruleSink struct{ rules []rewrite.Rule }
 
-func (s *ruleSink) ReplaceRewrites(r []picker.RewriteRule) { s.rules = r }
+func (s *ruleSink) ReplaceRewrites(r []rewrite.Rule) { s.rules = r }
 
 // Under upstream's chart the picker may not write a rewrite's status: it
 // says so once and applies the rewrites all the same. Other failures are
 // retried.
 func TestRewriteStatusWriteFailures(t *testing.T) {
-	items := []v1alpha2.InferenceModelRewrite{rewrite("a", "llm", 0, rule(nil, "x", 1)), rewrite("b", "llm", 1, rule(nil, "y", 1))}
+	items := []v1alpha2.InferenceModelRewrite{modelRewrite("a", "llm", 0, rule(nil, "x", 1)), modelRewrite("b", "llm", 1, rule(nil, "y", 1))}
 	gr := schema.GroupResource{Group: "inference.networking.x-k8s.io", Resource: "inferencemodelrewrites"}
 	for _, tc := range []struct {
 		name     string
@@ -98,7 +98,7 @@ func TestRewriteStatusWriteFailures(t *testing.T) {
 
 // A rewrite already marked Accepted at its generation is not written again.
 func TestRewriteStatusWrittenOnlyWhenItChanges(t *testing.T) {
-	items := []v1alpha2.InferenceModelRewrite{rewrite("a", "llm", 0, rule(nil, "x", 1))}
+	items := []v1alpha2.InferenceModelRewrite{modelRewrite("a", "llm", 0, rule(nil, "x", 1))}
 	w := &statusWriter{}
 	r := &controllers.InferenceModelRewriteReconciler{Client: listedRewrites{items: items}, Status: w, Pool: types.NamespacedName{Namespace: "ns", Name: "llm"}, Sink: &ruleSink{}}
 	if _, err := r.Reconcile(t.Context(), reconcile.Request{}); err != nil || len(w.patched) != 1 {

@@ -270,7 +270,7 @@ func (l *ledger) adapterCost(cands []candidate, model string, promptTokens int) 
 		}
 		// Loading the adapter stalls the engine's whole batch: every
 		// request in flight there waits the load time too.
-		c.cost += int(l.loraLoad.mean() * c.w.rate * float64(min(1+c.w.inFlight, maxLoadCharges)))
+		c.cost += int(l.loraLoad.Mean() * c.w.rate * float64(min(1+c.w.inFlight, maxLoadCharges)))
 		if c.w.adapterSlotsFull() {
 			c.loraOut = loraFull
 			continue

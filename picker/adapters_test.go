@@ -411,3 +411,17 @@ func TestAWaitForAnAdapterSlotIsNotLearnedAsALoad(t *testing.T) {
 		}
 	}
 }
+
+// vLLM keys its KV cache by adapter (a LoRA adapter is a model name): a
+// prefix cached for one model never serves another.
+func TestPrefixesNeverMatchAcrossModels(t *testing.T) {
+	p := newPicker(t, 1, testConfig(), Options{})
+	prompt := text("shared", 8000)
+	p.End(mustPick(t, p, Request{Model: "base", Prompt: prompt}), Outcome{})
+	if r := mustPick(t, p, Request{Model: "adapter-a", Prompt: prompt}); cachedTokens(r) != 0 {
+		t.Errorf("adapter-a found %d cached tokens of base's prompt, want 0", cachedTokens(r))
+	}
+	if r := mustPick(t, p, Request{Model: "base", Prompt: prompt}); cachedTokens(r) < 1900 {
+		t.Errorf("base found %d cached tokens of its own prompt, want about 2,000", cachedTokens(r))
+	}
+}

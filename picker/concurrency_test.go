@@ -80,7 +80,7 @@ func TestReleasesTakeEffectExactlyOnce(t *testing.T) {
 	// ledger above or below zero (assertLedgerEmpty); one that never did,
 	// a reservation unreleased.
 	p.mu.Lock()
-	unreleased, oldest := 0, p.l.picks.head
+	unreleased, oldest := 0, p.l.picks.Front()
 	for _, r := range res {
 		if !r.released {
 			unreleased++

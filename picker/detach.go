@@ -54,7 +54,7 @@ func (l *ledger) detach(r *Reservation, now int64) bool {
 	r.detached = true
 	w := r.row
 	w.detached++
-	w.detachedList.push(r)
+	w.detachedList.Push(r)
 	if r.decoding {
 		l.scheduleDetached(r, now)
 	}
@@ -85,7 +85,7 @@ func (l *ledger) scheduleDetached(r *Reservation, end int64) {
 func (l *ledger) unlinkDetached(r *Reservation) {
 	w := r.row
 	w.detached--
-	w.detachedList.remove(r)
+	w.detachedList.Remove(r)
 	if r.heapIdx >= 0 {
 		heap.Remove(&l.detachedDue, r.heapIdx)
 	}
@@ -107,8 +107,8 @@ func (l *ledger) expireDetached(now int64) (n int) {
 // oldest first, that had reached the engine by seen (picked detachArrival
 // before it): the engine reports fewer requests than the ledger holds.
 func (l *ledger) shortenDetached(w *row, excess int, now, seen int64) {
-	for r := w.detachedList.head; r != nil && excess > 0; {
-		next := r.detachLink.next
+	for r := w.detachedList.Front(); r != nil && excess > 0; {
+		next := w.detachedList.Next(r)
 		if r.pickedNs+int64(detachArrival) > seen {
 			break // the list is in detach order, close to pick order
 		}

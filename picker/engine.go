@@ -4,6 +4,8 @@ import (
 	"math"
 	"net/netip"
 	"time"
+
+	"github.com/tallyepp/tally/picker/internal/ratemodel"
 )
 
 // The engine's own view of an endpoint, as its /metrics report it, corrects
@@ -106,7 +108,7 @@ type engineView struct {
 	at            int64
 	// The share of predicted cached tokens the engine delivered, a mean
 	// over its recent predictions; see cacheTrust.
-	delivery decayedMean
+	delivery ratemodel.DecayedMean
 
 	scraped          bool
 	running, waiting int
@@ -161,10 +163,10 @@ func (e *engineView) learnCacheTrust(delivered, predicted int) {
 	if predicted <= 0 {
 		return
 	}
-	if e.delivery.weight == 0 {
-		e.delivery = startedAt(1, cacheTrustPrior)
+	if e.delivery.Weight() == 0 {
+		e.delivery = ratemodel.StartedAt(1, cacheTrustPrior)
 	}
-	e.delivery.add(min(float64(delivered)/float64(predicted), 1), cacheTrustDecay)
+	e.delivery.Add(min(float64(delivered)/float64(predicted), 1), cacheTrustDecay)
 }
 
 // cacheTrust is the share of the prefix index's predicted cached tokens the
@@ -176,10 +178,10 @@ func (e *engineView) learnCacheTrust(delivered, predicted int) {
 // without this a non-caching engine would keep drawing repeats on a cache
 // it does not have.
 func (e *engineView) cacheTrust() float64 {
-	if e.delivery.weight == 0 {
+	if e.delivery.Weight() == 0 {
 		return 1
 	}
-	return min(e.delivery.mean()/cacheTrustFull, 1)
+	return min(e.delivery.Mean()/cacheTrustFull, 1)
 }
 
 // foreignCost is the foreign load's share of the endpoint's cost at now.

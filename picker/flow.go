@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/picker/internal/ilist"
 )
 
 // Flow control is late binding: with cfg.FlowControl on, a request that
@@ -82,8 +83,8 @@ type Ticket struct {
 	seq                uint64 // arrival order
 
 	// Guarded by the picker's lock.
-	flowLink    link[Ticket] // in its flow, oldest first
-	arrivalLink link[Ticket] // in the queue's arrival list
+	flowLink    ilist.Link[Ticket] // in its flow, oldest first
+	arrivalLink ilist.Link[Ticket] // in the queue's arrival list
 	done        bool
 	err         error
 	outcome     int
@@ -99,7 +100,7 @@ type Ticket struct {
 type flow struct {
 	id      string
 	band    *band
-	tickets list[Ticket, flowLinks]
+	tickets ilist.List[Ticket, flowLinks]
 	n       int
 	// The band's ring of flows with waiting requests.
 	prev, next *flow
@@ -120,7 +121,7 @@ type flowQueue struct {
 	bands    []*band // by priority, highest first
 	n        int
 	bytes    int64
-	arrivals list[Ticket, arrivalLinks]
+	arrivals ilist.List[Ticket, arrivalLinks]
 	closed   bool
 	seq      uint64 // arrivals so far
 	free     []*row // scratch: unsaturated candidates of a cycle
@@ -236,11 +237,11 @@ func (l *ledger) enqueue(r *Reservation, req Request, now int64) (*Ticket, error
 	if f.n == 0 {
 		b.joinRing(f)
 	}
-	f.tickets.push(t)
+	f.tickets.Push(t)
 	f.n++
 	b.n++
 	b.bytes += bytes
-	q.arrivals.push(t)
+	q.arrivals.Push(t)
 	q.n++
 	q.bytes += bytes
 	return t, nil
@@ -293,14 +294,14 @@ func (l *ledger) finish(t *Ticket, err error, outcome int) {
 	q := &l.queue
 	f := t.flow
 	b := f.band
-	f.tickets.remove(t)
+	f.tickets.Remove(t)
 	f.n--
 	if f.n == 0 {
 		b.leaveRing(f)
 	}
 	b.n--
 	b.bytes -= t.bytes
-	q.arrivals.remove(t)
+	q.arrivals.Remove(t)
 	q.n--
 	q.bytes -= t.bytes
 	q.outcomes[outcome]++
@@ -314,7 +315,7 @@ func (l *ledger) dispatch(now int64) (placed int) {
 	if q.n == 0 {
 		return 0
 	}
-	for t := q.arrivals.head; t != nil && t.deadline <= now; t = q.arrivals.head {
+	for t := q.arrivals.Front(); t != nil && t.deadline <= now; t = q.arrivals.Front() {
 		l.finish(t, ErrQueueTimeout, outcomeEvictedTTL)
 	}
 	for q.n > 0 && len(l.candidateRows) > 0 {
@@ -400,7 +401,7 @@ func (l *ledger) nextTicket(free []*row, now int64) *Ticket {
 			// none of its may go on the free endpoints (a subset hint).
 			oldest := b.cursor
 			for f, k := b.cursor.next, 1; k < b.activeFlows; f, k = f.next, k+1 {
-				if f.tickets.head.seq < oldest.tickets.head.seq {
+				if f.tickets.Front().seq < oldest.tickets.Front().seq {
 					oldest = f
 				}
 			}
@@ -425,11 +426,11 @@ func (l *ledger) nextTicket(free []*row, now int64) *Ticket {
 func (l *ledger) chooseInFlow(f *flow, free []*row, now int64) *Ticket {
 	fc := &l.cfg.FlowControl
 	fcfs := fc.Ordering == v1alpha1.OrderingFCFS ||
-		now-f.tickets.head.enqueued >= int64(time.Duration(fc.MaxReorderMilliseconds)*time.Millisecond)
+		now-f.tickets.Front().enqueued >= int64(time.Duration(fc.MaxReorderMilliseconds)*time.Millisecond)
 	var best *Ticket
 	bestCost := 0
 	k := 0
-	for t := f.tickets.head; t != nil && k < cheapestWindow; t = t.flowLink.next {
+	for t := f.tickets.Front(); t != nil && k < cheapestWindow; t = f.tickets.Next(t) {
 		k++
 		cost, ok := l.costOnFree(t, free, now)
 		if !ok {
@@ -493,7 +494,7 @@ func (l *ledger) nextDue(now int64) int64 {
 		}
 	}
 	due = max(due, int64(minDispatchInterval))
-	if t := l.queue.arrivals.head; t != nil {
+	if t := l.queue.arrivals.Front(); t != nil {
 		due = min(due, max(t.deadline-now, 0))
 	}
 	return now + due
@@ -549,8 +550,8 @@ func (l *ledger) closeQueue() int {
 	q := &l.queue
 	q.closed = true
 	n := q.n
-	for q.arrivals.head != nil {
-		l.finish(q.arrivals.head, ErrShuttingDown, outcomeEvictedOther)
+	for q.arrivals.Front() != nil {
+		l.finish(q.arrivals.Front(), ErrShuttingDown, outcomeEvictedOther)
 	}
 	return n
 }

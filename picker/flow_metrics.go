@@ -106,7 +106,7 @@ func (l *ledger) flowGauges(now int64) (gauges []queueGauge, saturation float64,
 		priority        int
 	}
 	idx := map[key]int{}
-	for t := q.arrivals.head; t != nil; t = t.arrivalLink.next {
+	for t := q.arrivals.Front(); t != nil; t = q.arrivals.Next(t) {
 		k := key{t.flow.id, t.req.Model, t.flow.band.priority}
 		i, ok := idx[k]
 		if !ok {

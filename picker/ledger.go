@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/picker/internal/ilist"
+	"github.com/tallyepp/tally/picker/internal/ratemodel"
 	"github.com/tallyepp/tally/picker/prefix"
 )
 
@@ -56,15 +58,15 @@ type ledger struct {
 	baseModels, knownAdapters map[string]bool
 
 	// Reservations not yet released, oldest pick first (for the sweeper).
-	picks list[Reservation, pickLinks]
+	picks ilist.List[Reservation, pickLinks]
 
 	// The pool's prefill rate, learned from every endpoint's streamed first
 	// bytes (ratefit.go), and the fate of those samples.
-	pool        poolRate
+	pool        ratemodel.Pool
 	rateSamples [numRateSamples]uint64
 	// What loading an adapter takes, learned from the first bytes of
 	// requests that waited for one (adapters.go).
-	loraLoad decayedMean
+	loraLoad ratemodel.DecayedMean
 
 	// Detached reservations past their prefill, by modelled end, and the
 	// pool's decode model they end by (detach.go); why they ended.
@@ -94,8 +96,8 @@ func newLedger(cfg v1alpha1.PickerConfig, rnd *rand.Rand, failureThreshold int) 
 		index:            prefix.NewIndex(cfg.LRUCapacityBlocks),
 		// Until picks teach it: a guess at one request's prompt.
 		meanPromptTokens: defaultForeignRequestTokens,
-		pool:             newPoolRate(float64(cfg.PrefillTokensPerSecond)),
-		loraLoad:         startedAt(float64(cfg.LoRALoadMilliseconds)/1000, loraLoadPrior),
+		pool:             ratemodel.NewPool(float64(cfg.PrefillTokensPerSecond)),
+		loraLoad:         ratemodel.StartedAt(float64(cfg.LoRALoadMilliseconds)/1000, loraLoadPrior),
 		decodeNsPerToken: defaultDecodeNsPerToken,
 		meanOutputTokens: defaultOutputTokens,
 		scratch:          newScratch(),
@@ -185,7 +187,7 @@ func (l *ledger) sweep(now, lifetime int64) (released, dropped int) {
 	// The list is in lock order, and pick times are read just before the
 	// lock, so a reservation may sit behind one a few microseconds younger:
 	// it is then swept on the next run.
-	for r := l.picks.head; r != nil && r.pickedNs < cutoff; r = l.picks.head {
+	for r := l.picks.Front(); r != nil && r.pickedNs < cutoff; r = l.picks.Front() {
 		if r.detached {
 			l.detachEnds[detachEndSwept]++
 		}
@@ -327,7 +329,7 @@ func (l *ledger) release(r *Reservation, now int64) *[]uint64 {
 	r.row.drop(r, now)
 	r.prefill = 0
 	r.released = true
-	l.picks.remove(r)
+	l.picks.Remove(r)
 	buf := r.hashBuf
 	r.hashes, r.hashBuf = nil, nil
 	return buf

@@ -171,7 +171,7 @@ func (l *ledger) reserve(r *Reservation, c *candidate, model string, now int64) 
 	w.hold(r, now)
 	w.engine.recent.add(now)
 	l.meanPromptTokens += (float64(r.promptTokens) - l.meanPromptTokens) * meanPromptWeight
-	l.picks.push(r)
+	l.picks.Push(r)
 	// The head of the prompt (its first 32,000 tokens or so) is recorded
 	// here; a longer tail right after, in a lock hold of its own
 	// (recordTail), so that a huge prompt holds this critical section no

@@ -6,6 +6,8 @@ import (
 	"math/rand/v2"
 	"testing"
 	"time"
+
+	"github.com/tallyepp/tally/picker/internal/ratemodel"
 )
 
 // engineSim plays streamed requests against picker endpoints whose engines
@@ -245,7 +247,7 @@ func TestAFasterEnginesTimingIsLearnedWithEvidence(t *testing.T) {
 }
 
 // First bytes that come at once (a server that answers without a prefill,
-// a cache the index did not predict) teach no more than maxPrefillRate.
+// a cache the index did not predict) teach no more than ratemodel.MaxRate.
 func TestInstantFirstBytesTeachABoundedRate(t *testing.T) {
 	clock := newFakeClock()
 	p := newPicker(t, 3, testConfig(), Options{Clock: clock})
@@ -258,11 +260,11 @@ func TestInstantFirstBytesTeachABoundedRate(t *testing.T) {
 		p.End(r, Outcome{})
 	}
 	for _, r := range rates(p) {
-		if r > maxPrefillRate {
-			t.Fatalf("learned %.0f tokens/s from first bytes 1 ms after the pick, want at most %.0f", r, float64(maxPrefillRate))
+		if r > ratemodel.MaxRate {
+			t.Fatalf("learned %.0f tokens/s from first bytes 1 ms after the pick, want at most %.0f", r, float64(ratemodel.MaxRate))
 		}
 	}
-	if r := rates(p)[0]; r < maxPrefillRate/2 {
+	if r := rates(p)[0]; r < ratemodel.MaxRate/2 {
 		t.Errorf("learned %.0f tokens/s from first bytes 1 ms after the pick, want near the bound", r)
 	}
 }

@@ -1,6 +1,10 @@
 package picker
 
-import "net/netip"
+import (
+	"net/netip"
+
+	"github.com/tallyepp/tally/picker/internal/ilist"
+)
 
 // Reservation is one placed request's hold on the ledger, from Admit to
 // End. Its lifecycle goes through the Picker (FirstByte, ServedBy, End),
@@ -45,7 +49,7 @@ type Reservation struct {
 	// its modelled end and place in the picker's schedule once its prefill
 	// is done (heapIdx -1 while not scheduled).
 	detached   bool
-	detachLink link[Reservation]
+	detachLink ilist.Link[Reservation]
 	doneAt     int64
 	heapIdx    int
 
@@ -55,10 +59,10 @@ type Reservation struct {
 	endPos      float64
 	work        int
 	enqueuedAt  int64
-	prefillLink link[Reservation]
+	prefillLink ilist.Link[Reservation]
 
 	// The sweeper's list, in pick order.
-	pickLink link[Reservation]
+	pickLink ilist.Link[Reservation]
 }
 
 // Endpoints lists the chosen endpoint, then the next best by cost (exact ties

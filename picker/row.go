@@ -4,6 +4,9 @@ import (
 	"math"
 	"net/netip"
 	"time"
+
+	"github.com/tallyepp/tally/picker/internal/ilist"
+	"github.com/tallyepp/tally/picker/internal/ratemodel"
 )
 
 // row is one endpoint's line in the ledger. Reservations point at their row,
@@ -40,7 +43,7 @@ type row struct {
 	// utilizationWindow) during which the model had prefill queued here.
 	utilization float64
 	// Reservations still in prefill, in the order they joined the queue.
-	inPrefill list[Reservation, prefillLinks]
+	inPrefill ilist.List[Reservation, prefillLinks]
 
 	// What the engine's metrics say (see engine.go).
 	engine engineView
@@ -58,10 +61,10 @@ type row struct {
 	// How this endpoint's prefill differs from the pool's, learned from
 	// its streamed first bytes, and the floor its engine's own prefill
 	// timing sets (ratefit.go).
-	rates endpointRate
+	rates ratemodel.Endpoint
 	// Detached reservations (detach.go), in the order they were detached.
 	detached     int
-	detachedList list[Reservation, detachLinks]
+	detachedList ilist.List[Reservation, detachLinks]
 
 	// adapterRefs counts the requests in flight here by LoRA adapter, and
 	// recentAdapters are the last max_lora adapters used here, most recent
@@ -138,7 +141,7 @@ type endedPrefill struct {
 func (w *row) drain(now int64, ended []endedPrefill) []endedPrefill {
 	fromAt, fromOut := w.at, w.posOut
 	w.advance(now)
-	for r := w.inPrefill.head; r != nil && (r.endPos <= w.posOut || w.posOut >= w.posIn); r = w.inPrefill.head {
+	for r := w.inPrefill.Front(); r != nil && (r.endPos <= w.posOut || w.posOut >= w.posIn); r = w.inPrefill.Front() {
 		// When the model's position passed its end: its decoding started
 		// then, not at this (lazy) drain.
 		end := fromAt + int64(max(r.endPos-fromOut, 0)/w.rate*1e9)
@@ -173,7 +176,7 @@ func (w *row) hold(r *Reservation, now int64) {
 	r.endPos = w.posIn
 	r.work = ahead + r.prefill
 	r.enqueuedAt = now
-	w.inPrefill.push(r)
+	w.inPrefill.Push(r)
 }
 
 // drop takes r off the row, whatever it holds there.
@@ -204,14 +207,14 @@ func (w *row) endPrefill(r *Reservation, now int64) {
 func (w *row) leaveQueue(r *Reservation, now int64) {
 	w.advance(now)
 	rem := min(float64(r.prefill), max(r.endPos-w.posOut, 0))
-	if r == w.inPrefill.head {
+	if r == w.inPrefill.Front() {
 		w.posOut += rem
 	} else {
 		w.posIn -= rem
 	}
-	w.inPrefill.remove(r)
+	w.inPrefill.Remove(r)
 	w.prefill -= r.prefill
-	if w.inPrefill.head == nil { // nothing in prefill: the model has nothing queued
+	if w.inPrefill.Front() == nil { // nothing in prefill: the model has nothing queued
 		w.posIn, w.posOut = 0, 0
 	}
 }

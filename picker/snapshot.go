@@ -91,7 +91,7 @@ func (l *ledger) snapshot(now int64) Ledger {
 	s.DetachEnds = l.detachEnds
 	s.Waiting = l.queue.n
 	s.RateSamples = l.rateSamples
-	s.LoRALoadSeconds = l.loraLoad.mean()
+	s.LoRALoadSeconds = l.loraLoad.Mean()
 	s.WorkWeight = 1
 	s.ExpectedOutputTokens, s.DecodeSecondsPerToken = l.meanOutputTokens, l.decodeNsPerToken/1e9
 	// The detached reservations the model says are done by now, and the
@@ -157,7 +157,7 @@ func (l *ledger) projected(w *row, now int64, done map[*row][]*Reservation) proj
 	v.advance(now)
 	p := projection{inFlight: w.inFlight, decoding: w.decoding, detached: w.detached}
 	prefill, left := w.prefill, false
-	for r := w.inPrefill.head; r != nil; r = r.prefillLink.next {
+	for r := w.inPrefill.Front(); r != nil; r = w.inPrefill.Next(r) {
 		if r.endPos > v.posOut && v.posOut < v.posIn {
 			left = true
 			break

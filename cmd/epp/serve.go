@@ -26,6 +26,8 @@ import (
 	"github.com/tallyepp/tally/controllers"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/picker/objective"
+	"github.com/tallyepp/tally/picker/rewrite"
 	"github.com/tallyepp/tally/picker/scrape"
 )
 
@@ -105,7 +107,7 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 	}
 	// The pool's InferenceObjectives: the priority a request's objective
 	// header selects (flow control's bands).
-	objectives := &picker.Objectives{}
+	objectives := &objective.Priorities{}
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "tally_inference_objectives",
 		Help: "InferenceObjectives of the pool the picker knows: their priorities are flow control's bands.",
@@ -115,7 +117,7 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 	}
 	// The pool's InferenceModelRewrites: a matching request's model is
 	// rewritten in the body sent on, and the picker scores the target.
-	rewrites := &picker.Rewrites{}
+	rewrites := &rewrite.Table{}
 	if err := controllers.SetupRewrites(mgr, pool, rewrites); err != nil {
 		return fmt.Errorf("setting up the InferenceModelRewrite controller: %w", err)
 	}

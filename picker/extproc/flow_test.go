@@ -8,7 +8,7 @@ import (
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/internal/envoy"
-	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/objective"
 )
 
 // flowFixture is one endpoint with flow control on: at the default 10,000
@@ -24,7 +24,7 @@ func flowFixture(t testing.TB, edit func(*v1alpha1.FlowControl), o fixtureOption
 	o.cfg = &cfg
 	o.endpoints = endpoints(epA)
 	if o.objectives == nil {
-		objectives := &picker.Objectives{}
+		objectives := &objective.Priorities{}
 		objectives.ReplaceObjectives(map[string]int{"critical": 10, "batch": 0, "best-effort": -1})
 		o.objectives = objectives
 	}

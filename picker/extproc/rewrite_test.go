@@ -11,14 +11,14 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
 	"github.com/tallyepp/tally/internal/envoy"
-	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/picker/rewrite"
 )
 
 func TestModelRewriteRewritesTheBodyAndWhatIsScored(t *testing.T) {
-	rw := &picker.Rewrites{}
-	rw.ReplaceRewrites([]picker.RewriteRule{{Name: "canary", Models: []string{"llama"},
-		Targets: []picker.RewriteTarget{{Model: "llama-v2\u00e9", Weight: 1}}}})
+	rw := &rewrite.Table{}
+	rw.ReplaceRewrites([]rewrite.Rule{{Name: "canary", Models: []string{"llama"},
+		Targets: []rewrite.Target{{Model: "llama-v2\u00e9", Weight: 1}}}})
 	body := []byte(`{"stream":false,"model" : "llama","prompt":"` + letters(5, 3000) + `","max_tokens":7,"extra":{"model":"keep"}}`)
 	want := []byte(`{"stream":false,"model" : "llama-v2é","prompt":"` + letters(5, 3000) + `","max_tokens":7,"extra":{"model":"keep"}}`)
 	for _, mode := range []filterv3.ProcessingMode_BodySendMode{0, filterv3.ProcessingMode_BUFFERED} {
@@ -71,9 +71,9 @@ func TestModelRewriteRewritesTheBodyAndWhatIsScored(t *testing.T) {
 // request is sent on as where no rule matches its model (the upstream
 // picker's behaviour); a matching rule wins over it.
 func TestTheModelNameRewriteHeaderAppliesWhereNoRuleMatches(t *testing.T) {
-	rw := &picker.Rewrites{}
-	rw.ReplaceRewrites([]picker.RewriteRule{{Name: "canary", Models: []string{"llama"},
-		Targets: []picker.RewriteTarget{{Model: "llama-v2", Weight: 1}}}})
+	rw := &rewrite.Table{}
+	rw.ReplaceRewrites([]rewrite.Rule{{Name: "canary", Models: []string{"llama"},
+		Targets: []rewrite.Target{{Model: "llama-v2", Weight: 1}}}})
 	prompt := letters(7, 500)
 	for _, tc := range []struct {
 		name     string
@@ -113,8 +113,8 @@ func TestTheModelNameRewriteHeaderAppliesWhereNoRuleMatches(t *testing.T) {
 // untouched, whatever rule or header would rewrite it: nothing is written
 // into it and no decision is counted.
 func TestARewriteOnAnotherPathReplacesOnlyTheModelItNames(t *testing.T) {
-	rw := &picker.Rewrites{}
-	rw.ReplaceRewrites([]picker.RewriteRule{{Name: "everything", Targets: []picker.RewriteTarget{{Model: "base-v2", Weight: 1}}}})
+	rw := &rewrite.Table{}
+	rw.ReplaceRewrites([]rewrite.Rule{{Name: "everything", Targets: []rewrite.Target{{Model: "base-v2", Weight: 1}}}})
 	tokenize := []byte(`{"prompt":"hi","model" : "base","extra":{"model":"keep"},"add_special_tokens":true}`)
 	multipart := []byte("--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper\r\n--b--\r\n")
 	for _, mode := range []filterv3.ProcessingMode_BodySendMode{0, filterv3.ProcessingMode_BUFFERED} {
@@ -214,9 +214,9 @@ func TestTheResponseNamesTheClientsModel(t *testing.T) {
 			{"no rewrite", "mistral", "mistral"},
 		} {
 			t.Run(mode.name+"/"+tc.name, func(t *testing.T) {
-				rw := &picker.Rewrites{}
-				rw.ReplaceRewrites([]picker.RewriteRule{{Name: "canary", Models: []string{"llama"},
-					Targets: []picker.RewriteTarget{{Model: tc.target, Weight: 1}}}})
+				rw := &rewrite.Table{}
+				rw.ReplaceRewrites([]rewrite.Rule{{Name: "canary", Models: []string{"llama"},
+					Targets: []rewrite.Target{{Model: tc.target, Weight: 1}}}})
 				f := newFixture(t, fixtureOptions{rewrites: rw})
 				x, err := f.gw.Open(t.Context())
 				if err != nil {
@@ -287,9 +287,9 @@ func TestTheResponseNamesTheClientsModel(t *testing.T) {
 // is routed as the model it names, the rewrite is counted unapplied (not
 // as a decision), and the picker says so once.
 func TestARewriteAShimCannotApplyIsCountedNotScored(t *testing.T) {
-	rw := &picker.Rewrites{}
-	rw.ReplaceRewrites([]picker.RewriteRule{{Name: "canary", Models: []string{"llama"},
-		Targets: []picker.RewriteTarget{{Model: "llama-v2", Weight: 1}}}})
+	rw := &rewrite.Table{}
+	rw.ReplaceRewrites([]rewrite.Rule{{Name: "canary", Models: []string{"llama"},
+		Targets: []rewrite.Target{{Model: "llama-v2", Weight: 1}}}})
 	var lines logLines
 	logger := lines.logger()
 	var log *requestLog

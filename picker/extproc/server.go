@@ -46,7 +46,7 @@ type Picker interface {
 }
 
 // Objectives gives the priority of the InferenceObjective a request names;
-// *picker.Objectives implements it.
+// *objective.Priorities implements it.
 type Objectives interface {
 	Priority(name string) (priority int, ok bool)
 }
@@ -82,7 +82,7 @@ type Options struct {
 	Rewrites Rewrites
 }
 
-// Rewrites draws the model a request for model is sent to; *picker.Rewrites
+// Rewrites draws the model a request for model is sent to; *rewrite.Table
 // implements it.
 type Rewrites interface {
 	Rewrite(model string, draw func(n int) int) (target, rewrite string, ok bool)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/rewrite"
 )
 
 // FuzzStreamsLeaveNothingBehind plays an arbitrary sequence of ext_proc
@@ -37,9 +38,9 @@ func FuzzStreamsLeaveNothingBehind(f *testing.F) {
 func FuzzHeldStreamsLeaveNothingBehind(f *testing.F) {
 	var offset atomic.Int64
 	start := time.Now()
-	rw := &picker.Rewrites{}
-	rw.ReplaceRewrites([]picker.RewriteRule{{Name: "split", Models: []string{"m"},
-		Targets: []picker.RewriteTarget{{Model: "m-a", Weight: 1}, {Model: "m-bb", Weight: 1}}}})
+	rw := &rewrite.Table{}
+	rw.ReplaceRewrites([]rewrite.Rule{{Name: "split", Models: []string{"m"},
+		Targets: []rewrite.Target{{Model: "m-a", Weight: 1}, {Model: "m-bb", Weight: 1}}}})
 	fx := flowFixture(f, nil, fixtureOptions{quiet: true, rewrites: rw, now: func() time.Time { return start.Add(time.Duration(offset.Load())) }})
 	var inputs atomic.Uint64
 	fuzzStreams(f, fx, &offset, func(t *testing.T) func() {

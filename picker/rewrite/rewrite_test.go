@@ -1,4 +1,4 @@
-package picker
+package rewrite
 
 import (
 	"math"
@@ -7,16 +7,16 @@ import (
 )
 
 func TestRewritePrecedence(t *testing.T) {
-	var r Rewrites
+	var r Table
 	if got, _, ok := r.Rewrite("m", rand.IntN); ok || got != "m" {
 		t.Fatalf("no rules: %q %v, want m unchanged", got, ok)
 	}
-	r.ReplaceRewrites([]RewriteRule{
-		{Name: "old-catch-all", Targets: []RewriteTarget{{Model: "everything"}}},
-		{Name: "old", Models: []string{"a"}, Targets: []RewriteTarget{{Model: "a-old"}}},
-		{Name: "old", Models: []string{"a", "b"}, Targets: []RewriteTarget{{Model: "second-rule"}}},
-		{Name: "new", Models: []string{"a", "c"}, Targets: []RewriteTarget{{Model: "a-new"}}},
-		{Name: "new-catch-all", Targets: []RewriteTarget{{Model: "late"}}},
+	r.ReplaceRewrites([]Rule{
+		{Name: "old-catch-all", Targets: []Target{{Model: "everything"}}},
+		{Name: "old", Models: []string{"a"}, Targets: []Target{{Model: "a-old"}}},
+		{Name: "old", Models: []string{"a", "b"}, Targets: []Target{{Model: "second-rule"}}},
+		{Name: "new", Models: []string{"a", "c"}, Targets: []Target{{Model: "a-new"}}},
+		{Name: "new-catch-all", Targets: []Target{{Model: "late"}}},
 		{Name: "empty", Models: []string{"d"}},
 	})
 	for model, want := range map[string][2]string{
@@ -36,9 +36,9 @@ func TestRewritePrecedence(t *testing.T) {
 }
 
 func TestRewriteWeightsWithinABinomialBound(t *testing.T) {
-	var r Rewrites
-	r.ReplaceRewrites([]RewriteRule{{Name: "split", Models: []string{"m"},
-		Targets: []RewriteTarget{{Model: "v1", Weight: 90}, {Model: "v2", Weight: 9}, {Model: "v3", Weight: 1}}}})
+	var r Table
+	r.ReplaceRewrites([]Rule{{Name: "split", Models: []string{"m"},
+		Targets: []Target{{Model: "v1", Weight: 90}, {Model: "v2", Weight: 9}, {Model: "v3", Weight: 1}}}})
 	rng := rand.New(rand.NewPCG(3, 4))
 	const n = 10_000
 	counts := map[string]int{}
@@ -53,7 +53,7 @@ func TestRewriteWeightsWithinABinomialBound(t *testing.T) {
 		}
 	}
 	// No weights: equal shares.
-	r.ReplaceRewrites([]RewriteRule{{Models: []string{"m"}, Targets: []RewriteTarget{{Model: "x"}, {Model: "y"}}}})
+	r.ReplaceRewrites([]Rule{{Models: []string{"m"}, Targets: []Target{{Model: "x"}, {Model: "y"}}}})
 	counts = map[string]int{}
 	for range n {
 		got, _, _ := r.Rewrite("m", rng.IntN)
@@ -61,19 +61,5 @@ func TestRewriteWeightsWithinABinomialBound(t *testing.T) {
 	}
 	if d := math.Abs(float64(counts["x"]) - n/2); d > 4*math.Sqrt(n*0.25) {
 		t.Errorf("unweighted split %v, want about half each", counts)
-	}
-}
-
-// vLLM keys its KV cache by adapter (a LoRA adapter is a model name): a
-// prefix cached for one model never serves another.
-func TestPrefixesNeverMatchAcrossModels(t *testing.T) {
-	p := newPicker(t, 1, testConfig(), Options{})
-	prompt := text("shared", 8000)
-	p.End(mustPick(t, p, Request{Model: "base", Prompt: prompt}), Outcome{})
-	if r := mustPick(t, p, Request{Model: "adapter-a", Prompt: prompt}); cachedTokens(r) != 0 {
-		t.Errorf("adapter-a found %d cached tokens of base's prompt, want 0", cachedTokens(r))
-	}
-	if r := mustPick(t, p, Request{Model: "base", Prompt: prompt}); cachedTokens(r) < 1900 {
-		t.Errorf("base found %d cached tokens of its own prompt, want about 2,000", cachedTokens(r))
 	}
 }

@@ -1,43 +1,51 @@
-package picker
+// Package rewrite applies an InferencePool's InferenceModelRewrites: the
+// model a request names is sent on as another, drawn by weight from a
+// rule's targets. The controllers write the rules; the ext_proc streams read
+// them, once per request, without a lock.
+//
+// The invariant not to break: the rules are compiled into a table that is
+// replaced whole and never changed in place, so a reader sees one version of
+// them, old or new, never a mix.
+package rewrite
 
 import (
 	"sync/atomic"
 )
 
-// RewriteRule is one rule of the pool's InferenceModelRewrites: a request
+// Rule is one rule of the pool's InferenceModelRewrites: a request
 // whose model is one of Models (any model, when Models is empty: a
 // catch-all) is sent on with its model rewritten to one of Targets, drawn by
 // weight.
-type RewriteRule struct {
+type Rule struct {
 	// Name names the InferenceModelRewrite the rule came from (the metrics'
 	// model_rewrite_name).
 	Name   string
 	Models []string
 	// Targets with their weights; all zero weights mean equal weights. A
 	// rule without targets matches and rewrites nothing.
-	Targets []RewriteTarget
+	Targets []Target
 }
 
-// RewriteTarget is one weighted model a rule rewrites to.
-type RewriteTarget struct {
+// Target is one weighted model a rule rewrites to.
+type Target struct {
 	Model  string
 	Weight int
 }
 
-// Rewrites holds the pool's rewrite rules; readers never lock. The zero
+// Table holds the pool's rewrite rules; readers never lock. The zero
 // value rewrites nothing.
-type Rewrites struct {
-	t atomic.Pointer[rewriteTable]
+type Table struct {
+	t atomic.Pointer[table]
 }
 
-type rewriteTable struct {
-	exact    map[string]*rewriteRule
-	catchAll *rewriteRule
+type table struct {
+	exact    map[string]*compiled
+	catchAll *compiled
 }
 
-type rewriteRule struct {
+type compiled struct {
 	name    string
-	targets []RewriteTarget
+	targets []Target
 	// cumulative weights, for the draw; total is the last.
 	cum []int
 }
@@ -46,8 +54,8 @@ type rewriteRule struct {
 // rules of the oldest InferenceModelRewrite first, each resource's in list
 // order. An exact match wins over a catch-all wherever either comes; among
 // exact matches for one model, and among catch-alls, the first wins.
-func (r *Rewrites) ReplaceRewrites(rules []RewriteRule) {
-	t := &rewriteTable{exact: map[string]*rewriteRule{}}
+func (r *Table) ReplaceRewrites(rules []Rule) {
+	t := &table{exact: map[string]*compiled{}}
 	for _, rule := range rules {
 		c := compileRule(rule)
 		if len(rule.Models) == 0 {
@@ -65,8 +73,8 @@ func (r *Rewrites) ReplaceRewrites(rules []RewriteRule) {
 	r.t.Store(t)
 }
 
-func compileRule(rule RewriteRule) *rewriteRule {
-	c := &rewriteRule{name: rule.Name}
+func compileRule(rule Rule) *compiled {
+	c := &compiled{name: rule.Name}
 	equal := true
 	for _, t := range rule.Targets {
 		if t.Weight > 0 {
@@ -92,7 +100,7 @@ func compileRule(rule RewriteRule) *rewriteRule {
 // Rewrite returns the model a request for model goes to, and the name of
 // the rule's InferenceModelRewrite; ok is false when no rule rewrites it.
 // draw(n) must return a uniform number in [0, n).
-func (r *Rewrites) Rewrite(model string, draw func(n int) int) (target, rewrite string, ok bool) {
+func (r *Table) Rewrite(model string, draw func(n int) int) (target, rewrite string, ok bool) {
 	t := r.t.Load()
 	if t == nil {
 		return model, "", false
