@@ -53,107 +53,107 @@ import "slices"
 // Base-model requests, and engines that publish no adapters, are scored as
 // before.
 
-// isAdapter reports whether model is an adapter on c's engine. An engine
+// isAdapter reports whether model is an adapter on w's engine. An engine
 // that has not said (it publishes lora_requests_info only once it has run
 // requests, as vLLM) is judged by the pool: in a pool where some engine
 // publishes adapters, a model that is no engine's base model, or that an
 // engine has run as an adapter, is an adapter everywhere.
-func (l *ledger) isAdapter(c *row, model string) bool {
+func (l *ledger) isAdapter(w *row, model string) bool {
 	if model == "" || !l.loraSeen || l.baseModels[model] {
 		return false
 	}
-	return c.adapterFor(model, l.knownAdapters[model])
+	return w.adapterFor(model, l.knownAdapters[model])
 }
 
 // adapterFor is isAdapter for a model no engine of the pool calls its base
 // model; known says whether an engine has run it as an adapter.
-func (c *row) adapterFor(model string, known bool) bool {
-	e := &c.engine
-	return model != e.model && (e.model != "" || known || c.adapterRefs[model] > 0)
+func (w *row) adapterFor(model string, known bool) bool {
+	e := &w.engine
+	return model != e.model && (e.model != "" || known || w.adapterRefs[model] > 0)
 }
 
-// adapterResident reports whether model is loaded or about to be on c:
+// adapterResident reports whether model is loaded or about to be on w:
 // running or waiting there, held by a request in flight, or among the last
 // max_lora adapters used there (vLLM keeps an idle adapter in its slot
 // until another needs it, and publishes only running and waiting ones).
-func (c *row) adapterResident(model string) bool {
-	return c.adapterActive(model, c.adapterRefs[model]) || c.adapterRecent(model)
+func (w *row) adapterResident(model string) bool {
+	return w.adapterActive(model, w.adapterRefs[model]) || w.adapterRecent(model)
 }
 
-// adapterActive reports whether model is running, waiting or held on c,
+// adapterActive reports whether model is running, waiting or held on w,
 // where refs of its requests are in flight: the affinity of a burst
 // follows these, not an adapter idle in a slot.
-func (c *row) adapterActive(model string, refs int) bool {
-	e := &c.engine
-	if c.starving(model) {
+func (w *row) adapterActive(model string, refs int) bool {
+	e := &w.engine
+	if w.starving(model) {
 		return false
 	}
 	return refs > 0 || slices.Contains(e.runningAdapters, model) || slices.Contains(e.waitingAdapters, model)
 }
 
 // adapterRecent reports whether model is among the last max_lora adapters
-// used on c, and not starving there.
-func (c *row) adapterRecent(model string) bool {
-	return !c.starving(model) && slices.Contains(c.recentAdapters, model)
+// used on w, and not starving there.
+func (w *row) adapterRecent(model string) bool {
+	return !w.starving(model) && slices.Contains(w.recentAdapters, model)
 }
 
 // adapterLoadFor reports whether a request for adapter a ("" for the base
-// model) placed on c waits for a to load, and whether it waits first for
-// a slot: c's engine runs max_lora other adapters.
-func (c *row) adapterLoadFor(a string) (load, wait bool) {
-	if a == "" || c.adapterResident(a) {
+// model) placed on w waits for a to load, and whether it waits first for
+// a slot: w's engine runs max_lora other adapters.
+func (w *row) adapterLoadFor(a string) (load, wait bool) {
+	if a == "" || w.adapterResident(a) {
 		return false, false
 	}
-	return true, c.adapterSlotsFull()
+	return true, w.adapterSlotsFull()
 }
 
-// adapterSlotsFull reports whether c's engine runs max_lora adapters: one
+// adapterSlotsFull reports whether w's engine runs max_lora adapters: one
 // more waits for a slot.
-func (c *row) adapterSlotsFull() bool {
-	m := c.engine.maxLoRAs
-	return m > 0 && c.activeAdapters() >= m
+func (w *row) adapterSlotsFull() bool {
+	m := w.engine.maxLoRAs
+	return m > 0 && w.activeAdapters() >= m
 }
 
-// starving reports whether model's requests wait on c's engine for a slot
+// starving reports whether model's requests wait on w's engine for a slot
 // (at its last scrape): waiting there, not running, with every slot held by
 // running adapters. vLLM admits other adapters' waiting requests past them,
 // so while the running adapters' requests keep coming they wait on.
-func (c *row) starving(model string) bool {
-	e := &c.engine
+func (w *row) starving(model string) bool {
+	e := &w.engine
 	return e.maxLoRAs > 0 && len(e.runningAdapters) >= e.maxLoRAs &&
 		slices.Contains(e.waitingAdapters, model) && !slices.Contains(e.runningAdapters, model)
 }
 
-// starves reports whether some adapter other than model starves on c: a
-// request for one of c's running adapters there would keep its slot held.
-func (c *row) starves(model string) bool {
-	for _, a := range c.engine.waitingAdapters {
-		if a != model && c.starving(a) {
+// starves reports whether some adapter other than model starves on w: a
+// request for one of w's running adapters there would keep its slot held.
+func (w *row) starves(model string) bool {
+	for _, a := range w.engine.waitingAdapters {
+		if a != model && w.starving(a) {
 			return true
 		}
 	}
 	return false
 }
 
-// useAdapter records that a is in use on c: the most recent of its last
+// useAdapter records that a is in use on w: the most recent of its last
 // max_lora adapters (at least one), those its slots hold.
-func (c *row) useAdapter(a string) {
-	slots := max(c.engine.maxLoRAs, 1)
-	if i := slices.Index(c.recentAdapters, a); i >= 0 {
-		c.recentAdapters = slices.Delete(c.recentAdapters, i, i+1)
+func (w *row) useAdapter(a string) {
+	slots := max(w.engine.maxLoRAs, 1)
+	if i := slices.Index(w.recentAdapters, a); i >= 0 {
+		w.recentAdapters = slices.Delete(w.recentAdapters, i, i+1)
 	}
-	c.recentAdapters = slices.Insert(c.recentAdapters, 0, a)
-	if len(c.recentAdapters) > slots {
-		c.recentAdapters = c.recentAdapters[:slots]
+	w.recentAdapters = slices.Insert(w.recentAdapters, 0, a)
+	if len(w.recentAdapters) > slots {
+		w.recentAdapters = w.recentAdapters[:slots]
 	}
 }
 
-// activeAdapters counts the distinct adapters c runs: its engine's, and
+// activeAdapters counts the distinct adapters w runs: its engine's, and
 // those of requests in flight there the engine had not reported.
-func (c *row) activeAdapters() int {
-	n := len(c.engine.runningAdapters)
-	for a, refs := range c.adapterRefs {
-		if refs > 0 && !slices.Contains(c.engine.runningAdapters, a) {
+func (w *row) activeAdapters() int {
+	n := len(w.engine.runningAdapters)
+	for a, refs := range w.adapterRefs {
+		if refs > 0 && !slices.Contains(w.engine.runningAdapters, a) {
 			n++
 		}
 	}

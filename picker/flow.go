@@ -358,35 +358,6 @@ func (l *ledger) freeRows(now int64) []*row {
 	return q.free
 }
 
-// saturated reports whether c may take no request now: over a static
-// limit (overLimit) or, with flow control, over its threshold.
-func (l *ledger) saturated(c *row, queued, decoding int, now int64) bool {
-	return l.overLimit(c, queued) || l.flowOn && l.flowFull(c, queued+c.engine.foreignCost(now), decoding)
-}
-
-// overLimit reports whether c is over a static saturation limit
-// (cfg.Saturation): it is then no candidate at all.
-func (l *ledger) overLimit(c *row, queued int) bool {
-	sat := &l.cfg.Saturation
-	return sat.MaxInFlightRequests > 0 && c.inFlight >= sat.MaxInFlightRequests ||
-		sat.MaxPrefillTokens > 0 && queued >= sat.MaxPrefillTokens
-}
-
-// flowFull reports whether c is over flow control's threshold: its
-// queued prefill (the ledger's drain model, plus the load its engine
-// reports beyond the ledger) would take holdPrefillMilliseconds at its
-// rate, or its decoding slots are full. (Trusting an engine's waiting
-// count beyond the ledger's prefill held every request a scrape interval,
-// 250 ms, under extproc-load's steady load: the count is read before the
-// requests it counts have started.)
-func (l *ledger) flowFull(c *row, work, decoding int) bool {
-	fc := &l.cfg.FlowControl
-	if fc.MaxDecodingRequests > 0 && decoding >= fc.MaxDecodingRequests {
-		return true
-	}
-	return work > 0 && float64(work)*1000 >= float64(fc.HoldPrefillMilliseconds)*c.rate
-}
-
 // nextTicket chooses the next request to place on one of free: from
 // the highest band with one that may go there, the flow whose turn it is,
 // and in it the cheapest of the first few (or the oldest).

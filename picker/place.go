@@ -154,6 +154,34 @@ func (l *ledger) saturation(cands []candidate, r *Reservation, now int64) (eligi
 	return eligible, free
 }
 
+// saturated reports whether w may take no request now: over a static
+// limit (overLimit) or, with flow control, over its threshold.
+func (l *ledger) saturated(w *row, queued, decoding int, now int64) bool {
+	return l.overLimit(w, queued) || l.flowOn && l.flowFull(w, queued+w.engine.foreignCost(now), decoding)
+}
+
+// overLimit reports whether w is over a static saturation limit
+// (cfg.Saturation): it is then no candidate at all.
+func (l *ledger) overLimit(w *row, queued int) bool {
+	sat := &l.cfg.Saturation
+	return sat.MaxInFlightRequests > 0 && w.inFlight >= sat.MaxInFlightRequests ||
+		sat.MaxPrefillTokens > 0 && queued >= sat.MaxPrefillTokens
+}
+
+// flowFull reports whether w is over flow control's threshold: its
+// queued prefill (the ledger's drain model, plus the load its engine
+// reports beyond the ledger) would take holdPrefillMilliseconds at its
+// rate, or its decoding slots are full. An engine's waiting count is not
+// trusted here: it is read before the requests it counts have started
+// (docs/design.md, "Flow control").
+func (l *ledger) flowFull(w *row, work, decoding int) bool {
+	fc := &l.cfg.FlowControl
+	if fc.MaxDecodingRequests > 0 && decoding >= fc.MaxDecodingRequests {
+		return true
+	}
+	return work > 0 && float64(work)*1000 >= float64(fc.HoldPrefillMilliseconds)*w.rate
+}
+
 // reserve holds r on c's row and records its prompt's head there.
 func (l *ledger) reserve(r *Reservation, c *candidate, model string, now int64) {
 	w := c.w
