@@ -220,42 +220,18 @@ func WithDefaults(c PickerConfig) PickerConfig {
 }
 
 func (c *PickerConfig) setDefaults() {
-	if c.APIVersion == "" {
-		c.APIVersion = GroupVersion
-	}
-	if c.Kind == "" {
-		c.Kind = KindPickerConfig
-	}
-	if c.BlockSizeChars == 0 {
-		c.BlockSizeChars = DefaultBlockSizeChars
-	}
-	if c.LRUCapacityBlocks == 0 {
-		c.LRUCapacityBlocks = DefaultLRUCapacityBlocks
-	}
-	if c.CharsPerToken == 0 {
-		c.CharsPerToken = DefaultCharsPerToken
-	}
-	if c.DecodeWeightTokens == 0 {
-		c.DecodeWeightTokens = DefaultDecodeWeightTokens
-	}
-	if c.FallbackEndpoints == 0 {
-		c.FallbackEndpoints = DefaultFallbackEndpoints
-	}
-	if c.MaxRequestBytes == 0 {
-		c.MaxRequestBytes = DefaultMaxRequestBytes
-	}
-	if c.MaxPromptBlocks == 0 {
-		c.MaxPromptBlocks = DefaultMaxPromptBlocks
-	}
-	if c.EndpointRetentionSeconds == 0 {
-		c.EndpointRetentionSeconds = DefaultEndpointRetentionSeconds
-	}
-	if c.PrefillTokensPerSecond == 0 {
-		c.PrefillTokensPerSecond = DefaultPrefillTokensPerSecond
-	}
-	if c.LoRALoadMilliseconds == 0 {
-		c.LoRALoadMilliseconds = DefaultLoRALoadMilliseconds
-	}
+	c.APIVersion = cmp.Or(c.APIVersion, GroupVersion)
+	c.Kind = cmp.Or(c.Kind, KindPickerConfig)
+	c.BlockSizeChars = cmp.Or(c.BlockSizeChars, DefaultBlockSizeChars)
+	c.LRUCapacityBlocks = cmp.Or(c.LRUCapacityBlocks, DefaultLRUCapacityBlocks)
+	c.CharsPerToken = cmp.Or(c.CharsPerToken, DefaultCharsPerToken)
+	c.DecodeWeightTokens = cmp.Or(c.DecodeWeightTokens, DefaultDecodeWeightTokens)
+	c.FallbackEndpoints = cmp.Or(c.FallbackEndpoints, DefaultFallbackEndpoints)
+	c.MaxRequestBytes = cmp.Or(c.MaxRequestBytes, DefaultMaxRequestBytes)
+	c.MaxPromptBlocks = cmp.Or(c.MaxPromptBlocks, DefaultMaxPromptBlocks)
+	c.EndpointRetentionSeconds = cmp.Or(c.EndpointRetentionSeconds, DefaultEndpointRetentionSeconds)
+	c.PrefillTokensPerSecond = cmp.Or(c.PrefillTokensPerSecond, DefaultPrefillTokensPerSecond)
+	c.LoRALoadMilliseconds = cmp.Or(c.LoRALoadMilliseconds, DefaultLoRALoadMilliseconds)
 	f := &c.FlowControl
 	f.HoldPrefillMilliseconds = cmp.Or(f.HoldPrefillMilliseconds, DefaultHoldPrefillMilliseconds)
 	f.RequestTTLSeconds = cmp.Or(f.RequestTTLSeconds, DefaultRequestTTLSeconds)
