@@ -3,48 +3,17 @@
 // reservations or clock. The ledger decides which samples to offer and
 // when (picker/ratefit.go); this package says what they teach.
 //
-// Learning prefill rates that cannot collapse.
-//
-// A streamed first byte says the request's prefill, and the prefill queued
-// ahead of it, took the time since it joined its endpoint's queue (plus
-// fixed costs that are not prefill). Two things make that signal mislead:
-// noise (a busy machine, a short sample), and first bytes that are late for
-// reasons that are not prefill (a proxy that buffers responses, an engine
-// whose first chunk comes at the end). Learned per endpoint from a few
-// samples each, identical engines drifted apart by 4x, and late first bytes
-// dragged rates down until routing was worse than round-robin. So:
-//
-//   - The pool's rate is one fit, seconds = overhead + tokens/rate, by least
-//     squares over every endpoint's samples (Fit); an endpoint differs
-//     from it only by a learned factor (its own samples' rate against the
-//     pool's), shrunk toward 1 by how much of it is noise, and bounded to
-//     1.25x either way (up to 4x with many samples). The shrinking is
-//     empirical Bayes: the endpoints' factors spread by their real
-//     differences plus their noise (each one's samples' variance over
-//     their number), so an endpoint keeps the share of its factor that the
-//     spread beyond noise explains, or more where its factor alone is many
-//     times its noise. Shrunk by a fixed n/(n+8) instead, identical engines
-//     learned rates over 15% apart in 9 of 200 simulated runs of 500
-//     requests (and in e2e runs on a busy machine).
-//   - The fit's overhead is at most maxPrefillOverhead. A sample's tokens
-//     are the drain model's queue ahead of it plus its own, and a model that
-//     drains too fast sees an empty queue where the engine had one: such
-//     samples take longer than their tokens say. Unbounded, the overhead
-//     took that wait (seconds of it under load), the slope flattened, the
-//     rate rose (routesim's picker learned 154,120 tokens/s of engines
-//     that peak at 48,559), the model drained faster still and saw even
-//     less queue. Bounded, a sample that waited for unmodelled work lowers
-//     the rate, so the model drains slower and sees that work.
-//   - Where the engine publishes its own prefill timing (vLLM's prefill time
-//     histogram and prompt token counters), uncached prompt tokens over
-//     prefill seconds is a floor on its rate: requests prefilled together
-//     each count the shared time, so it can only understate the rate, and
-//     no proxy can make it late. The floor, too, is the pool's (a mean over
-//     every engine's windows), from which an engine's own timing moves it
-//     as its factor moves its rate: shrunk and bounded by its evidence.
-//     Floored each by its own timing, identical engines were 1.45x apart
-//     after a few noisy windows, and 4x while only one had been timed; a
-//     burst then drained faster on the one floored highest and herded.
+// Rates that cannot collapse: a streamed first byte says the request's
+// prefill, and the prefill queued ahead of it, took the time since it
+// joined its endpoint's queue; noise and late first bytes make that signal
+// mislead. So the pool's rate is one least-squares fit, seconds = overhead
+// + tokens/rate, over every endpoint's samples (Fit), with the overhead
+// bounded (maxPrefillOverhead); an endpoint differs from it only by a
+// factor shrunk toward 1 by its noise and bounded by its evidence
+// (empirical Bayes over the endpoints' spread); and an engine's own
+// prefill timing floors the pool's rate, and an endpoint's as its factor
+// moves it. What each choice measured, and what the alternatives cost, is
+// in docs/design.md ("Learned prefill rates").
 //
 // The invariant not to break: an endpoint's rate is the pool's moved by a
 // factor its own evidence bounds (Pool.RateOf), never a rate learned from
