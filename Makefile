@@ -28,9 +28,10 @@ nginx: ## Install (once, with apt-get) NGINX and its NJS module, which the NGINX
 # The tiers of `make test` (hack/test-packages.sh lists their packages).
 # Unit: every package but the end-to-end suite, with -short, which skips
 # each test that needs a process from outside its test binary (a
-# kube-apiserver and etcd, NGINX, a binary of bin/; testtier.SkipIfShort).
-# Integration: the packages holding such tests, in full (their unit tests
-# run again, a few seconds). End to end: test/e2e, alone.
+# kube-apiserver and etcd, NGINX, a binary of bin/) or tens of seconds of
+# CPU under -race (testtier.SkipIfShort). Integration: the packages holding
+# such tests, in full (their unit tests run again, about half a minute).
+# End to end: test/e2e, alone.
 TEST_UNIT = $(GO) test -race -short -count=1 $$(GO=$(GO) hack/test-packages.sh unit)
 TEST_INTEGRATION = KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" TALLY_E2E_BIN_DIR="$(CURDIR)/bin" $(GO) test -race -count=1 $$(GO=$(GO) hack/test-packages.sh integration)
 

@@ -2,7 +2,7 @@
 # Prints the packages of one tier of `make test`, one a line:
 #   unit         every package but the end-to-end suite; run with -short, so
 #                each test that needs a process from outside its test binary
-#                (testtier.SkipIfShort) skips
+#                or tens of seconds of CPU (testtier.SkipIfShort) skips
 #   integration  the packages whose tests call testtier.SkipIfShort (they
 #                import internal/testtier), but the end-to-end suite; run in
 #                full
