@@ -23,6 +23,7 @@ import (
 
 	"github.com/tallyepp/tally/controllers"
 	"github.com/tallyepp/tally/internal/testenv"
+	"github.com/tallyepp/tally/internal/testtier"
 	"github.com/tallyepp/tally/picker"
 )
 
@@ -35,6 +36,7 @@ var (
 )
 
 func TestControllers(t *testing.T) {
+	testtier.SkipIfShort(t, "a kube-apiserver and etcd (envtest)")
 	RegisterFailHandler(Fail)
 	RunSpecs(t, "Controllers Suite")
 }

@@ -1,6 +1,8 @@
 package picker
 
 import (
+	"github.com/tallyepp/tally/internal/testtier"
+
 	"cmp"
 	"fmt"
 	"math/rand/v2"
@@ -108,6 +110,7 @@ func burstAfterBurst(t *testing.T, seed uint64, interval, offset, lag time.Durat
 // 1 to 12) placed one endpoint 44 with the ledger within one at the end
 // (55 / 55 / 55, 65 / 64 / 64).
 func TestABurstAfterABurstOfDetachedRequestsSpreads(t *testing.T) {
+	testtier.SkipIfShort(t, "144 full bursts simulated (about 27 s of CPU with -race)")
 	for seed := range uint64(4) {
 		for _, interval := range []time.Duration{10 * time.Millisecond, 50 * time.Millisecond, 250 * time.Millisecond} {
 			for _, offset := range []time.Duration{0, 3 * time.Millisecond} {

@@ -1,6 +1,8 @@
 package picker
 
 import (
+	"github.com/tallyepp/tally/internal/testtier"
+
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -74,6 +76,7 @@ func newSim(t *testing.T, engineRates []float64, seed uint64) *engineSim {
 // pool by how much of its factor the noise explains. (Shrunk by a fixed
 // n/(n+8), 9 of 200 seeds spread over 15%.)
 func TestIdenticalEnginesLearnRatesThatAgree(t *testing.T) {
+	testtier.SkipIfShort(t, "200 simulated runs of the rate model (about 9 s of CPU with -race)")
 	for seed := range uint64(20) {
 		s := newSim(t, []float64{50_000, 50_000, 50_000, 50_000}, seed)
 		s.run(500)

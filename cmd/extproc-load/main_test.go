@@ -19,6 +19,7 @@ import (
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/internal/docsection"
+	"github.com/tallyepp/tally/internal/testtier"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/debugledger"
 	"github.com/tallyepp/tally/picker/extproc"
@@ -172,6 +173,7 @@ func TestChurnLeavesTheLedgerEmpty(t *testing.T) {
 // the API server, the pool, the pods and the epp binary, and reads the
 // ledger over HTTP.
 func TestChurnThroughTheStack(t *testing.T) {
+	testtier.SkipIfShort(t, "a kube-apiserver and etcd (envtest), and bin/epp")
 	bin := os.Getenv("TALLY_E2E_BIN_DIR")
 	if bin == "" {
 		t.Skip("TALLY_E2E_BIN_DIR is not set (make test sets it): no epp binary to start")

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/internal/modelsim/engine"
+	"github.com/tallyepp/tally/internal/testtier"
 )
 
 // loraConfig is the multi-adapter pool of the tests: 8 adapters drawn
@@ -23,6 +24,7 @@ func loraConfig() Config {
 // than the same picker blind to them; upstream-like's LoRA scorer fewer
 // than round-robin.
 func TestAdaptersOnTheSampleTrace(t *testing.T) {
+	testtier.SkipIfShort(t, "every policy over the sample trace with adapters, tens of seconds of CPU under -race")
 	w, err := Prepare(loadSample(t, 150), loraConfig())
 	if err != nil {
 		t.Fatal(err)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/internal/modelsim/engine"
+	"github.com/tallyepp/tally/internal/testtier"
 )
 
 const sampleTrace = "../../test/data/mooncake_sample.jsonl"
@@ -31,6 +32,7 @@ func loadSample(t *testing.T, n int) []Request {
 // request completes, none beats its own no-queueing bound, and the real
 // picker (random tie-breaking, learned rates) gives the same numbers twice.
 func TestPoliciesOnTheSampleTrace(t *testing.T) {
+	testtier.SkipIfShort(t, "every policy over the sample trace, twice for the real picker, tens of seconds of CPU under -race")
 	w, err := Prepare(loadSample(t, 120), Config{Engines: 4, KVBlocks: engine.DefaultKVBlocks, LoadFactor: 2, NonStreaming: 0.3, Bypass: 0.2, Seed: 7})
 	if err != nil {
 		t.Fatal(err)

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+
+	"github.com/tallyepp/tally/internal/testtier"
 )
 
 // Bursts: 128 concurrent streams of 32,000-token prompts (128,000 chars at
@@ -16,9 +18,11 @@ import (
 const (
 	burstStreams     = 128
 	burstPromptChars = 128_000
+	burstNeeds       = "128 streams of 128,000-character prompts through the gRPC server, tens of seconds of CPU under -race"
 )
 
 func TestWarmBurstSpreadsEvenly(t *testing.T) {
+	testtier.SkipIfShort(t, burstNeeds)
 	f := newFixture(t, fixtureOptions{quiet: true})
 	prefix := letters(100, 2_048) // 512 tokens
 	warmUp(t, f, prefix+letters(101, 1_000), "127.0.0.11:8000")
@@ -28,6 +32,7 @@ func TestWarmBurstSpreadsEvenly(t *testing.T) {
 }
 
 func TestColdBurstSpreadsEvenly(t *testing.T) {
+	testtier.SkipIfShort(t, burstNeeds)
 	f := newFixture(t, fixtureOptions{quiet: true})
 	split := burst(t, f, letters(200, 2_048))
 	t.Logf("cold burst (fresh 512-token prefix): A=%d B=%d C=%d", split[0], split[1], split[2])
@@ -35,6 +40,7 @@ func TestColdBurstSpreadsEvenly(t *testing.T) {
 }
 
 func TestLongPrefixBurstFavoursItsHolder(t *testing.T) {
+	testtier.SkipIfShort(t, burstNeeds)
 	f := newFixture(t, fixtureOptions{quiet: true})
 	prefix := letters(300, 120_000) // 30,000 tokens
 	warmUp(t, f, prefix+letters(301, 1_000), "127.0.0.11:8000")

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/internal/envoy"
+	"github.com/tallyepp/tally/internal/testtier"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
 )
@@ -38,6 +39,7 @@ func (c *counting) Admit(ctx context.Context, req picker.Request) (*picker.Reser
 // once the 10,000 are over, and nothing once they end too; with the number
 // of successful picks counted, effective releases = picks - what is held.
 func TestLedgerReturnsToZero(t *testing.T) {
+	testtier.SkipIfShort(t, "10,000 streams through the gRPC server, tens of seconds of CPU under -race")
 	const (
 		requests    = 10_000
 		concurrency = 32

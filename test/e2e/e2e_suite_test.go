@@ -29,9 +29,11 @@ import (
 
 	"github.com/tallyepp/tally/internal/stack"
 	"github.com/tallyepp/tally/internal/testenv"
+	"github.com/tallyepp/tally/internal/testtier"
 )
 
 func TestE2E(t *testing.T) {
+	testtier.SkipIfShort(t, "a kube-apiserver and etcd (envtest), the epp, devgateway and ngf-shim binaries, and NGINX")
 	// The suite's pods listen on fixed loopback addresses: a second suite
 	// started on the same machine (another clone's `make test`) waits for
 	// this one instead of failing on an address in use.

@@ -45,6 +45,7 @@ import (
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/tallyepp/tally/internal/testenv"
+	"github.com/tallyepp/tally/internal/testtier"
 )
 
 const (
@@ -72,9 +73,7 @@ type cluster struct {
 // a real API server and runs the picker binary the way the rendered
 // Deployment would, as the rendered ServiceAccount.
 func TestInstallOnAPIServer(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts an API server and builds the picker; skipped with -short")
-	}
+	testtier.SkipIfShort(t, "a kube-apiserver and etcd (envtest), and the epp binary it builds")
 	root := repoRoot(t)
 	bin := buildPicker(t, root)
 	c := startCluster(t, root)

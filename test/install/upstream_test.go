@@ -43,6 +43,7 @@ import (
 	kptr "k8s.io/utils/ptr"
 
 	modelsim "github.com/tallyepp/tally/internal/modelsim/server"
+	"github.com/tallyepp/tally/internal/testtier"
 )
 
 // upstreamModule is the last gateway-api-inference-extension release with the
@@ -156,9 +157,7 @@ const upstreamRequiredValues = "inferencePool: {modelServers: {matchLabels: {app
 // through the chart's own probes, pick, and, with the chart's monitoring on,
 // serve metrics to the chart's identity only.
 func TestUpstreamChartRunsTally(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts an API server and builds the picker; skipped with -short")
-	}
+	testtier.SkipIfShort(t, "a kube-apiserver and etcd (envtest), and the epp binary it builds")
 	root := repoRoot(t)
 	bin := buildPicker(t, root)
 	c := startCluster(t, root)

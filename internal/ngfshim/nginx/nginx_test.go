@@ -25,6 +25,7 @@ import (
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
 	"github.com/tallyepp/tally/internal/ngfshim"
+	"github.com/tallyepp/tally/internal/testtier"
 )
 
 // These tests run the rendered configuration in a real NGINX, with the shim
@@ -141,6 +142,7 @@ func addrOf(ln net.Listener) netip.AddrPort {
 // the given failure mode. The picker is down when pickerDown is set.
 func startRig(t *testing.T, mode infv1.EndpointPickerFailureMode, pickerDown bool) *rig {
 	t.Helper()
+	testtier.SkipIfShort(t, "NGINX with its NJS module")
 	bin, jsModule, err := Find()
 	if err != nil {
 		if Optional() {
