@@ -29,6 +29,7 @@ import (
 	"google.golang.org/grpc/experimental"
 	"google.golang.org/grpc/status"
 
+	"github.com/tallyepp/tally/internal/logging"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc/internal/wire"
 )
@@ -133,7 +134,7 @@ func NewServer(p Picker, opts Options) *Server {
 		s.upstream.register(opts.Registerer)
 	}
 	if opts.ConformanceTestHooks {
-		opts.Log.Info("WARNING: conformance test hooks are on: a request's " + testSelectionHeader +
+		logging.Warn(opts.Log, "conformance test hooks are on: a request's "+testSelectionHeader+
 			" header chooses its endpoint; turn them off outside the conformance suite")
 	}
 	return s

@@ -23,6 +23,7 @@ import (
 	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/tallyepp/tally/internal/logging"
 	"github.com/tallyepp/tally/picker"
 )
 
@@ -195,7 +196,7 @@ func (s *Scraper) Round(ctx context.Context, targets []picker.ScrapeTarget) {
 		case slices.Contains(failed, r.Address):
 			s.opts.Log.Info("endpoint left the candidates: its metrics scrapes keep failing", "endpoint", a, "error", errs[i].Error())
 		case s.once("read:" + a):
-			s.opts.Log.Info("WARNING: cannot read an endpoint's metrics; it serves on the picker's ledger alone, and leaves the candidates only if its metrics stop answering after they have answered",
+			logging.Warn(s.opts.Log, "cannot read an endpoint's metrics; it serves on the picker's ledger alone, and leaves the candidates only if its metrics stop answering after they have answered",
 				"endpoint", a, "error", errs[i].Error())
 		}
 	}
@@ -225,7 +226,7 @@ func (s *Scraper) fetch(ctx context.Context, t picker.ScrapeTarget) (picker.Engi
 		// Read as vLLM, as the upstream picker reads an engine it does not
 		// know.
 		if s.once("engine:" + engine) {
-			s.opts.Log.Info("WARNING: an engine type the picker does not know; its metrics are read by vLLM's names",
+			logging.Warn(s.opts.Log, "an engine type the picker does not know; its metrics are read by vLLM's names",
 				"engineType", engine, "known", []string{EngineVLLM, EngineSGLang, EngineTRTLLM})
 		}
 		n = s.vllm
