@@ -81,6 +81,15 @@ type Options struct {
 	// Rewrites rewrites the model of requests the pool's
 	// InferenceModelRewrites match; nil: none.
 	Rewrites Rewrites
+	// Pool says why the pool offers no endpoint, for the answer to a
+	// request refused for want of one; nil: the answer gives no cause.
+	Pool Pool
+}
+
+// Pool tells why the pool offers no endpoint at all, in words a user can
+// act on, or "" when it offers some; *controllers.PoolStatus implements it.
+type Pool interface {
+	NoEndpointReason() string
 }
 
 // Rewrites draws the model a request for model is sent to; *picker.Rewrites

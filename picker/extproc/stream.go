@@ -559,7 +559,7 @@ func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 			// is no one to answer, and nothing was left behind.
 			return errAnswered
 		}
-		return st.reject(err)
+		return st.reject(st.explain(err))
 	}
 	st.res, st.decided = res, true
 	st.s.metrics.requests.WithLabelValues("200").Inc()
