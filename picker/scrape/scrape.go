@@ -67,7 +67,7 @@ type Options struct {
 
 // MetricNames are the names of the metric families an engine is read by.
 type MetricNames struct {
-	Running, Waiting, KVCacheUsage, LoRAInfo, CacheInfo string
+	Running, Waiting, KVCacheUsage, LoRAInfo, CacheInfo MetricSpec
 }
 
 // Scraper scrapes every endpoint the picker knows, every Interval.
@@ -109,11 +109,13 @@ func New(p Picker, opts Options) *Scraper {
 	}
 	vllm := engines[EngineVLLM]
 	if o := opts.VLLM; o != nil {
-		if o.KVCacheUsage != vllm.kvUsage {
+		if o.KVCacheUsage.Name != vllm.kvUsage || o.KVCacheUsage.Labels != nil {
 			vllm.kvUsageOld = "" // older servers' name, read only beside vLLM's own
 		}
-		vllm.running, vllm.waiting, vllm.kvUsage = o.Running, o.Waiting, o.KVCacheUsage
-		vllm.loraInfo, vllm.cacheInfo = o.LoRAInfo, o.CacheInfo
+		vllm.running, vllm.waiting, vllm.kvUsage = o.Running.Name, o.Waiting.Name, o.KVCacheUsage.Name
+		vllm.loraInfo, vllm.cacheInfo = o.LoRAInfo.Name, o.CacheInfo.Name
+		vllm.runningLabels, vllm.waitingLabels, vllm.kvUsageLabels = o.Running.Labels, o.Waiting.Labels, o.KVCacheUsage.Labels
+		vllm.loraInfoLabels, vllm.cacheInfoLabels = o.LoRAInfo.Labels, o.CacheInfo.Labels
 	}
 	s := &Scraper{
 		p:      p,
