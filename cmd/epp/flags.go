@@ -76,6 +76,10 @@ type options struct {
 
 	// conformanceTestHooks turns on extproc.Options.ConformanceTestHooks.
 	conformanceTestHooks bool
+	// lenientConfig runs the picker with an EndpointPickerConfig whose
+	// unsupported settings (upstreamconfig.Note.Unsupported) are left out,
+	// each logged as a warning, instead of refusing to start.
+	lenientConfig bool
 
 	// Engine metrics scrapes (picker/scrape), named as the upstream
 	// picker's flags are.
@@ -92,6 +96,10 @@ type options struct {
 }
 
 const inferencePoolGroup = "inference.networking.k8s.io"
+
+// lenientConfigFlag is Tally's own: the upstream picker has no such flag
+// (it refuses a plugin type it does not know, and reads its metric specs).
+const lenientConfigFlag = "--lenient-config"
 
 // parseFlags parses args (without the program name). getenv supplies the
 // environment so tests need not touch the process's. The returned ignored
@@ -119,6 +127,7 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	fs.DurationVar(&o.retryPeriod, "ha-retry-period", 2*time.Second, "with leader election: how often the leader renews and a standby tries to take the lease")
 	fs.StringVar(&o.configFile, "config-file", "", "path of a PickerConfig file")
 	fs.StringVar(&o.configText, "config-text", "", "a PickerConfig given inline (instead of --config-file)")
+	fs.BoolVar(&o.lenientConfig, lenientConfigFlag[2:], false, "start with an upstream EndpointPickerConfig that has settings Tally cannot honour (plugin types it does not know, metric specs in the file), leaving them out with a warning each, instead of refusing to start")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, else in-cluster)")
 	fs.IntVar(&o.verbosity, "v", 0, "log verbosity (0 is info, higher is more)")
 	fs.Int64Var(&o.maxRequestBytes, "max-request-bytes", 0, "largest request body accepted, in bytes; larger bodies get 413 (default: the config's maxRequestBytes, "+fmt.Sprint(v1alpha1.DefaultMaxRequestBytes>>20)+" MiB)")

@@ -77,10 +77,17 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		fmt.Fprintf(stderr, "epp: %v\n", err)
 		return exitFailure
 	}
+	if err := upstreamconfig.Unsupported(notes, lenientConfigFlag); err != nil && !opts.lenientConfig {
+		fmt.Fprintf(stderr, "epp: %v\n", err)
+		return exitFailure
+	}
 	for _, n := range notes {
-		if n.Mapped != "" {
+		switch {
+		case n.Mapped != "":
 			log.Info("EndpointPickerConfig setting mapped", "field", n.Field, "to", n.Mapped, "how", n.Reason)
-		} else {
+		case n.Unsupported:
+			logging.Warn(log, "running without an EndpointPickerConfig setting that Tally cannot honour ("+lenientConfigFlag+")", "field", n.Field, "reason", n.Reason)
+		default:
 			log.Info("ignoring an EndpointPickerConfig setting that Tally does not apply", "field", n.Field, "reason", n.Reason)
 		}
 	}
