@@ -28,7 +28,9 @@ type PodReconciler struct {
 
 // Reconcile recomputes the whole endpoint set, whatever changed.
 func (r *PodReconciler) Reconcile(ctx context.Context, _ reconcile.Request) (reconcile.Result, error) {
-	return reconcile.Result{}, r.Endpoints.Sync(ctx, r.Client, r.Pool)
+	// The pool's reconciler looks again while there is a problem.
+	_, err := r.Endpoints.Sync(ctx, r.Client, r.Pool)
+	return reconcile.Result{}, err
 }
 
 // SetupWithManager watches every pod in the cached namespace, including pods

@@ -29,9 +29,16 @@ type InferencePoolReconciler struct {
 	Endpoints *EndpointSync
 }
 
-// Reconcile recomputes the whole endpoint set, whatever changed.
+// Reconcile recomputes the whole endpoint set, whatever changed. While the
+// pool has a problem (it does not exist, or offers no endpoint) it looks
+// again every ReportInterval, so the problem is reported again even when
+// nothing in the cluster changes.
 func (r *InferencePoolReconciler) Reconcile(ctx context.Context, _ reconcile.Request) (reconcile.Result, error) {
-	return reconcile.Result{}, r.Endpoints.Sync(ctx, r.Client, r.Pool)
+	problem, err := r.Endpoints.Sync(ctx, r.Client, r.Pool)
+	if err != nil || !problem {
+		return reconcile.Result{}, err
+	}
+	return reconcile.Result{RequeueAfter: r.Endpoints.reportInterval}, nil
 }
 
 // SetupWithManager watches the pool's spec. Besides pool events it queues one

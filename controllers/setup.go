@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -31,6 +32,9 @@ import (
 // picker's namespace.
 // +kubebuilder:rbac:groups=coordination.k8s.io,namespace=tally-system,resources=leases,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups="",namespace=tally-system,resources=events,verbs=create;patch
+
+// The pool's problems are recorded as events/v1 Events on it (Options.Events).
+// +kubebuilder:rbac:groups=events.k8s.io,namespace=tally-system,resources=events,verbs=create;patch
 
 // Scheme returns a scheme with the client-go core types, InferencePool v1,
 // and InferenceObjective and InferenceModelRewrite v1alpha2.
@@ -61,17 +65,31 @@ func CacheOptions(namespace string) cache.Options {
 	}
 }
 
+// Options are Setup's optional collaborators.
+type Options struct {
+	// Status, when set, is kept equal to what the controllers last saw of
+	// the pool: whether it exists (the picker's readiness) and why it
+	// offers no endpoint (the answer to a refused request).
+	Status *PoolStatus
+	// Events records a problem with the pool (its selector matches no pod,
+	// or no Ready pod) as an Event on it; nil: logged only.
+	Events EventRecorder
+	// ReportInterval is how often a lasting problem is reported again;
+	// zero or less means DefaultReportInterval.
+	ReportInterval time.Duration
+}
+
 // Setup registers the InferencePool and pod reconcilers on mgr. They keep set
 // equal to the endpoints of the pool named pool, which must be in the
 // namespace that the manager's cache covers (CacheOptions).
-func Setup(mgr ctrl.Manager, pool types.NamespacedName, set picker.EndpointSet) error {
+func Setup(mgr ctrl.Manager, pool types.NamespacedName, set picker.EndpointSet, o Options) error {
 	if err := checkPool(pool); err != nil {
 		return err
 	}
 	if set == nil {
 		return errors.New("endpoint set is nil: the reconcilers need a picker.EndpointSet to feed")
 	}
-	endpoints := NewEndpointSync(set)
+	endpoints := newEndpointSync(set, o)
 	poolR := &InferencePoolReconciler{Client: mgr.GetClient(), Pool: pool, Endpoints: endpoints}
 	if err := poolR.SetupWithManager(mgr); err != nil {
 		return err

@@ -10,6 +10,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/log"
+
+	"github.com/tallyepp/tally/picker/logging"
 )
 
 // accepter marks the resources a picker applies Accepted, the one
@@ -45,7 +47,7 @@ func accept[T client.Object](ctx context.Context, a *accepter, obj T, conds func
 		return nil
 	case apierrors.IsForbidden(err):
 		if !a.forbidden.Swap(true) {
-			log.FromContext(ctx).Info(fmt.Sprintf("WARNING: may not write %s status (RBAC: patch on its status); the picker applies them all the same, their status stays as it is", a.kind),
+			logging.Warn(log.FromContext(ctx), fmt.Sprintf("may not write %s status (RBAC: patch on its status); the picker applies them all the same, their status stays as it is", a.kind),
 				"name", obj.GetName(), "error", err.Error())
 		}
 		return nil

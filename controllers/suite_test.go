@@ -3,10 +3,13 @@ package controllers_test
 import (
 	"context"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
@@ -119,16 +122,36 @@ func newNamespace() string {
 // (Scheme, CacheOptions, Setup) for the pool poolName in ns, and stops it when
 // the spec ends.
 func startPicker(ns string) *recordingSet {
+	return startPickerWith(ns, controllers.Options{}, GinkgoLogr).set
+}
+
+// pickerRun is what a spec can watch of a picker started by startPickerWith.
+type pickerRun struct {
+	set    *recordingSet
+	status *controllers.PoolStatus
+}
+
+// startPickerWith is startPicker with Setup's options and the manager's
+// logger; o.Status is filled in, and o.Events is the manager's events/v1
+// recorder, as in the binary, unless given.
+func startPickerWith(ns string, o controllers.Options, logger logr.Logger) pickerRun {
 	set := &recordingSet{}
 	mgr, err := ctrl.NewManager(restCfg, ctrl.Options{
 		Scheme:  controllers.Scheme(),
 		Cache:   controllers.CacheOptions(ns),
 		Metrics: metricsserver.Options{BindAddress: "0"},
+		Logger:  logger,
 		// Each spec runs its own manager with the same controller names.
 		Controller: config.Controller{SkipNameValidation: new(true)},
 	})
 	Expect(err).NotTo(HaveOccurred())
-	Expect(controllers.Setup(mgr, types.NamespacedName{Namespace: ns, Name: poolName}, set)).To(Succeed())
+	if o.Status == nil {
+		o.Status = &controllers.PoolStatus{}
+	}
+	if o.Events == nil {
+		o.Events = mgr.GetEventRecorder("tally-epp")
+	}
+	Expect(controllers.Setup(mgr, types.NamespacedName{Namespace: ns, Name: poolName}, set, o)).To(Succeed())
 
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -140,7 +163,39 @@ func startPicker(ns string) *recordingSet {
 		cancel()
 		Eventually(done, 30*time.Second).Should(Receive(BeNil()))
 	})
-	return set
+	return pickerRun{set: set, status: o.Status}
+}
+
+// logRecorder keeps the lines a logger writes at the default verbosity
+// (V(0)), as funcr formats them.
+type logRecorder struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (r *logRecorder) logger() logr.Logger {
+	return funcr.New(func(prefix, args string) {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		r.lines = append(r.lines, prefix+" "+args)
+	}, funcr.Options{Verbosity: 0})
+}
+
+// Matching returns the lines that contain every one of subs.
+func (r *logRecorder) Matching(subs ...string) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []string
+	for _, l := range r.lines {
+		all := true
+		for _, s := range subs {
+			all = all && strings.Contains(l, s)
+		}
+		if all {
+			out = append(out, l)
+		}
+	}
+	return out
 }
 
 func newPool(ns string, labels map[string]string, ports ...int32) *infv1.InferencePool {

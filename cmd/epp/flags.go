@@ -76,6 +76,10 @@ type options struct {
 
 	// conformanceTestHooks turns on extproc.Options.ConformanceTestHooks.
 	conformanceTestHooks bool
+	// lenientConfig runs the picker with an EndpointPickerConfig whose
+	// unsupported settings (upstreamconfig.Note.Unsupported) are left out,
+	// each logged as a warning, instead of refusing to start.
+	lenientConfig bool
 
 	// Engine metrics scrapes (picker/scrape), named as the upstream
 	// picker's flags are.
@@ -92,6 +96,10 @@ type options struct {
 }
 
 const inferencePoolGroup = "inference.networking.k8s.io"
+
+// lenientConfigFlag is Tally's own: the upstream picker has no such flag
+// (it refuses a plugin type it does not know, and reads its metric specs).
+const lenientConfigFlag = "--lenient-config"
 
 // parseFlags parses args (without the program name). getenv supplies the
 // environment so tests need not touch the process's. The returned ignored
@@ -119,6 +127,7 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	fs.DurationVar(&o.retryPeriod, "ha-retry-period", 2*time.Second, "with leader election: how often the leader renews and a standby tries to take the lease")
 	fs.StringVar(&o.configFile, "config-file", "", "path of a PickerConfig file")
 	fs.StringVar(&o.configText, "config-text", "", "a PickerConfig given inline (instead of --config-file)")
+	fs.BoolVar(&o.lenientConfig, lenientConfigFlag[2:], false, "start with an upstream EndpointPickerConfig that has settings Tally cannot honour (plugin types it does not know, metric specs in the file), leaving them out with a warning each, instead of refusing to start")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, else in-cluster)")
 	fs.IntVar(&o.verbosity, "v", 0, "log verbosity (0 is info, higher is more)")
 	fs.Int64Var(&o.maxRequestBytes, "max-request-bytes", 0, "largest request body accepted, in bytes; larger bodies get 413 (default: the config's maxRequestBytes, "+fmt.Sprint(v1alpha1.DefaultMaxRequestBytes>>20)+" MiB)")
@@ -132,16 +141,18 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	fs.StringVar(&o.scrapePath, "model-server-metrics-path", scrape.DefaultPath, "path of the model servers' metrics")
 	metricFlags := []struct {
 		name, def string
-		into      *string
+		spec      string
+		into      *scrape.MetricSpec
 	}{
-		{"total-queued-requests-metric", "vllm:num_requests_waiting", &o.metricNames.Waiting},
-		{"total-running-requests-metric", "vllm:num_requests_running", &o.metricNames.Running},
-		{"kv-cache-usage-percentage-metric", "vllm:kv_cache_usage_perc", &o.metricNames.KVCacheUsage},
-		{"lora-info-metric", "vllm:lora_requests_info", &o.metricNames.LoRAInfo},
-		{"cache-info-metric", "vllm:cache_config_info", &o.metricNames.CacheInfo},
+		{name: "total-queued-requests-metric", def: "vllm:num_requests_waiting", into: &o.metricNames.Waiting},
+		{name: "total-running-requests-metric", def: "vllm:num_requests_running", into: &o.metricNames.Running},
+		{name: "kv-cache-usage-percentage-metric", def: "vllm:kv_cache_usage_perc", into: &o.metricNames.KVCacheUsage},
+		{name: "lora-info-metric", def: "vllm:lora_requests_info", into: &o.metricNames.LoRAInfo},
+		{name: "cache-info-metric", def: "vllm:cache_config_info", into: &o.metricNames.CacheInfo},
 	}
-	for _, m := range metricFlags {
-		fs.StringVar(m.into, m.name, m.def, "the metric vLLM engines (and engines of a type the picker does not know) are read by, as the upstream picker's flag (empty: not read); a {label=value} filter is not applied")
+	for i := range metricFlags {
+		m := &metricFlags[i]
+		fs.StringVar(&m.spec, m.name, m.def, "the metric vLLM engines (and engines of a type the picker does not know) are read by, as the upstream picker's flag: name or name{label=value,...}, whose series with those labels are read (empty: not read)")
 	}
 	fs.IntVar(&o.scrapePort, "model-server-metrics-port", 0, "port of the model servers' metrics (0: the endpoint's target port)")
 	fs.BoolVar(&o.scrapeInsecure, "model-server-metrics-https-insecure-skip-verify", true, "skip verifying the model servers' certificates over https")
@@ -190,11 +201,11 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	o.scrapePath = strings.Trim(o.scrapePath, `"'`)
 	var metricErrs []error
 	for _, m := range metricFlags {
-		name, err := metricName(strings.Trim(*m.into, `"'`))
+		spec, err := scrape.ParseMetricSpec(strings.Trim(m.spec, `"'`))
 		if err != nil {
 			metricErrs = append(metricErrs, fmt.Errorf("flag --%s: %w", m.name, err))
 		}
-		*m.into = name // "": not read, as upstream
+		*m.into = spec // empty: not read, as upstream
 	}
 	if err := errors.Join(append(metricErrs, o.validate())...); err != nil {
 		return o, ignored, err
@@ -296,19 +307,4 @@ func (o options) readConfig() ([]byte, error) {
 		return data, nil
 	}
 	return nil, nil
-}
-
-// metricName reads an upstream metric specification, name{label=value,...},
-// for its name: Tally reads a family's series whatever their labels.
-func metricName(spec string) (string, error) {
-	spec = strings.TrimSpace(spec)
-	name, labels, hasLabels := strings.Cut(spec, "{")
-	name = strings.TrimSpace(name)
-	if hasLabels && !strings.HasSuffix(labels, "}") || strings.ContainsAny(name, "}= ") {
-		return "", fmt.Errorf("%q is invalid: must be a metric name, optionally followed by {label=value,...}", spec)
-	}
-	if name == "" && spec != "" {
-		return "", fmt.Errorf("%q is invalid: the metric name is empty", spec)
-	}
-	return name, nil
 }

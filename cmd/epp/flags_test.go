@@ -5,6 +5,7 @@ import (
 	"context"
 	"github.com/tallyepp/tally/picker/scrape"
 	"math"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -107,11 +108,11 @@ func TestUpstreamOnlyFlagsAreAcceptedAndReported(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The metric names are honoured: quotes and label filters dropped, an
-	// empty one not read.
-	want := scrape.MetricNames{Waiting: "sglang:num_queue_reqs", Running: "vllm:num_requests_running",
-		KVCacheUsage: "my:kv", LoRAInfo: "", CacheInfo: "vllm:cache_config_info"}
-	if o.metricNames != want {
+	// The metric specs are honoured: quotes dropped, label filters kept,
+	// an empty one not read.
+	want := scrape.MetricNames{Waiting: scrape.MetricSpec{Name: "sglang:num_queue_reqs"}, Running: scrape.MetricSpec{Name: "vllm:num_requests_running"},
+		KVCacheUsage: scrape.MetricSpec{Name: "my:kv", Labels: []scrape.Label{{Name: "model", Value: "x"}}}, CacheInfo: scrape.MetricSpec{Name: "vllm:cache_config_info"}}
+	if !reflect.DeepEqual(o.metricNames, want) {
 		t.Errorf("metric names %+v, want %+v", o.metricNames, want)
 	}
 	var names []string

@@ -33,11 +33,13 @@ import (
 	"syscall"
 
 	"github.com/go-logr/logr"
+	uberzap "go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/picker/logging"
 	"github.com/tallyepp/tally/picker/upstreamconfig"
 )
 
@@ -75,10 +77,17 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		fmt.Fprintf(stderr, "epp: %v\n", err)
 		return exitFailure
 	}
+	if err := upstreamconfig.Unsupported(notes, lenientConfigFlag); err != nil && !opts.lenientConfig {
+		fmt.Fprintf(stderr, "epp: %v\n", err)
+		return exitFailure
+	}
 	for _, n := range notes {
-		if n.Mapped != "" {
+		switch {
+		case n.Mapped != "":
 			log.Info("EndpointPickerConfig setting mapped", "field", n.Field, "to", n.Mapped, "how", n.Reason)
-		} else {
+		case n.Unsupported:
+			logging.Warn(log, "running without an EndpointPickerConfig setting that Tally cannot honour ("+lenientConfigFlag+")", "field", n.Field, "reason", n.Reason)
+		default:
 			log.Info("ignoring an EndpointPickerConfig setting that Tally does not apply", "field", n.Field, "reason", n.Reason)
 		}
 	}
@@ -91,12 +100,23 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 
 // newLogger builds the logger from the --zap-* flags (controller-runtime's,
 // as the upstream picker takes them) and -v, which --zap-log-level overrides.
+//
+// Warnings: logr has no warn level, and the picker logs through logr, so a
+// warning is logged with logging.Warn (an info line at V(0) marked
+// "warning"=true) and logging.WarnLevel writes it as zap's warn level
+// ("level":"warn" in JSON, WARN on the console). The alternatives were
+// worse: Error(nil, ...) reads as a failure and carries a stack trace in
+// development mode, and a bare "WARNING:" prefix in the message cannot be
+// filtered on by level.
 func newLogger(opts options, stderr io.Writer) logr.Logger {
 	z := opts.zap
 	if !opts.zapLevelSet {
 		z.Level = zapcore.Level(-opts.verbosity)
 	}
-	return zap.New(zap.UseFlagOptions(&z), zap.WriteTo(stderr))
+	// UseFlagOptions first: it replaces the options wholesale. WarnLevel is
+	// the innermost core, inside the sampler that production mode adds.
+	return zap.New(zap.UseFlagOptions(&z), zap.WriteTo(stderr),
+		zap.RawZapOpts(uberzap.WrapCore(logging.WarnLevel)))
 }
 
 // loadConfig reads the configuration file of either kind (a PickerConfig, or

@@ -26,6 +26,7 @@ import (
 	"github.com/tallyepp/tally/controllers"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/picker/logging"
 	"github.com/tallyepp/tally/picker/objective"
 	"github.com/tallyepp/tally/picker/rewrite"
 	"github.com/tallyepp/tally/picker/scrape"
@@ -102,7 +103,14 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 		return fmt.Errorf("creating the controller manager: %w", err)
 	}
 	pool := types.NamespacedName{Namespace: opts.poolNamespace, Name: opts.poolName}
-	if err := controllers.Setup(mgr, pool, pick); err != nil {
+	// What the controllers last saw of the pool: readiness waits for it to
+	// exist, and a refused request's answer says why the pool offers no
+	// endpoint.
+	poolStatus := &controllers.PoolStatus{}
+	if err := controllers.Setup(mgr, pool, pick, controllers.Options{
+		Status: poolStatus,
+		Events: mgr.GetEventRecorder("tally-epp"),
+	}); err != nil {
 		return fmt.Errorf("setting up the controllers: %w", err)
 	}
 	// The pool's InferenceObjectives: the priority a request's objective
@@ -158,6 +166,7 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 		ConformanceTestHooks:    opts.conformanceTestHooks,
 		Objectives:              objectives,
 		Rewrites:                rewrites,
+		Pool:                    poolStatus,
 	}).Register(extprocServer)
 	health := extproc.NewHealth()
 	healthServer := grpc.NewServer()
@@ -214,12 +223,11 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 	if certs != nil {
 		g.Go(func() error { return certs.Start(serving) })
 	}
+	elected := mgr.Elected()
 	g.Go(func() error {
-		awaitReady(managing, pick, mgr.Elected(), opts.leaderElection)
-		if managing.Err() == nil {
-			health.SetReady(true)
-			log.Info("ready", "pool", pool.String(), "grpcPort", opts.grpcPort)
-		}
+		followReadiness(managing, readinessPollInterval, func() (bool, string) {
+			return readiness(pick.Synced(), poolStatus.Load(), opts.leaderElection, isClosed(elected))
+		}, health.SetReady, log.WithValues("pool", pool.String(), "grpcPort", opts.grpcPort))
 		return nil
 	})
 	g.Go(func() error {
@@ -262,24 +270,57 @@ func listen(flagName string, port int) (net.Listener, error) {
 	return lis, nil
 }
 
-// awaitReady returns once the endpoint set is synced and, with leader
-// election, this replica leads (or ctx ends).
-func awaitReady(ctx context.Context, pick *picker.Picker, elected <-chan struct{}, leaderElection bool) {
-	if leaderElection {
-		select {
-		case <-elected:
-		case <-ctx.Done():
-			return
-		}
+// readiness says whether the picker is ready, and if not why: the endpoint
+// set is synced, the pool exists (a picker for a pool that does not exist
+// would answer every request 503) and, with leader election, this replica
+// leads.
+func readiness(synced bool, pool controllers.PoolState, leaderElection, leads bool) (bool, string) {
+	switch {
+	case leaderElection && !leads:
+		return false, "another replica leads"
+	case !synced || !pool.Seen:
+		return false, "the pool has not been read yet"
+	case !pool.Found:
+		_, why := pool.Problem()
+		return false, why
 	}
-	t := time.NewTicker(readinessPollInterval)
+	return true, ""
+}
+
+// followReadiness sets the readiness services from ready every interval
+// until ctx ends, and logs each change: ready goes back to false when the
+// pool is deleted, and to true when it comes back.
+func followReadiness(ctx context.Context, interval time.Duration, ready func() (bool, string), set func(bool), log logr.Logger) {
+	t := time.NewTicker(interval)
 	defer t.Stop()
-	for !pick.Synced() {
+	was, first := false, true
+	for {
+		now, why := ready()
+		if now != was || first {
+			switch {
+			case now:
+				log.Info("ready")
+			case !first:
+				logging.Warn(log, "not ready: "+why)
+			}
+			set(now)
+			was, first = now, false
+		}
 		select {
 		case <-t.C:
 		case <-ctx.Done():
 			return
 		}
+	}
+}
+
+// isClosed reports whether ch is closed.
+func isClosed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
 	}
 }
 

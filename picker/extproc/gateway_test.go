@@ -67,6 +67,8 @@ type fixtureOptions struct {
 	rewrites extproc.Rewrites
 	// now is the picker's clock; nil: one that stands still.
 	now func() time.Time
+	// pool says why the pool offers no endpoint; nil: no cause is given.
+	pool extproc.Pool
 }
 
 type fixture struct {
@@ -118,6 +120,7 @@ func newFixture(t testing.TB, o fixtureOptions) *fixture {
 		ConformanceTestHooks:    o.conformanceTestHooks,
 		Objectives:              o.objectives,
 		Rewrites:                o.rewrites,
+		Pool:                    o.pool,
 	})
 	// WaitForHandlers: Stop returns only once every stream has ended, so no
 	// stream logs after its test is over.

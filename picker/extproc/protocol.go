@@ -3,6 +3,7 @@ package extproc
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/netip"
 	"strconv"
 	"strings"
@@ -276,4 +277,55 @@ func servedForTest(md *corev3.Metadata) string {
 		return "fail: missing destination endpoint served metadata"
 	}
 	return v.GetStringValue()
+}
+
+// explain adds to a refusal for want of endpoints (or of room on them) its
+// cause, as the client will read it in the answer's message: the pool does
+// not exist, or has no Ready endpoint yet; the gateway's subset hint names
+// no endpoint of the pool (with the addresses it names); every endpoint it
+// may go to is saturated. Other errors are returned as they are.
+func (st *stream) explain(err error) error {
+	var why string
+	if p := st.s.opts.Pool; p != nil {
+		why = p.NoEndpointReason()
+	}
+	switch {
+	case errors.Is(err, picker.ErrNoEndpoint) && why != "":
+		return fmt.Errorf("%w: %s", err, why)
+	case errors.Is(err, picker.ErrNoEndpoint) && st.hasSubset:
+		return fmt.Errorf("%w: the gateway's subset hint (%s) names %s, none of which is an endpoint of the pool: "+
+			"the gateway and the picker disagree on the pool's pods; check that the gateway routes to this pool's picker",
+			err, protocol.SubsetKey, subsetList(st.subset))
+	case errors.Is(err, picker.ErrNoEndpoint):
+		return fmt.Errorf("%w: the pool has no endpoint that can take the request now", err)
+	case errors.Is(err, picker.ErrSaturated) && st.hasSubset:
+		return fmt.Errorf("%w: every endpoint the gateway's subset hint allows (%s) is over its saturation limit; retry later", err, subsetList(st.subset))
+	case errors.Is(err, picker.ErrSaturated):
+		return fmt.Errorf("%w: every endpoint of the pool is over its saturation limit; retry later, or add replicas to the pool", err)
+	}
+	return err
+}
+
+// subsetList writes a subset hint's addresses for a message: all of them,
+// comma-separated, "(none)" for an empty hint, cut after maxShown.
+func subsetList(addrs []netip.AddrPort) string {
+	const maxShown = 8
+	if len(addrs) == 0 {
+		return "(none)"
+	}
+	var b strings.Builder
+	for i, a := range addrs[:min(len(addrs), maxShown)] {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		if a.Port() == 0 {
+			b.WriteString(a.Addr().String()) // an IP entry: any port
+		} else {
+			b.WriteString(a.String())
+		}
+	}
+	if len(addrs) > maxShown {
+		fmt.Fprintf(&b, " and %d more", len(addrs)-maxShown)
+	}
+	return b.String()
 }

@@ -31,6 +31,7 @@ import (
 
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc/internal/wire"
+	"github.com/tallyepp/tally/picker/logging"
 )
 
 // Picker chooses an endpoint for a request and reserves its cost, waiting
@@ -80,6 +81,15 @@ type Options struct {
 	// Rewrites rewrites the model of requests the pool's
 	// InferenceModelRewrites match; nil: none.
 	Rewrites Rewrites
+	// Pool says why the pool offers no endpoint, for the answer to a
+	// request refused for want of one; nil: the answer gives no cause.
+	Pool Pool
+}
+
+// Pool tells why the pool offers no endpoint at all, in words a user can
+// act on, or "" when it offers some; *controllers.PoolStatus implements it.
+type Pool interface {
+	NoEndpointReason() string
 }
 
 // Rewrites draws the model a request for model is sent to; *rewrite.Table
@@ -133,7 +143,7 @@ func NewServer(p Picker, opts Options) *Server {
 		s.upstream.register(opts.Registerer)
 	}
 	if opts.ConformanceTestHooks {
-		opts.Log.Info("WARNING: conformance test hooks are on: a request's " + testSelectionHeader +
+		logging.Warn(opts.Log, "conformance test hooks are on: a request's "+testSelectionHeader+
 			" header chooses its endpoint; turn them off outside the conformance suite")
 	}
 	return s

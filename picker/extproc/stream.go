@@ -22,6 +22,7 @@ import (
 
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc/internal/wire"
+	"github.com/tallyepp/tally/picker/logging"
 	"github.com/tallyepp/tally/picker/request"
 )
 
@@ -316,7 +317,7 @@ func (st *stream) settleWait() bool {
 // failing over a mode setting; the metric and the warning say what is lost.
 func (st *stream) routeOnLoad() error {
 	if st.s.loadOnlyWarned.CompareAndSwap(false, true) {
-		st.s.opts.Log.Info("WARNING: the gateway sends request bodies in a mode the picker cannot read them in: "+
+		logging.Warn(st.s.opts.Log, "the gateway sends request bodies in a mode the picker cannot read them in: "+
 			"requests are routed on load alone, without prefix affinity, their prompt size estimated from content-length; "+
 			"prefix-aware routing needs the FULL_DUPLEX_STREAMED (or BUFFERED) request body mode in the gateway's ext_proc processing mode",
 			"requestBodyMode", st.requestMode.String(), "metric", "tally_load_only_routes_total")
@@ -558,7 +559,7 @@ func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 			// is no one to answer, and nothing was left behind.
 			return errAnswered
 		}
-		return st.reject(err)
+		return st.reject(st.explain(err))
 	}
 	st.res, st.decided = res, true
 	st.s.metrics.requests.WithLabelValues("200").Inc()
@@ -657,7 +658,7 @@ func (st *stream) rewriteModel(req *picker.Request) {
 	if st.viaShim() && target != req.Model {
 		st.s.metrics.unappliedRewrites.Inc()
 		if st.s.unappliedRewriteWarned.CompareAndSwap(false, true) {
-			st.s.opts.Log.Info("WARNING: a model rewrite matched a request from a gateway that sends no pseudo-headers "+
+			logging.Warn(st.s.opts.Log, "a model rewrite matched a request from a gateway that sends no pseudo-headers "+
 				"(NGINX Gateway Fabric's shim), which takes only the destination from the picker: "+
 				"the model server receives the model the client named, and the picker routes it as that model",
 				"model", req.Model, "target", target, "metric", "tally_model_rewrites_unapplied_total")

@@ -48,6 +48,10 @@ type names struct {
 	loraInfo, loraRunningLabel, loraWaitingLabel, maxLoRALabel string
 	// modelLabel names the base model on the request gauges.
 	modelLabel string
+	// The label filters of running, waiting, kvUsage, loraInfo and
+	// cacheInfo (MetricSpec.Labels): only the series that carry them are
+	// read; nil reads every series of the family.
+	runningLabels, waitingLabels, kvUsageLabels, loraInfoLabels, cacheInfoLabels []Label
 }
 
 var engines = map[string]names{
@@ -137,9 +141,12 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 		var found *bool
 		name := line[:end]
 		switch {
-		case string(name) == n.running:
+		// A label filter is checked in the case itself: two specs may name
+		// one family (Triton's request types), and a series the first
+		// refuses may be the second's.
+		case string(name) == n.running && (n.runningLabels == nil || matches(seriesLabels(line), n.runningLabels)):
 			which, found = &running, &seenRunning
-		case string(name) == n.waiting:
+		case string(name) == n.waiting && (n.waitingLabels == nil || matches(seriesLabels(line), n.waitingLabels)):
 			which, found = &waiting, &seenWaiting
 		case string(name) == n.prefillSeconds:
 			which, found = &st.PrefillSecondsTotal, &hasPrefill
@@ -153,6 +160,18 @@ func parse(body []byte, n names) (picker.EngineStats, bool) {
 			which, found = &st.FinishedRequestsTotal, &hasFinished
 		case string(name) == n.decodeSeconds:
 			which, found = &st.DecodeSecondsTotal, &hasDecode
+		case string(name) == n.kvUsage && n.kvUsageLabels != nil:
+			if !matches(seriesLabels(line), n.kvUsageLabels) {
+				continue
+			}
+		case string(name) == n.loraInfo && n.loraInfoLabels != nil:
+			if !matches(seriesLabels(line), n.loraInfoLabels) {
+				continue
+			}
+		case string(name) == n.cacheInfo && n.cacheInfoLabels != nil:
+			if !matches(seriesLabels(line), n.cacheInfoLabels) {
+				continue
+			}
 		case string(name) == n.cacheTokens, string(name) == n.cacheInfo,
 			string(name) == n.kvUsage, string(name) == n.kvUsageOld, string(name) == n.loraInfo:
 		default:

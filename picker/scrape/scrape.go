@@ -24,6 +24,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/logging"
 )
 
 // Defaults.
@@ -66,7 +67,7 @@ type Options struct {
 
 // MetricNames are the names of the metric families an engine is read by.
 type MetricNames struct {
-	Running, Waiting, KVCacheUsage, LoRAInfo, CacheInfo string
+	Running, Waiting, KVCacheUsage, LoRAInfo, CacheInfo MetricSpec
 }
 
 // Scraper scrapes every endpoint the picker knows, every Interval.
@@ -108,11 +109,13 @@ func New(p Picker, opts Options) *Scraper {
 	}
 	vllm := engines[EngineVLLM]
 	if o := opts.VLLM; o != nil {
-		if o.KVCacheUsage != vllm.kvUsage {
+		if o.KVCacheUsage.Name != vllm.kvUsage || o.KVCacheUsage.Labels != nil {
 			vllm.kvUsageOld = "" // older servers' name, read only beside vLLM's own
 		}
-		vllm.running, vllm.waiting, vllm.kvUsage = o.Running, o.Waiting, o.KVCacheUsage
-		vllm.loraInfo, vllm.cacheInfo = o.LoRAInfo, o.CacheInfo
+		vllm.running, vllm.waiting, vllm.kvUsage = o.Running.Name, o.Waiting.Name, o.KVCacheUsage.Name
+		vllm.loraInfo, vllm.cacheInfo = o.LoRAInfo.Name, o.CacheInfo.Name
+		vllm.runningLabels, vllm.waitingLabels, vllm.kvUsageLabels = o.Running.Labels, o.Waiting.Labels, o.KVCacheUsage.Labels
+		vllm.loraInfoLabels, vllm.cacheInfoLabels = o.LoRAInfo.Labels, o.CacheInfo.Labels
 	}
 	s := &Scraper{
 		p:      p,
@@ -195,7 +198,7 @@ func (s *Scraper) Round(ctx context.Context, targets []picker.ScrapeTarget) {
 		case slices.Contains(failed, r.Address):
 			s.opts.Log.Info("endpoint left the candidates: its metrics scrapes keep failing", "endpoint", a, "error", errs[i].Error())
 		case s.once("read:" + a):
-			s.opts.Log.Info("WARNING: cannot read an endpoint's metrics; it serves on the picker's ledger alone, and leaves the candidates only if its metrics stop answering after they have answered",
+			logging.Warn(s.opts.Log, "cannot read an endpoint's metrics; it serves on the picker's ledger alone, and leaves the candidates only if its metrics stop answering after they have answered",
 				"endpoint", a, "error", errs[i].Error())
 		}
 	}
@@ -225,7 +228,7 @@ func (s *Scraper) fetch(ctx context.Context, t picker.ScrapeTarget) (picker.Engi
 		// Read as vLLM, as the upstream picker reads an engine it does not
 		// know.
 		if s.once("engine:" + engine) {
-			s.opts.Log.Info("WARNING: an engine type the picker does not know; its metrics are read by vLLM's names",
+			logging.Warn(s.opts.Log, "an engine type the picker does not know; its metrics are read by vLLM's names",
 				"engineType", engine, "known", []string{EngineVLLM, EngineSGLang, EngineTRTLLM})
 		}
 		n = s.vllm

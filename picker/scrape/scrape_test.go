@@ -334,7 +334,7 @@ func TestMetricNameOverridesAreRead(t *testing.T) {
 	defer stop()
 	p := picker.New(v1alpha1.Default(), picker.Options{})
 	p.Replace([]picker.Endpoint{{Pod: "custom", Address: a}})
-	s := New(p, Options{VLLM: &MetricNames{Running: "custom_running", Waiting: "custom_waiting"}})
+	s := New(p, Options{VLLM: &MetricNames{Running: MetricSpec{Name: "custom_running"}, Waiting: MetricSpec{Name: "custom_waiting"}}})
 	s.Round(t.Context(), p.ScrapeTargets(nil))
 	st := p.Snapshot().Endpoints[0]
 	if st.EngineRunning != 3 || st.EngineWaiting != 4 {
@@ -403,6 +403,84 @@ func TestARoundReachesThePickerAtOnce(t *testing.T) {
 	for _, st := range p.Snapshot().Endpoints {
 		if st.Scraped != (st.Endpoint.Address != refused) {
 			t.Errorf("%s after the round: scraped %v", st.Endpoint.Pod, st.Scraped)
+		}
+	}
+}
+
+// tritonMetrics is what Triton's TensorRT-LLM backend publishes (trimmed):
+// its request counts are one family whose request_type label says which
+// count a series is, and so are its KV cache block figures.
+const tritonMetrics = `# HELP nv_inference_request_success Number of successful inference requests, all batch sizes
+# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="ensemble",version="1"} 120
+# HELP nv_trt_llm_request_metrics TRT LLM request metrics
+# TYPE nv_trt_llm_request_metrics gauge
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="waiting",version="1"} 2
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="context",version="1"} 1
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="scheduled",version="1"} 3
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="max",version="1"} 512
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="active",version="1"} 5
+# HELP nv_trt_llm_kv_cache_block_metrics TRT LLM KV cache block metrics
+# TYPE nv_trt_llm_kv_cache_block_metrics gauge
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="tokens_per",model="tensorrt_llm",version="1"} 64
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used",model="tensorrt_llm",version="1"} 2496
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="free",model="tensorrt_llm",version="1"} 3744
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="tensorrt_llm",version="1"} 6240
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction",model="tensorrt_llm",version="1"} 0.4
+`
+
+// TestTritonLabelFiltersAreHonoured reads a Triton server with the metric
+// flags the upstream chart passes for it: each count is the one series its
+// label filter names, not the family's sum.
+func TestTritonLabelFiltersAreHonoured(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/metrics", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprint(w, tritonMetrics) })
+	a, stop := serve(t, netip.MustParseAddr("127.0.45.24"), mux)
+	defer stop()
+	spec := func(s string) MetricSpec {
+		t.Helper()
+		m, err := ParseMetricSpec(s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	names := MetricNames{
+		Waiting:      spec("nv_trt_llm_request_metrics{request_type=waiting}"),
+		Running:      spec("nv_trt_llm_request_metrics{request_type=scheduled}"),
+		KVCacheUsage: spec("nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction}"),
+	}
+	p := picker.New(v1alpha1.Default(), picker.Options{})
+	p.Replace([]picker.Endpoint{{Pod: "triton", Address: a}})
+	New(p, Options{VLLM: &names}).Round(t.Context(), p.ScrapeTargets(nil))
+	st := p.Snapshot().Endpoints[0]
+	if st.EngineRunning != 3 || st.EngineWaiting != 2 {
+		t.Errorf("running %d, waiting %d; want 3 (scheduled) and 2 (waiting)", st.EngineRunning, st.EngineWaiting)
+	}
+	if st.KVCacheUsage != 0.4 {
+		t.Errorf("KV cache usage %v, want 0.4 (the fraction series)", st.KVCacheUsage)
+	}
+}
+
+func TestParseMetricSpec(t *testing.T) {
+	for _, tc := range []struct{ in, want, err string }{
+		{in: "", want: ""},
+		{in: "vllm:num_requests_waiting", want: "vllm:num_requests_waiting"},
+		{in: "nv_trt_llm_request_metrics{request_type=waiting}", want: "nv_trt_llm_request_metrics{request_type=waiting}"},
+		{in: ` m { a = "x", b=y } `, want: "m{a=x,b=y}"},
+		{in: "m{", err: "at the end"},
+		{in: "m{a=x}y", err: "at the end"},
+		{in: "m{a}", err: `label filter "a" must be label=value`},
+		{in: "m{a=}", err: "must be label=value"},
+		{in: "{a=x}", err: "the metric name is empty"},
+		{in: "a=b", err: "must be a metric name"},
+	} {
+		got, err := ParseMetricSpec(tc.in)
+		switch {
+		case tc.err != "" && (err == nil || !strings.Contains(err.Error(), tc.err)):
+			t.Errorf("ParseMetricSpec(%q) = %v, %v; want an error saying %q", tc.in, got, err, tc.err)
+		case tc.err == "" && (err != nil || got.String() != tc.want):
+			t.Errorf("ParseMetricSpec(%q) = %q, %v; want %q", tc.in, got, err, tc.want)
 		}
 	}
 }

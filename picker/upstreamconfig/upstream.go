@@ -2,8 +2,11 @@ package upstreamconfig
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
+	"maps"
 	"math"
+	"slices"
 	"sort"
 	"strings"
 
@@ -36,13 +39,39 @@ type Note struct {
 	Mapped string
 	// Reason says why it was ignored, or how it was converted.
 	Reason string
+	// Unsupported marks an ignored setting whose loss changes what the
+	// file asks for in a way Tally cannot make up for (a plugin type it
+	// does not know, metric specs it does not read): Unsupported turns
+	// such notes into the error that stops the picker, unless the user
+	// opts into running without them.
+	Unsupported bool
 }
 
 func (n Note) String() string {
-	if n.Mapped != "" {
+	switch {
+	case n.Mapped != "":
 		return fmt.Sprintf("%s -> %s (%s)", n.Field, n.Mapped, n.Reason)
+	case n.Unsupported:
+		return fmt.Sprintf("%s cannot be honoured: %s", n.Field, n.Reason)
 	}
 	return fmt.Sprintf("%s ignored: %s", n.Field, n.Reason)
+}
+
+// Unsupported returns an error naming every setting of notes that Tally
+// cannot honour (Note.Unsupported), nil when there is none. lenientFlag is
+// the flag that runs the picker without them, for the message.
+func Unsupported(notes []Note, lenientFlag string) error {
+	var errs []error
+	for _, n := range notes {
+		if n.Unsupported {
+			errs = append(errs, fmt.Errorf("EndpointPickerConfig: %s cannot be honoured: %s", n.Field, n.Reason))
+		}
+	}
+	if len(errs) == 0 {
+		return nil
+	}
+	errs = append(errs, fmt.Errorf("remove these settings, or start with %s to run without them (each is then logged as a warning)", lenientFlag))
+	return errors.Join(errs...)
 }
 
 // LoadAny reads a configuration file of either kind: Tally's PickerConfig
@@ -218,10 +247,15 @@ func FromEndpointPickerConfig(data []byte) (v1alpha1.PickerConfig, []Note, error
 			if err := m.plugin(path, p); err != nil {
 				return v1alpha1.PickerConfig{}, nil, err
 			}
+		case p.Type == "core-metrics-extractor" && hasParameters(p.Parameters):
+			if err := m.metricsExtractor(path, p.Parameters); err != nil {
+				return v1alpha1.PickerConfig{}, nil, err
+			}
 		default:
 			reason, ok := ignoredPluginTypes[p.Type]
 			if !ok {
-				reason = "a plugin type Tally does not know"
+				m.unsupported(path, fmt.Sprintf("plugin type %q is not one Tally knows: the picker would run without what it does", p.Type))
+				continue
 			}
 			m.ignore(path, reason)
 		}
@@ -250,6 +284,34 @@ type mapper struct {
 
 func (m *mapper) ignore(field, reason string) {
 	m.notes = append(m.notes, Note{Field: field, Reason: reason})
+}
+
+func (m *mapper) unsupported(field, reason string) {
+	m.notes = append(m.notes, Note{Field: field, Reason: reason, Unsupported: true})
+}
+
+// hasParameters reports whether a plugin's parameters are set at all.
+func hasParameters(raw json.RawMessage) bool {
+	s := strings.TrimSpace(string(raw))
+	return s != "" && s != "null" && s != "{}"
+}
+
+// metricsExtractor notes a core-metrics-extractor's parameters: the metric
+// specs of its engineConfigs (Triton's
+// nv_trt_llm_request_metrics{request_type=waiting}, say) are not read from
+// the file, so each parameter is unsupported, with the flags that do read
+// such specs.
+func (m *mapper) metricsExtractor(path string, raw json.RawMessage) error {
+	var values map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &values); err != nil {
+		return fmt.Errorf("EndpointPickerConfig: %s.parameters: must be an object: %w", path, err)
+	}
+	for _, k := range slices.Sorted(maps.Keys(values)) {
+		m.unsupported(path+".parameters."+k, "Tally does not read metric specs from the file: it reads each engine type's metrics by their own names, "+
+			"and vLLM's (and those of engine types it does not know) by the flags --total-queued-requests-metric, --total-running-requests-metric, "+
+			"--kv-cache-usage-percentage-metric, --lora-info-metric and --cache-info-metric, which take name{label=value,...} specs")
+	}
+	return nil
 }
 
 func (m *mapper) mapped(field, to, how string) {

@@ -301,3 +301,53 @@ saturationDetector:
 		t.Errorf("maxConcurrency in tokens mode: note %+v (found %v), want it noted as ignored with a reason", n, ok)
 	}
 }
+
+func TestSettingsTallyCannotHonourAreUnsupported(t *testing.T) {
+	_, notes, err := LoadAny([]byte(`
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: no-such-scorer
+- type: core-metrics-extractor
+- type: core-metrics-extractor
+  name: triton-metrics
+  parameters:
+    engineConfigs:
+    - name: triton
+      kvUsageSpec: "nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction}"
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var unsupported []string
+	for _, n := range notes {
+		if n.Unsupported {
+			unsupported = append(unsupported, n.Field)
+		}
+	}
+	// A known plugin Tally does without, and the extractor without
+	// parameters (the upstream chart's), are ignored, not unsupported.
+	want := []string{"plugins[1](no-such-scorer)", "plugins[3](triton-metrics).parameters.engineConfigs"}
+	if !reflect.DeepEqual(unsupported, want) {
+		t.Fatalf("unsupported %q, want %q (notes: %v)", unsupported, want, notes)
+	}
+	err = Unsupported(notes, "--lenient-config")
+	for _, w := range append(want, "--lenient-config", `"no-such-scorer" is not one Tally knows`) {
+		if err == nil || !strings.Contains(err.Error(), w) {
+			t.Errorf("Unsupported error %v does not say %q", err, w)
+		}
+	}
+	if err := Unsupported(notesOf(t, upstreamChartDefault), "--lenient-config"); err != nil {
+		t.Errorf("the upstream chart's default config: %v", err)
+	}
+}
+
+func notesOf(t *testing.T, doc string) []Note {
+	t.Helper()
+	_, notes, err := LoadAny([]byte(doc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return notes
+}

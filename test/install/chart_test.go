@@ -242,6 +242,8 @@ func TestChartDefaults(t *testing.T) {
 		{APIGroups: []string{"inference.networking.k8s.io"}, Resources: []string{"inferencepools"}, Verbs: []string{"get", "list", "watch"}},
 		{APIGroups: []string{"inference.networking.x-k8s.io"}, Resources: []string{"inferencemodelrewrites", "inferenceobjectives"}, Verbs: []string{"get", "list", "watch"}},
 		{APIGroups: []string{"inference.networking.x-k8s.io"}, Resources: []string{"inferencemodelrewrites/status", "inferenceobjectives/status"}, Verbs: []string{"get", "patch"}},
+		// Events on the pool say why it offers no endpoint.
+		{APIGroups: []string{"events.k8s.io"}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
 	}
 	if diff := cmp.Diff(wantRules, role.Rules); diff != "" {
 		t.Errorf("Role rules without leader election (-want +got):\n%s", diff)
