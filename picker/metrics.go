@@ -109,7 +109,7 @@ func newMetrics(poolName string, flowControl bool) *metrics {
 		"What a request without max_tokens is expected to generate: learned from responses and engines' output counters (vllm:request_generation_tokens), the default until then. A detached reservation decodes this long.", nil, nil)
 	m.decodeSpeed = prometheus.NewDesc("tally_decode_seconds_per_token",
 		"How long one output token takes, learned from streamed responses; the default until then.", nil, nil)
-	m.detachedActive = prometheus.NewDesc("tally_detached_reservations",
+	m.detachedActive = prometheus.NewDesc("tally_detached_inflight_requests",
 		"Detached reservations held now (included in tally_inflight_requests).", nil, nil)
 	m.detachedEnd = prometheus.NewDesc("tally_detached_reservation_ends_total",
 		"Detached reservations ended, by reason: model (its modelled prefill and decoding are done), engine (an engine scrape reported fewer requests), swept (maximum lifetime).",

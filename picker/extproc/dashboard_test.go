@@ -13,6 +13,7 @@ import (
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/picker/scrape"
 )
 
 // recordingRegisterer passes collectors on and remembers the names of the
@@ -44,8 +45,8 @@ func (r *recordingRegisterer) MustRegister(cs ...prometheus.Collector) {
 	}
 }
 
-// exportedMetrics names every metric family the picker and its ext_proc
-// server register.
+// exportedMetrics names every metric family the picker, its ext_proc server
+// and its scraper register.
 func exportedMetrics(t *testing.T) map[string]bool {
 	t.Helper()
 	reg := &recordingRegisterer{Registerer: prometheus.NewRegistry(), names: map[string]bool{}}
@@ -189,4 +190,16 @@ func newServerOn(r prometheus.Registerer) {
 	cfg.FlowControl.Enabled = true
 	p := picker.New(cfg, picker.Options{Registerer: r, PoolName: "pool"})
 	extproc.NewServer(p, extproc.Options{Registerer: r})
+	scrape.New(p, scrape.Options{Registerer: r})
+}
+
+// Under OpenMetrics a counter X_total is the family X: no other metric may
+// be named X.
+func TestNoMetricNameCollidesUnderOpenMetrics(t *testing.T) {
+	names := exportedMetrics(t)
+	for name := range names {
+		if base, ok := strings.CutSuffix(name, "_total"); ok && names[base] {
+			t.Errorf("%s and %s are one family under OpenMetrics", base, name)
+		}
+	}
 }
