@@ -51,14 +51,20 @@ const (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	code := run(ctx, os.Args[1:], os.Getenv, os.Stderr)
+	code := run(ctx, os.Args[1:], binaryBuild(), os.Getenv, os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)
 }
 
-func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) int {
+// run is the whole command: b is the binary's build, stdout receives only
+// what --version prints, stderr the usage and the log.
+func run(ctx context.Context, args []string, b build, getenv func(string) string, stdout, stderr io.Writer) int {
 	opts, ignored, err := parseFlags(args, getenv, stderr)
 	if errors.Is(err, flag.ErrHelp) {
+		return exitOK
+	}
+	if errors.Is(err, errPrintVersion) {
+		fmt.Fprint(stdout, b)
 		return exitOK
 	}
 	if err != nil {
@@ -67,6 +73,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	log := newLogger(opts, stderr)
 	ctrl.SetLogger(log)
+	log.Info("starting epp", "version", b.Version, "commit", b.Commit, "go", b.GoVersion)
 	for _, s := range ignored {
 		log.Info("ignoring a flag of the upstream picker that Tally does not apply", "flag", s.flag, "value", s.value, "reason", s.reason)
 	}
@@ -82,7 +89,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 			log.Info("ignoring an EndpointPickerConfig setting that Tally does not apply", "field", n.Field, "reason", n.Reason)
 		}
 	}
-	if err := serve(ctx, opts, cfg, log); err != nil {
+	if err := serve(ctx, opts, cfg, b, log); err != nil {
 		log.Error(err, "epp stopped")
 		return exitFailure
 	}
