@@ -17,6 +17,20 @@ help: ## Show this help.
 build: ## Build every binary into bin/.
 	$(GO) build -o bin/ ./cmd/...
 
+# `make image` settings. Unset, hack/image reads the version (git describe
+# --tags --always --dirty), the commit (git rev-parse HEAD) and the creation
+# time (SOURCE_DATE_EPOCH, else the commit's time) from the checkout.
+VERSION ?=
+COMMIT ?=
+PLATFORMS ?= linux/amd64,linux/arm64
+IMAGE_REPOSITORY ?= ghcr.io/tallyepp/tally
+IMAGE_ARGS = --platforms=$(PLATFORMS) --repository=$(IMAGE_REPOSITORY) \
+	$(if $(VERSION),--version=$(VERSION)) $(if $(COMMIT),--commit=$(COMMIT))
+
+.PHONY: image
+image: ## Build the picker's OCI image without a container engine: the layout bin/image/ (PLATFORMS) and bin/image.tar (this machine's platform) for docker load; reproducible.
+	$(GO) run ./hack/image --out=bin/image --tarball=bin/image.tar $(IMAGE_ARGS)
+
 .PHONY: envtest-assets
 envtest-assets: ## Build (once) the kube-apiserver and etcd the tests run against.
 	@hack/envtest-assets.sh >/dev/null
@@ -27,7 +41,10 @@ nginx: ## Install (once, with apt-get) NGINX and its NJS module, which the NGINX
 
 .PHONY: test
 test: envtest-assets nginx build ## Run unit, envtest, end-to-end and fuzz-corpus tests with -race.
-	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(GO) test -race -count=1 $$($(GO) list ./... | grep -v /test/e2e)
+	@# test/install builds the image (cmd/epp, static and trimmed: a build
+	@# cache of its own) on top of its API server tests: past go test's
+	@# default 10 minutes on a busy machine.
+	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" $(GO) test -race -count=1 -timeout=30m $$($(GO) list ./... | grep -v /test/e2e)
 	@# The end-to-end suite runs on its own: its specs time real streams
 	@# against simulators, and other packages' tests on the same cores would
 	@# skew what they measure.

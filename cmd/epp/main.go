@@ -34,6 +34,10 @@ import (
 
 	"github.com/go-logr/logr"
 	"go.uber.org/zap/zapcore"
+	// Mozilla's TLS roots, used only where the system has none: the image
+	// (internal/ociimage) ships no CA bundle, and --model-server-metrics-
+	// https-insecure-skip-verify=false must still verify model servers.
+	_ "golang.org/x/crypto/x509roots/fallback"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 

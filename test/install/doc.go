@@ -5,7 +5,9 @@
 // `kubectl kustomize config/default` produce is then applied to a real API
 // server, and the picker binary is run with the rendered Deployment's
 // arguments as the rendered ServiceAccount, which must be enough for it to
-// become ready and no more.
+// become ready and no more. The container image is built as `make image`
+// builds it (internal/ociimage), read back from its OCI layout and its
+// binary run; the release workflow, which needs a registry, is read.
 //
 // The invariant not to break: every kind of object the chart or the kustomize
 // bases can produce is applied to the real API server with strict field
