@@ -21,6 +21,20 @@ build: ## Build every binary into bin/.
 chart-readme: ## Regenerate the values table of charts/tally/README.md from values.yaml.
 	$(GO) run ./hack/chartdoc
 
+# `make image` settings. Unset, hack/image reads the version (git describe
+# --tags --always --dirty), the commit (git rev-parse HEAD) and the creation
+# time (SOURCE_DATE_EPOCH, else the commit's time) from the checkout.
+VERSION ?=
+COMMIT ?=
+PLATFORMS ?= linux/amd64,linux/arm64
+IMAGE_REPOSITORY ?= ghcr.io/tallyepp/tally
+IMAGE_ARGS = --platforms=$(PLATFORMS) --repository=$(IMAGE_REPOSITORY) \
+	$(if $(VERSION),--version=$(VERSION)) $(if $(COMMIT),--commit=$(COMMIT))
+
+.PHONY: image
+image: ## Build the picker's OCI image without a container engine: the layout bin/image/ (PLATFORMS) and bin/image.tar (this machine's platform) for docker load; reproducible.
+	$(GO) run ./hack/image --out=bin/image --tarball=bin/image.tar $(IMAGE_ARGS)
+
 .PHONY: envtest-assets
 envtest-assets: ## Build (once) the kube-apiserver and etcd the tests run against.
 	@hack/envtest-assets.sh >/dev/null
@@ -37,7 +51,10 @@ nginx: ## Install (once, with apt-get) NGINX and its NJS module, which the NGINX
 # such tests, in full (their unit tests run again, about half a minute).
 # End to end: test/e2e, alone.
 TEST_UNIT = $(GO) test -race -short -count=1 $$(GO=$(GO) hack/test-packages.sh unit)
-TEST_INTEGRATION = KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" TALLY_E2E_BIN_DIR="$(CURDIR)/bin" $(GO) test -race -count=1 $$(GO=$(GO) hack/test-packages.sh integration)
+# test/install builds the image (cmd/epp, static and trimmed: a build cache
+# of its own) on top of its API server tests: past go test's default 10
+# minutes on a busy machine.
+TEST_INTEGRATION = KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" TALLY_E2E_BIN_DIR="$(CURDIR)/bin" $(GO) test -race -count=1 -timeout=30m $$(GO=$(GO) hack/test-packages.sh integration)
 
 .PHONY: test
 test: ## Run the test tiers with -race, each only once the one before passed: unit, integration, end to end.

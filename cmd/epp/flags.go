@@ -100,6 +100,9 @@ const inferencePoolGroup = "inference.networking.k8s.io"
 // lenientConfigFlag is Tally's own: the upstream picker has no such flag
 // (it refuses a plugin type it does not know, and reads its metric specs).
 const lenientConfigFlag = "--lenient-config"
+// errPrintVersion is what parseFlags returns for --version, as it returns
+// flag.ErrHelp for -h: the caller prints the build and exits 0.
+var errPrintVersion = errors.New("flag --version given: print the build and exit")
 
 // parseFlags parses args (without the program name). getenv supplies the
 // environment so tests need not touch the process's. The returned ignored
@@ -170,11 +173,16 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	fs.StringVar(&o.endpointTargetPorts, "endpoint-target-ports", "", "the upstream picker's standalone mode; not supported: Tally serves an InferencePool (--pool-name)")
 	fs.BoolVar(&o.conformanceTestHooks, "conformance-test-hooks", false, "for running the Gateway API Inference Extension conformance suite only: "+
 		"honour the test-epp-endpoint-selection request header (it lets a client choose its endpoint) and answer x-conformance-test-served-endpoint")
+	printVersion := fs.Bool("version", false, "print the version, the commit and the Go version the binary was built with, and exit")
 	o.zap.BindFlags(fs)
 	ignoredSet := addIgnoredUpstreamFlags(fs)
 
 	if err := fs.Parse(joinBoolValues(fs, args)); err != nil {
 		return options{}, nil, err
+	}
+	if *printVersion {
+		// Before validation: --version needs no --pool-name.
+		return options{}, nil, errPrintVersion
 	}
 	if fs.NArg() > 0 {
 		return options{}, nil, fmt.Errorf("unexpected argument %q: epp takes flags only", fs.Arg(0))

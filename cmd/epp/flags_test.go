@@ -18,8 +18,8 @@ func env(vars map[string]string) func(string) string {
 }
 
 func TestMissingPoolNameExitsTwoNamingTheFlag(t *testing.T) {
-	var stderr bytes.Buffer
-	code := run(context.Background(), nil, env(nil), &stderr)
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), nil, build{}, env(nil), &stdout, &stderr)
 	if code != exitBadUsage {
 		t.Fatalf("exit code = %d, want %d", code, exitBadUsage)
 	}
@@ -30,8 +30,8 @@ func TestMissingPoolNameExitsTwoNamingTheFlag(t *testing.T) {
 }
 
 func TestUnknownFlagIsAnError(t *testing.T) {
-	var stderr bytes.Buffer
-	code := run(context.Background(), []string{"--pool-name=p", "--no-such-flag"}, env(nil), &stderr)
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), []string{"--pool-name=p", "--no-such-flag"}, build{}, env(nil), &stdout, &stderr)
 	if code != exitBadUsage || !strings.Contains(stderr.String(), "no-such-flag") {
 		t.Fatalf("exit %d, stderr %q", code, stderr.String())
 	}
@@ -93,8 +93,8 @@ func TestInvalidFlagValuesNameTheFlag(t *testing.T) {
 		{[]string{"--ha-renew-deadline", "2400ms"}, "--ha-renew-deadline"},
 		{[]string{"--ha-retry-period", "0s"}, "--ha-retry-period"},
 	} {
-		var stderr bytes.Buffer
-		code := run(context.Background(), append([]string{"--pool-name", "p"}, tc.args...), env(nil), &stderr)
+		var stdout, stderr bytes.Buffer
+		code := run(context.Background(), append([]string{"--pool-name", "p"}, tc.args...), build{}, env(nil), &stdout, &stderr)
 		if code != exitBadUsage || !strings.Contains(stderr.String(), tc.want) {
 			t.Errorf("%v: exit %d, stderr %q, want it to mention %q", tc.args, code, stderr.String(), tc.want)
 		}
@@ -165,14 +165,14 @@ func TestBadConfigStopsStartupNamingTheField(t *testing.T) {
 		{"kind: Other\n", "kind"},
 		{"apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 0}\n", "maxNumOfEndpoints"},
 	} {
-		var stderr bytes.Buffer
-		code := run(context.Background(), []string{"--pool-name", "p", "--config-text", tc.text}, env(nil), &stderr)
+		var stdout, stderr bytes.Buffer
+		code := run(context.Background(), []string{"--pool-name", "p", "--config-text", tc.text}, build{}, env(nil), &stdout, &stderr)
 		if code != exitFailure || !strings.Contains(stderr.String(), tc.want) {
 			t.Errorf("config %q: exit %d, stderr %q, want it to mention %q", tc.text, code, stderr.String(), tc.want)
 		}
 	}
-	var stderr bytes.Buffer
-	code := run(context.Background(), []string{"--pool-name", "p", "--config-file", "/does/not/exist"}, env(nil), &stderr)
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), []string{"--pool-name", "p", "--config-file", "/does/not/exist"}, build{}, env(nil), &stdout, &stderr)
 	if code != exitFailure || !strings.Contains(stderr.String(), "--config-file") {
 		t.Errorf("missing config file: exit %d, stderr %q", code, stderr.String())
 	}
@@ -188,8 +188,8 @@ func TestBufferBudgetFlagIsCheckedAgainstTheConfig(t *testing.T) {
 		{[]string{"--max-request-bytes", "67108864", "--max-buffered-request-bytes", "33554432"}, "maxBufferedRequestBytes"},
 		{[]string{"--max-buffered-request-bytes", "2199023255552"}, "--max-buffered-request-bytes"},
 	} {
-		var stderr bytes.Buffer
-		code := run(context.Background(), append([]string{"--pool-name", "p"}, tc.args...), env(nil), &stderr)
+		var stdout, stderr bytes.Buffer
+		code := run(context.Background(), append([]string{"--pool-name", "p"}, tc.args...), build{}, env(nil), &stdout, &stderr)
 		if code != exitFailure || !strings.Contains(stderr.String(), tc.want) {
 			t.Errorf("%v: exit %d, stderr %q, want it to mention %q", tc.args, code, stderr.String(), tc.want)
 		}

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
 	"strings"
 	"testing"
 )
@@ -24,7 +25,7 @@ plugins:
 
 func TestUnsupportedUpstreamConfigStopsStartupNamingTheFields(t *testing.T) {
 	var stderr bytes.Buffer
-	code := run(context.Background(), []string{"--pool-name", "p", "--config-text", unsupportedConfig}, env(nil), &stderr)
+	code := run(context.Background(), []string{"--pool-name", "p", "--config-text", unsupportedConfig}, build{}, env(nil), io.Discard, &stderr)
 	out := stderr.String()
 	if code != exitFailure {
 		t.Fatalf("exit %d, want %d; stderr %q", code, exitFailure, out)
@@ -45,7 +46,7 @@ func TestLenientConfigRunsWithoutUnsupportedSettingsWarningOfEach(t *testing.T) 
 	var stderr bytes.Buffer
 	// No API server to reach: the picker stops there, after the config.
 	code := run(context.Background(), []string{"--pool-name", "p", "--config-text", unsupportedConfig, "--lenient-config",
-		"--kubeconfig", "/does/not/exist"}, env(nil), &stderr)
+		"--kubeconfig", "/does/not/exist"}, build{}, env(nil), io.Discard, &stderr)
 	out := stderr.String()
 	if code != exitFailure || !strings.Contains(out, "--kubeconfig") {
 		t.Fatalf("exit %d, stderr %q; want it to get past the config and stop at --kubeconfig", code, out)

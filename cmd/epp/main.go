@@ -35,6 +35,10 @@ import (
 	"github.com/go-logr/logr"
 	uberzap "go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+	// Mozilla's TLS roots, used only where the system has none: the image
+	// (internal/ociimage) ships no CA bundle, and --model-server-metrics-
+	// https-insecure-skip-verify=false must still verify model servers.
+	_ "golang.org/x/crypto/x509roots/fallback"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
@@ -53,14 +57,20 @@ const (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	code := run(ctx, os.Args[1:], os.Getenv, os.Stderr)
+	code := run(ctx, os.Args[1:], binaryBuild(), os.Getenv, os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)
 }
 
-func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) int {
+// run is the whole command: b is the binary's build, stdout receives only
+// what --version prints, stderr the usage and the log.
+func run(ctx context.Context, args []string, b build, getenv func(string) string, stdout, stderr io.Writer) int {
 	opts, ignored, err := parseFlags(args, getenv, stderr)
 	if errors.Is(err, flag.ErrHelp) {
+		return exitOK
+	}
+	if errors.Is(err, errPrintVersion) {
+		fmt.Fprint(stdout, b)
 		return exitOK
 	}
 	if err != nil {
@@ -69,6 +79,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	log := newLogger(opts, stderr)
 	ctrl.SetLogger(log)
+	log.Info("starting epp", "version", b.Version, "commit", b.Commit, "go", b.GoVersion)
 	for _, s := range ignored {
 		log.Info("ignoring a flag of the upstream picker that Tally does not apply", "flag", s.flag, "value", s.value, "reason", s.reason)
 	}
@@ -91,7 +102,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 			log.Info("ignoring an EndpointPickerConfig setting that Tally does not apply", "field", n.Field, "reason", n.Reason)
 		}
 	}
-	if err := serve(ctx, opts, cfg, log); err != nil {
+	if err := serve(ctx, opts, cfg, b, log); err != nil {
 		log.Error(err, "epp stopped")
 		return exitFailure
 	}

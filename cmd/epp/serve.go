@@ -65,7 +65,7 @@ func bufferBudget(cfg v1alpha1.PickerConfig, memoryLimit int64) (int64, string) 
 // soon as ctx ends, so that the lease is released and a standby can lead at
 // once; everything that serves streams (ext_proc, health, metrics, the
 // picker's ledger) lives until the drain is over.
-func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log logr.Logger) error {
+func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, b build, log logr.Logger) error {
 	kube, err := controllers.RESTConfig(opts.kubeconfig)
 	if err != nil {
 		return err
@@ -163,6 +163,8 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, log log
 		Log:                     log.WithName("extproc"),
 		Registerer:              reg,
 		MaxModelNameLabels:      opts.maxModelNameLabels,
+		Commit:                  b.Commit,
+		BuildRef:                b.Version,
 		ConformanceTestHooks:    opts.conformanceTestHooks,
 		Objectives:              objectives,
 		Rewrites:                rewrites,

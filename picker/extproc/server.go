@@ -68,6 +68,11 @@ type Options struct {
 	// inference_objective_* metrics; later models share "other". Zero or
 	// less means DefaultMaxModelNameLabels.
 	MaxModelNameLabels int
+	// Commit and BuildRef label inference_extension_info: the commit and
+	// the version the binary was built from (cmd/epp's, stamped by the
+	// linker). Either empty is read from the binary's Go build info
+	// (vcs.revision; the main module's version).
+	Commit, BuildRef string
 	// ConformanceTestHooks turns on what the Gateway API Inference
 	// Extension conformance suite asks of a picker: the endpoints named by
 	// a request's test-epp-endpoint-selection header are its only
@@ -135,7 +140,7 @@ type Server struct {
 func NewServer(p Picker, opts Options) *Server {
 	s := &Server{picker: p, opts: opts}
 	s.metrics = newMetrics(&s.buffered)
-	s.upstream = newObjectiveMetrics(opts.MaxModelNameLabels)
+	s.upstream = newObjectiveMetrics(opts.MaxModelNameLabels, opts.Commit, opts.BuildRef)
 	s.buffers.New = func() any { return new([]byte) }
 	s.tails.New = func() any { return new([usageTailBytes]byte) }
 	if opts.Registerer != nil {

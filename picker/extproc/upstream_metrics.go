@@ -109,7 +109,7 @@ type modelSeries struct {
 	cachedTokens                     prometheus.Observer
 }
 
-func newObjectiveMetrics(maxModels int) *objectiveMetrics {
+func newObjectiveMetrics(maxModels int, commit, buildRef string) *objectiveMetrics {
 	if maxModels <= 0 {
 		maxModels = DefaultMaxModelNameLabels
 	}
@@ -157,7 +157,14 @@ func newObjectiveMetrics(maxModels int) *objectiveMetrics {
 		maxModels: maxModels,
 		models:    make(map[string]*modelSeries),
 	}
-	m.info.WithLabelValues(buildInfo()).Set(1)
+	readCommit, readBuildRef := buildInfo()
+	if commit == "" {
+		commit = readCommit
+	}
+	if buildRef == "" {
+		buildRef = readBuildRef
+	}
+	m.info.WithLabelValues(commit, buildRef).Set(1)
 	return m
 }
 

@@ -203,6 +203,38 @@ inference_pool_ready_pods{name="pool-a"} 3
 	}
 }
 
+// inference_extension_info carries the build the binary was stamped with,
+// and falls back to Go's build info only for what was not given.
+func TestInfoCarriesTheGivenBuild(t *testing.T) {
+	labels := func(opts extproc.Options) map[string]string {
+		t.Helper()
+		reg := prometheus.NewPedanticRegistry()
+		opts.Registerer = reg
+		opts.Log = testr.New(t)
+		p := picker.New(v1alpha1.Default(), picker.Options{Log: opts.Log, Registerer: reg})
+		extproc.NewServer(p, opts)
+		info := familyOf(t, reg, "inference_extension_info")
+		if len(info.GetMetric()) != 1 {
+			t.Fatalf("inference_extension_info: %v, want one series", info.GetMetric())
+		}
+		got := map[string]string{}
+		for _, l := range info.GetMetric()[0].GetLabel() {
+			got[l.GetName()] = l.GetValue()
+		}
+		return got
+	}
+	got := labels(extproc.Options{Commit: "0123456789abcdef0123456789abcdef01234567", BuildRef: "v1.2.3-4-g0123456"})
+	if got["commit"] != "0123456789abcdef0123456789abcdef01234567" || got["build_ref"] != "v1.2.3-4-g0123456" {
+		t.Errorf("stamped build: labels %v, want the commit and build_ref given", got)
+	}
+	// A test binary has no VCS stamp: the fallback is "unknown", never
+	// the value given to another server.
+	got = labels(extproc.Options{BuildRef: "v9.9.9"})
+	if got["build_ref"] != "v9.9.9" || got["commit"] == "" || got["commit"] == "0123456789abcdef0123456789abcdef01234567" {
+		t.Errorf("build_ref only: labels %v, want build_ref v9.9.9 and the commit read from the build info", got)
+	}
+}
+
 // In BUFFERED mode the response body comes as one message; a compressed body
 // is not read for usage (the picker never decompresses).
 func TestUpstreamUsageInOtherResponseShapes(t *testing.T) {

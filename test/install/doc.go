@@ -7,6 +7,9 @@
 // arguments as the rendered ServiceAccount, which must be enough for it to
 // become ready and no more. TestDocCommands runs the commands and YAML
 // blocks of README.md, docs/install.md and the chart's README the same way.
+// The container image is built as `make image` builds it
+// (internal/ociimage), read back from its OCI layout and its binary run;
+// the release workflow, which needs a registry, is read.
 //
 // The invariant not to break: every kind of object the chart or the kustomize
 // bases can produce is applied to the real API server with strict field

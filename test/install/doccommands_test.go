@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/tallyepp/tally/internal/testtier"
 	"maps"
 	"os"
 	"path/filepath"
@@ -84,9 +85,7 @@ const maxLastAppliedBytes = 262144
 // targets must exist in the Makefile. What cannot run here is listed above
 // with the reason; anything else fails.
 func TestDocCommands(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts an API server; skipped with -short")
-	}
+	testtier.SkipIfShort(t, "a kube-apiserver and etcd (envtest)")
 	root := repoRoot(t)
 	d := &docRunner{t: t, root: root, c: startCluster(t, root), releases: map[string]map[string]any{}, created: map[string]bool{}, targets: makeTargets(t, root)}
 	for _, file := range documentedFiles {

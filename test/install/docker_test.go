@@ -7,12 +7,18 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/tallyepp/tally/internal/ociimage"
 )
 
-// TestDockerContextHoldsThePickerSources checks that .dockerignore leaves in
-// the build context every package of this module that cmd/epp is built from
-// (no Docker engine runs here to try the build itself), and that the
-// Dockerfile builds and runs that binary.
+// TestDockerContextHoldsThePickerSources checks the Dockerfile, kept for
+// those who build with Docker, against the image `make image` builds (which
+// TestImageIsReproducibleAndRunsTheStampedPicker builds and runs without a
+// container engine; no Docker engine is here to run this file): .dockerignore
+// leaves in the build context every package of this module that cmd/epp is
+// built from, and the Dockerfile builds that binary with internal/ociimage's
+// flags (static, trimmed, the version and commit stamped from its build
+// arguments) and runs it as the same user with the same entrypoint.
 func TestDockerContextHoldsThePickerSources(t *testing.T) {
 	root := repoRoot(t)
 	patterns := dockerignore(t, filepath.Join(root, ".dockerignore"))
@@ -46,11 +52,11 @@ func TestDockerContextHoldsThePickerSources(t *testing.T) {
 	}
 	for _, want := range []string{
 		"CGO_ENABLED=0",
-		`go build -trimpath -ldflags "-s -w" -o /out/epp ./cmd/epp`,
+		`go build -trimpath -buildvcs=false -ldflags "` + ociimage.LDFlags("${VERSION}", "${COMMIT}") + `" -o /out/epp ./cmd/epp`,
 		"FROM gcr.io/distroless/static-debian12:nonroot",
 		"COPY --from=builder /out/epp /epp",
-		"USER 65532:65532",
-		`ENTRYPOINT ["/epp"]`,
+		"USER " + ociimage.User,
+		`ENTRYPOINT ["` + ociimage.BinaryPath + `"]`,
 	} {
 		if !strings.Contains(string(dockerfile), want) {
 			t.Errorf("Dockerfile lacks %q", want)
