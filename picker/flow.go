@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/picker/internal/flowqueue"
 	"github.com/tallyepp/tally/picker/internal/ilist"
 )
 
@@ -77,7 +78,7 @@ type Ticket struct {
 	r     *Reservation
 	req   Request // Prompt dropped: the hashes in r are all a dispatch needs
 	bytes int64
-	flow  *flow
+	flow  *flowqueue.Flow[Ticket, flowLinks]
 	// Clock (ns) of its arrival and of its TTL's end.
 	enqueued, deadline int64
 	seq                uint64 // arrival order
@@ -97,30 +98,9 @@ type Ticket struct {
 	resErr error
 }
 
-type flow struct {
-	id      string
-	band    *band
-	tickets ilist.List[Ticket, flowLinks]
-	n       int
-	// The band's ring of flows with waiting requests.
-	prev, next *flow
-}
-
-type band struct {
-	priority    int
-	limit       v1alpha1.Band
-	n           int
-	bytes       int64
-	flows       map[string]*flow
-	cursor      *flow // the flow whose turn is next (round-robin)
-	activeFlows int
-}
-
 // flowQueue is the ledger's queue.
 type flowQueue struct {
-	bands    []*band // by priority, highest first
-	n        int
-	bytes    int64
+	waiting  flowqueue.Queue[Ticket, flowLinks] // by band and flow
 	arrivals ilist.List[Ticket, arrivalLinks]
 	closed   bool
 	seq      uint64 // arrivals so far
@@ -169,7 +149,7 @@ func (p *Picker) Enqueue(req Request) (*Reservation, *Ticket, error) {
 func (l *ledger) admit(r *Reservation, req Request) (t *Ticket, placed bool, err error) {
 	now := r.pickedNs
 	q := &l.queue
-	if q.n == 0 || r.bodiless {
+	if q.waiting.Len() == 0 || r.bodiless {
 		// The common case costs what a pick costs: nothing waits, so
 		// nothing can be passed over (and a bodiless request passes no
 		// one: it takes no capacity they wait for).
@@ -212,98 +192,40 @@ func (l *ledger) enqueue(r *Reservation, req Request, now int64) (*Ticket, error
 	switch {
 	case q.closed:
 		return nil, ErrShuttingDown
-	case fc.MaxRequests > 0 && q.n >= fc.MaxRequests, fc.MaxBytes > 0 && q.bytes+bytes > fc.MaxBytes:
+	case fc.MaxRequests > 0 && q.waiting.Len() >= fc.MaxRequests, fc.MaxBytes > 0 && q.waiting.Bytes()+bytes > fc.MaxBytes:
 		return nil, ErrQueueFull
 	}
-	b := l.band(req.Priority)
-	if b.n >= b.limit.MaxRequests || b.bytes+bytes > b.limit.MaxBytes {
+	b := q.waiting.Band(req.Priority, l.bandLimit)
+	if !b.Fits(bytes) {
 		return nil, ErrQueueFull
 	}
 	id := req.FairnessID
 	if id == "" {
 		id = DefaultFairnessID
 	}
-	f := b.flows[id]
-	if f == nil {
-		f = &flow{id: id, band: b}
-		b.flows[id] = f
-	}
 	req.Prompt = nil
-	t := &Ticket{r: r, req: req, bytes: bytes, flow: f, enqueued: now,
+	t := &Ticket{r: r, req: req, bytes: bytes, enqueued: now,
 		deadline: now + int64(time.Duration(fc.RequestTTLSeconds)*time.Second),
 		ready:    make(chan struct{})}
 	q.seq++
 	t.seq = q.seq
-	if f.n == 0 {
-		b.joinRing(f)
-	}
-	f.tickets.Push(t)
-	f.n++
-	b.n++
-	b.bytes += bytes
+	t.flow = q.waiting.Add(t, b, id, bytes)
 	q.arrivals.Push(t)
-	q.n++
-	q.bytes += bytes
 	return t, nil
 }
 
-// band returns the band of priority, creating it.
-func (l *ledger) band(priority int) *band {
-	q := &l.queue
-	i, ok := slices.BinarySearchFunc(q.bands, priority, func(b *band, prio int) int { return prio - b.priority })
-	if ok {
-		return q.bands[i]
-	}
-	b := &band{priority: priority, limit: l.cfg.FlowControl.BandFor(priority), flows: map[string]*flow{}}
-	q.bands = slices.Insert(q.bands, i, b)
-	return b
-}
-
-// joinRing puts f, which just got its first request, last in the band's
-// turn: just before the cursor.
-func (b *band) joinRing(f *flow) {
-	b.activeFlows++
-	if b.cursor == nil {
-		f.prev, f.next = f, f
-		b.cursor = f
-		return
-	}
-	f.next, f.prev = b.cursor, b.cursor.prev
-	f.prev.next = f
-	b.cursor.prev = f
-}
-
-// leaveRing takes f, which has no request left, out of the band's turn.
-func (b *band) leaveRing(f *flow) {
-	b.activeFlows--
-	if f.next == f {
-		b.cursor = nil
-	} else {
-		f.prev.next, f.next.prev = f.next, f.prev
-		if b.cursor == f {
-			b.cursor = f.next
-		}
-	}
-	f.prev, f.next = nil, nil
-	delete(b.flows, f.id)
+// bandLimit is the limit of priority's band.
+func (l *ledger) bandLimit(priority int) flowqueue.Limit {
+	b := l.cfg.FlowControl.BandFor(priority)
+	return flowqueue.Limit{MaxRequests: b.MaxRequests, MaxBytes: b.MaxBytes}
 }
 
 // finish takes t out of the queue with its outcome and wakes its
 // waiter: placed (err nil, t.r holds the reservation) or refused.
 func (l *ledger) finish(t *Ticket, err error, outcome int) {
 	q := &l.queue
-	f := t.flow
-	b := f.band
-	f.tickets.Remove(t)
-	f.n--
-	if f.n == 0 {
-		b.leaveRing(f)
-	}
-	b.n--
-	b.bytes -= t.bytes
+	q.waiting.Remove(t, t.flow, t.bytes)
 	q.arrivals.Remove(t)
-	q.n--
-	q.bytes -= t.bytes
 	q.outcomes[outcome]++
 	t.done, t.err, t.outcome = true, err, outcome
 	close(t.ready)
@@ -312,13 +234,13 @@ func (l *ledger) finish(t *Ticket, err error, outcome int) {
 // dispatch is the dispatch cycle.
 func (l *ledger) dispatch(now int64) (placed int) {
 	q := &l.queue
-	if q.n == 0 {
+	if q.waiting.Len() == 0 {
 		return 0
 	}
 	for t := q.arrivals.Front(); t != nil && t.deadline <= now; t = q.arrivals.Front() {
 		l.finish(t, ErrQueueTimeout, outcomeEvictedTTL)
 	}
-	for q.n > 0 && len(l.candidateRows) > 0 {
+	for q.waiting.Len() > 0 && len(l.candidateRows) > 0 {
 		free := l.freeRows(now)
 		if len(free) == 0 {
 			break
@@ -363,16 +285,16 @@ func (l *ledger) freeRows(now int64) []*row {
 // and in it the cheapest of the first few (or the oldest).
 func (l *ledger) nextTicket(free []*row, now int64) *Ticket {
 	strict := l.cfg.FlowControl.Fairness == v1alpha1.FairnessGlobalStrict
-	for _, b := range l.queue.bands {
-		if b.n == 0 {
+	for _, b := range l.queue.waiting.Bands() {
+		if b.Len() == 0 {
 			continue
 		}
 		if strict {
 			// The flow whose oldest request is oldest; the others only if
 			// none of its may go on the free endpoints (a subset hint).
-			oldest := b.cursor
-			for f, k := b.cursor.next, 1; k < b.activeFlows; f, k = f.next, k+1 {
-				if f.tickets.Front().seq < oldest.tickets.Front().seq {
+			oldest := b.Turn()
+			for f, k := oldest.Next(), 1; k < b.Flows(); f, k = f.Next(), k+1 {
+				if f.Front().seq < oldest.Front().seq {
 					oldest = f
 				}
 			}
@@ -380,13 +302,13 @@ func (l *ledger) nextTicket(free []*row, now int64) *Ticket {
 				return t
 			}
 		}
-		f := b.cursor
-		for range b.activeFlows {
+		f := b.Turn()
+		for range b.Flows() {
 			if t := l.chooseInFlow(f, free, now); t != nil {
-				b.cursor = f.next // the next flow's turn, even if t empties f
+				b.Pass(f) // the next flow's turn, even if t empties f
 				return t
 			}
-			f = f.next
+			f = f.Next()
 		}
 	}
 	return nil
@@ -394,14 +316,14 @@ func (l *ledger) nextTicket(free []*row, now int64) *Ticket {
 
 // chooseInFlow returns the request of f to place next, or nil when
 // none of its first few may go on any of free.
-func (l *ledger) chooseInFlow(f *flow, free []*row, now int64) *Ticket {
+func (l *ledger) chooseInFlow(f *flowqueue.Flow[Ticket, flowLinks], free []*row, now int64) *Ticket {
 	fc := &l.cfg.FlowControl
 	fcfs := fc.Ordering == v1alpha1.OrderingFCFS ||
-		now-f.tickets.Front().enqueued >= int64(time.Duration(fc.MaxReorderMilliseconds)*time.Millisecond)
+		now-f.Front().enqueued >= int64(time.Duration(fc.MaxReorderMilliseconds)*time.Millisecond)
 	var best *Ticket
 	bestCost := 0
 	k := 0
-	for t := f.tickets.Front(); t != nil && k < cheapestWindow; t = f.tickets.Next(t) {
+	for t := f.Front(); t != nil && k < cheapestWindow; t = f.After(t) {
 		k++
 		cost, ok := l.costOnFree(t, free, now)
 		if !ok {
@@ -475,7 +397,7 @@ func (l *ledger) nextDue(now int64) int64 {
 // no event will run. It runs under the lock, after each of the ledger's
 // operations; resetting a timer made by AfterFunc never blocks.
 func (p *Picker) rearm(now int64) {
-	if p.l.queue.n == 0 {
+	if p.l.queue.waiting.Len() == 0 {
 		return
 	}
 	due := p.l.nextDue(now)
@@ -502,7 +424,7 @@ func (p *Picker) dispatchOnTimer() {
 
 // freed runs a cycle after an event that may have freed capacity.
 func (l *ledger) freed(now int64) {
-	if l.queue.n > 0 {
+	if l.queue.waiting.Len() > 0 {
 		l.dispatch(now)
 	}
 }
@@ -520,7 +442,7 @@ func (p *Picker) CloseQueue() int {
 func (l *ledger) closeQueue() int {
 	q := &l.queue
 	q.closed = true
-	n := q.n
+	n := q.waiting.Len()
 	for q.arrivals.Front() != nil {
 		l.finish(q.arrivals.Front(), ErrShuttingDown, outcomeEvictedOther)
 	}

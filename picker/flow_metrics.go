@@ -107,7 +107,7 @@ func (l *ledger) flowGauges(now int64) (gauges []queueGauge, saturation float64,
 	}
 	idx := map[key]int{}
 	for t := q.arrivals.Front(); t != nil; t = q.arrivals.Next(t) {
-		k := key{t.flow.id, t.req.Model, t.flow.band.priority}
+		k := key{t.flow.ID(), t.req.Model, t.flow.Band().Priority()}
 		i, ok := idx[k]
 		if !ok {
 			i = len(gauges)

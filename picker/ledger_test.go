@@ -562,7 +562,7 @@ func TestTheSameOperationsLeaveTwoLedgersEqual(t *testing.T) {
 		snaps = append(snaps, a.l.snapshot(op.at))
 		a.l.snapshot(op.at + int64(time.Second))
 		a.l.flowGauges(op.at)
-		if a.l.queue.n > 0 {
+		if a.l.queue.waiting.Len() > 0 {
 			a.l.nextDue(op.at)
 		}
 	}
@@ -575,8 +575,8 @@ func TestTheSameOperationsLeaveTwoLedgersEqual(t *testing.T) {
 			t.Fatalf("after operation %d (%s at %v) the snapshots differ:\n a %+v\n b %+v", i, op.kind, time.Duration(op.at), snaps[i], got)
 		}
 	}
-	if a.l.queue.n != 0 {
-		t.Fatalf("%d requests still wait at the end of the replay", a.l.queue.n)
+	if a.l.queue.waiting.Len() != 0 {
+		t.Fatalf("%d requests still wait at the end of the replay", a.l.queue.waiting.Len())
 	}
 	if !reflect.DeepEqual(a.l, b.l) {
 		t.Fatal("the ledgers differ at the end of the replay, though their snapshots agree")

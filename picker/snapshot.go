@@ -89,7 +89,7 @@ type Ledger struct {
 func (l *ledger) snapshot(now int64) Ledger {
 	s := Ledger{Endpoints: make([]EndpointStats, 0, len(l.rows))}
 	s.DetachEnds = l.detachEnds
-	s.Waiting = l.queue.n
+	s.Waiting = l.queue.waiting.Len()
 	s.RateSamples = l.rateSamples
 	s.LoRALoadSeconds = l.loraLoad.Mean()
 	s.WorkWeight = 1
