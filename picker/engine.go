@@ -208,7 +208,12 @@ func (e *engineView) fadedForeignCost(now int64) int {
 func (p *Picker) ScrapeTargets(dst []ScrapeTarget) []ScrapeTarget {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for _, w := range p.l.rows {
+	return p.l.scrapeTargets(dst)
+}
+
+// scrapeTargets appends the current endpoints and their engine types.
+func (l *ledger) scrapeTargets(dst []ScrapeTarget) []ScrapeTarget {
+	for _, w := range l.rows {
 		dst = append(dst, ScrapeTarget{Address: w.ep.Address, Engine: w.ep.Engine})
 	}
 	return dst

@@ -122,7 +122,7 @@ func (p *Picker) Enqueue(req Request) (*Reservation, *Ticket, error) {
 	now := r.pickedNs
 	p.mu.Lock()
 	t, placed, err := p.l.admit(r, req)
-	untidy := placed && p.l.index.Untidy()
+	untidy := placed && p.l.untidy()
 	done := t != nil && t.done
 	if t != nil {
 		t.p = p
@@ -397,7 +397,7 @@ func (l *ledger) nextDue(now int64) int64 {
 // no event will run. It runs under the lock, after each of the ledger's
 // operations; resetting a timer made by AfterFunc never blocks.
 func (p *Picker) rearm(now int64) {
-	if p.l.queue.waiting.Len() == 0 {
+	if !p.l.waiting() {
 		return
 	}
 	due := p.l.nextDue(now)

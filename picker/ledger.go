@@ -203,6 +203,17 @@ func (l *ledger) sweep(now, lifetime int64) (released, dropped int) {
 	return released, dropped
 }
 
+// untidy reports whether the prefix index owes evictions (records took an
+// endpoint over its capacity, or dropped rows' entries wait to be freed).
+func (l *ledger) untidy() bool { return l.index.Untidy() }
+
+// tidy evicts or frees up to batch of the prefix entries owed, and reports
+// whether more are owed.
+func (l *ledger) tidy(batch int) bool { return l.index.Tidy(batch) }
+
+// waiting reports whether requests wait in flow control's queue.
+func (l *ledger) waiting() bool { return l.queue.waiting.Len() > 0 }
+
 // drain drains w to now and schedules the end of the detached
 // reservations whose prefill it ended.
 func (l *ledger) drain(w *row, now int64) {

@@ -409,7 +409,7 @@ func (h *replayer) apply(i int, op ledgerOp) {
 	case "sweep":
 		l.sweep(op.at, int64(time.Minute))
 	}
-	for l.index.Tidy(tidyBatchBlocks) {
+	for l.tidy(tidyBatchBlocks) {
 	}
 }
 

@@ -231,7 +231,7 @@ func (p *Picker) pick(req Request) (*Reservation, error) {
 	r := p.prepare(req)
 	p.mu.Lock()
 	err := p.l.place(r, req)
-	untidy := p.l.index.Untidy()
+	untidy := p.l.untidy()
 	p.mu.Unlock()
 	return p.placed(r, err, untidy, start)
 }
@@ -311,7 +311,7 @@ const tidyBatchBlocks = 256
 func (p *Picker) tidy() {
 	for more := true; more; {
 		p.mu.Lock()
-		more = p.l.index.Tidy(tidyBatchBlocks)
+		more = p.l.tidy(tidyBatchBlocks)
 		p.mu.Unlock()
 	}
 }
