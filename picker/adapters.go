@@ -213,7 +213,7 @@ func (l *ledger) adapterCost(cands []candidate, model string, promptTokens int) 
 		c.refs = c.w.adapterRefs[model]
 		c.adapter = c.w.adapterFor(model, known)
 		c.active = c.adapter && c.w.adapterActive(model, c.refs)
-		total += c.w.queued()
+		total += c.queued
 		n++
 		refs += c.refs
 		inFlight += c.w.inFlight
@@ -221,7 +221,7 @@ func (l *ledger) adapterCost(cands []candidate, model string, promptTokens int) 
 			active++
 		}
 	}
-	within := func(c *candidate, shares int) bool { return (c.w.queued()+c.uncached)*n <= shares*total }
+	within := func(c *candidate, shares int) bool { return (c.queued+c.uncached)*n <= shares*total }
 	// fits is within, except where the adapter's own requests are most of
 	// an endpoint's in flight (a burst of it): there the request counts
 	// shared among the adapter's active endpoints, which take the burst's
@@ -232,7 +232,7 @@ func (l *ledger) adapterCost(cands []candidate, model string, promptTokens int) 
 	// burst).
 	fits := func(c *candidate, shares int) bool {
 		if 2*c.refs > c.w.inFlight {
-			return (active*c.w.queued()+c.uncached)*n <= shares*active*total
+			return (active*c.queued+c.uncached)*n <= shares*active*total
 		}
 		return within(c, shares)
 	}

@@ -365,7 +365,7 @@ func (l *ledger) costOnFree(t *Ticket, free []*row, now int64) (cost int, ok boo
 	}
 	l.index.Match(t.r.hashes, ids, matched)
 	for i, c := range rows {
-		x := l.cost(c, l.uncachedTokens(c, t.r.promptChars, matched[i]), weight, now)
+		x := l.cost(c.queued(), c.engine.foreignCost(now), l.uncachedTokens(c, t.r.promptChars, matched[i]), c.decoding, weight)
 		if i == 0 || x < cost {
 			cost = x
 		}

@@ -8,8 +8,10 @@ type candidate struct {
 	w        *row
 	matched  int // leading blocks of the prompt its prefix index holds
 	uncached int // this request's uncached prompt tokens there
-	cost     int
-	taken    bool // chosen already, or not eligible
+	// queued and foreign are its drained queue and its foreign load now.
+	queued, foreign int
+	cost            int
+	taken           bool // chosen already, or not eligible
 	// loraOut says why the adapter rules take it out, if they do; adapter,
 	// active and refs: whether the request's model is an adapter there,
 	// active there, and its requests in flight there (adapters.go).
@@ -56,7 +58,7 @@ func (l *ledger) place(r *Reservation, req Request) error {
 	if len(cands) == 0 {
 		return ErrNoEndpoint
 	}
-	eligible, free := l.saturation(cands, r, now)
+	eligible, free := l.saturation(cands, r)
 	// Flow control's threshold decides whether the request may be placed
 	// now, not where: a saturated endpoint whose prefix saves more than its
 	// queue costs is still the cheapest place.
@@ -111,43 +113,43 @@ func (l *ledger) score(rows []*row, r *Reservation, now int64) []candidate {
 			}
 			c.uncached = lastUncached
 		}
-		c.cost = l.cost(w, c.uncached, weight, now)
+		c.queued, c.foreign = w.queued(), w.engine.foreignCost(now)
+		c.cost = l.cost(c.queued, c.foreign, c.uncached, w.decoding, weight)
 		cands[i] = c
 	}
 	return cands
 }
 
-// cost estimates a request's time to first token on w, in prefill tokens:
-// the prefill the model says is still queued there, plus the load its
-// engine reports beyond the ledger (foreign load, engine.go), plus the
-// request's uncached prompt tokens there weighted by the pool's load, plus
-// a weight per request decoding there. Because it includes the request's
+// cost estimates a request's time to first token on an endpoint, in
+// prefill tokens: the prefill the model says is still queued there, plus
+// the load its engine reports beyond the ledger (foreign load, engine.go),
+// plus the request's uncached prompt tokens there weighted by the pool's
+// load, plus a weight per request decoding there. Because it includes the request's
 // own uncached tokens, a shared prefix pulls only as much as the tokens it
 // saves: once the queue on its holder is longer than the saving, the next
-// request goes elsewhere (and records the prefix there too). w must be
-// drained to now.
+// request goes elsewhere (and records the prefix there too). The queue is
+// read after a drain to now.
 //
 // The uncached tokens are weighted by the pool's load (workWeight): a
 // token computed on a busy pool also delays the requests that queue behind
 // it, so under sustained load a prefix is worth more than the wait it
 // saves this request alone.
-func (l *ledger) cost(w *row, uncached int, weight float64, now int64) int {
-	return w.queued() + w.engine.foreignCost(now) + int(float64(uncached)*weight) + l.cfg.DecodeWeightTokens*w.decoding
+func (l *ledger) cost(queued, foreign, uncached, decoding int, weight float64) int {
+	return queued + foreign + int(float64(uncached)*weight) + l.cfg.DecodeWeightTokens*decoding
 }
 
 // saturation takes out the candidates over a static saturation limit, and
 // counts those left (eligible) and those of them below flow control's
 // threshold (free).
-func (l *ledger) saturation(cands []candidate, r *Reservation, now int64) (eligible, free int) {
+func (l *ledger) saturation(cands []candidate, r *Reservation) (eligible, free int) {
 	for i := range cands {
 		c := &cands[i]
-		queued := c.w.queued()
-		c.taken = !r.bodiless && l.overLimit(c.w, queued)
+		c.taken = !r.bodiless && l.overLimit(c.w, c.queued)
 		if c.taken {
 			continue
 		}
 		eligible++
-		if !l.flowOn || r.bodiless || !l.flowFull(c.w, queued+c.w.engine.foreignCost(now), c.w.decoding) {
+		if !l.flowOn || r.bodiless || !l.flowFull(c.w, c.queued+c.foreign, c.w.decoding) {
 			free++
 		}
 	}
