@@ -49,6 +49,15 @@
 // Everything the model does under the lock is O(1) per candidate (amortised:
 // each reservation leaves its queue once) and allocates nothing.
 //
+// # The ledger
+//
+// The Picker holds one lock over the ledger (ledger.go): a lock-free state
+// machine that changes only through its named operations (place, first
+// byte, served-by, end, observe a scrape round, set the endpoint set,
+// dispatch, sweep), each given its time; it reads no clock, and reading it
+// (Snapshot, the metrics) changes nothing. The same operations in the same
+// order leave two ledgers equal (docs/design.md).
+//
 // The invariant not to break: the reservation and the prefix record are
 // written inside the same critical section that read the state they were
 // chosen from. Moving either after the unlock lets concurrent picks miss each
