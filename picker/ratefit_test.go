@@ -115,6 +115,7 @@ func TestLateFirstBytesDoNotTeachTheRate(t *testing.T) {
 // most of its own. (Shrunk by a fixed n/(n+8), it was learned 1.5 to 1.7
 // times slower.)
 func TestASlowerEngineIsLearnedWithEvidence(t *testing.T) {
+	testtier.SkipIfShort(t, "simulated runs of the rate model (about 3 s with -race)")
 	for seed := range uint64(5) {
 		s := newSim(t, []float64{50_000, 50_000, 25_000}, seed)
 		s.run(600)
@@ -128,6 +129,7 @@ func TestASlowerEngineIsLearnedWithEvidence(t *testing.T) {
 // One slower engine among many barely spreads the pool's factors, yet its
 // own factor is many times its noise: it is learned as slower too.
 func TestOneSlowerEngineAmongManyIsLearned(t *testing.T) {
+	testtier.SkipIfShort(t, "simulated runs over many engines (about 3 s with -race)")
 	engines := []float64{25_000}
 	for range 9 {
 		engines = append(engines, 50_000)

@@ -1,6 +1,8 @@
 package routesim
 
 import (
+	"github.com/tallyepp/tally/internal/testtier"
+
 	"fmt"
 	"reflect"
 	"testing"
@@ -180,6 +182,7 @@ func TestFlowControlHoldsRequestsOffTheEngines(t *testing.T) {
 // less than the standard one, and fairness shares the dispatches between
 // two backlogged flows, one sending ten times the other.
 func TestFlowControlServesPriorityThenFlowsInTurn(t *testing.T) {
+	testtier.SkipIfShort(t, "a simulated trace with priorities and flows (about 4 s with -race)")
 	reqs := loadSample(t, 200)
 	w, err := Prepare(reqs, Config{Engines: 4, KVBlocks: engine.DefaultKVBlocks, LoadFactor: 10, Seed: 1,
 		Priorities: []PriorityShare{{10, 0.2}}})

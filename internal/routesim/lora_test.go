@@ -105,6 +105,7 @@ func runBlindTally(t *testing.T, w *Workload) int64 {
 // and bypass with adapters or without; the mix follows the Zipf weights,
 // and BaseFraction keeps that share on the base model.
 func TestAdapterDraws(t *testing.T) {
+	testtier.SkipIfShort(t, "adapter draws over whole simulated traces (about 5 s with -race)")
 	reqs := loadSample(t, 400)
 	plain := Config{Engines: 4, KVBlocks: engine.DefaultKVBlocks, LoadFactor: 1, NonStreaming: 0.3, Bypass: 0.2, Seed: 5}
 	cfg := plain
@@ -268,6 +269,7 @@ func TestAdapterBurst(t *testing.T) {
 // queued on either engine (exact-greedy, which counts queued prefill alone,
 // sends it to either).
 func TestForecastGreedySeesTheWaitForAnAdapterSlot(t *testing.T) {
+	testtier.SkipIfShort(t, "20 simulated runs of two routers with adapters (about 5 s with -race)")
 	reqs := []Request{
 		{Arrival: 0, InputTokens: 8_000, OutputTokens: 2_000, HashIDs: seq(0, blocksFor(8_000)), Adapter: "lora-0"},
 		{Arrival: 0, InputTokens: 8_000, OutputTokens: 2_000, HashIDs: seq(1000, blocksFor(8_000)), Adapter: "lora-1"},
