@@ -100,6 +100,7 @@ const inferencePoolGroup = "inference.networking.k8s.io"
 // lenientConfigFlag is Tally's own: the upstream picker has no such flag
 // (it refuses a plugin type it does not know, and reads its metric specs).
 const lenientConfigFlag = "--lenient-config"
+
 // errPrintVersion is what parseFlags returns for --version, as it returns
 // flag.ErrHelp for -h: the caller prints the build and exits 0.
 var errPrintVersion = errors.New("flag --version given: print the build and exit")
