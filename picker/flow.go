@@ -113,12 +113,16 @@ type flowQueue struct {
 // returns a reservation (placed at once), a ticket (waiting), or an error
 // (refused).
 func (p *Picker) Enqueue(req Request) (*Reservation, *Ticket, error) {
+	start := time.Now()
+	return p.enqueue(p.prepare(req), req, start)
+}
+
+// enqueue is Enqueue of r, prepared from req.
+func (p *Picker) enqueue(r *Reservation, req Request, start time.Time) (*Reservation, *Ticket, error) {
 	if !p.cfg.FlowControl.Enabled {
-		r, err := p.pick(req)
+		r, err := p.placeNow(r, req, start)
 		return r, nil, err
 	}
-	start := time.Now()
-	r := p.prepare(req)
 	now := r.pickedNs
 	p.mu.Lock()
 	t, placed, err := p.l.admit(r, req)

@@ -214,8 +214,9 @@ func (p *Picker) now() int64 { return int64(p.clock.Now().Sub(p.epoch)) }
 // TTL passes (ErrQueueTimeout), ctx ends (ctx's error: nothing is left
 // behind), or the picker shuts down (ErrShuttingDown).
 func (p *Picker) Admit(ctx context.Context, req Request) (*Reservation, error) {
+	start := time.Now()
 	if !p.cfg.FlowControl.Enabled {
-		return p.pick(req)
+		return p.placeNow(p.prepare(req), req, start)
 	}
 	r, t, err := p.Enqueue(req)
 	if t == nil {
@@ -228,7 +229,11 @@ func (p *Picker) Admit(ctx context.Context, req Request) (*Reservation, error) {
 // candidate saturated returns ErrSaturated.
 func (p *Picker) pick(req Request) (*Reservation, error) {
 	start := time.Now()
-	r := p.prepare(req)
+	return p.placeNow(p.prepare(req), req, start)
+}
+
+// placeNow is pick of r, prepared from req.
+func (p *Picker) placeNow(r *Reservation, req Request, start time.Time) (*Reservation, error) {
 	p.mu.Lock()
 	err := p.l.place(r, req)
 	untidy := p.l.untidy()

@@ -1,6 +1,9 @@
 package picker
 
-import "slices"
+import (
+	"net/netip"
+	"slices"
+)
 
 // candidate is one endpoint a pick weighs, with what the scoring steps
 // work out for it and pass to each other.
@@ -302,4 +305,23 @@ func (l *ledger) uncachedTokens(w *row, promptChars, matchedBlocks int) int {
 	}
 	held := float64(l.blocks.chars(matchedBlocks)) * w.engine.cacheTrust()
 	return max(l.tokens(promptChars-int(held)), 1)
+}
+
+// hold is place for a choice made elsewhere (Picker.Hold): r is reserved on
+// endpoints[0], with endpoints as its fallbacks, at the cost place would
+// give it there. It reports false, and changes nothing, when endpoints[0]
+// is not a current endpoint.
+func (l *ledger) hold(r *Reservation, req Request, endpoints []netip.AddrPort) bool {
+	if len(endpoints) == 0 {
+		return false
+	}
+	w, ok := l.byAddr[key(endpoints[0])]
+	if !ok {
+		return false
+	}
+	now := r.pickedNs
+	cands := l.score(append(l.scratch.rows[:0], w), r, now)
+	r.nEndpoints = copy(r.endpoints[:min(len(endpoints), maxFallbackEndpoints)], endpoints)
+	l.reserve(r, &cands[0], req.Model, now)
+	return true
 }

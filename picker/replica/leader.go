@@ -1,0 +1,386 @@
+package replica
+
+import (
+	"context"
+	"net/netip"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/tallyepp/tally/picker"
+	pb "github.com/tallyepp/tally/picker/replica/replicapb"
+)
+
+// follower is a follower's stream as a replica serves it: what the replica
+// sends it waits in out, sent by one goroutine, so that the replica never
+// blocks on a slow peer.
+type follower struct {
+	name   string
+	out    chan *pb.FromLeader
+	cancel context.CancelFunc
+}
+
+// send queues m for the follower; a follower too far behind is cut off
+// (it resyncs when it reconnects).
+func (f *follower) send(m *pb.FromLeader) {
+	select {
+	case f.out <- m:
+	default:
+		f.cancel()
+	}
+}
+
+// Register serves the peer protocol on s.
+func (x *Replica) Register(s *grpc.Server) { pb.RegisterPeerServer(s, server{x: x}) }
+
+type server struct {
+	pb.UnimplementedPeerServer
+	x *Replica
+}
+
+// Follow serves one follower's stream: its picks are placed here while
+// this replica leads, and every change of the ledger is sent to it.
+func (s server) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromLeader]) error {
+	x := s.x
+	first, err := stream.Recv()
+	if err != nil {
+		return err
+	}
+	h := first.GetHello()
+	if h == nil || h.Replica == "" {
+		return status.Error(codes.InvalidArgument, "the first message of a peer stream is a Hello naming the replica")
+	}
+	if h.Version != Version {
+		// Say which version this replica speaks, so the follower knows why.
+		_ = stream.Send(&pb.FromLeader{Msg: &pb.FromLeader_Hello{Hello: x.hello()}})
+		return status.Errorf(codes.FailedPrecondition, "peer protocol version %d is not spoken here (%d)", h.Version, Version)
+	}
+	ctx, cancel := context.WithCancel(stream.Context())
+	defer cancel()
+	f := &follower{name: h.Replica, out: make(chan *pb.FromLeader, outboxSize), cancel: cancel}
+	x.mu.Lock()
+	x.followers[f] = struct{}{}
+	delete(x.gone, f.name)
+	f.send(&pb.FromLeader{Msg: &pb.FromLeader_Hello{Hello: x.hello()}})
+	if x.leading.Load() {
+		f.send(x.sync())
+	}
+	x.mu.Unlock()
+	defer func() {
+		x.mu.Lock()
+		delete(x.followers, f)
+		x.gone[f.name] = time.Now()
+		x.mu.Unlock()
+	}()
+
+	sent := make(chan error, 1)
+	go func() {
+		for {
+			select {
+			case m := <-f.out:
+				if err := stream.Send(m); err != nil {
+					sent <- err
+					cancel()
+					return
+				}
+			case <-ctx.Done():
+				sent <- nil
+				return
+			}
+		}
+	}()
+	recvd := make(chan *pb.FromFollower)
+	go func() {
+		defer cancel()
+		for {
+			m, err := stream.Recv()
+			if err != nil {
+				return
+			}
+			select {
+			case recvd <- m:
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	for {
+		select {
+		case m := <-recvd:
+			x.fromFollower(ctx, f, m)
+		case <-ctx.Done():
+			<-sent
+			return nil
+		}
+	}
+}
+
+// hello is this replica's Hello. Called with mu held.
+func (x *Replica) hello() *pb.Hello {
+	return &pb.Hello{Version: Version, Replica: x.opts.Self, Leading: x.leading.Load()}
+}
+
+// sync is every reservation this replica holds. Called with mu held.
+func (x *Replica) sync() *pb.FromLeader {
+	s := &pb.Sync{}
+	for _, e := range x.byID {
+		if e.r != nil {
+			s.Reservations = append(s.Reservations, toReservation(e))
+		}
+	}
+	return &pb.FromLeader{Msg: &pb.FromLeader_Sync{Sync: s}}
+}
+
+// broadcast sends m to every follower but except. Called with mu held.
+func (x *Replica) broadcast(except *follower, m *pb.FromLeader) {
+	for f := range x.followers {
+		if f != except {
+			f.send(m)
+		}
+	}
+}
+
+func opPlaced(e *entry) *pb.FromLeader {
+	return &pb.FromLeader{Msg: &pb.FromLeader_Op{Op: &pb.Op{Op: &pb.Op_Placed{Placed: toReservation(e)}, SentUnixNano: time.Now().UnixNano()}}}
+}
+
+func opEvent(ev *pb.Event) *pb.FromLeader {
+	return &pb.FromLeader{Msg: &pb.FromLeader_Op{Op: &pb.Op{Op: &pb.Op_Event{Event: ev}, SentUnixNano: time.Now().UnixNano()}}}
+}
+
+// fromFollower handles one message of f's stream, in the stream's order.
+func (x *Replica) fromFollower(ctx context.Context, f *follower, m *pb.FromFollower) {
+	switch m := m.Msg.(type) {
+	case *pb.FromFollower_Pick:
+		x.placeFor(ctx, f, m.Pick)
+	case *pb.FromFollower_Event:
+		x.followerEvent(f, m.Event)
+	case *pb.FromFollower_Adopt:
+		x.adopt(f, m.Adopt)
+	case *pb.FromFollower_Claim:
+		x.claim(f, m.Claim)
+	}
+}
+
+// placeFor places a follower's pick and answers it. A pick that waits in
+// flow control's queue is answered queued at once, and placed later.
+func (x *Replica) placeFor(ctx context.Context, f *follower, p *pb.Pick) {
+	if !x.leading.Load() {
+		f.send(placed(&pb.Placed{Id: p.Id, Refusal: pb.Refusal_REFUSAL_NOT_LEADING}))
+		return
+	}
+	pr := fromRequest(p.Request)
+	r, t, err := x.p.EnqueuePrepared(pr)
+	e := &entry{id: p.Id, origin: f.name, pr: pr, shared: true}
+	if t == nil {
+		x.answer(f, e, r, err)
+		return
+	}
+	e.ticket = t
+	x.mu.Lock()
+	x.byID[e.id] = e
+	f.send(placed(&pb.Placed{Id: p.Id, Queued: true}))
+	x.mu.Unlock()
+	go func() {
+		r, err := t.Wait(ctx)
+		x.answer(f, e, r, err)
+	}()
+}
+
+// answer tells f where its pick e went (r), or why not (err), and every
+// other follower of the placement.
+func (x *Replica) answer(f *follower, e *entry, r *picker.Reservation, err error) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	e.ticket = nil
+	if err != nil {
+		if x.byID[e.id] == e {
+			delete(x.byID, e.id)
+		}
+		f.send(placed(&pb.Placed{Id: e.id, Refusal: refusalOf(err)}))
+		return
+	}
+	e.r = r
+	x.add(e)
+	f.send(placed(&pb.Placed{Id: e.id, Endpoints: toStrings(r.Endpoints())}))
+	x.broadcast(f, opPlaced(e))
+}
+
+func placed(p *pb.Placed) *pb.FromLeader {
+	return &pb.FromLeader{Msg: &pb.FromLeader_Placed{Placed: p}}
+}
+
+// followerEvent applies an event of one of f's reservations here, and
+// sends it to the other followers.
+func (x *Replica) followerEvent(f *follower, ev *pb.Event) {
+	x.mu.Lock()
+	e := x.byID[ev.Id]
+	if e == nil {
+		x.mu.Unlock()
+		return
+	}
+	if ev.Kind == pb.Event_KIND_END {
+		delete(x.byID, e.id)
+		if e.r != nil {
+			delete(x.byRes, e.r)
+		}
+	}
+	t := e.ticket
+	x.broadcast(f, opEvent(ev))
+	x.mu.Unlock()
+	if t != nil && ev.Kind == pb.Event_KIND_END {
+		t.Cancel() // its client left while it waited
+		return
+	}
+	x.apply(e, ev)
+}
+
+// apply applies ev to e's reservation in this replica's ledger.
+func (x *Replica) apply(e *entry, ev *pb.Event) {
+	if e.r == nil {
+		return
+	}
+	switch ev.Kind {
+	case pb.Event_KIND_FIRST_BYTE:
+		e.firstByte = true
+		x.p.FirstByte(e.r)
+	case pb.Event_KIND_SERVED_BY:
+		if a, err := netip.ParseAddrPort(ev.Addr); err == nil {
+			e.servedBy = a
+			x.p.ServedBy(e.r, a)
+		}
+	case pb.Event_KIND_END:
+		x.p.End(e.r, fromOutcome(ev.Outcome))
+	}
+}
+
+// adopt holds a reservation a follower placed itself, in place of any this
+// replica holds under its id, and tells the other followers.
+func (x *Replica) adopt(f *follower, res *pb.Reservation) {
+	eps := toAddrs(res.Endpoints)
+	if len(eps) == 0 {
+		return // a pick still waiting for its answer: nothing to hold
+	}
+	x.mu.Lock()
+	old := x.byID[res.Id]
+	x.mu.Unlock()
+	if old != nil && old.r != nil {
+		if held := old.r.Endpoints(); len(held) > 0 && held[0] == eps[0] {
+			return // the same placement: already counted
+		}
+		x.p.End(old.r, picker.Outcome{})
+	}
+	e := x.holdAt(res, eps)
+	x.mu.Lock()
+	if old != nil && old.r != nil {
+		delete(x.byRes, old.r)
+	}
+	x.add(e)
+	if x.leading.Load() {
+		x.broadcast(f, opPlaced(e))
+	}
+	x.mu.Unlock()
+}
+
+// holdAt holds res on eps in this replica's ledger, with the events it
+// has already seen.
+func (x *Replica) holdAt(res *pb.Reservation, eps []netip.AddrPort) *entry {
+	pr := fromRequest(res.Request)
+	r, _ := x.p.Hold(pr, eps)
+	e := &entry{id: res.Id, origin: res.Origin, r: r, pr: pr, shared: true}
+	if res.ServedBy != "" {
+		if a, err := netip.ParseAddrPort(res.ServedBy); err == nil {
+			e.servedBy = a
+			x.p.ServedBy(r, a)
+		}
+	}
+	if res.FirstByte {
+		e.firstByte = true
+		x.p.FirstByte(r)
+	}
+	return e
+}
+
+// claim reconciles what f serves with what this replica holds of f: the
+// claimed reservations it lacks are adopted, and those of f it holds that
+// f no longer claims ended while no leader heard (they are released).
+func (x *Replica) claim(f *follower, c *pb.Claim) {
+	claimed := make(map[string]bool, len(c.Reservations))
+	for _, res := range c.Reservations {
+		claimed[res.Id] = true
+		x.adopt(f, res)
+	}
+	var ended []*entry
+	x.mu.Lock()
+	for id, e := range x.byID {
+		if e.origin == f.name && !claimed[id] && e.ticket == nil {
+			ended = append(ended, e)
+			delete(x.byID, id)
+			delete(x.byRes, e.r)
+			x.broadcast(f, opEvent(&pb.Event{Id: id, Kind: pb.Event_KIND_END}))
+		}
+	}
+	x.mu.Unlock()
+	for _, e := range ended {
+		if e.r != nil {
+			x.p.End(e.r, picker.Outcome{})
+		}
+	}
+}
+
+// Lead makes this replica the leader: it places every pick from now on,
+// and its followers start from its ledger (Sync).
+func (x *Replica) Lead() {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.leading.Load() {
+		return
+	}
+	x.leading.Store(true)
+	x.leadSince = time.Now()
+	x.leader = nil
+	x.m.leaderChanges.Inc()
+	for f := range x.followers {
+		f.send(&pb.FromLeader{Msg: &pb.FromLeader_Hello{Hello: x.hello()}})
+		f.send(x.sync())
+	}
+	x.opts.Log.Info("leading: this replica places every pick; its followers forward theirs", "followers", len(x.followers))
+}
+
+// detachOrphans leaves to the ledger's model the reservations of replicas
+// that have been gone longer than the grace: their streams died with them,
+// but their requests may still run on the engines. It reports how many.
+func (x *Replica) detachOrphans(now time.Time) int {
+	if !x.leading.Load() {
+		return 0
+	}
+	connected := map[string]bool{x.opts.Self: true}
+	x.mu.Lock()
+	for f := range x.followers {
+		connected[f.name] = true
+	}
+	var orphans []*entry
+	for id, e := range x.byID {
+		if connected[e.origin] || e.r == nil {
+			continue
+		}
+		since, ok := x.gone[e.origin]
+		if !ok || since.Before(x.leadSince) {
+			since = x.leadSince
+		}
+		if now.Sub(since) < x.opts.OrphanGrace {
+			continue
+		}
+		orphans = append(orphans, e)
+		delete(x.byID, id)
+		delete(x.byRes, e.r)
+		x.broadcast(nil, opEvent(&pb.Event{Id: id, Kind: pb.Event_KIND_END, Outcome: &pb.Outcome{Detached: true}}))
+	}
+	x.mu.Unlock()
+	for _, e := range orphans {
+		x.p.End(e.r, picker.Outcome{Detached: true})
+	}
+	return len(orphans)
+}

@@ -1,0 +1,371 @@
+// Package replica makes the replicas of one picker one ledger. The replica
+// that holds the Lease leads: it places every pick. The others (followers)
+// parse and hash their gateways' requests as ever, send the leader each
+// prepared pick over one long-lived stream (the peer protocol, replicapb),
+// and answer their gateways with the leader's choice; first bytes and ends
+// travel the same way. The leader streams every placement and event to
+// every follower, which holds each in its own ledger (Picker.Hold), so a
+// follower's copy is current when the leader is lost: it then places on it
+// at once, and the next leader reconciles (Sync and Claim) what was placed
+// in the gap, counting nothing twice and leaking nothing.
+//
+// The Replica implements what the ext_proc server needs of a picker
+// (extproc.Picker), in front of the replica's own *picker.Picker.
+package replica
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/credentials"
+
+	"github.com/tallyepp/tally/picker"
+	pb "github.com/tallyepp/tally/picker/replica/replicapb"
+)
+
+// Version is the peer protocol version this build speaks. A replica places
+// locally rather than forward to a leader that speaks another.
+const Version = 1
+
+// Defaults of Options.
+const (
+	DefaultPickTimeout = 100 * time.Millisecond
+	DefaultOrphanGrace = 10 * time.Second
+	// outboxSize bounds the messages waiting to be sent on one stream; a
+	// peer that falls this far behind is disconnected (it resyncs when it
+	// reconnects) rather than slow the picks.
+	outboxSize = 4096
+)
+
+// Options configure a Replica.
+type Options struct {
+	// Self names this replica among its peers (its pod's name).
+	Self string
+	// PickTimeout bounds the wait for the leader's answer to a forwarded
+	// pick; past it the pick is placed locally. Default DefaultPickTimeout.
+	PickTimeout time.Duration
+	// OrphanGrace is how long the leader keeps the reservations of a
+	// replica it has no stream from (one that died with them) before it
+	// leaves them to drain by the ledger's model. Default DefaultOrphanGrace.
+	OrphanGrace time.Duration
+	// Dial are the credentials a follower dials its peers with; nil dials
+	// without TLS (tests only).
+	Dial func() (credentials.TransportCredentials, error)
+	// Registerer receives the replica's metrics; nil registers none.
+	Registerer prometheus.Registerer
+	Log        logr.Logger
+}
+
+// Peer is another replica: its name and its peer address.
+type Peer struct {
+	Name string
+	Addr netip.AddrPort
+}
+
+// Replica is one replica of the picker: the leader, or a follower of it.
+type Replica struct {
+	opts    Options
+	p       *picker.Picker
+	m       *metrics
+	leading atomic.Bool
+	ids     atomic.Uint64
+	started time.Time // the leader's reference for orphans of replicas it never saw
+
+	mu sync.Mutex
+	// Every reservation this replica holds that a peer may speak of: its
+	// own picks and, on a follower, the leader's placements; on the
+	// leader, everything it placed or adopted.
+	byID  map[string]*entry
+	byRes map[*picker.Reservation]*entry
+	// Leading: the streams of the followers (server side), and when each
+	// origin was last connected.
+	followers map[*follower]struct{}
+	gone      map[string]time.Time
+	leadSince time.Time
+	// Following: the stream to each peer, and the one that leads.
+	peers  map[string]*peerConn
+	leader *peerConn
+	// Run's context, and the peers SetPeers named.
+	ctx    context.Context
+	wanted []Peer
+}
+
+// entry is one reservation as the replicas know it.
+type entry struct {
+	id     string
+	origin string
+	r      *picker.Reservation // nil while a forwarded pick waits
+	pr     picker.Prepared
+	// The leader knows it (forwarded, or adopted since): events go there.
+	shared    bool
+	firstByte bool
+	servedBy  netip.AddrPort
+	ticket    *picker.Ticket // leader: waiting in its flow control queue
+	// What the leader answers a forwarded pick (follower).
+	answer chan *pb.Placed
+}
+
+// New returns a follower replica in front of p; Lead makes it the leader.
+func New(p *picker.Picker, opts Options) *Replica {
+	if opts.PickTimeout <= 0 {
+		opts.PickTimeout = DefaultPickTimeout
+	}
+	if opts.OrphanGrace <= 0 {
+		opts.OrphanGrace = DefaultOrphanGrace
+	}
+	x := &Replica{
+		opts:      opts,
+		p:         p,
+		m:         newMetrics(opts.Registerer),
+		started:   time.Now(),
+		byID:      map[string]*entry{},
+		byRes:     map[*picker.Reservation]*entry{},
+		followers: map[*follower]struct{}{},
+		gone:      map[string]time.Time{},
+		peers:     map[string]*peerConn{},
+	}
+	x.registerState(opts.Registerer)
+	return x
+}
+
+// Leading reports whether this replica leads.
+func (x *Replica) Leading() bool { return x.leading.Load() }
+
+// Leader names the replica this one follows ("" when none), or itself.
+func (x *Replica) Leader() string {
+	if x.leading.Load() {
+		return x.opts.Self
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.leader != nil {
+		return x.leader.peer.Name
+	}
+	return ""
+}
+
+func (x *Replica) newID() string {
+	return x.opts.Self + "/" + strconv.FormatUint(x.ids.Add(1), 10)
+}
+
+// Admit places req: on this replica's ledger when it leads, or when no
+// leader answers; else at the leader, holding its choice here too.
+func (x *Replica) Admit(ctx context.Context, req picker.Request) (*picker.Reservation, error) {
+	pr := x.p.Prepare(req)
+	if x.leading.Load() {
+		x.m.local.WithLabelValues(reasonLeader).Inc()
+		return x.admitLocal(ctx, pr, x.newID(), x.opts.Self)
+	}
+	x.mu.Lock()
+	c := x.leader
+	x.mu.Unlock()
+	if c == nil {
+		return x.placeAlone(ctx, pr, x.newID(), x.noLeaderReason())
+	}
+	return x.forward(ctx, c, pr)
+}
+
+// noLeaderReason says why there is no leader to forward to: none is known,
+// or the one there is speaks another version.
+func (x *Replica) noLeaderReason() string {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	for _, c := range x.peers {
+		if c.leading && c.version != Version {
+			return reasonVersion
+		}
+	}
+	return reasonNoLeader
+}
+
+// admitLocal places pr on this replica's ledger as the leader does, and
+// tells the followers.
+func (x *Replica) admitLocal(ctx context.Context, pr picker.Prepared, id, origin string) (*picker.Reservation, error) {
+	r, err := x.p.AdmitPrepared(ctx, pr)
+	if err != nil {
+		return nil, err
+	}
+	e := &entry{id: id, origin: origin, r: r, pr: pr}
+	x.mu.Lock()
+	x.add(e)
+	x.broadcast(nil, opPlaced(e))
+	x.mu.Unlock()
+	return r, nil
+}
+
+// placeAlone places pr on this follower's own copy of the ledger (no
+// leader answers), and tells the leader once one does (Adopt or Claim).
+func (x *Replica) placeAlone(ctx context.Context, pr picker.Prepared, id, reason string) (*picker.Reservation, error) {
+	x.m.local.WithLabelValues(reason).Inc()
+	r, err := x.p.AdmitPrepared(ctx, pr)
+	if err != nil {
+		return nil, err
+	}
+	e := &entry{id: id, origin: x.opts.Self, r: r, pr: pr}
+	x.mu.Lock()
+	x.add(e)
+	if c := x.leader; c != nil {
+		// A leader is there now (a late or slow one): it adopts this
+		// placement, replacing any it made of the same pick.
+		e.shared = true
+		c.send(&pb.FromFollower{Msg: &pb.FromFollower_Adopt{Adopt: toReservation(e)}})
+	}
+	x.mu.Unlock()
+	return r, nil
+}
+
+// forward sends pr to the leader and holds its choice here.
+func (x *Replica) forward(ctx context.Context, c *peerConn, pr picker.Prepared) (*picker.Reservation, error) {
+	start := time.Now()
+	e := &entry{id: x.newID(), origin: x.opts.Self, pr: pr, shared: true, answer: make(chan *pb.Placed, 2)}
+	x.mu.Lock()
+	x.byID[e.id] = e
+	ok := c.send(&pb.FromFollower{Msg: &pb.FromFollower_Pick{Pick: &pb.Pick{Id: e.id, Request: toRequest(pr)}}})
+	x.mu.Unlock()
+	if !ok {
+		x.forget(e)
+		return x.placeAlone(ctx, pr, e.id, reasonNoLeader)
+	}
+	timer := time.NewTimer(x.opts.PickTimeout)
+	defer timer.Stop()
+	for {
+		select {
+		case a := <-e.answer:
+			if a == nil { // the stream broke
+				x.forget(e)
+				return x.placeAlone(ctx, pr, e.id, reasonNoLeader)
+			}
+			if a.Queued {
+				// Flow control holds it at the leader: it waits as long
+				// as its TTL, as a local wait would.
+				timer.Stop()
+				continue
+			}
+			x.m.forwarded.Inc()
+			x.m.forwardSeconds.Observe(time.Since(start).Seconds())
+			if err := refusalErr(a.Refusal); err != nil {
+				x.forget(e)
+				return nil, err
+			}
+			eps := toAddrs(a.Endpoints)
+			r, _ := x.p.Hold(pr, eps)
+			x.mu.Lock()
+			e.r, e.answer = r, nil
+			x.byRes[r] = e
+			x.mu.Unlock()
+			return r, nil
+		case <-timer.C:
+			x.forget(e)
+			return x.placeAlone(ctx, pr, e.id, reasonTimeout)
+		case <-ctx.Done():
+			// The leader may place it yet: the end follows the pick.
+			x.mu.Lock()
+			delete(x.byID, e.id)
+			x.sendUp(&pb.Event{Id: e.id, Kind: pb.Event_KIND_END})
+			x.mu.Unlock()
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// forget drops a forwarded pick that got no placement here.
+func (x *Replica) forget(e *entry) {
+	x.mu.Lock()
+	if x.byID[e.id] == e {
+		delete(x.byID, e.id)
+	}
+	x.mu.Unlock()
+}
+
+// FirstByte marks r's first response bytes here and at the leader.
+func (x *Replica) FirstByte(r *picker.Reservation) {
+	x.p.FirstByte(r)
+	x.event(r, &pb.Event{Kind: pb.Event_KIND_FIRST_BYTE}, func(e *entry) { e.firstByte = true })
+}
+
+// ServedBy moves r to addr here and at the leader.
+func (x *Replica) ServedBy(r *picker.Reservation, addr netip.AddrPort) {
+	x.p.ServedBy(r, addr)
+	x.event(r, &pb.Event{Kind: pb.Event_KIND_SERVED_BY, Addr: addr.String()}, func(e *entry) { e.servedBy = addr })
+}
+
+// End ends r here and at the leader.
+func (x *Replica) End(r *picker.Reservation, o picker.Outcome) {
+	x.p.End(r, o)
+	x.event(r, &pb.Event{Kind: pb.Event_KIND_END, Outcome: toOutcome(o)}, func(e *entry) {
+		delete(x.byID, e.id)
+		delete(x.byRes, r)
+	})
+}
+
+// event records ev of r's entry (apply, under the lock) and sends it on:
+// to the leader from a follower, to every follower from the leader.
+func (x *Replica) event(r *picker.Reservation, ev *pb.Event, apply func(*entry)) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	e := x.byRes[r]
+	if e == nil {
+		return
+	}
+	ev.Id = e.id
+	apply(e)
+	switch {
+	case x.leading.Load():
+		x.broadcast(nil, &pb.FromLeader{Msg: &pb.FromLeader_Op{Op: &pb.Op{Op: &pb.Op_Event{Event: ev}, SentUnixNano: time.Now().UnixNano()}}})
+	case e.shared:
+		x.sendUp(ev)
+	}
+}
+
+// sendUp sends ev to the leader, if there is one. Called with mu held.
+func (x *Replica) sendUp(ev *pb.Event) {
+	if c := x.leader; c != nil {
+		c.send(&pb.FromFollower{Msg: &pb.FromFollower_Event{Event: ev}})
+	}
+}
+
+// add indexes e. Called with mu held.
+func (x *Replica) add(e *entry) {
+	x.byID[e.id] = e
+	x.byRes[e.r] = e
+}
+
+// refusalErr is the picker's error for the leader's refusal.
+func refusalErr(r pb.Refusal) error {
+	switch r {
+	case pb.Refusal_REFUSAL_NONE:
+		return nil
+	case pb.Refusal_REFUSAL_NO_ENDPOINT:
+		return picker.ErrNoEndpoint
+	case pb.Refusal_REFUSAL_SATURATED:
+		return picker.ErrSaturated
+	case pb.Refusal_REFUSAL_QUEUE_TIMEOUT:
+		return picker.ErrQueueTimeout
+	case pb.Refusal_REFUSAL_SHUTTING_DOWN:
+		return picker.ErrShuttingDown
+	case pb.Refusal_REFUSAL_SHED:
+		return picker.ErrShed
+	case pb.Refusal_REFUSAL_QUEUE_FULL:
+		return picker.ErrQueueFull
+	}
+	return fmt.Errorf("the leader refused the pick (%v)", r)
+}
+
+// refusalOf is the leader's refusal for err.
+func refusalOf(err error) pb.Refusal {
+	for _, r := range []pb.Refusal{pb.Refusal_REFUSAL_NO_ENDPOINT, pb.Refusal_REFUSAL_SATURATED, pb.Refusal_REFUSAL_QUEUE_TIMEOUT,
+		pb.Refusal_REFUSAL_SHUTTING_DOWN, pb.Refusal_REFUSAL_SHED, pb.Refusal_REFUSAL_QUEUE_FULL} {
+		if errors.Is(err, refusalErr(r)) {
+			return r
+		}
+	}
+	return pb.Refusal_REFUSAL_SHUTTING_DOWN
+}

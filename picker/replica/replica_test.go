@@ -1,0 +1,418 @@
+package replica
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"fmt"
+	"math/big"
+	mrand "math/rand/v2"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr/testr"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+	testclock "k8s.io/utils/clock/testing"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/picker"
+	pb "github.com/tallyepp/tally/picker/replica/replicapb"
+)
+
+// writeCredentials writes a CA and a peer certificate it signed (for
+// ServerName, server and client use) into a new directory.
+func writeCredentials(t *testing.T) Credentials {
+	t.Helper()
+	dir := t.TempDir()
+	caKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	ca := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "tally-peer-ca"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), IsCA: true,
+		KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true}
+	caDER, err := x509.CreateCertificate(rand.Reader, ca, ca, &caKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	leaf := &x509.Certificate{SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: ServerName}, DNSNames: []string{ServerName},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		KeyUsage:    x509.KeyUsageDigitalSignature,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}}
+	leafDER, err := x509.CreateCertificate(rand.Reader, leaf, ca, &key.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, _ := x509.MarshalPKCS8PrivateKey(key)
+	write := func(name, typ string, der []byte) {
+		if err := os.WriteFile(filepath.Join(dir, name), pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("ca.crt", "CERTIFICATE", caDER)
+	write("tls.crt", "CERTIFICATE", leafDER)
+	write("tls.key", "PRIVATE KEY", keyDER)
+	return Credentials{Dir: dir}
+}
+
+func endpoints() []picker.Endpoint {
+	eps := make([]picker.Endpoint, 3)
+	for i := range eps {
+		eps[i] = picker.Endpoint{Pod: fmt.Sprintf("pod-%d", i), Address: netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 0, byte(2 + i)}), 8000)}
+	}
+	return eps
+}
+
+// cluster is n replicas of one picker, each with its own ledger over the
+// same three endpoints and its own peer server on loopback, on one clock
+// that moves only when a test moves it.
+type cluster struct {
+	t       *testing.T
+	clock   *testclock.FakeClock
+	reps    []*Replica
+	pickers []*picker.Picker
+	regs    []*prometheus.Registry
+	servers []*grpc.Server
+	stops   []context.CancelFunc
+	peers   []Peer
+}
+
+func newCluster(t *testing.T, n int, creds Credentials, opts Options) *cluster {
+	t.Helper()
+	c := &cluster{t: t, clock: testclock.NewFakeClock(time.Now())}
+	for i := range n {
+		p := picker.New(v1alpha1.PickerConfig{}, picker.Options{Clock: c.clock, Rand: mrand.New(mrand.NewPCG(uint64(i), 1))})
+		p.Replace(endpoints())
+		reg := prometheus.NewRegistry()
+		o := opts
+		o.Self, o.Dial, o.Registerer, o.Log = fmt.Sprintf("tally-%d", i), creds.Dial, reg, testr.New(t).WithName(fmt.Sprint(i))
+		x := New(p, o)
+		lis, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := grpc.NewServer(grpc.Creds(creds.Server()))
+		x.Register(s)
+		go func() { _ = s.Serve(lis) }()
+		ctx, stop := context.WithCancel(context.Background())
+		go x.Run(ctx)
+		c.reps, c.pickers, c.regs = append(c.reps, x), append(c.pickers, p), append(c.regs, reg)
+		c.servers, c.stops = append(c.servers, s), append(c.stops, stop)
+		c.peers = append(c.peers, Peer{Name: o.Self, Addr: netip.MustParseAddrPort(lis.Addr().String())})
+	}
+	for _, x := range c.reps {
+		x.SetPeers(c.peers)
+	}
+	t.Cleanup(func() {
+		for i := range c.reps {
+			c.kill(i)
+		}
+	})
+	return c
+}
+
+// kill stops replica i as a SIGKILL would: its server and its streams end.
+func (c *cluster) kill(i int) {
+	c.stops[i]()
+	c.servers[i].Stop()
+}
+
+// lead makes replica i the leader and waits until every live replica
+// follows it.
+func (c *cluster) lead(i int, live ...int) {
+	c.t.Helper()
+	c.reps[i].Lead()
+	c.eventually("every replica follows "+c.reps[i].opts.Self, func() bool {
+		for _, j := range live {
+			if c.reps[j].Leader() != c.reps[i].opts.Self {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+func (c *cluster) eventually(what string, ok func() bool) {
+	c.t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !ok() {
+		if time.Now().After(deadline) {
+			c.t.Fatalf("after 10s: not %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// inFlight is each endpoint's in-flight count in replica i's ledger.
+func (c *cluster) inFlight(i int) [3]int {
+	var n [3]int
+	for _, e := range c.pickers[i].Snapshot().Endpoints {
+		n[int(e.Endpoint.Address.Addr().As4()[3])-2] = e.InFlight
+	}
+	return n
+}
+
+func (c *cluster) local(i int, reason string) float64 {
+	m := newMetricsFor(c.regs[i])
+	return testutil.ToFloat64(m.WithLabelValues(reason))
+}
+
+// newMetricsFor reads the local placements counter from reg.
+func newMetricsFor(reg *prometheus.Registry) *prometheus.CounterVec {
+	v := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "tally_peer_local_placements_total"}, []string{"reason"})
+	mfs, _ := reg.Gather()
+	for _, mf := range mfs {
+		if mf.GetName() != "tally_peer_local_placements_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			v.WithLabelValues(m.GetLabel()[0].GetValue()).Add(m.GetCounter().GetValue())
+		}
+	}
+	return v
+}
+
+// prompt is a prompt of about tokens tokens: the shared text, then text
+// of its own.
+func prompt(shared string, own, tokens int) []byte {
+	var b strings.Builder
+	b.WriteString(shared)
+	for b.Len() < 4*tokens {
+		fmt.Fprintf(&b, "request %d says word %d. ", own, b.Len())
+	}
+	return []byte(b.String())
+}
+
+type pick struct {
+	via int
+	r   *picker.Reservation
+}
+
+// burst admits n requests at once, spread round-robin over the replicas
+// in via, and returns them placed (none has ended).
+func (c *cluster) burst(n int, shared string, via ...int) []pick {
+	c.t.Helper()
+	out := make([]pick, n)
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for k := range n {
+		wg.Go(func() {
+			i := via[k%len(via)]
+			r, err := c.reps[i].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt(shared, k, 32_000), Stream: true})
+			if err != nil {
+				errs <- err
+				return
+			}
+			out[k] = pick{via: i, r: r}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		c.t.Fatal(err)
+	}
+	return out
+}
+
+func counts(ps []pick) [3]int {
+	var n [3]int
+	for _, p := range ps {
+		n[int(p.r.Endpoints()[0].Addr().As4()[3])-2]++
+	}
+	return n
+}
+
+func within(n [3]int, total, slack int) bool {
+	for _, v := range n {
+		if v*3 < total-3*slack || v*3 > total+3*slack {
+			return false
+		}
+	}
+	return true
+}
+
+func (c *cluster) end(ps []pick) {
+	for _, p := range ps {
+		c.reps[p.via].End(p.r, picker.Outcome{})
+	}
+}
+
+func TestThreeReplicasPlaceABurstAsOneLedger(t *testing.T) {
+	creds := writeCredentials(t)
+	for _, kind := range []string{"fresh", "shared"} {
+		t.Run(kind, func(t *testing.T) {
+			c := newCluster(t, 3, creds, Options{PickTimeout: time.Minute})
+			c.lead(0, 1, 2)
+			shared := ""
+			if kind == "shared" {
+				shared = string(prompt("", -1, 2_000))
+			}
+			ps := c.burst(128, shared, 0, 1, 2)
+			n := counts(ps)
+			if !within(n, 128, 1) {
+				t.Errorf("placed %v, want each within 1 of 128/3", n)
+			}
+			for i := range 3 {
+				if i > 0 && c.local(i, reasonNoLeader)+c.local(i, reasonTimeout)+c.local(i, reasonVersion) > 0 {
+					t.Errorf("replica %d placed picks itself while the leader answered: %v no leader, %v timeout, %v version", i,
+						c.local(i, reasonNoLeader), c.local(i, reasonTimeout), c.local(i, reasonVersion))
+				}
+				c.eventually(fmt.Sprintf("replica %d's ledger holds the burst as placed", i), func() bool { return c.inFlight(i) == n })
+			}
+			c.end(ps)
+			for i := range 3 {
+				c.eventually(fmt.Sprintf("replica %d's ledger empty", i), func() bool { return c.inFlight(i) == [3]int{} })
+			}
+		})
+	}
+}
+
+func TestAHeldPrefixTakesAtMostHalfThroughReplicas(t *testing.T) {
+	c := newCluster(t, 3, writeCredentials(t), Options{PickTimeout: time.Minute})
+	c.lead(0, 1, 2)
+	shared := string(prompt("", -1, 30_000))
+	// One pod holds the prefix, and has finished with it.
+	warm := c.burst(1, shared, 1)
+	c.reps[1].FirstByte(warm[0].r)
+	c.end(warm)
+	ps := c.burst(128, shared, 0, 1, 2)
+	n := counts(ps)
+	holder := int(warm[0].r.Endpoints()[0].Addr().As4()[3]) - 2
+	if n[holder] > 64 || min(n[0], n[1], n[2]) == 0 {
+		t.Errorf("placed %v with the prefix on pod %d: want the holder at most half and no pod idle", n, holder)
+	}
+	c.end(ps)
+}
+
+func TestTheLeaderLostFollowersPlaceAtOnceAndTheNextLeaderReconciles(t *testing.T) {
+	c := newCluster(t, 3, writeCredentials(t), Options{PickTimeout: time.Minute, OrphanGrace: 200 * time.Millisecond})
+	c.lead(0, 1, 2)
+	before := c.burst(30, "", 0, 1, 2)
+	for i := range 3 {
+		c.eventually("the burst replicated", func() bool { return sum(c.inFlight(i)) == 30 })
+	}
+	// Some of those before end while the leader lives, some after.
+	c.end(before[:6])
+	c.kill(0)
+	c.eventually("no leader", func() bool { return c.reps[1].Leader() == "" && c.reps[2].Leader() == "" })
+	gap := c.burst(30, "", 1, 2)
+	if got := c.local(1, reasonNoLeader) + c.local(2, reasonNoLeader); got != 30 {
+		t.Errorf("%v picks placed locally without a leader, want 30", got)
+	}
+	c.end(before[6:9]) // ends no leader hears
+	c.lead(1, 2)
+	// The new leader holds each open reservation once: the 30 of before
+	// less the 6 ended while the leader lived and the 2 the live replicas
+	// ended in the gap (the dead leader's end of one of its own is never
+	// heard: its 8 are left to the model after the grace), and the 30 of
+	// the gap.
+	want := 30 - 6 - 2 + 30
+	for _, i := range []int{1, 2} {
+		c.eventually(fmt.Sprintf("replica %d holds %d", i, want), func() bool { return sum(c.inFlight(i)) == want })
+	}
+	after := c.burst(12, "", 1, 2)
+	if got := c.local(2, reasonNoLeader) + c.local(2, reasonTimeout); got != 15 {
+		t.Errorf("replica 2 placed %v picks itself, want only its 15 of the gap", got)
+	}
+	var alive []pick
+	for _, p := range append(append(before[9:], gap...), after...) {
+		if p.via != 0 {
+			alive = append(alive, p)
+		}
+	}
+	c.end(alive)
+	// What the dead leader served is left to the model: it drains once
+	// the grace has passed and the model's time has.
+	time.Sleep(1500 * time.Millisecond)
+	c.clock.Step(time.Hour)
+	for _, i := range []int{1, 2} {
+		c.eventually(fmt.Sprintf("replica %d's ledger empty", i), func() bool { return sum(c.inFlight(i)) == 0 })
+	}
+}
+
+func sum(n [3]int) int { return n[0] + n[1] + n[2] }
+
+func TestOnlyPeersReachThePeerPort(t *testing.T) {
+	creds := writeCredentials(t)
+	c := newCluster(t, 1, creds, Options{})
+	c.reps[0].Lead()
+	addr := c.peers[0].Addr.String()
+	other := writeCredentials(t) // another pool's credentials
+	ca, _, err := creds.load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = ca
+	_, pool, _ := creds.load()
+	otherCert, _, _ := other.load()
+	for name, dial := range map[string]credentials.TransportCredentials{
+		"plaintext":           insecure.NewCredentials(),
+		"no client cert":      credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: ServerName}),
+		"another pool's cert": credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: ServerName, Certificates: []tls.Certificate{otherCert}}),
+	} {
+		t.Run(name, func(t *testing.T) {
+			conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(dial))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			s, err := pb.NewPeerClient(conn).Follow(ctx)
+			if err == nil {
+				_ = s.Send(&pb.FromFollower{Msg: &pb.FromFollower_Hello{Hello: &pb.Hello{Version: Version, Replica: "intruder"}}})
+				var m *pb.FromLeader
+				if m, err = s.Recv(); err == nil {
+					t.Fatalf("a client without the pool's peer credentials was answered: %v", m)
+				}
+			}
+		})
+	}
+	// With them, it is answered.
+	good, err := creds.Dial()
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(good))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	s, err := pb.NewPeerClient(conn).Follow(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = s.Send(&pb.FromFollower{Msg: &pb.FromFollower_Hello{Hello: &pb.Hello{Version: Version, Replica: "peer"}}})
+	m, err := s.Recv()
+	if err != nil || !m.GetHello().GetLeading() {
+		t.Fatalf("a peer got %v, %v; want the leader's Hello", m, err)
+	}
+}
+
+func TestAFollowerOfAnotherVersionPlacesLocally(t *testing.T) {
+	c := newCluster(t, 2, writeCredentials(t), Options{})
+	c.lead(0, 1)
+	// The leader now says it speaks another version, as a newer build would.
+	c.reps[1].peerHello(c.reps[1].leader, &pb.Hello{Version: Version + 1, Replica: "tally-0", Leading: true})
+	if l := c.reps[1].Leader(); l != "" {
+		t.Fatalf("following %q, a leader of another version", l)
+	}
+	ps := c.burst(3, "", 1)
+	if got := c.local(1, reasonVersion); got != 3 {
+		t.Errorf("%v local placements for the version, want 3", got)
+	}
+	c.end(ps)
+}

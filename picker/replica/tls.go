@@ -1,0 +1,84 @@
+package replica
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"google.golang.org/grpc/credentials"
+)
+
+// ServerName is the name a replica's peer certificate is issued for, and
+// the name its peers verify.
+const ServerName = "tally-peer"
+
+// Credentials are the peer credentials in a directory: ca.crt (one or more
+// CAs: a peer's certificate must be signed by one of them), tls.crt and
+// tls.key (this replica's certificate, for ServerName, used as server and
+// as client). The files are read on each new connection, so a rotated
+// Secret takes effect without a restart.
+type Credentials struct{ Dir string }
+
+// load reads the files: this replica's certificate and the CAs it trusts.
+func (c Credentials) load() (tls.Certificate, *x509.CertPool, error) {
+	cert, err := tls.LoadX509KeyPair(filepath.Join(c.Dir, "tls.crt"), filepath.Join(c.Dir, "tls.key"))
+	if err != nil {
+		return tls.Certificate{}, nil, fmt.Errorf("peer certificate in %s: %w", c.Dir, err)
+	}
+	pem, err := os.ReadFile(filepath.Join(c.Dir, "ca.crt"))
+	if err != nil {
+		return tls.Certificate{}, nil, fmt.Errorf("peer CA: %w", err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pem) {
+		return tls.Certificate{}, nil, fmt.Errorf("peer CA %s holds no PEM certificate", filepath.Join(c.Dir, "ca.crt"))
+	}
+	return cert, pool, nil
+}
+
+// Check reads the files once, for a clear error at start.
+func (c Credentials) Check() error {
+	if c.Dir == "" {
+		return errors.New("no directory given")
+	}
+	_, _, err := c.load()
+	return err
+}
+
+// Server is the peer server's TLS: a client must present a certificate a
+// trusted CA signed.
+func (c Credentials) Server() credentials.TransportCredentials {
+	return credentials.NewTLS(&tls.Config{
+		MinVersion: tls.VersionTLS13,
+		GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) {
+			cert, pool, err := c.load()
+			if err != nil {
+				return nil, err
+			}
+			return &tls.Config{
+				MinVersion:   tls.VersionTLS13,
+				Certificates: []tls.Certificate{cert},
+				ClientCAs:    pool,
+				ClientAuth:   tls.RequireAndVerifyClientCert,
+				NextProtos:   []string{"h2"},
+			}, nil
+		},
+	})
+}
+
+// Dial is a follower's TLS toward its peers, read afresh.
+func (c Credentials) Dial() (credentials.TransportCredentials, error) {
+	cert, pool, err := c.load()
+	if err != nil {
+		return nil, err
+	}
+	return credentials.NewTLS(&tls.Config{
+		MinVersion:   tls.VersionTLS13,
+		Certificates: []tls.Certificate{cert},
+		RootCAs:      pool,
+		ServerName:   ServerName,
+	}), nil
+}
