@@ -5,16 +5,19 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"strconv"
 	"strings"
 	"time"
 
+	"k8s.io/apimachinery/pkg/labels"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/picker/replica"
 	"github.com/tallyepp/tally/picker/scrape"
 )
 
@@ -93,7 +96,19 @@ type options struct {
 	metricNames    scrape.MetricNames
 	scrapePort     int
 	scrapeInsecure bool
+
+	// Peers (picker/replica): with leader election and a peer selector,
+	// every replica serves and the leader places every pick. podName and
+	// podIP name this replica among them (POD_NAME, POD_IP).
+	peerSelector    string
+	peerPort        int
+	peerCertPath    string
+	peerPickTimeout time.Duration
+	podName, podIP  string
 }
+
+// peering says the replicas share one ledger (picker/replica).
+func (o options) peering() bool { return o.leaderElection && o.peerSelector != "" }
 
 const inferencePoolGroup = "inference.networking.k8s.io"
 
@@ -174,6 +189,10 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	fs.StringVar(&o.endpointTargetPorts, "endpoint-target-ports", "", "the upstream picker's standalone mode; not supported: Tally serves an InferencePool (--pool-name)")
 	fs.BoolVar(&o.conformanceTestHooks, "conformance-test-hooks", false, "for running the Gateway API Inference Extension conformance suite only: "+
 		"honour the test-epp-endpoint-selection request header (it lets a client choose its endpoint) and answer x-conformance-test-served-endpoint")
+	fs.StringVar(&o.peerSelector, "peer-selector", "", "with --ha-enable-leader-election: label selector of this picker's own pods (in --pool-namespace), e.g. app=tally; every replica then serves, the leader places every pick and the others forward theirs to it. Empty: only the leader serves (warm standbys)")
+	fs.IntVar(&o.peerPort, "peer-port", 9004, "with --peer-selector: port of the peer protocol, served on $POD_IP")
+	fs.StringVar(&o.peerCertPath, "peer-cert-path", "", "with --peer-selector: directory holding ca.crt, tls.crt and tls.key; peers must present a certificate signed by ca.crt (for the name "+replica.ServerName+"); read again on each new connection")
+	fs.DurationVar(&o.peerPickTimeout, "peer-pick-timeout", replica.DefaultPickTimeout, "with --peer-selector: how long a follower waits for the leader's answer to a pick before placing it itself")
 	printVersion := fs.Bool("version", false, "print the version, the commit and the Go version the binary was built with, and exit")
 	o.zap.BindFlags(fs)
 	ignoredSet := addIgnoredUpstreamFlags(fs)
@@ -205,6 +224,7 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	if o.kubeconfig == "" {
 		o.kubeconfig = getenv("KUBECONFIG")
 	}
+	o.podName, o.podIP = getenv("POD_NAME"), getenv("POD_IP")
 	// The upstream chart passes trtllm-serve's path with its quotes:
 	// --model-server-metrics-path="/prometheus/metrics".
 	o.scrapePath = strings.Trim(o.scrapePath, `"'`)
@@ -298,6 +318,38 @@ func (o options) validate() error {
 	}
 	if o.verbosity < 0 {
 		errs = append(errs, fmt.Errorf("flag -v: %d is invalid: must be 0 or more", o.verbosity))
+	}
+	return errors.Join(append(errs, o.validatePeers())...)
+}
+
+// validatePeers checks the peer flags, when peering is asked for.
+func (o options) validatePeers() error {
+	if o.peerSelector == "" {
+		return nil
+	}
+	var errs []error
+	if !o.leaderElection {
+		errs = append(errs, errors.New("flag --peer-selector needs --ha-enable-leader-election: the replica holding the lease places the picks"))
+	}
+	if _, err := labels.Parse(o.peerSelector); err != nil {
+		errs = append(errs, fmt.Errorf("flag --peer-selector: %q: %w", o.peerSelector, err))
+	}
+	if o.peerPort < 1 || o.peerPort > 65535 {
+		errs = append(errs, fmt.Errorf("flag --peer-port: %d is not a port: must be from 1 to 65535", o.peerPort))
+	} else if o.peerPort == o.grpcPort || o.peerPort == o.grpcHealthPort || o.peerPort == o.metricsPort {
+		errs = append(errs, fmt.Errorf("flag --peer-port: %d is already --grpc-port, --grpc-health-port or --metrics-port", o.peerPort))
+	}
+	if o.peerCertPath == "" {
+		errs = append(errs, errors.New("flag --peer-cert-path is required with --peer-selector: only replicas holding the pool's peer certificate may reach the peer port"))
+	}
+	if o.peerPickTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("flag --peer-pick-timeout: %s is invalid: must be more than 0", o.peerPickTimeout))
+	}
+	if o.podName == "" {
+		errs = append(errs, errors.New("flag --peer-selector needs the environment variable POD_NAME (the pod's name, from the downward API): it names this replica to its peers"))
+	}
+	if _, err := netip.ParseAddr(o.podIP); err != nil {
+		errs = append(errs, fmt.Errorf("flag --peer-selector needs the environment variable POD_IP (status.podIP, from the downward API): %q is not an IP address", o.podIP))
 	}
 	return errors.Join(errs...)
 }

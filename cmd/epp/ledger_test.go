@@ -26,7 +26,7 @@ func TestDebugLedgerIsOneSnapshotWithRetainedRows(t *testing.T) {
 	p.Replace([]picker.Endpoint{b}) // a turns NotReady with its request in flight
 
 	rec := httptest.NewRecorder()
-	ledgerHandler(p).ServeHTTP(rec, httptest.NewRequest("GET", "/debug/ledger", nil))
+	ledgerHandler(p, nil).ServeHTTP(rec, httptest.NewRequest("GET", "/debug/ledger", nil))
 	var got debugledger.Ledger
 	if err := json.Unmarshal(rec.Body.Bytes(), &got); err != nil {
 		t.Fatalf("decoding %s: %v", rec.Body, err)

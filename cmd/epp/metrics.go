@@ -17,6 +17,7 @@ import (
 
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/debugledger"
+	"github.com/tallyepp/tally/picker/replica"
 )
 
 // With --metrics-endpoint-auth the picker asks the API server who a scraper
@@ -31,11 +32,11 @@ import (
 // that path (SubjectAccessReview, nonResourceURLs), as the upstream picker
 // does. The server is nil when the address is "0". detach takes the
 // picker's registry back off /metrics.
-func newMetricsServer(opts options, kube *rest.Config, reg *prometheus.Registry, pick *picker.Picker) (metricsserver.Server, func(), error) {
+func newMetricsServer(opts options, kube *rest.Config, reg *prometheus.Registry, pick *picker.Picker, peers *replica.Replica) (metricsserver.Server, func(), error) {
 	if opts.metricsBindAddress == "0" {
 		return nil, func() {}, nil
 	}
-	extra := map[string]http.Handler{debugledger.Path: ledgerHandler(pick)}
+	extra := map[string]http.Handler{debugledger.Path: ledgerHandler(pick, peers)}
 	if opts.enablePprof {
 		extra["/debug/pprof/"] = http.HandlerFunc(pprof.Index)
 		extra["/debug/pprof/cmdline"] = http.HandlerFunc(pprof.Cmdline)
@@ -67,14 +68,21 @@ func newMetricsServer(opts options, kube *rest.Config, reg *prometheus.Registry,
 	return srv, bridge.detach, nil
 }
 
-func ledgerHandler(pick *picker.Picker) http.Handler {
+// ledgerHandler serves the ledger, and with peers (non-nil) which replica
+// leads and how current this one's copy is.
+func ledgerHandler(pick *picker.Picker, peers *replica.Replica) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method != http.MethodGet {
 			http.Error(w, "GET only", http.StatusMethodNotAllowed)
 			return
 		}
+		doc := ledgerJSON(pick.Snapshot())
+		if peers != nil {
+			s := peers.Status()
+			doc.Replica = &debugledger.Replica{Self: s.Self, Leader: s.Leader, Leading: s.Leading, LagSeconds: s.LagSeconds, Peers: s.Peers}
+		}
 		w.Header().Set("Content-Type", "application/json")
-		_ = json.NewEncoder(w).Encode(ledgerJSON(pick.Snapshot()))
+		_ = json.NewEncoder(w).Encode(doc)
 	})
 }
 

@@ -28,6 +28,7 @@ import (
 	"github.com/tallyepp/tally/picker/extproc"
 	"github.com/tallyepp/tally/picker/logging"
 	"github.com/tallyepp/tally/picker/objective"
+	"github.com/tallyepp/tally/picker/replica"
 	"github.com/tallyepp/tally/picker/rewrite"
 	"github.com/tallyepp/tally/picker/scrape"
 )
@@ -139,6 +140,29 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, b build
 	budget, budgetSource := bufferBudget(cfg, debug.SetMemoryLimit(-1))
 	log.Info("request buffering", "maxBufferedRequestBytes", budget, "from", budgetSource, "maxRequestBytes", cfg.MaxRequestBytes)
 
+	// With peers, the ext_proc server places through the replica layer:
+	// at the leader, or on this replica's own ledger when it leads.
+	var front extproc.Picker = pick
+	var peers *replica.Replica
+	var peerServer *grpc.Server
+	var peerLis net.Listener
+	if opts.peering() {
+		creds := replica.Credentials{Dir: opts.peerCertPath}
+		if err := creds.Check(); err != nil {
+			return fmt.Errorf("flag --peer-cert-path %q: %w", opts.peerCertPath, err)
+		}
+		peers = replica.New(pick, replica.Options{Self: opts.podName, PickTimeout: opts.peerPickTimeout,
+			OrphanGrace: opts.leaseDuration, Dial: creds.Dial, Registerer: reg, Log: log.WithName("peers")})
+		front = peers
+		peerServer = grpc.NewServer(grpc.Creds(creds.Server()))
+		peers.Register(peerServer)
+		if peerLis, err = net.Listen("tcp", net.JoinHostPort(opts.podIP, strconv.Itoa(opts.peerPort))); err != nil {
+			return fmt.Errorf("flag --peer-port: %w", err)
+		}
+		log.Info("peers: every replica serves; the one holding the lease places every pick", "peerSelector", opts.peerSelector,
+			"peerAddress", peerLis.Addr().String(), "self", opts.podName)
+	}
+
 	grpcOpts := extproc.GRPCServerOptions(cfg.MaxRequestBytes)
 	var certs *certwatcher.CertWatcher
 	if opts.secureServing {
@@ -157,7 +181,7 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, b build
 		grpcOpts = append(grpcOpts, grpc.Creds(credentials.NewTLS(tlsConfig)))
 	}
 	extprocServer := grpc.NewServer(grpcOpts...)
-	extproc.NewServer(pick, extproc.Options{
+	extproc.NewServer(front, extproc.Options{
 		MaxRequestBytes:         cfg.MaxRequestBytes,
 		MaxBufferedRequestBytes: budget,
 		Log:                     log.WithName("extproc"),
@@ -177,7 +201,7 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, b build
 		health.Register(extprocServer)
 	}
 
-	metrics, detach, err := newMetricsServer(opts, kube, reg, pick)
+	metrics, detach, err := newMetricsServer(opts, kube, reg, pick, peers)
 	if err != nil {
 		return err
 	}
@@ -226,9 +250,26 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, b build
 		g.Go(func() error { return certs.Start(serving) })
 	}
 	elected := mgr.Elected()
+	if peers != nil {
+		g.Go(func() error { return peerServer.Serve(peerLis) })
+		g.Go(func() error { peers.Run(serving); return nil })
+		g.Go(func() error {
+			followPeers(managing, mgr.GetClient(), opts, peers.SetPeers, log.WithName("peers"))
+			return nil
+		})
+		g.Go(func() error {
+			select {
+			case <-elected:
+				peers.Lead()
+			case <-managing.Done():
+			}
+			return nil
+		})
+	}
 	g.Go(func() error {
 		followReadiness(managing, readinessPollInterval, func() (bool, string) {
-			return readiness(pick.Synced(), poolStatus.Load(), opts.leaderElection, isClosed(elected))
+			// With peers every replica serves; without, only the leader.
+			return readiness(pick.Synced(), poolStatus.Load(), opts.leaderElection && peers == nil, isClosed(elected))
 		}, health.SetReady, log.WithValues("pool", pool.String(), "grpcPort", opts.grpcPort))
 		return nil
 	})
@@ -239,9 +280,16 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, b build
 			// A part failed: stop everything now; g.Wait reports why.
 			extprocServer.Stop()
 			healthServer.Stop()
+			if peerServer != nil {
+				peerServer.Stop()
+			}
 			return nil
 		}
 		health.Drain()
+		if peers != nil {
+			// The manager has released the lease: the next leader places.
+			peers.StepDown()
+		}
 		log.Info("shutting down: not ready; still taking new streams for --shutdown-delay, then letting open ones finish for --shutdown-grace",
 			"shutdownDelay", opts.shutdownDelay, "shutdownGrace", opts.shutdownGrace)
 		select {
@@ -259,6 +307,9 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, b build
 		log.Info("drained")
 		stopServing()
 		healthServer.Stop()
+		if peerServer != nil {
+			peerServer.Stop()
+		}
 		return nil
 	})
 	return g.Wait()

@@ -32,6 +32,21 @@ type Ledger struct {
 	// Retained are rows of endpoints that left the set (a pod turned
 	// NotReady or deleted) and that the picker keeps for a while.
 	Retained []Endpoint `json:"retained"`
+	// Replica is this picker's place among its replicas, when they share
+	// one ledger (--peer-selector).
+	Replica *Replica `json:"replica,omitempty"`
+}
+
+// Replica says which replica leads and how current this one's copy is.
+type Replica struct {
+	Self    string `json:"self"`
+	Leader  string `json:"leader"`
+	Leading bool   `json:"leading"`
+	// LagSeconds is the age of the leader's last change when this replica
+	// applied it (0 on the leader).
+	LagSeconds float64 `json:"lagSeconds"`
+	// Peers is how many peers this replica has a working stream to.
+	Peers int `json:"peers"`
 }
 
 // Endpoint is one endpoint's row of the ledger.

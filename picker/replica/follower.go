@@ -217,7 +217,9 @@ func (x *Replica) fromLeader(c *peerConn, m *pb.FromLeader) {
 	case *pb.FromLeader_Sync:
 		x.applySync(c, m.Sync)
 	case *pb.FromLeader_Op:
-		x.m.lag.Set(max(0, time.Since(time.Unix(0, m.Op.SentUnixNano)).Seconds()))
+		lag := max(0, time.Since(time.Unix(0, m.Op.SentUnixNano)))
+		x.lagNs.Store(int64(lag))
+		x.m.lag.Set(lag.Seconds())
 		switch op := m.Op.Op.(type) {
 		case *pb.Op_Placed:
 			if op.Placed.Origin != x.opts.Self {

@@ -77,6 +77,7 @@ type Replica struct {
 	m       *metrics
 	leading atomic.Bool
 	ids     atomic.Uint64
+	lagNs   atomic.Int64 // of the last change applied from the leader
 	started time.Time // the leader's reference for orphans of replicas it never saw
 
 	mu sync.Mutex
@@ -134,6 +135,46 @@ func New(p *picker.Picker, opts Options) *Replica {
 	}
 	x.registerState(opts.Registerer)
 	return x
+}
+
+// StepDown ends this replica's leading: it is shutting down and has
+// released the Lease. Its followers stop forwarding to it at once, and it
+// forwards its own picks to the next leader as a follower does.
+func (x *Replica) StepDown() {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if !x.leading.Load() {
+		return
+	}
+	x.leading.Store(false)
+	for f := range x.followers {
+		f.send(&pb.FromLeader{Msg: &pb.FromLeader_Hello{Hello: x.hello()}})
+	}
+	x.opts.Log.Info("stepped down: no longer leading")
+}
+
+// Status is what a replica says of itself at /debug/ledger.
+type Status struct {
+	Self, Leader string
+	Leading      bool
+	// LagSeconds is the age of the leader's last change when this
+	// follower applied it.
+	LagSeconds float64
+	// Peers is how many peers this replica has a working stream to.
+	Peers int
+}
+
+// Status reports this replica's place among its peers.
+func (x *Replica) Status() Status {
+	s := Status{Self: x.opts.Self, Leader: x.Leader(), Leading: x.leading.Load(), LagSeconds: float64(x.lagNs.Load()) / 1e9}
+	x.mu.Lock()
+	for _, c := range x.peers {
+		if c.up {
+			s.Peers++
+		}
+	}
+	x.mu.Unlock()
+	return s
 }
 
 // Leading reports whether this replica leads.

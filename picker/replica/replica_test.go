@@ -2,20 +2,11 @@ package replica
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"fmt"
-	"math/big"
 	mrand "math/rand/v2"
 	"net"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -30,41 +21,19 @@ import (
 	testclock "k8s.io/utils/clock/testing"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/internal/peercert"
 	"github.com/tallyepp/tally/picker"
 	pb "github.com/tallyepp/tally/picker/replica/replicapb"
 )
 
-// writeCredentials writes a CA and a peer certificate it signed (for
-// ServerName, server and client use) into a new directory.
+// writeCredentials writes a CA and a peer certificate it signed into a
+// new directory.
 func writeCredentials(t *testing.T) Credentials {
 	t.Helper()
 	dir := t.TempDir()
-	caKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	ca := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "tally-peer-ca"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), IsCA: true,
-		KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true}
-	caDER, err := x509.CreateCertificate(rand.Reader, ca, ca, &caKey.PublicKey, caKey)
-	if err != nil {
+	if err := peercert.Write(dir, ServerName, 2*time.Hour); err != nil {
 		t.Fatal(err)
 	}
-	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	leaf := &x509.Certificate{SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: ServerName}, DNSNames: []string{ServerName},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		KeyUsage:    x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}}
-	leafDER, err := x509.CreateCertificate(rand.Reader, leaf, ca, &key.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	keyDER, _ := x509.MarshalPKCS8PrivateKey(key)
-	write := func(name, typ string, der []byte) {
-		if err := os.WriteFile(filepath.Join(dir, name), pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-	write("ca.crt", "CERTIFICATE", caDER)
-	write("tls.crt", "CERTIFICATE", leafDER)
-	write("tls.key", "PRIVATE KEY", keyDER)
 	return Credentials{Dir: dir}
 }
 
@@ -306,6 +275,9 @@ func TestTheLeaderLostFollowersPlaceAtOnceAndTheNextLeaderReconciles(t *testing.
 	}
 	// Some of those before end while the leader lives, some after.
 	c.end(before[:6])
+	for i := range 3 {
+		c.eventually("the ends replicated", func() bool { return sum(c.inFlight(i)) == 24 })
+	}
 	c.kill(0)
 	c.eventually("no leader", func() bool { return c.reps[1].Leader() == "" && c.reps[2].Leader() == "" })
 	gap := c.burst(30, "", 1, 2)
