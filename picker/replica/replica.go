@@ -78,7 +78,7 @@ type Replica struct {
 	leading atomic.Bool
 	ids     atomic.Uint64
 	lagNs   atomic.Int64 // of the last change applied from the leader
-	started time.Time // the leader's reference for orphans of replicas it never saw
+	started time.Time    // the leader's reference for orphans of replicas it never saw
 
 	mu sync.Mutex
 	// Every reservation this replica holds that a peer may speak of: its
