@@ -37,7 +37,7 @@ func (s *Stack) StartReplica(ctx context.Context, extraArgs ...string) (_ *Repli
 	}
 	r := &Replica{stack: s, name: "epp-" + strconv.Itoa(len(s.replicas)+1), ports: ports}
 	s.replicas = append(s.replicas, r)
-	if r.picker, err = s.startPickerProcess(r.name, ports, extraArgs...); err != nil {
+	if r.picker, err = s.startPickerProcess(ctx, r.name, ports, extraArgs...); err != nil {
 		return nil, err
 	}
 	if err := r.WaitForEndpoints(ctx, s.PodNames()...); err != nil {

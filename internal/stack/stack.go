@@ -93,6 +93,10 @@ type Options struct {
 	GatewayListen string
 	// PickerArgs are extra flags for the picker.
 	PickerArgs []string
+	// Peers makes every picker process (the first and StartReplica's) a
+	// replica of one ledger (peers.go): leader election, a pod object each,
+	// --peer-selector and the peer credentials. Every replica serves.
+	Peers bool
 	// Output receives the processes' output, each line prefixed with the
 	// process name; nil drops it (the last lines still appear in errors).
 	Output io.Writer
@@ -155,6 +159,11 @@ type Stack struct {
 	gatewayAddr string
 	replicas    []*Replica
 	nginx       []*NGINX // StartNGINX's
+	// With Options.Peers: the peer credentials' directory, the peer port,
+	// and each picker process's pod IP.
+	peerDir   string
+	peerPort  int
+	pickerIPs map[string]netip.Addr
 
 	http *http.Client
 
@@ -173,7 +182,7 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	if err := opts.setDefaults(); err != nil {
 		return nil, err
 	}
-	s := &Stack{opts: opts, nextIP: opts.FirstPodIP, servedBy: map[string]string{}, http: NewHTTPClient()}
+	s := &Stack{opts: opts, nextIP: opts.FirstPodIP, servedBy: map[string]string{}, http: NewHTTPClient(), pickerIPs: map[string]netip.Addr{}}
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, s.Stop())
@@ -192,6 +201,11 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	}
 	if s.ports, err = FreePickerPorts(); err != nil {
 		return nil, err
+	}
+	if opts.Peers {
+		if err := s.peerSetup(); err != nil {
+			return nil, err
+		}
 	}
 	if err := s.StartPicker(ctx); err != nil {
 		return nil, err
@@ -340,7 +354,7 @@ func (s *Stack) StartPicker(ctx context.Context) error {
 			return errors.New("the picker is already running")
 		}
 	}
-	p, err := s.startPickerProcess("epp", s.ports)
+	p, err := s.startPickerProcess(ctx, "epp", s.ports)
 	if err != nil {
 		return err
 	}
@@ -353,7 +367,7 @@ func (s *Stack) StartPicker(ctx context.Context) error {
 
 // startPickerProcess starts a picker of the stack's pool on ports, with
 // Options.PickerArgs and then extraArgs.
-func (s *Stack) startPickerProcess(name string, ports PickerPorts, extraArgs ...string) (*Process, error) {
+func (s *Stack) startPickerProcess(ctx context.Context, name string, ports PickerPorts, extraArgs ...string) (*Process, error) {
 	args := append([]string{
 		"--pool-name=" + s.opts.PoolName,
 		"--pool-namespace=" + s.opts.Namespace,
@@ -368,7 +382,11 @@ func (s *Stack) startPickerProcess(name string, ports PickerPorts, extraArgs ...
 		"--shutdown-delay=0s",
 	}, s.opts.PickerArgs...)
 	args = append(args, extraArgs...)
-	return startProcess(name, filepath.Join(s.opts.BinDir, "epp"), args, s.opts.Output, nil)
+	cmd, err := s.pickerCommand(ctx, name, args)
+	if err != nil {
+		return nil, err
+	}
+	return StartCommand(name, cmd, s.opts.Output, nil)
 }
 
 // pickerReady asks the picker's gRPC health service on healthPort whether
