@@ -223,9 +223,32 @@ picker: {podSecurityContext: {runAsUser: null, runAsGroup: null}}
 		}
 	})
 
-	t.Run("a rolling update with leader election: the new pod leads once the old one gets SIGTERM", func(t *testing.T) {
+	t.Run("active-active replicas: both Ready, one lease", func(t *testing.T) {
+		const ns = "tally-peers"
+		r := mustRender(t, ns, requiredValues)
+		c.createNamespace(t, ns)
+		c.applyAll(t, r.objects)
+		c.createReadyPod(t, ns, "vllm-llama-0", map[string]string{"app": "vllm-llama"}, "127.0.0.9")
+		d, ctr := pickerDeployment(t, r)
+		kubeconfig := c.tokenKubeconfig(t, ns, d.Spec.Template.Spec.ServiceAccountName)
+		// Each with the rendered flags, the peer Secret's files and a peer
+		// port of its own: the leader and a follower both serve.
+		first := launch(t, bin, r, kubeconfig)
+		first.waitReadyThroughProbes(t, ctr)
+		second := launch(t, bin, r, kubeconfig)
+		second.waitReadyThroughProbes(t, ctr)
+		leases, err := c.kube.CoordinationV1().Leases(ns).List(t.Context(), metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(leases.Items) != 1 || leases.Items[0].Spec.HolderIdentity == nil || *leases.Items[0].Spec.HolderIdentity == "" {
+			t.Errorf("leases in %s = %+v, want one, held", ns, leases.Items)
+		}
+	})
+
+	t.Run("a rolling update of warm standbys: the new pod leads once the old one gets SIGTERM", func(t *testing.T) {
 		const ns = "tally-roll"
-		r := mustRender(t, ns, requiredValues, "picker: {replicas: 2}")
+		r := mustRender(t, ns, requiredValues, "picker: {replicas: 2, peer: {enabled: false}}")
 		c.createNamespace(t, ns)
 		c.applyAll(t, r.objects)
 		c.createReadyPod(t, ns, "vllm-llama-0", map[string]string{"app": "vllm-llama"}, "127.0.0.8")
@@ -514,7 +537,7 @@ func startPicker(t *testing.T, bin string, r rendered, user *envtest.Authenticat
 	if err := os.WriteFile(configPath, []byte(cm.Data[configKey]), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	ports := map[string]int{"--grpc-port": freePort(t), "--grpc-health-port": freePort(t), "--metrics-port": freePort(t)}
+	ports := map[string]int{"--grpc-port": freePort(t), "--grpc-health-port": freePort(t), "--metrics-port": freePort(t), "--peer-port": freePort(t)}
 	args := []string{"--kubeconfig=" + kubeconfigPath}
 	for _, a := range c.Args {
 		name, _, _ := strings.Cut(a, "=")
@@ -523,6 +546,18 @@ func startPicker(t *testing.T, bin string, r rendered, user *envtest.Authenticat
 			a = name + "=" + strconv.Itoa(ports[name])
 		case name == "--config-file":
 			a = name + "=" + configPath
+		case name == "--peer-cert-path":
+			// The peer Secret's files, as its volume would hold them.
+			peerDir := filepath.Join(dir, "peer-tls")
+			if err := os.Mkdir(peerDir, 0o700); err != nil {
+				t.Fatal(err)
+			}
+			for k, data := range secretFiles(t, peerSecret(t, r), peerMount(t, r).Items) {
+				if err := os.WriteFile(filepath.Join(peerDir, k), data, 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+			a = name + "=" + peerDir
 		}
 		args = append(args, a)
 	}
@@ -572,6 +607,8 @@ func downwardEnv(t *testing.T, d appsv1.Deployment, c corev1.Container) []string
 			env = append(env, e.Name+"="+d.Namespace)
 		case e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "metadata.name":
 			env = append(env, e.Name+"="+d.Name+"-0")
+		case e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "status.podIP":
+			env = append(env, e.Name+"=127.0.0.1")
 		case e.ValueFrom.ResourceFieldRef != nil:
 			env = append(env, e.Name+"="+resourceFieldValue(t, d, e.ValueFrom.ResourceFieldRef))
 		default:

@@ -112,8 +112,7 @@ func TestChartProviderGKE(t *testing.T) {
 		if pm.GetAPIVersion() != upPM.GetAPIVersion() {
 			t.Errorf("PodMonitoring %s, upstream's %s", pm.GetAPIVersion(), upPM.GetAPIVersion())
 		}
-		var secret corev1.Secret
-		r.one(t, "Secret", &secret)
+		secret := tokenSecret(t, r)
 		endpoint := func(o *unstructured.Unstructured) map[string]any {
 			eps, _, _ := unstructured.NestedSlice(o.Object, "spec", "endpoints")
 			if len(eps) != 1 {
@@ -233,8 +232,8 @@ picker:
 	}
 	if !slices.ContainsFunc(d.Spec.Template.Spec.Volumes, func(v corev1.Volume) bool {
 		return v.Name == mount.Name && v.Secret != nil && v.Secret.SecretName == "llama-epp-tls"
-	}) || len(d.Spec.Template.Spec.Volumes) != 3 {
-		t.Errorf("volumes = %+v, want config, tmp and the Secret llama-epp-tls mounted at %s", d.Spec.Template.Spec.Volumes, certDir)
+	}) || len(d.Spec.Template.Spec.Volumes) != 4 {
+		t.Errorf("volumes = %+v, want config, tmp, peer-tls and the Secret llama-epp-tls mounted at %s", d.Spec.Template.Spec.Volumes, certDir)
 	}
 	psc := d.Spec.Template.Spec.SecurityContext
 	if psc == nil || psc.RunAsUser != nil || psc.RunAsGroup != nil || psc.FSGroup == nil || *psc.FSGroup != 1000 ||
@@ -251,8 +250,8 @@ picker:
 	if psc := d.Spec.Template.Spec.SecurityContext; psc.RunAsUser == nil || *psc.RunAsUser != 65532 || psc.RunAsGroup == nil || *psc.RunAsGroup != 65532 {
 		t.Errorf("default pod securityContext %+v: want user and group 65532", psc)
 	}
-	if len(d.Spec.Template.Spec.Volumes) != 2 || len(c.VolumeMounts) != 2 {
-		t.Errorf("default volumes %+v, mounts %+v: want only config and tmp", d.Spec.Template.Spec.Volumes, c.VolumeMounts)
+	if len(d.Spec.Template.Spec.Volumes) != 3 || len(c.VolumeMounts) != 3 {
+		t.Errorf("default volumes %+v, mounts %+v: want only config, tmp and peer-tls", d.Spec.Template.Spec.Volumes, c.VolumeMounts)
 	}
 }
 

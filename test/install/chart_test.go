@@ -113,7 +113,7 @@ func flagValue(t *testing.T, args []string, name string) string {
 func TestChartDefaults(t *testing.T) {
 	r := mustRender(t, testNamespace, requiredValues)
 
-	wantKinds := []string{"ClusterRole", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "InferencePool", "Role", "RoleBinding", "Service", "ServiceAccount"}
+	wantKinds := []string{"ClusterRole", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "InferencePool", "PodDisruptionBudget", "Role", "RoleBinding", "Secret", "Service", "ServiceAccount"}
 	if diff := cmp.Diff(wantKinds, r.kinds()); diff != "" {
 		t.Fatalf("rendered kinds (-want +got):\n%s", diff)
 	}
@@ -133,8 +133,10 @@ func TestChartDefaults(t *testing.T) {
 	if d.Name != "llama-epp" {
 		t.Errorf("Deployment name = %q, want llama-epp", d.Name)
 	}
-	if *d.Spec.Replicas != 1 || d.Spec.Strategy.Type != "" {
-		t.Errorf("replicas = %d, strategy %q; want 1 and the default rolling update", *d.Spec.Replicas, d.Spec.Strategy.Type)
+	// Two active-active replicas: both are Ready, so the default rolling
+	// update replaces them one at a time.
+	if *d.Spec.Replicas != 2 || d.Spec.Strategy.Type != "" {
+		t.Errorf("replicas = %d, strategy %q; want 2 and the default rolling update", *d.Spec.Replicas, d.Spec.Strategy.Type)
 	}
 	if want := "ghcr.io/tallyepp/tally:" + loadChart(t).Metadata.AppVersion; c.Image != want {
 		t.Errorf("image = %q, want %q (the tag defaults to appVersion)", c.Image, want)
@@ -152,6 +154,14 @@ func TestChartDefaults(t *testing.T) {
 		"--enable-pprof=true",
 		"--shutdown-delay=5s",
 		"--shutdown-grace=600s",
+		"--ha-enable-leader-election",
+		"--ha-lease-duration=15s",
+		"--ha-renew-deadline=10s",
+		"--ha-retry-period=2s",
+		"--peer-selector=app.kubernetes.io/component=endpoint-picker,app.kubernetes.io/instance=" + releaseName + ",app.kubernetes.io/name=tally",
+		"--peer-port=9004",
+		"--peer-cert-path=/etc/tally/peer-tls",
+		"--peer-pick-timeout=100ms",
 		"-v=0",
 	}
 	if diff := cmp.Diff(wantArgs, c.Args); diff != "" {
@@ -244,9 +254,28 @@ func TestChartDefaults(t *testing.T) {
 		{APIGroups: []string{"inference.networking.x-k8s.io"}, Resources: []string{"inferencemodelrewrites/status", "inferenceobjectives/status"}, Verbs: []string{"get", "patch"}},
 		// Events on the pool say why it offers no endpoint.
 		{APIGroups: []string{"events.k8s.io"}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
+		// Leader election: the lease, and its transitions as events.
+		{APIGroups: []string{"coordination.k8s.io"}, Resources: []string{"leases"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
+		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
 	}
 	if diff := cmp.Diff(wantRules, role.Rules); diff != "" {
-		t.Errorf("Role rules without leader election (-want +got):\n%s", diff)
+		t.Errorf("Role rules (-want +got):\n%s", diff)
+	}
+	// One replica takes no lease: the Role drops what leader election
+	// needs. Peers find each other through the pods it already lists.
+	var single rbacv1.Role
+	mustRender(t, testNamespace, requiredValues, "picker: {replicas: 1}").one(t, "Role", &single)
+	if diff := cmp.Diff(wantRules[:5], single.Rules); diff != "" {
+		t.Errorf("Role rules with one replica (-want +got):\n%s", diff)
+	}
+
+	// Every replica is Ready, so the budget lets a drain evict one at a
+	// time and no more.
+	var pdb policyv1.PodDisruptionBudget
+	r.one(t, "PodDisruptionBudget", &pdb)
+	if pdb.Spec.MinAvailable != nil || pdb.Spec.MaxUnavailable == nil || *pdb.Spec.MaxUnavailable != intstr.FromInt32(1) ||
+		!labels.SelectorFromSet(pdb.Spec.Selector.MatchLabels).Matches(podLabels) {
+		t.Errorf("PDB %+v: want maxUnavailable 1 over the picker pods", pdb.Spec)
 	}
 	var rb rbacv1.RoleBinding
 	r.one(t, "RoleBinding", &rb)
@@ -283,7 +312,7 @@ func TestChartDefaults(t *testing.T) {
 		t.Errorf("picker configuration differs from the picker's defaults (-want +got):\n%s", diff)
 	}
 
-	for _, want := range []string{"llama", "llama-epp", testNamespace, "rollout status deployment/llama-epp", "httpRoute.create=true"} {
+	for _, want := range []string{"llama", "llama-epp", testNamespace, "rollout status deployment/llama-epp", "httpRoute.create=true", "all 2 replicas are Ready"} {
 		if !strings.Contains(r.notes, want) {
 			t.Errorf("NOTES.txt does not mention %q:\n%s", want, r.notes)
 		}
@@ -299,12 +328,25 @@ func TestChartLeaderElectionWithReplicas(t *testing.T) {
 	if *d.Spec.Replicas != 3 {
 		t.Errorf("replicas = %d, want 3", *d.Spec.Replicas)
 	}
-	// New pods start at once while the old ones drain; one of them leads
-	// once the old leader releases the lease on SIGTERM.
+	// Active-active: every replica is Ready, so the default rolling
+	// update serves throughout.
+	if st := d.Spec.Strategy; st.Type != "" || st.RollingUpdate != nil {
+		t.Errorf("strategy = %+v, want the default rolling update: every replica is Ready with peering", st)
+	}
+	// Warm standbys: new pods start at once while the old ones drain; one
+	// of them leads once the old leader releases the lease on SIGTERM.
+	standby := mustRender(t, testNamespace, requiredValues, "picker: {replicas: 3, peer: {enabled: false}}")
+	sd, sc := pickerDeployment(t, standby)
 	all := intstr.FromString("100%")
-	if st := d.Spec.Strategy; st.Type != appsv1.RollingUpdateDeploymentStrategyType || st.RollingUpdate == nil ||
+	if st := sd.Spec.Strategy; st.Type != appsv1.RollingUpdateDeploymentStrategyType || st.RollingUpdate == nil ||
 		*st.RollingUpdate.MaxSurge != all || *st.RollingUpdate.MaxUnavailable != all {
-		t.Errorf("strategy = %+v, want a rolling update with maxSurge and maxUnavailable 100%%: a new pod cannot become Ready while the old leader holds the lease", st)
+		t.Errorf("strategy without peering = %+v, want a rolling update with maxSurge and maxUnavailable 100%%: a new pod cannot become Ready while the old leader holds the lease", st)
+	}
+	if flagValue(t, sc.Args, "--ha-enable-leader-election") != "" {
+		t.Errorf("--ha-enable-leader-election takes no value in %q", sc.Args)
+	}
+	if !strings.Contains(standby.notes, "only the leader is Ready") {
+		t.Errorf("NOTES.txt without peering does not explain leader-only readiness:\n%s", standby.notes)
 	}
 	if flagValue(t, c.Args, "--ha-enable-leader-election") != "" {
 		t.Errorf("--ha-enable-leader-election takes no value in %q", c.Args)
@@ -330,8 +372,8 @@ func TestChartLeaderElectionWithReplicas(t *testing.T) {
 			t.Errorf("Role rules %+v lack %+v, which leader election needs", role.Rules, rule)
 		}
 	}
-	if !strings.Contains(r.notes, "only the leader is Ready") {
-		t.Errorf("NOTES.txt does not explain leader-only readiness:\n%s", r.notes)
+	if !strings.Contains(r.notes, "all 3 replicas are Ready") {
+		t.Errorf("NOTES.txt does not say every replica is Ready:\n%s", r.notes)
 	}
 }
 
@@ -341,9 +383,10 @@ func TestChartOptionalResources(t *testing.T) {
 	cases := []struct {
 		name   string
 		values []string
-		// The kinds rendered besides ConfigMap, Deployment, Role,
-		// RoleBinding and Service (and, unless noAuth, the ClusterRoles
-		// and ClusterRoleBinding of metrics auth).
+		// The kinds rendered besides ConfigMap, Deployment,
+		// PodDisruptionBudget, Role, RoleBinding, Secret (the peers') and
+		// Service (and, unless noAuth, the ClusterRoles and
+		// ClusterRoleBinding of metrics auth).
 		wantKinds []string
 		noAuth    bool
 		check     func(t *testing.T, r rendered)
@@ -423,8 +466,7 @@ httpRoute:
 			}
 			// Over HTTPS (self-signed) with the metrics reader's token.
 			ep := spec.Endpoints[0]
-			var secret corev1.Secret
-			r.one(t, "Secret", &secret)
+			secret := tokenSecret(t, r)
 			if ep.Scheme != "https" || !ep.TLSConfig.InsecureSkipVerify || ep.Authorization.Type != "Bearer" ||
 				ep.Authorization.Credentials.Name != secret.Name || ep.Authorization.Credentials.Key != "token" {
 				t.Errorf("endpoint %+v: want https, insecureSkipVerify and the bearer token of Secret %s", ep, secret.Name)
@@ -463,7 +505,8 @@ httpRoute:
 			if !labels.SelectorFromSet(np.Spec.PodSelector.MatchLabels).Matches(labels.Set(d.Spec.Template.Labels)) {
 				t.Errorf("NetworkPolicy selects %v, not the picker pods", np.Spec.PodSelector.MatchLabels)
 			}
-			if len(np.Spec.Ingress) != 2 || len(np.Spec.Ingress[0].From) != 1 || len(np.Spec.Ingress[1].From) != 0 ||
+			// The third rule, the peer port, is TestChartNetworkPolicyAdmitsPeers's.
+			if len(np.Spec.Ingress) != 3 || len(np.Spec.Ingress[0].From) != 1 || len(np.Spec.Ingress[1].From) != 0 ||
 				len(np.Spec.Ingress[0].Ports) != 2 || np.Spec.Ingress[0].Ports[0].Port.IntValue() != 9002 || np.Spec.Ingress[1].Ports[0].Port.IntValue() != 9090 {
 				t.Errorf("ingress = %+v, want 9002/9003 from the gateways' namespace and 9090 from anywhere", np.Spec.Ingress)
 			}
@@ -484,7 +527,7 @@ httpRoute:
 	}, {
 		name:      "PodDisruptionBudget with the default maxUnavailable",
 		values:    []string{requiredValues, `podDisruptionBudget: {create: true}`},
-		wantKinds: []string{"InferencePool", "PodDisruptionBudget", "ServiceAccount"},
+		wantKinds: []string{"InferencePool", "ServiceAccount"},
 		check: func(t *testing.T, r rendered) {
 			var pdb policyv1.PodDisruptionBudget
 			r.one(t, "PodDisruptionBudget", &pdb)
@@ -496,13 +539,13 @@ httpRoute:
 				t.Errorf("PDB minAvailable %v, maxUnavailable %v; want only maxUnavailable 1", pdb.Spec.MinAvailable, pdb.Spec.MaxUnavailable)
 			}
 			if pdb.Spec.UnhealthyPodEvictionPolicy == nil || *pdb.Spec.UnhealthyPodEvictionPolicy != policyv1.AlwaysAllow {
-				t.Errorf("unhealthyPodEvictionPolicy = %v, want AlwaysAllow (standbys are never Ready)", pdb.Spec.UnhealthyPodEvictionPolicy)
+				t.Errorf("unhealthyPodEvictionPolicy = %v, want AlwaysAllow (a replica that is not Ready serves nothing)", pdb.Spec.UnhealthyPodEvictionPolicy)
 			}
 		},
 	}, {
 		name:      "PodDisruptionBudget with minAvailable",
 		values:    []string{requiredValues, `podDisruptionBudget: {create: true, minAvailable: "50%"}`},
-		wantKinds: []string{"InferencePool", "PodDisruptionBudget", "ServiceAccount"},
+		wantKinds: []string{"InferencePool", "ServiceAccount"},
 		check: func(t *testing.T, r rendered) {
 			var pdb policyv1.PodDisruptionBudget
 			r.one(t, "PodDisruptionBudget", &pdb)
@@ -591,7 +634,9 @@ picker:
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			r := mustRender(t, testNamespace, tc.values...)
-			want := append([]string{"ConfigMap", "Deployment", "Role", "RoleBinding", "Service"}, tc.wantKinds...)
+			// The defaults' PodDisruptionBudget and peer Secret are in
+			// every case.
+			want := append([]string{"ConfigMap", "Deployment", "PodDisruptionBudget", "Role", "RoleBinding", "Secret", "Service"}, tc.wantKinds...)
 			if !tc.noAuth {
 				want = append(want, "ClusterRole", "ClusterRole", "ClusterRoleBinding")
 			}
@@ -640,6 +685,12 @@ func TestChartRejectsBadValues(t *testing.T) {
 		{"env without a name", []string{requiredValues, "picker: {env: [{value: x}]}"}, []string{"/picker/env/0", "name"}},
 		{"volume named as the chart's", []string{requiredValues, "picker: {extraVolumes: [{name: tmp, emptyDir: {}}]}"}, []string{`picker.extraVolumes names a volume "tmp"`}},
 		{"mount without a path", []string{requiredValues, "picker: {extraVolumeMounts: [{name: x}]}"}, []string{"/picker/extraVolumeMounts/0", "mountPath"}},
+		{"misspelt peer key", []string{requiredValues, "picker: {peer: {existingSecrets: x}}"}, []string{"/picker/peer", "'existingSecrets' not allowed"}},
+		{"peer pick timeout not a duration", []string{requiredValues, "picker: {peer: {pickTimeout: 100}}"}, []string{"/picker/peer/pickTimeout"}},
+		{"peer pick timeout without a unit", []string{requiredValues, `picker: {peer: {pickTimeout: "100"}}`}, []string{"/picker/peer/pickTimeout", "pattern"}},
+		{"peer Secret not a name", []string{requiredValues, "picker: {peer: {existingSecret: Peer_TLS}}"}, []string{"/picker/peer/existingSecret", "pattern"}},
+		{"env the chart sets for peers", []string{requiredValues, "picker: {env: [{name: POD_IP, value: 10.0.0.1}]}"}, []string{"picker.env sets POD_IP, which the chart sets itself"}},
+		{"volume named as the peers'", []string{requiredValues, "picker: {extraVolumes: [{name: peer-tls, emptyDir: {}}]}"}, []string{`picker.extraVolumes names a volume "peer-tls"`}},
 		{"budget without a bound", []string{requiredValues, `podDisruptionBudget: {create: true, maxUnavailable: ""}`}, []string{"set minAvailable or maxUnavailable"}},
 	}
 	for _, tc := range cases {

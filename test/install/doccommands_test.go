@@ -62,6 +62,7 @@ const upstreamChartRef = "oci://registry.k8s.io/gateway-api-inference-extension/
 var unservedGroups = map[string]string{
 	"networking.gke.io":         "GKE's CRDs are not published in any module; TestChartProviderGKE compares these objects with the upstream chart's",
 	"monitoring.googleapis.com": "Google Cloud Managed Service for Prometheus's CRDs are not published in any module; TestChartProviderGKE compares the PodMonitoring with the upstream chart's",
+	"cert-manager.io":           "cert-manager's CRDs are not installed here; the chart's use of the Secret it writes (picker.peer.existingSecret) is rendered from the values block that follows them, and TestChartPeering checks the credentials the chart needs",
 }
 
 // yamlFragments are yaml blocks that are neither Kubernetes objects nor
@@ -147,6 +148,14 @@ func TestDocCommands(t *testing.T) {
 			{"a kind no CRD serves", "apiVersion: example.com/v1\nkind: Widget\nmetadata: {name: x, namespace: llm}\n", "Widget"},
 			{"chart values with an unknown key", "picker: {replica: 2}\n", "replica"},
 			{"neither objects nor values", "args: [--model, x]\n", "args"},
+		}
+		for _, wrong := range [][]string{
+			{"kubectl", "-n", "llm", "delete", "secret", "llama-peer-tls"},
+			{"kubectl", "-n", "llm", "rollout", "restart", "deployment/llama-picker"},
+		} {
+			if err := d.runCommand(wrong); err == nil {
+				t.Errorf("`%s` (an object the steps never created) ran without error", strings.Join(wrong, " "))
+			}
 		}
 		for _, m := range yamlMistakes {
 			err := d.runBlock(docBlock{file: "test", line: 1, lang: "yaml", text: m.text})
@@ -490,13 +499,19 @@ func (d *docRunner) kubectl(args []string) error {
 	}
 	ctx := d.t.Context()
 	switch sub := p.args[0]; sub {
-	case "apply", "delete":
+	case "delete":
+		if len(p.values["filename"]) == 0 && len(p.values["kustomize"]) == 0 {
+			return d.deleteNamed(ns, p.args[1:])
+		}
 		objs, err := d.kubectlObjects(p)
 		if err != nil {
 			return err
 		}
-		if sub == "delete" {
-			return d.dryRunDelete(objs)
+		return d.dryRunDelete(objs)
+	case "apply":
+		objs, err := d.kubectlObjects(p)
+		if err != nil {
+			return err
 		}
 		if !p.has("server-side") {
 			for _, o := range objs {
@@ -513,7 +528,7 @@ func (d *docRunner) kubectl(args []string) error {
 		// before created.
 		target := ""
 		switch {
-		case sub == "rollout" && len(p.args) == 3 && p.args[1] == "status":
+		case sub == "rollout" && len(p.args) == 3 && (p.args[1] == "status" || p.args[1] == "restart"):
 			target = p.args[2]
 		case sub == "port-forward" && len(p.args) >= 3:
 			target = p.args[1]
@@ -638,6 +653,24 @@ func (d *docRunner) kubectlObjects(p parsedFlags) ([]*unstructured.Unstructured,
 
 // dryRunDelete asks the API server to delete objs without doing it: each
 // must exist (a later step may still need it).
+// deleteNamed runs `kubectl delete KIND NAME` as a dry run: the object
+// must be one the steps before created. Only kinds a reader is told to
+// delete by name are known.
+func (d *docRunner) deleteNamed(ns string, args []string) error {
+	if len(args) != 2 {
+		return fmt.Errorf("kubectl delete %q: want KIND NAME, or -f", args)
+	}
+	kind, name := args[0], args[1]
+	switch kind {
+	case "secret", "secrets":
+		if _, err := d.c.kube.CoreV1().Secrets(ns).Get(d.t.Context(), name, metav1.GetOptions{}); err != nil {
+			return fmt.Errorf("no Secret %s/%s from the steps before: %w", ns, name, err)
+		}
+		return d.c.kube.CoreV1().Secrets(ns).Delete(d.t.Context(), name, metav1.DeleteOptions{DryRun: []string{metav1.DryRunAll}})
+	}
+	return fmt.Errorf("kubectl delete %s NAME is not run by this test: teach it, or use -f", kind)
+}
+
 func (d *docRunner) dryRunDelete(objs []*unstructured.Unstructured) error {
 	var errs []error
 	for _, o := range objs {

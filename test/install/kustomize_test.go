@@ -86,7 +86,10 @@ func TestKustomizeMatchesChart(t *testing.T) {
 		t.Errorf("RoleBinding subjects = %+v, want the ServiceAccount in %s", rb.Subjects, kustomizeNamespace)
 	}
 
-	chart := mustRender(t, kustomizeNamespace, requiredValues, "inferencePool: {name: "+kustomizePool+"}")
+	// config/manager runs one replica: no lease, no peers. The chart's
+	// default of two active-active replicas adds only what
+	// TestChartPeering checks.
+	chart := mustRender(t, kustomizeNamespace, requiredValues, "inferencePool: {name: "+kustomizePool+"}", "picker: {replicas: 1}")
 	kd, kc := pickerDeployment(t, k)
 	cd, cc := pickerDeployment(t, chart)
 

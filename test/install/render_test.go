@@ -19,6 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	k8syaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/rest"
 	"sigs.k8s.io/yaml"
 )
 
@@ -134,13 +135,26 @@ func render(t *testing.T, namespace string, vals map[string]any) (rendered, erro
 // renderRelease is render for the release called release.
 func renderRelease(t *testing.T, release, namespace string, vals map[string]any) (rendered, error) {
 	t.Helper()
+	return renderOn(t, nil, release, namespace, vals)
+}
+
+// renderOn renders as `helm install` or `helm upgrade` against the API
+// server of cfg does: the templates' lookup reads what is there. Without
+// cfg, lookup finds nothing, as in `helm template`.
+func renderOn(t *testing.T, cfg *rest.Config, release, namespace string, vals map[string]any) (rendered, error) {
+	t.Helper()
 	c := loadChart(t)
 	opts := chartutil.ReleaseOptions{Name: release, Namespace: namespace, Revision: 1, IsInstall: true}
 	top, err := chartutil.ToRenderValues(c, vals, opts, chartutil.DefaultCapabilities)
 	if err != nil {
 		return rendered{}, err
 	}
-	files, err := engine.Render(c, top)
+	var files map[string]string
+	if cfg != nil {
+		files, err = engine.RenderWithClient(c, top, cfg)
+	} else {
+		files, err = engine.Render(c, top)
+	}
 	if err != nil {
 		return rendered{}, err
 	}

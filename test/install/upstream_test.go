@@ -6,12 +6,14 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -443,22 +445,45 @@ func launch(t *testing.T, bin string, r rendered, kubeconfig string, extra ...st
 		decodeStrict(t, o, &cm)
 		configMaps[cm.Name] = cm
 	}
+	secrets := map[string]corev1.Secret{}
+	for _, o := range r.all("Secret") {
+		var s corev1.Secret
+		decodeStrict(t, o, &s)
+		secrets[s.Name] = s
+	}
 	var mounts []string
 	for _, m := range ctr.VolumeMounts {
 		for _, v := range d.Spec.Template.Spec.Volumes {
-			if v.Name != m.Name || v.ConfigMap == nil {
+			if v.Name != m.Name {
 				continue
 			}
-			cm, ok := configMaps[v.ConfigMap.Name]
-			if !ok {
-				t.Fatalf("volume %s mounts ConfigMap %s, which the chart does not render", v.Name, v.ConfigMap.Name)
+			files := map[string][]byte{}
+			switch {
+			case v.ConfigMap != nil:
+				cm, ok := configMaps[v.ConfigMap.Name]
+				if !ok {
+					t.Fatalf("volume %s mounts ConfigMap %s, which the chart does not render", v.Name, v.ConfigMap.Name)
+				}
+				for k, data := range cm.Data {
+					files[k] = []byte(data)
+				}
+			case v.Secret != nil:
+				// The chart's own Secrets (the peers'); one from elsewhere
+				// (picker.extraVolumes) is the test's to provide.
+				s, ok := secrets[v.Secret.SecretName]
+				if !ok {
+					continue
+				}
+				files = secretFiles(t, s, v.Secret.Items)
+			default:
+				continue
 			}
 			dir := filepath.Join(fsRoot, m.MountPath)
 			if err := os.MkdirAll(dir, 0o755); err != nil {
 				t.Fatal(err)
 			}
-			for k, data := range cm.Data {
-				if err := os.WriteFile(filepath.Join(dir, k), []byte(data), 0o600); err != nil {
+			for k, data := range files {
+				if err := os.WriteFile(filepath.Join(dir, k), data, 0o600); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -485,6 +510,9 @@ func launch(t *testing.T, bin string, r rendered, kubeconfig string, extra ...st
 	args = append(args,
 		"--grpc-port="+strconv.Itoa(grpcPort), "--grpc-health-port="+strconv.Itoa(healthPort),
 		"--metrics-port="+strconv.Itoa(metricsPort), "--kubeconfig="+kubeconfig)
+	if slices.ContainsFunc(args, func(a string) bool { return strings.HasPrefix(a, "--peer-port=") }) {
+		args = append(args, "--peer-port="+strconv.Itoa(freePort(t)))
+	}
 	args = append(args, extra...)
 
 	p := &launched{
@@ -548,6 +576,10 @@ func containerEnv(t *testing.T, d appsv1.Deployment, c corev1.Container) []strin
 				v = d.Name + "-0"
 			case "spec.nodeName":
 				v = "node-0"
+			case "status.podIP":
+				// Peers listen on the pod IP; here every picker is on
+				// loopback, each on a port of its own.
+				v = "127.0.0.1"
 			default:
 				t.Fatalf("env %s: the test cannot resolve field %s", e.Name, e.ValueFrom.FieldRef.FieldPath)
 			}
@@ -773,4 +805,24 @@ func (p *launched) checkDrain(t *testing.T, want string) {
 	if !strings.Contains(p.output.String(), `"drained"`) {
 		t.Errorf("no \"drained\" log line:\n%s", p.output.String())
 	}
+}
+
+// secretFiles is what the kubelet writes for a Secret volume: each key of
+// items under its path, or every key when items is empty. A key items
+// names that the Secret lacks fails the test, as it fails the pod's start.
+func secretFiles(t *testing.T, s corev1.Secret, items []corev1.KeyToPath) map[string][]byte {
+	t.Helper()
+	files := map[string][]byte{}
+	if len(items) == 0 {
+		maps.Copy(files, s.Data)
+		return files
+	}
+	for _, item := range items {
+		data, ok := s.Data[item.Key]
+		if !ok {
+			t.Fatalf("Secret %s has no key %s, which its volume mounts", s.Name, item.Key)
+		}
+		files[item.Path] = data
+	}
+	return files
 }

@@ -6,6 +6,8 @@ InferencePool below must agree on them.
 {{- define "tally.grpcPort" -}}9002{{- end -}}
 {{- define "tally.grpcHealthPort" -}}9003{{- end -}}
 {{- define "tally.metricsPort" -}}9090{{- end -}}
+{{- define "tally.peerPort" -}}9004{{- end -}}
+{{- define "tally.peerCertDir" -}}/etc/tally/peer-tls{{- end -}}
 {{- define "tally.configDir" -}}/config{{- end -}}
 {{- define "tally.configKey" -}}picker.yaml{{- end -}}
 
@@ -62,6 +64,34 @@ different namespaces must not share them.
 {{- if gt (int .Values.picker.replicas) 1 -}}true{{- end -}}
 {{- end -}}
 
+{{/*
+Active-active replicas: more than one, with peering on. Without it the
+replicas are warm standbys and only the leader is ready.
+*/}}
+{{- define "tally.peering" -}}
+{{- if and (include "tally.leaderElection" .) .Values.picker.peer.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+--peer-selector: the picker pods' selector labels as k=v,k2=v2, sorted, so
+that a replica finds exactly the pods of its own release.
+*/}}
+{{- define "tally.peerSelector" -}}
+{{- $labels := include "tally.selectorLabels" . | fromYaml -}}
+{{- $pairs := list -}}
+{{- range $k := keys $labels | sortAlpha -}}
+{{- $pairs = append $pairs (printf "%s=%s" $k (get $labels $k)) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
+{{/*
+The Secret holding the peers' ca.crt, tls.crt and tls.key.
+*/}}
+{{- define "tally.peerSecretName" -}}
+{{- default (printf "%s-peer-tls" (include "tally.fullname" .)) .Values.picker.peer.existingSecret -}}
+{{- end -}}
+
 {{- define "tally.selectorLabels" -}}
 app.kubernetes.io/name: tally
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -113,6 +143,9 @@ Rendered (to nothing) by every template that needs them.
 {{- end -}}
 {{- end -}}
 {{- $ownEnv := list "NAMESPACE" "POD_NAME" -}}
+{{- if include "tally.peering" . -}}
+{{- $ownEnv = append $ownEnv "POD_IP" -}}
+{{- end -}}
 {{- if dig "limits" "memory" "" .Values.picker.resources -}}
 {{- $ownEnv = append $ownEnv "GOMEMLIMIT" -}}
 {{- end -}}
@@ -121,9 +154,13 @@ Rendered (to nothing) by every template that needs them.
 {{- fail (printf "picker.env sets %s, which the chart sets itself (%s)" .name (join ", " $ownEnv)) -}}
 {{- end -}}
 {{- end -}}
+{{- $ownVolumes := list "config" "tmp" -}}
+{{- if include "tally.peering" . -}}
+{{- $ownVolumes = append $ownVolumes "peer-tls" -}}
+{{- end -}}
 {{- range .Values.picker.extraVolumes -}}
-{{- if has .name (list "config" "tmp") -}}
-{{- fail (printf "picker.extraVolumes names a volume %q, a name the chart uses itself (config, tmp)" .name) -}}
+{{- if has .name $ownVolumes -}}
+{{- fail (printf "picker.extraVolumes names a volume %q, a name the chart uses itself (%s)" .name (join ", " $ownVolumes)) -}}
 {{- end -}}
 {{- end -}}
 {{- if and .Values.podDisruptionBudget.create (eq (toString .Values.podDisruptionBudget.minAvailable) "") (eq (toString .Values.podDisruptionBudget.maxUnavailable) "") -}}
