@@ -1,7 +1,9 @@
 package picker
 
 import (
+	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/internal/testtier"
+	"github.com/tallyepp/tally/picker/internal/ratemodel"
 
 	"cmp"
 	"fmt"
@@ -22,6 +24,9 @@ type threeEngines struct {
 	index      map[string]int
 	pending    []arrival // by arrival time
 	held       [3]int    // what each engine counts
+	// waiting: the engines report what they hold as waiting (none of it
+	// prefilled yet), not as running.
+	waiting bool
 }
 
 type arrival struct {
@@ -30,8 +35,12 @@ type arrival struct {
 }
 
 func newThreeEngines(t *testing.T, seed uint64, interval, offset time.Duration) *threeEngines {
+	return newThreeEnginesWith(t, testConfig(), seed, interval, offset)
+}
+
+func newThreeEnginesWith(t *testing.T, cfg v1alpha1.PickerConfig, seed uint64, interval, offset time.Duration) *threeEngines {
 	clock := newFakeClock()
-	e := &threeEngines{p: newPicker(t, 3, testConfig(), Options{Clock: clock, Rand: rand.New(rand.NewPCG(seed, 2))}), clock: clock, interval: interval,
+	e := &threeEngines{p: newPicker(t, 3, cfg, Options{Clock: clock, Rand: rand.New(rand.NewPCG(seed, 2))}), clock: clock, interval: interval,
 		nextScrape: clock.ns.Load() + int64(offset), index: map[string]int{}}
 	for i := range 3 {
 		e.index[addr(i).String()] = i
@@ -65,6 +74,9 @@ func (e *threeEngines) step(d time.Duration) {
 		round := make([]Scrape, 3)
 		for i := range round {
 			round[i] = Scrape{Address: addr(i), Stats: EngineStats{Running: e.held[i]}}
+			if e.waiting {
+				round[i].Stats = EngineStats{Waiting: e.held[i]}
+			}
 		}
 		e.p.ObserveScrapes(round)
 		e.nextScrape += int64(e.interval)
@@ -151,6 +163,78 @@ func TestLateArrivalsAreNotTakenForEndedRequests(t *testing.T) {
 		e.step(c.lag + 3*c.interval)
 		if l := e.p.Snapshot(); l.Detached != 128 {
 			t.Errorf("scrapes every %v, arrival lag up to %v: %d of 128 detached requests left in the ledger, all running; engines hold %v", c.interval, c.lag, l.Detached, e.held)
+		}
+	}
+}
+
+// heldBursts plays bursts of 128 requests of 32,000 tokens through a
+// gateway that ends each stream at the pick, one pick every 2 ms, over 3
+// endpoints scraped every 50 ms whose engines hold every request of a
+// burst as waiting (none prefilled yet) until the whole burst is placed,
+// then end them all. shared is the prefix, in tokens, a burst's requests
+// share; each burst's is new, and held by endpoint b%3 (a request placed
+// there and answered) when warm. It returns each burst's placement.
+func heldBursts(t *testing.T, cfg v1alpha1.PickerConfig, bursts, shared int, warm bool) [][3]int {
+	const tokens, lag = 32_000, 2 * time.Millisecond
+	e := newThreeEnginesWith(t, cfg, 1, 50*time.Millisecond, 0)
+	e.waiting = true
+	var out [][3]int
+	for b := range bursts {
+		prefix := text(fmt.Sprint("prefix", b), shared*4)
+		if warm {
+			r := mustPick(t, e.p, on(addr(b%3), join(prefix, text(fmt.Sprint("warm", b), (tokens-shared)*4))))
+			e.step(660 * time.Millisecond)
+			e.p.End(r, Outcome{})
+			e.step(300 * time.Millisecond)
+		}
+		var placed [3]int
+		for i := range 128 {
+			r := mustPick(t, e.p, Request{Model: model, Prompt: join(prefix, text(fmt.Sprint("burst", b, "-", i), (tokens-shared)*4)), MaxTokens: 16})
+			e.p.End(r, Outcome{Detached: true})
+			placed[e.send(r, e.clock.ns.Load()+int64(lag))]++
+			e.step(2 * time.Millisecond)
+		}
+		e.step(lag)
+		e.held = [3]int{}
+		out = append(out, placed)
+		e.step(100 * time.Millisecond)
+	}
+	return out
+}
+
+// Bursts through a gateway that ends the stream at the pick are placed
+// alike whatever prefill rate the pool has learned. A pool whose engines
+// answer many requests at once teaches a rate far above what one engine
+// prefills alone (a churn through engines that answer every request in
+// its own prefill time, concurrently, taught 295,000 tokens/s); at that
+// rate the model ended a 32,000-token detached prefill in 0.11 s, within
+// the burst, and the endpoint holding a long prefix drew 81 of 128
+// (here, from 600,000 tokens/s, the bound of what the pool can learn
+// included, 80 or all 128, leaving an endpoint idle). The engines, which
+// say every request of the burst still waits, are believed over the model.
+func TestBurstsOfDetachedRequestsDoNotDependOnTheLearnedRate(t *testing.T) {
+	rates := []int{10_000, 300_000, 600_000, ratemodel.MaxRate}
+	if testing.Short() {
+		rates = rates[len(rates)-1:] // the bound alone: 36 bursts cost 50 s of CPU with -race
+	}
+	for _, rate := range rates {
+		cfg := testConfig()
+		cfg.PrefillTokensPerSecond = rate
+		for b, placed := range heldBursts(t, cfg, 3, 30_000, true) {
+			holder := placed[b%3]
+			if holder > 64 || slices.Min(placed[:]) == 0 {
+				t.Errorf("rate %d tokens/s, burst %d sharing a 30,000-token prefix held by endpoint %d: %v, want none idle and the holder at most 64", rate, b, b%3, placed)
+			}
+		}
+		for _, c := range []struct {
+			name   string
+			shared int
+		}{{"fresh prompts", 0}, {"a 512-token prefix", 512}} {
+			for b, placed := range heldBursts(t, cfg, 3, c.shared, false) {
+				if slices.Min(placed[:]) < 42 || slices.Max(placed[:]) > 44 {
+					t.Errorf("rate %d tokens/s, burst %d of %s: %v, want within one of even", rate, b, c.name, placed)
+				}
+			}
 		}
 	}
 }

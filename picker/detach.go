@@ -119,6 +119,30 @@ func (l *ledger) shortenDetached(w *row, excess int, now, seen int64) {
 	}
 }
 
+// behindTokens is the prefill of the n detached reservations of w
+// detached last among those past their modelled prefill (fewer if it has
+// fewer): those an engine working in arrival order reaches last. Each is
+// its uncached prompt tokens at the pick.
+func (w *row) behindTokens(n int) (tokens int) {
+	skip := -n
+	for r := w.detachedList.Front(); r != nil; r = w.detachedList.Next(r) {
+		if r.decoding {
+			skip++
+		}
+	}
+	for r := w.detachedList.Front(); r != nil; r = w.detachedList.Next(r) {
+		if !r.decoding {
+			continue
+		}
+		if skip > 0 {
+			skip--
+			continue
+		}
+		tokens += max(r.promptTokens-r.cachedTokens, 1)
+	}
+	return tokens
+}
+
 // Why detached reservations ended, indexing Picker.detachEnds.
 const (
 	detachEndModel = iota

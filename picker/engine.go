@@ -105,7 +105,10 @@ type engineView struct {
 	// What every pick reads (foreignCost, cacheTrust) first.
 	foreign       int // requests beyond the ledger at the last scrape
 	foreignTokens int // the prefill cost of one of them
-	at            int64
+	// behind is the prefill, in tokens, of the requests the engine said
+	// were waiting whose prefill the model had ended (observeEngine).
+	behind int
+	at     int64 // when the last scrape was handed over
 	// The share of predicted cached tokens the engine delivered, a mean
 	// over its recent predictions; see cacheTrust.
 	delivery ratemodel.DecayedMean
@@ -184,19 +187,21 @@ func (e *engineView) cacheTrust() float64 {
 	return min(e.delivery.Mean()/cacheTrustFull, 1)
 }
 
-// foreignCost is the foreign load's share of the endpoint's cost at now.
-// Every candidate of every pick takes it: the common case, none, inlines.
+// foreignCost is the share of the endpoint's cost at now of the load its
+// engine reported beyond the ledger's model: foreign requests, and the
+// prefill it had not begun that the model had ended. Every candidate of
+// every pick takes it: the common case, none, inlines.
 func (e *engineView) foreignCost(now int64) int {
-	if e.foreign == 0 {
+	if e.foreign|e.behind == 0 {
 		return 0
 	}
 	return e.fadedForeignCost(now)
 }
 
-// fadedForeignCost is foreignCost where there is foreign load: in full
+// fadedForeignCost is foreignCost where there is such load: in full
 // while the scrape is fresh, then fading.
 func (e *engineView) fadedForeignCost(now int64) int {
-	full := float64(e.foreign * e.foreignTokens)
+	full := float64(e.foreign*e.foreignTokens + e.behind)
 	age := time.Duration(now - e.at)
 	if age <= foreignFresh {
 		return int(full)
@@ -325,6 +330,19 @@ func (l *ledger) observeEngine(addr netip.AddrPort, s EngineStats, now, sent int
 	l.observeOutputCounts(w, s)
 	e.foreign = max(s.Running+s.Waiting-peak, 0)
 	e.peak = w.inFlight
+	e.behind = 0
+	if w.detached > 0 && s.Waiting > e.foreign {
+		// Waiting requests have not begun their prefill. More of them
+		// than the model still has in prefill here, beyond the foreign
+		// ones, are detached requests whose prefill the model ended
+		// before the engine began it: its rate is faster than the engine
+		// is now (a rate taught by an engine that answers many requests
+		// at once). They count until the engine says they started.
+		l.drain(w, now)
+		if n := s.Waiting - e.foreign - (w.inFlight - w.decoding); n > 0 {
+			e.behind = w.behindTokens(n)
+		}
+	}
 	// No engine the scraper reads says how many prompt tokens its queue
 	// holds: a foreign request is sized as the mean prompt placed here.
 	e.foreignTokens = int(l.meanPromptTokens)
