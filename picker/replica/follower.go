@@ -107,6 +107,7 @@ func (x *Replica) SetPeers(peers []Peer) {
 // follow keeps a stream open to c's peer until ctx ends.
 func (x *Replica) follow(ctx context.Context, c *peerConn) {
 	wait := minRedial
+	failing := false
 	for ctx.Err() == nil {
 		start := time.Now()
 		err := x.stream(ctx, c)
@@ -115,9 +116,17 @@ func (x *Replica) follow(ctx context.Context, c *peerConn) {
 			return
 		}
 		if time.Since(start) > maxRedial {
-			wait = minRedial
+			wait, failing = minRedial, false
 		}
-		x.opts.Log.V(1).Info("peer stream ended; reconnecting", "peer", c.peer.Name, "addr", c.peer.Addr, "err", err, "in", wait)
+		// The first failure of a run is said at the default verbosity
+		// (a refused handshake: credentials that differ), the retries
+		// only at -v=1.
+		log := x.opts.Log.V(1)
+		if !failing {
+			log = x.opts.Log
+		}
+		failing = true
+		log.Info("peer stream ended; reconnecting", "peer", c.peer.Name, "addr", c.peer.Addr, "err", err, "in", wait)
 		select {
 		case <-time.After(wait):
 		case <-ctx.Done():

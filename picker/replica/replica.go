@@ -78,7 +78,6 @@ type Replica struct {
 	leading atomic.Bool
 	ids     atomic.Uint64
 	lagNs   atomic.Int64 // of the last change applied from the leader
-	started time.Time    // the leader's reference for orphans of replicas it never saw
 
 	mu sync.Mutex
 	// Every reservation this replica holds that a peer may speak of: its
@@ -126,7 +125,6 @@ func New(p *picker.Picker, opts Options) *Replica {
 		opts:      opts,
 		p:         p,
 		m:         newMetrics(opts.Registerer),
-		started:   time.Now(),
 		byID:      map[string]*entry{},
 		byRes:     map[*picker.Reservation]*entry{},
 		followers: map[*follower]struct{}{},

@@ -61,9 +61,15 @@ type cluster struct {
 
 func newCluster(t *testing.T, n int, creds Credentials, opts Options) *cluster {
 	t.Helper()
+	return newClusterWith(t, n, creds, opts, v1alpha1.PickerConfig{})
+}
+
+// newClusterWith is newCluster with every picker configured by cfg.
+func newClusterWith(t *testing.T, n int, creds Credentials, opts Options, cfg v1alpha1.PickerConfig) *cluster {
+	t.Helper()
 	c := &cluster{t: t, clock: testclock.NewFakeClock(time.Now())}
 	for i := range n {
-		p := picker.New(v1alpha1.PickerConfig{}, picker.Options{Clock: c.clock, Rand: mrand.New(mrand.NewPCG(uint64(i), 1))})
+		p := picker.New(cfg, picker.Options{Clock: c.clock, Rand: mrand.New(mrand.NewPCG(uint64(i), 1))})
 		p.Replace(endpoints())
 		reg := prometheus.NewRegistry()
 		o := opts
@@ -387,4 +393,85 @@ func TestAFollowerOfAnotherVersionPlacesLocally(t *testing.T) {
 		t.Errorf("%v local placements for the version, want 3", got)
 	}
 	c.end(ps)
+}
+
+func TestAForwardedPickWaitsInTheLeadersQueue(t *testing.T) {
+	cfg := v1alpha1.PickerConfig{FlowControl: v1alpha1.FlowControl{Enabled: true, MaxDecodingRequests: 1, RequestTTLSeconds: 600}}
+	// A pick unanswered for 50 ms is placed locally, unless the leader
+	// says it waits in its queue.
+	c := newClusterWith(t, 2, writeCredentials(t), Options{PickTimeout: 50 * time.Millisecond}, cfg)
+	c.lead(0, 1)
+	// One request decoding on each pod saturates the pool.
+	fill := c.burst(3, "", 0)
+	for _, p := range fill {
+		c.reps[0].FirstByte(p.r)
+	}
+	waiting := func(i int) int { return c.pickers[i].Snapshot().Waiting }
+
+	placed := make(chan *picker.Reservation, 1)
+	go func() {
+		r, err := c.reps[1].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 1000, 100)})
+		if err != nil {
+			t.Error(err)
+		}
+		placed <- r
+	}()
+	c.eventually("the follower's pick waits in the leader's queue", func() bool { return waiting(0) == 1 })
+	time.Sleep(200 * time.Millisecond)
+	select {
+	case r := <-placed:
+		t.Fatalf("placed on %v while the pool was saturated", r.Endpoints())
+	default:
+	}
+	if got := c.local(1, reasonTimeout) + c.local(1, reasonNoLeader); got != 0 {
+		t.Fatalf("the follower placed %v picks itself while the leader held them in its queue", got)
+	}
+	// A request that waits and whose client leaves is gone from the queue.
+	ctx, cancel := context.WithCancel(context.Background())
+	left := make(chan error, 1)
+	go func() {
+		_, err := c.reps[1].Admit(ctx, picker.Request{Model: "m", Prompt: prompt("", 1001, 100)})
+		left <- err
+	}()
+	c.eventually("both wait", func() bool { return waiting(0) == 2 })
+	cancel()
+	if err := <-left; err == nil {
+		t.Fatal("a cancelled pick was placed")
+	}
+	c.eventually("the cancelled pick leaves the leader's queue", func() bool { return waiting(0) == 1 })
+
+	// Capacity frees: the waiting pick is placed where it freed.
+	c.end(fill[:1])
+	r := <-placed
+	if got, want := r.Endpoints()[0], fill[0].r.Endpoints()[0]; got != want {
+		t.Errorf("placed on %v, want %v, the endpoint that freed", got, want)
+	}
+	for i := range 2 {
+		c.eventually(fmt.Sprintf("replica %d holds the 3 in flight", i), func() bool { return sum(c.inFlight(i)) == 3 })
+	}
+	c.reps[1].End(r, picker.Outcome{})
+	c.end(fill[1:])
+	for i := range 2 {
+		c.eventually(fmt.Sprintf("replica %d's ledger empty", i), func() bool { return sum(c.inFlight(i)) == 0 && waiting(i) == 0 })
+	}
+}
+
+func TestAPickTheLeaderAnsweredLateIsCountedOnce(t *testing.T) {
+	// Every forwarded pick times out at once: the follower places it
+	// itself, and the leader, which placed it too, keeps only the
+	// follower's placement.
+	c := newCluster(t, 2, writeCredentials(t), Options{PickTimeout: time.Nanosecond})
+	c.lead(0, 1)
+	ps := c.burst(30, "", 1)
+	if got := c.local(1, reasonTimeout); got == 0 {
+		t.Fatal("no pick timed out: the test proves nothing")
+	}
+	n := counts(ps)
+	for i := range 2 {
+		c.eventually(fmt.Sprintf("replica %d holds each pick once, where the follower placed it", i), func() bool { return c.inFlight(i) == n })
+	}
+	c.end(ps)
+	for i := range 2 {
+		c.eventually(fmt.Sprintf("replica %d's ledger empty", i), func() bool { return sum(c.inFlight(i)) == 0 })
+	}
 }
