@@ -95,6 +95,21 @@ func (r *Replica) WaitForEndpoints(ctx context.Context, pods ...string) error {
 	return waitForEndpoints(ctx, r.stack.http, r.picker, r.MetricsURL(), pods)
 }
 
+// Restart stops the replica's picker as Kubernetes stops a container
+// (SIGTERM, then its drain) and starts it again on the same ports, as a
+// rolling restart does; it does not wait for readiness.
+func (r *Replica) Restart(ctx context.Context) error {
+	if err := r.picker.Stop(); err != nil {
+		return fmt.Errorf("stopping picker replica %s: %w", r.name, err)
+	}
+	p, err := r.stack.startPickerProcess(ctx, r.name, r.ports)
+	if err != nil {
+		return err
+	}
+	r.picker = p
+	return nil
+}
+
 // Kill kills the replica's picker (SIGKILL), as a crash would.
 func (r *Replica) Kill() { r.picker.Kill() }
 
