@@ -13,6 +13,7 @@ import (
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc"
+	"github.com/tallyepp/tally/picker/replica"
 	"github.com/tallyepp/tally/picker/scrape"
 )
 
@@ -184,12 +185,13 @@ func TestMetricsDocDocumentsEveryMetric(t *testing.T) {
 }
 
 // newServerOn builds a picker and an ext_proc server registered on r, as
-// cmd/epp does, with flow control on so that its metrics are described too.
+// cmd/epp does, with flow control on and peers, so that their metrics are
+// described too.
 func newServerOn(r prometheus.Registerer) {
 	cfg := v1alpha1.Default()
 	cfg.FlowControl.Enabled = true
 	p := picker.New(cfg, picker.Options{Registerer: r, PoolName: "pool"})
-	extproc.NewServer(p, extproc.Options{Registerer: r})
+	extproc.NewServer(replica.New(p, replica.Options{Registerer: r}), extproc.Options{Registerer: r})
 	scrape.New(p, scrape.Options{Registerer: r})
 }
 
