@@ -103,3 +103,15 @@ func (s *Stack) pickerPod(ctx context.Context, name string) (netip.Addr, error) 
 	}
 	return ip, nil
 }
+
+// PeerAddr is the peer address (pod IP and --peer-port) of the picker
+// process name ("epp", or a replica's Name), with Options.Peers.
+func (s *Stack) PeerAddr(name string) (netip.AddrPort, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ip, ok := s.pickerIPs[name]
+	return netip.AddrPortFrom(ip, uint16(s.peerPort)), ok
+}
+
+// PeerCredentials is the directory of the stack's peer credentials.
+func (s *Stack) PeerCredentials() string { return s.peerDir }

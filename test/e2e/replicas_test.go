@@ -2,15 +2,24 @@ package e2e
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"time"
 
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/tallyepp/tally/internal/stack"
 	"github.com/tallyepp/tally/picker/debugledger"
+	"github.com/tallyepp/tally/picker/replica"
+	"github.com/tallyepp/tally/picker/replica/replicapb"
 )
 
 // replicasFirstPodIP keeps this pool's pods off the other specs' addresses.
@@ -65,6 +74,14 @@ var _ = Describe("Three picker replicas sharing one ledger", Ordered, func() {
 		}).WithTimeout(30 * time.Second).Should(Succeed())
 	}, NodeTimeout(3*time.Minute))
 
+	It("refuses the peer port to a client without the pool's peer credentials", func(ctx SpecContext) {
+		for _, name := range []string{"epp", fronts[1].name} {
+			addr, ok := rs.PeerAddr(name)
+			Expect(ok).To(BeTrue())
+			peerRefuses(ctx, addr, rs.PeerCredentials())
+		}
+	}, SpecTimeout(time.Minute))
+
 	It("places a held burst spread over the three as one ledger does", func(ctx SpecContext) {
 		// 96 requests sharing a system prompt, each with 1,024 tokens of
 		// its own, sent round-robin through the three replicas' gateways.
@@ -102,6 +119,34 @@ var _ = Describe("Three picker replicas sharing one ledger", Ordered, func() {
 		expectEveryLedgerDrains(ctx, fronts)
 	}, SpecTimeout(2*time.Minute))
 })
+
+// peerRefuses checks that the peer port at addr refuses a client without
+// the pool's peer credentials: in plain text, and over TLS without a
+// client certificate.
+func peerRefuses(ctx context.Context, addr netip.AddrPort, credDir string) {
+	GinkgoHelper()
+	ca, err := os.ReadFile(filepath.Join(credDir, "ca.crt"))
+	Expect(err).NotTo(HaveOccurred())
+	roots := x509.NewCertPool()
+	Expect(roots.AppendCertsFromPEM(ca)).To(BeTrue())
+	for name, creds := range map[string]credentials.TransportCredentials{
+		"plain text":          insecure.NewCredentials(),
+		"TLS, no client cert": credentials.NewTLS(&tls.Config{RootCAs: roots, ServerName: replica.ServerName}),
+	} {
+		conn, err := grpc.NewClient(addr.String(), grpc.WithTransportCredentials(creds))
+		Expect(err).NotTo(HaveOccurred())
+		ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		s, err := replicapb.NewPeerClient(conn).Follow(ctx)
+		if err == nil {
+			_ = s.Send(&replicapb.FromFollower{Msg: &replicapb.FromFollower_Hello{Hello: &replicapb.Hello{Version: replica.Version, Replica: "intruder"}}})
+			var m *replicapb.FromLeader
+			m, err = s.Recv()
+			Expect(err).To(HaveOccurred(), "%s: a client without the peer credentials was answered %v", name, m)
+		}
+		cancel()
+		conn.Close()
+	}
+}
 
 // expectEveryLedgerDrains waits until every replica's ledger is idle.
 func expectEveryLedgerDrains(ctx context.Context, fronts []replicaFront) {
@@ -180,4 +225,3 @@ func heldBurstOver(ctx context.Context, s *stack.Stack, fronts []replicaFront, r
 	}
 	return placed, ledgers, results
 }
-
