@@ -159,7 +159,7 @@ type Stack struct {
 	gatewayAddr string
 	replicas    []*Replica
 	spread      []*Process // StartSpreadGateway's
-	nginx       []*NGINX // StartNGINX's
+	nginx       []*NGINX   // StartNGINX's
 	// With Options.Peers: the peer credentials' directory, the peer port,
 	// and each picker process's pod IP.
 	peerDir   string
