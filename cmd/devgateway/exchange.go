@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -49,7 +50,28 @@ func (ex *exchange) run() bool {
 	bodiless := ex.r.ContentLength == 0
 	var timedOut atomic.Bool
 	timer := time.AfterFunc(ex.g.pickerTimeout(), func() { timedOut.Store(true); ex.cancelStream() })
-	up, d, err := ex.requestPath(bodiless)
+	pickers := ex.g.pickers()
+	first := ex.g.nextPicker(len(pickers))
+	up, d, err := ex.requestPath(pickers[first], bodiless, ex.r.Body, ex.r.ContentLength)
+	if err != nil && len(pickers) > 1 && !answered(d) && !timedOut.Load() && ex.r.Context().Err() == nil {
+		// The picker failed before it answered anything (refused, or died
+		// with the request): one retry on the next picker, with the body
+		// read whole, as a gRPC retry policy on the ext_proc service
+		// retries a stream that got no response.
+		ex.log.Warn("the picker stream failed before an answer; retrying on the next picker", "picker", first, "err", err)
+		if ex.stream != nil {
+			ex.stream.Cancel() // this stream only: streamCtx carries the retry
+		}
+		up = ex.wholeBody(up, bodiless)
+		if up.readErr == nil {
+			next := (first + 1) % len(pickers)
+			retried, rd, rerr := ex.requestPath(pickers[next], bodiless, bytes.NewReader(up.original), int64(len(up.original)))
+			if retried != nil {
+				up = retried // the same bytes, sent again
+			}
+			d, err = rd, rerr
+		}
+	}
 	stopped := timer.Stop()
 	if up != nil && (err != nil || d.Immediate != nil) {
 		// The client body is still being read; it must be complete (for a
@@ -119,10 +141,12 @@ func (ex *exchange) run() bool {
 // requestPath opens the stream, sends the request headers and body, and
 // returns the picker's decision. The returned upload, when not nil, is still
 // running if err is not nil or the decision is an immediate response.
-func (ex *exchange) requestPath(bodiless bool) (*upload, *envoy.Routed, error) {
-	stream, err := ex.g.Picker.Open(ex.streamCtx)
+func (ex *exchange) requestPath(picker *envoy.Client, bodiless bool, body io.Reader, size int64) (*upload, *envoy.Routed, error) {
+	ex.stream = nil
+	d := &envoy.Routed{}
+	stream, err := picker.Open(ex.streamCtx)
 	if err != nil {
-		return nil, nil, err
+		return nil, d, err
 	}
 	ex.stream = stream
 	first := stream.HeadersMessage(envoy.Request{
@@ -131,14 +155,13 @@ func (ex *exchange) requestPath(bodiless bool) (*upload, *envoy.Routed, error) {
 		Mode:        filterv3.ProcessingMode_FULL_DUPLEX_STREAMED,
 	})
 	if err := stream.Send(first); err != nil {
-		return nil, nil, fmt.Errorf("sending the request headers: %w", err)
+		return nil, d, fmt.Errorf("sending the request headers: %w", err)
 	}
 	var up *upload
 	if !bodiless {
 		up = &upload{done: make(chan struct{})}
-		go ex.sendRequestBody(up)
+		go ex.sendRequestBody(up, body, size)
 	}
-	d := &envoy.Routed{}
 	err = stream.RecvDecision(d, bodiless)
 	if err == nil && d.Immediate == nil && up != nil {
 		// The picker has returned the whole body, so it has read all of ours.
@@ -147,17 +170,39 @@ func (ex *exchange) requestPath(bodiless bool) (*upload, *envoy.Routed, error) {
 	return up, d, err
 }
 
-// sendRequestBody streams the client's body to the picker, the last chunk
-// with end_of_stream. It keeps reading after a send failure so that a
-// FailOpen retry has the whole body.
-func (ex *exchange) sendRequestBody(up *upload) {
+// answered reports whether the picker answered anything on the request
+// path: a stream it answered is its own, not retried elsewhere.
+func answered(d *envoy.Routed) bool {
+	return d != nil && (!d.Decided.IsZero() || len(d.BodyChunks) > 0)
+}
+
+// wholeBody waits for the upload of a failed stream (or, if the stream
+// failed before the body was sent, reads the client's body itself) and
+// returns it complete, for a retry or the failure mode.
+func (ex *exchange) wholeBody(up *upload, bodiless bool) *upload {
+	if up != nil {
+		<-up.done
+		return up
+	}
+	up = &upload{done: make(chan struct{})}
+	close(up.done)
+	if !bodiless {
+		up.original, up.readErr = io.ReadAll(ex.r.Body)
+	}
+	return up
+}
+
+// sendRequestBody streams the body (the client's, or a retry's copy) to
+// the picker, the last chunk with end_of_stream. It keeps reading after a
+// send failure so that a retry or FailOpen has the whole body.
+func (ex *exchange) sendRequestBody(up *upload, body io.Reader, sizeHint int64) {
 	defer close(up.done)
 	size := ex.g.chunkBytes()
 	var all bytes.Buffer
-	if ex.r.ContentLength > 0 {
-		all.Grow(int(ex.r.ContentLength))
+	if sizeHint > 0 {
+		all.Grow(int(sizeHint))
 	}
-	br := bufio.NewReaderSize(ex.r.Body, size)
+	br := bufio.NewReaderSize(body, size)
 	sending := true
 	for {
 		chunk := make([]byte, size)
@@ -196,6 +241,16 @@ func (ex *exchange) sendRequestBody(up *upload) {
 // responsePath sends the response headers (with the endpoint that served),
 // applies the picker's answer, then streams the body through the picker to
 // the client chunk by chunk. It reports whether the stream ended cleanly.
+//
+// The response phase is best effort: the pick is made and the model server
+// has answered, so a picker stream that breaks now (a replica restarting,
+// its leader lost) must not cost the client its response. The rest of the
+// response goes to the client without the picker: the headers as the
+// model server sent them if the picker had not answered them yet, and the
+// body bytes the picker had not returned yet from the gateway's own copy
+// (the picker returns response chunks unchanged in FULL_DUPLEX_STREAMED
+// mode). The picker, if alive, releases its reservation when its stream
+// ends, as for any stream cancelled early.
 func (ex *exchange) responsePath(resp *http.Response, served string) bool {
 	defer resp.Body.Close()
 	bodiless := resp.Body == http.NoBody || ex.r.Method == http.MethodHead
@@ -209,10 +264,21 @@ func (ex *exchange) responsePath(resp *http.Response, served string) bool {
 	immediate, answer, err := ex.sendResponseHeaders(msg)
 	timer.Stop()
 	if err != nil {
-		ex.log.Warn("the picker stream failed on the response path", "err", err)
-		if ex.r.Context().Err() == nil {
-			// As Envoy does when an ext_proc stream fails and failure is not allowed.
-			http.Error(ex.w, "endpoint picker error", http.StatusInternalServerError)
+		if ex.r.Context().Err() != nil {
+			return false
+		}
+		ex.log.Warn("the picker stream failed at the response headers; passing the response on without the picker", "err", err)
+		ex.cancelStream()
+		h := resp.Header.Clone()
+		envoy.RemoveHopByHop(h)
+		for k, v := range h {
+			ex.w.Header()[k] = v
+		}
+		ex.w.WriteHeader(resp.StatusCode)
+		rc := http.NewResponseController(ex.w)
+		_ = rc.Flush()
+		if !bodiless {
+			ex.copyRest(rc, nil, resp.Body)
 		}
 		return false
 	}
@@ -250,24 +316,100 @@ func (ex *exchange) responsePath(resp *http.Response, served string) bool {
 		return true
 	}
 
+	held := &heldBytes{}
 	pumpDone := make(chan error, 1)
-	go func() { pumpDone <- ex.sendResponseBody(resp.Body) }()
-	relayErr := ex.relayResponseBody(rc)
+	go func() { pumpDone <- ex.sendResponseBody(resp.Body, held) }()
+	relayErr := ex.relayResponseBody(rc, held)
 	if relayErr != nil {
-		// Unblock the pump: it may be waiting on the upstream or the stream.
+		// Unblock the pump: it may be waiting on the stream, or (the
+		// client gone) on the upstream.
 		ex.cancelStream()
-		resp.Body.Close()
+		if !errors.As(relayErr, new(pickerStreamError)) {
+			resp.Body.Close()
+		}
 	}
 	pumpErr := <-pumpDone
-	if err := errors.Join(relayErr, pumpErr); err != nil {
-		if ex.r.Context().Err() == nil {
-			ex.log.Warn("streaming the response failed; cutting the connection", "err", err)
-		}
-		ex.cancelStream()
-		// The status is sent: a truncated body must not look complete.
-		panic(http.ErrAbortHandler)
+	if relayErr == nil && pumpErr == nil {
+		return true
 	}
-	return true
+	if ex.r.Context().Err() == nil && errors.As(relayErr, new(pickerStreamError)) &&
+		(pumpErr == nil || errors.As(pumpErr, new(pickerStreamError))) {
+		// The pump has stopped reading the upstream: what it read is sent
+		// to the picker (and held) or still to be read; nothing is lost.
+		ex.log.Warn("the picker stream failed while the response streamed; passing the rest on without the picker", "err", relayErr)
+		ex.copyRest(rc, held.take(), resp.Body)
+		return false
+	}
+	if ex.r.Context().Err() == nil {
+		ex.log.Warn("streaming the response failed; cutting the connection", "err", errors.Join(relayErr, pumpErr))
+	}
+	ex.cancelStream()
+	// The status is sent: a truncated body must not look complete.
+	panic(http.ErrAbortHandler)
+}
+
+// pickerStreamError is a failure of the picker's stream on the response
+// path, as opposed to one of the client or of the model server.
+type pickerStreamError struct{ err error }
+
+func (e pickerStreamError) Error() string { return e.err.Error() }
+func (e pickerStreamError) Unwrap() error { return e.err }
+
+// heldBytes are the response body bytes sent to the picker that it has not
+// returned yet: what the client would lose if the stream broke now.
+type heldBytes struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *heldBytes) hold(p []byte) {
+	b.mu.Lock()
+	b.buf.Write(p)
+	b.mu.Unlock()
+}
+
+// returned drops n bytes the picker has passed on. A picker that returns
+// more than it was given has changed the body; what it holds back is then
+// unknown, and nothing is held.
+func (b *heldBytes) returned(n int) {
+	b.mu.Lock()
+	b.buf.Next(n)
+	b.mu.Unlock()
+}
+
+func (b *heldBytes) take() []byte {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return bytes.Clone(b.buf.Bytes())
+}
+
+// copyRest writes held, then the rest of body, to the client, flushing as
+// it arrives. A failure cuts the connection: the status is sent, and a
+// truncated body must not look complete.
+func (ex *exchange) copyRest(rc *http.ResponseController, held []byte, body io.Reader) {
+	if len(held) > 0 {
+		if _, err := ex.w.Write(held); err != nil {
+			panic(http.ErrAbortHandler)
+		}
+		_ = rc.Flush()
+	}
+	buf := make([]byte, ex.g.chunkBytes())
+	for {
+		n, err := body.Read(buf)
+		if n > 0 {
+			if _, werr := ex.w.Write(buf[:n]); werr != nil {
+				panic(http.ErrAbortHandler)
+			}
+			_ = rc.Flush()
+		}
+		if errors.Is(err, io.EOF) {
+			return
+		}
+		if err != nil {
+			ex.log.Warn("reading the upstream response body failed; cutting the connection", "err", err)
+			panic(http.ErrAbortHandler)
+		}
+	}
 }
 
 // sendResponseHeaders sends the response headers and waits for the picker's
@@ -280,20 +422,22 @@ func (ex *exchange) sendResponseHeaders(msg *extprocv3.ProcessingRequest) (*extp
 }
 
 // sendResponseBody sends the upstream body to the picker as it arrives,
-// then an empty end_of_stream message.
-func (ex *exchange) sendResponseBody(body io.Reader) error {
+// holding each chunk until the picker returns it, then an empty
+// end_of_stream message. After a send failure it reads no further.
+func (ex *exchange) sendResponseBody(body io.Reader, held *heldBytes) error {
 	size := ex.g.chunkBytes()
 	for {
 		chunk := make([]byte, size)
 		n, err := body.Read(chunk)
 		if n > 0 {
+			held.hold(chunk[:n])
 			if serr := ex.stream.Send(envoy.ResponseChunk(chunk[:n], false)); serr != nil {
-				return fmt.Errorf("sending response body to the picker: %w", serr)
+				return pickerStreamError{fmt.Errorf("sending response body to the picker: %w", serr)}
 			}
 		}
 		if errors.Is(err, io.EOF) {
 			if serr := ex.stream.Send(envoy.ResponseChunk(nil, true)); serr != nil {
-				return fmt.Errorf("sending the response end_of_stream to the picker: %w", serr)
+				return pickerStreamError{fmt.Errorf("sending the response end_of_stream to the picker: %w", serr)}
 			}
 			return nil
 		}
@@ -307,12 +451,13 @@ func (ex *exchange) sendResponseBody(body io.Reader) error {
 
 // relayResponseBody writes the picker's returned chunks to the client as
 // they arrive, flushing each, until end_of_stream.
-func (ex *exchange) relayResponseBody(rc *http.ResponseController) error {
+func (ex *exchange) relayResponseBody(rc *http.ResponseController, held *heldBytes) error {
 	for {
 		body, eos, err := ex.stream.RecvResponseChunk()
 		if err != nil {
-			return err
+			return pickerStreamError{err}
 		}
+		held.returned(len(body))
 		if len(body) > 0 {
 			if _, err := ex.w.Write(body); err != nil {
 				return fmt.Errorf("writing to the client: %w", err)

@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -42,8 +43,13 @@ type PoolView struct {
 // optionally the other fields. A Gateway must not be copied after first use.
 type Gateway struct {
 	// Picker is the ext_proc client of the endpoint picker
-	// (envoy.NewClient over its connection). Required.
+	// (envoy.NewClient over its connection). Required unless Pickers is set.
 	Picker *envoy.Client
+	// Pickers, when set, replaces Picker with the clients of several picker
+	// replicas (the ready endpoints behind the picker's Service): each
+	// request's stream goes to the next in turn, and a stream that fails
+	// before the picker answered anything is retried once on the one after.
+	Pickers []*envoy.Client
 	// Pool reports the pool's failure mode and endpoints. It is called only
 	// when the picker is unreachable or its stream fails before a decision.
 	// Nil means FailClose.
@@ -69,6 +75,7 @@ type Gateway struct {
 	// FailOpen. Nil means math/rand/v2.IntN.
 	Choose func(n int) int
 
+	nextPick         atomic.Uint64
 	transportOnce    sync.Once
 	defaultTransport http.RoundTripper
 	closing          sync.WaitGroup
@@ -150,6 +157,23 @@ func (g *Gateway) transport() http.RoundTripper {
 		}
 	})
 	return g.defaultTransport
+}
+
+func (g *Gateway) pickers() []*envoy.Client {
+	if len(g.Pickers) > 0 {
+		return g.Pickers
+	}
+	return []*envoy.Client{g.Picker}
+}
+
+// nextPicker is the index, among n pickers, of the one a new request's
+// stream goes to: each in turn, as a gateway spreads its streams over the
+// endpoints of the picker's Service.
+func (g *Gateway) nextPicker(n int) int {
+	if n == 1 {
+		return 0
+	}
+	return int((g.nextPick.Add(1) - 1) % uint64(n))
 }
 
 func (g *Gateway) pool() PoolView {

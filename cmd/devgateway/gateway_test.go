@@ -43,6 +43,10 @@ type pickerBehavior struct {
 	failBeforeDecision bool                         // end the stream with an error instead of deciding
 	rewriteRequest     func([]byte) []byte          // the body returned is this of the body received
 	rewriteResponse    func([]byte) []byte          // applied to each response chunk
+	// breakOnResponse ends the stream with an error after the pick: at the
+	// response headers ("headers") or after returning the first response
+	// chunk ("body"), as a picker that dies while the response streams.
+	breakOnResponse string
 }
 
 // streamRecord is what the test picker saw on one stream.
@@ -185,6 +189,9 @@ func (p *testPicker) process(stream extprocv3.ExternalProcessor_ProcessServer, r
 	if v, ok := m.GetMetadataContext().GetFilterMetadata()[protocol.LBNamespace].GetFields()[protocol.ServedKey]; ok {
 		rec.servedBy, rec.hasServedBy = v.GetStringValue(), true
 	}
+	if p.behave.breakOnResponse == "headers" {
+		return errPickerBroke
+	}
 	if err := stream.Send(&extprocv3.ProcessingResponse{
 		Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{
 			Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
@@ -212,6 +219,9 @@ func (p *testPicker) process(stream extprocv3.ExternalProcessor_ProcessServer, r
 			if err := stream.Send(streamedBody(chunk, b.GetEndOfStream(), true)); err != nil {
 				return err
 			}
+			if p.behave.breakOnResponse == "body" {
+				return errPickerBroke
+			}
 			if b.GetEndOfStream() {
 				break
 			}
@@ -223,6 +233,9 @@ func (p *testPicker) process(stream extprocv3.ExternalProcessor_ProcessServer, r
 	}
 	return nil
 }
+
+// errPickerBroke is how the test picker breaks a stream after the pick.
+var errPickerBroke = status.Error(codes.Unavailable, "picker went away after the pick")
 
 func streamedBody(b []byte, eos, response bool) *extprocv3.ProcessingResponse {
 	br := &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{
@@ -787,4 +800,49 @@ func TestClientDisconnectCancelsThePickerStream(t *testing.T) {
 			t.Error("the upstream request was not cancelled")
 		}
 	})
+}
+
+// TestAPickerStreamBreakingAfterThePickLeavesTheResponseWhole: the
+// response phase is best effort. Once the model server answers, a picker
+// that goes away (a replica restarting, the leader lost) must not cost the
+// client its response: the gateway passes the rest on without the picker.
+func TestAPickerStreamBreakingAfterThePickLeavesTheResponseWhole(t *testing.T) {
+	for _, phase := range []string{"headers", "body"} {
+		t.Run("at the response "+phase, func(t *testing.T) {
+			// Several reads upstream, so that the body outlives the break.
+			respBody := randomBytes(t, 200<<10)
+			up := startUpstream(t, func(w http.ResponseWriter, _ *http.Request) {
+				w.Header().Set("Content-Type", "application/octet-stream")
+				for rest := respBody; len(rest) > 0; {
+					n := min(len(rest), 10<<10)
+					_, _ = w.Write(rest[:n])
+					w.(http.Flusher).Flush()
+					rest = rest[n:]
+				}
+			})
+			picker := newTestPicker(pickerBehavior{destination: up.addr(), breakOnResponse: phase})
+			_, client := startPicker(t, picker)
+			base := startGateway(t, &Gateway{Picker: client, BodyChunkBytes: 4 << 10})
+
+			resp, err := newClient(t).Post(base+"/v1/completions", "application/json", strings.NewReader(`{"model":"m"}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if err != nil {
+				t.Fatalf("reading the response: %v (after %d of %d bytes)", err, len(got), len(respBody))
+			}
+			if resp.StatusCode != http.StatusOK || !bytes.Equal(got, respBody) {
+				t.Errorf("status %d and %d bytes (equal: %v), want 200 and the upstream's %d bytes",
+					resp.StatusCode, len(got), bytes.Equal(got, respBody), len(respBody))
+			}
+			if n := up.requests.Load(); n != 1 {
+				t.Errorf("upstream got %d requests, want 1", n)
+			}
+			if rec := picker.record(t); !errors.Is(rec.end, errPickerBroke) {
+				t.Errorf("the picker's stream ended with %v, want its break", rec.end)
+			}
+		})
+	}
 }

@@ -15,9 +15,18 @@
 // naming the endpoint that served, and the body is streamed through the
 // picker to the client chunk by chunk, flushed as it arrives (SSE streams).
 //
-// When the picker is unreachable or its stream fails before a decision, the
-// pool's failure mode applies: FailOpen sends the request to a pool endpoint
-// chosen at random, FailClose answers 503.
+// --picker-addr may list several pickers (the replicas of one picker, as the
+// ready endpoints behind its Service): the streams go to each in turn. A
+// stream that fails before its picker answered anything (connection
+// refused, the picker died with the request) is retried once on the next
+// address, the body sent again whole, as a gateway's retry policy on the
+// ext_proc service would; a stream the picker has answered is never moved.
+//
+// When the picker is unreachable or its stream fails before a decision (the
+// retry too), the pool's failure mode applies: FailOpen sends the request
+// to a pool endpoint chosen at random, FailClose answers 503. After the
+// pick the picker is best effort: if its stream breaks while the response
+// streams, the rest of the response reaches the client without it.
 //
 // The invariant: every request's ext_proc stream ends when the request does,
 // half-closed after a complete exchange and cancelled on any failure or
@@ -27,7 +36,10 @@
 // Flags:
 //
 //	--listen ADDR          HTTP listen address (default localhost:8080; port 0 picks one)
-//	--picker-addr ADDR     ext_proc address of the picker (default localhost:9002)
+//	--picker-addr LIST     ext_proc address of the picker, or a comma-separated list
+//	                       of its replicas' addresses: streams go to each in turn, a
+//	                       stream that fails before any answer is retried once on
+//	                       the next (default localhost:9002)
 //	--picker-tls BOOL      TLS to the picker, certificate not verified since the
 //	                       picker serves a self-signed one (default true)
 //	--picker-timeout DUR   longest wait from the start of a request to the picker's
@@ -104,7 +116,7 @@ func main() {
 
 type options struct {
 	listen        string
-	pickerAddr    string
+	pickerAddrs   []string
 	pickerTLS     bool
 	pickerTimeout time.Duration
 	kubeconfig    string
@@ -139,9 +151,10 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	o := options{}
 	fs := flag.NewFlagSet("devgateway", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	var failureMode, endpoints string
+	var failureMode, endpoints, pickerAddrs string
 	fs.StringVar(&o.listen, "listen", defaultListenAddr, "HTTP listen address (port 0 picks a free port)")
-	fs.StringVar(&o.pickerAddr, "picker-addr", defaultPickerAddr, "ext_proc address of the endpoint picker")
+	fs.StringVar(&pickerAddrs, "picker-addr", defaultPickerAddr, "ext_proc address of the endpoint picker, or a comma-separated list of its replicas' addresses: "+
+		"streams go to each in turn; a stream that fails before the picker answered anything (refused, the picker died) is retried once on the next address")
 	fs.BoolVar(&o.pickerTLS, "picker-tls", true, "use TLS to the picker without verifying its (self-signed) certificate")
 	fs.DurationVar(&o.pickerTimeout, "picker-timeout", defaultPickerTimeout, "longest wait from a request's start to the picker's decision")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig used with --pool-name (default: $KUBECONFIG, else in-cluster)")
@@ -164,8 +177,13 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	if err := checkHostPort(o.listen, true); err != nil {
 		errs = append(errs, fmt.Errorf("flag --listen %q: %w", o.listen, err))
 	}
-	if err := checkHostPort(o.pickerAddr, false); err != nil {
-		errs = append(errs, fmt.Errorf("flag --picker-addr %q: %w", o.pickerAddr, err))
+	for _, addr := range strings.Split(pickerAddrs, ",") {
+		addr = strings.TrimSpace(addr)
+		if err := checkHostPort(addr, false); err != nil {
+			errs = append(errs, fmt.Errorf("flag --picker-addr: %q of %q: %w (want host:port, or a comma-separated list of them)", addr, pickerAddrs, err))
+			continue
+		}
+		o.pickerAddrs = append(o.pickerAddrs, addr)
 	}
 	if o.pickerTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("flag --picker-timeout: %s is invalid: must be more than 0", o.pickerTimeout))
@@ -232,7 +250,7 @@ func parseEndpointsFlag(s string) ([]string, error) {
 	return out, nil
 }
 
-func dialPicker(opts options) (*grpc.ClientConn, error) {
+func dialPicker(opts options, addr string) (*grpc.ClientConn, error) {
 	creds := insecure.NewCredentials()
 	if opts.pickerTLS {
 		// The picker serves a self-signed certificate by default (as the
@@ -240,7 +258,7 @@ func dialPicker(opts options) (*grpc.ClientConn, error) {
 		// verification too.
 		creds = credentials.NewTLS(&tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS12}) //nolint:gosec // see above
 	}
-	conn, err := grpc.NewClient(opts.pickerAddr,
+	conn, err := grpc.NewClient(addr,
 		grpc.WithTransportCredentials(creds),
 		// A picker restarted during a demo is found again within about a
 		// second, not after gRPC's default backoff of up to two minutes.
@@ -250,18 +268,24 @@ func dialPicker(opts options) (*grpc.ClientConn, error) {
 		}),
 	)
 	if err != nil {
-		return nil, fmt.Errorf("flag --picker-addr %q: %w", opts.pickerAddr, err)
+		return nil, fmt.Errorf("flag --picker-addr %q: %w", addr, err)
 	}
 	return conn, nil
 }
 
 // serve runs the gateway until ctx ends, then shuts it down.
 func serve(ctx context.Context, opts options, log *slog.Logger, stderr io.Writer) error {
-	conn, err := dialPicker(opts)
-	if err != nil {
-		return err
+	// One connection per address: each replica is its own picker, with
+	// its own HTTP/2 connection, as Envoy holds one per cluster endpoint.
+	var pickers []*envoy.Client
+	for _, addr := range opts.pickerAddrs {
+		conn, err := dialPicker(opts, addr)
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		pickers = append(pickers, envoy.NewClient(envoy.Options{}, conn))
 	}
-	defer conn.Close()
 
 	state := newPoolState(opts.overrides.apply(PoolView{FailureMode: infv1.EndpointPickerFailClose}))
 	var background sync.WaitGroup
@@ -293,7 +317,7 @@ func serve(ctx context.Context, opts options, log *slog.Logger, stderr io.Writer
 	}
 
 	gw := &Gateway{
-		Picker:        envoy.NewClient(envoy.Options{}, conn),
+		Pickers:       pickers,
 		Pool:          state.View,
 		PickerTimeout: opts.pickerTimeout,
 		Log:           log,
@@ -310,7 +334,7 @@ func serve(ctx context.Context, opts options, log *slog.Logger, stderr io.Writer
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(ln) }()
 	fmt.Fprintf(stderr, "%s%s\n", listeningLinePrefix, ln.Addr())
-	log.Info("routing through the endpoint picker", "picker", opts.pickerAddr, "tls", opts.pickerTLS, "pool", opts.poolName, "failure_mode", state.View().FailureMode)
+	log.Info("routing through the endpoint picker", "picker", strings.Join(opts.pickerAddrs, ","), "tls", opts.pickerTLS, "pool", opts.poolName, "failure_mode", state.View().FailureMode)
 
 	select {
 	case err := <-serveErr:

@@ -36,6 +36,8 @@ func TestBadFlagsExitWithStatus2AndNameTheFlag(t *testing.T) {
 		{[]string{"--listen=8080"}, "--listen"},
 		{[]string{"--listen=localhost:http"}, "--listen"},
 		{[]string{"--picker-addr=localhost:0"}, "--picker-addr"},
+		{[]string{"--picker-addr=127.0.0.1:9002,127.0.0.2"}, `"127.0.0.2" of`},
+		{[]string{"--picker-addr=127.0.0.1:9002,"}, "--picker-addr"},
 		{[]string{"--pool-name=pool"}, "--pool-namespace"},
 		{[]string{"--pool-namespace=ns"}, "--pool-namespace"},
 		{[]string{"--kubeconfig=/tmp/kc"}, "--kubeconfig"},
@@ -69,7 +71,7 @@ func TestParseFlags(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if o.listen != "127.0.0.1:0" || o.pickerAddr != "[::1]:9002" || o.pickerTLS || o.pickerTimeout != 3*time.Second {
+	if o.listen != "127.0.0.1:0" || strings.Join(o.pickerAddrs, ",") != "[::1]:9002" || o.pickerTLS || o.pickerTimeout != 3*time.Second {
 		t.Errorf("addresses and picker settings: %+v", o)
 	}
 	if o.poolName != "llama" || o.poolNamespace != "inference" || o.kubeconfig != "/home/kc" {
@@ -80,11 +82,19 @@ func TestParseFlags(t *testing.T) {
 		t.Errorf("overrides gave %+v", v)
 	}
 
+	several, err := parseFlags([]string{"--picker-addr=127.0.0.1:9002, 127.0.0.2:9002,[::1]:9003"}, noEnv, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(several.pickerAddrs, " "); got != "127.0.0.1:9002 127.0.0.2:9002 [::1]:9003" {
+		t.Errorf("--picker-addr list gave %q", got)
+	}
+
 	d, err := parseFlags(nil, noEnv, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if d.listen != "localhost:8080" || d.pickerAddr != "localhost:9002" || !d.pickerTLS {
+	if d.listen != "localhost:8080" || strings.Join(d.pickerAddrs, ",") != "localhost:9002" || !d.pickerTLS {
 		t.Errorf("defaults %+v", d)
 	}
 	if v := d.overrides.apply(PoolView{FailureMode: infv1.EndpointPickerFailClose, Endpoints: []string{"10.0.0.1:8000"}}); v.FailureMode != infv1.EndpointPickerFailClose || len(v.Endpoints) != 1 {

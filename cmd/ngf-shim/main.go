@@ -10,9 +10,15 @@
 //	                   port 0 picks one)
 //	--picker-tls BOOL  TLS to the picker, certificate not verified since the
 //	                   picker serves a self-signed one (default true)
+//	--resolve HOST=IP[,IP...]
+//	                   the addresses X-EPP-Host HOST stands for, instead of
+//	                   DNS: the ready replicas behind the picker's Service, as
+//	                   cluster DNS would answer (repeatable, one per host)
 //	-v N               log verbosity; 1 logs every request
 //
 // The picker's address comes with each request, in X-EPP-Host and X-EPP-Port.
+// The host is resolved for each request and its addresses taken in turn, so
+// the streams spread over every replica of the picker, as NGF's do.
 // Once it listens it prints one line on stderr: "ngf-shim listening on ADDR".
 // A bad flag exits with status 2 and names the flag; SIGTERM or SIGINT stop
 // it cleanly, with status 0.
@@ -27,9 +33,11 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/signal"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -62,6 +70,7 @@ func main() {
 type options struct {
 	listen    string
 	pickerTLS bool
+	resolve   map[string][]string // --resolve: host -> IPs
 	verbosity int
 }
 
@@ -93,13 +102,27 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.listen, "listen", defaultListenAddr, "HTTP listen address (port 0 picks a free port)")
 	fs.BoolVar(&o.pickerTLS, "picker-tls", true, "use TLS to the picker without verifying its (self-signed) certificate")
 	fs.IntVar(&o.verbosity, "v", 0, "log verbosity (1 logs every request)")
+	var errs []error
+	fs.Func("resolve", "HOST=IP[,IP...]: the addresses X-EPP-Host HOST stands for, instead of DNS (the picker's replicas; repeatable)", func(v string) error {
+		host, ips, err := parseResolve(v)
+		if err != nil {
+			return err
+		}
+		if o.resolve == nil {
+			o.resolve = map[string][]string{}
+		}
+		if _, dup := o.resolve[host]; dup {
+			return fmt.Errorf("host %q given twice: list its addresses in one --resolve", host)
+		}
+		o.resolve[host] = ips
+		return nil
+	})
 	if err := fs.Parse(args); err != nil {
 		return options{}, err
 	}
 	if fs.NArg() > 0 {
 		return options{}, fmt.Errorf("unexpected argument %q: ngf-shim takes flags only", fs.Arg(0))
 	}
-	var errs []error
 	if _, port, err := net.SplitHostPort(o.listen); err != nil {
 		errs = append(errs, fmt.Errorf("flag --listen %q: must be host:port: %w", o.listen, err))
 	} else if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
@@ -111,6 +134,34 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	return o, errors.Join(errs...)
 }
 
+// parseResolve parses one --resolve value, "host=ip,ip".
+func parseResolve(v string) (string, []string, error) {
+	host, list, ok := strings.Cut(v, "=")
+	host = strings.TrimSpace(host)
+	if !ok || host == "" || list == "" {
+		return "", nil, fmt.Errorf("%q: want HOST=IP[,IP...]", v)
+	}
+	var ips []string
+	for _, s := range strings.Split(list, ",") {
+		ip, err := netip.ParseAddr(strings.TrimSpace(s))
+		if err != nil {
+			return "", nil, fmt.Errorf("%q: %q is not an IP address: want HOST=IP[,IP...]", v, s)
+		}
+		ips = append(ips, ip.String())
+	}
+	return host, ips, nil
+}
+
+// resolver answers the hosts of --resolve and looks the others up in DNS.
+func resolver(fixed map[string][]string) func(ctx context.Context, host string) ([]string, error) {
+	return func(ctx context.Context, host string) ([]string, error) {
+		if ips, ok := fixed[host]; ok {
+			return ips, nil
+		}
+		return net.DefaultResolver.LookupHost(ctx, host)
+	}
+}
+
 // serve runs the shim until ctx ends, then shuts it down.
 func serve(ctx context.Context, opts options, log *slog.Logger, stderr io.Writer) error {
 	ln, err := net.Listen("tcp", opts.listen)
@@ -118,7 +169,7 @@ func serve(ctx context.Context, opts options, log *slog.Logger, stderr io.Writer
 		return fmt.Errorf("flag --listen %q: %w", opts.listen, err)
 	}
 	srv := &http.Server{
-		Handler:           &ngfshim.Shim{Dial: ngfshim.Dialer(opts.pickerTLS), Log: log},
+		Handler:           &ngfshim.Shim{Dial: ngfshim.Dialer(opts.pickerTLS), Resolve: resolver(opts.resolve), Log: log},
 		ReadHeaderTimeout: readHeaderTimeout,
 		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 	}

@@ -20,6 +20,9 @@ func TestBadFlagsExitWithStatus2AndNameTheFlag(t *testing.T) {
 		{[]string{"--listen=54800"}, "--listen"},
 		{[]string{"--listen=127.0.0.1:http"}, "--listen"},
 		{[]string{"-v=-1"}, "-v"},
+		{[]string{"--resolve=epp"}, "resolve"},
+		{[]string{"--resolve=epp=127.0.0.1,epp-2"}, `"epp-2" is not an IP`},
+		{[]string{"--resolve=epp=127.0.0.1", "--resolve=epp=127.0.0.2"}, "given twice"},
 		{[]string{"stray"}, "stray"},
 	} {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
@@ -74,5 +77,20 @@ func TestListensPrintsItsAddressAndStopsCleanly(t *testing.T) {
 		}
 	case <-time.After(15 * time.Second):
 		t.Fatal("did not stop")
+	}
+}
+
+func TestResolveFlagMapsAHostToItsReplicas(t *testing.T) {
+	o, err := parseFlags([]string{"--resolve=epp.svc=127.0.0.3, 127.0.0.2", "--resolve=other=::1"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := resolver(o.resolve)
+	got, err := r(context.Background(), "epp.svc")
+	if err != nil || strings.Join(got, " ") != "127.0.0.3 127.0.0.2" {
+		t.Errorf("epp.svc resolved to %v, %v", got, err)
+	}
+	if got, err := r(context.Background(), "other"); err != nil || strings.Join(got, " ") != "::1" {
+		t.Errorf("other resolved to %v, %v", got, err)
 	}
 }

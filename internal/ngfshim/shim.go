@@ -17,12 +17,21 @@
 // half-close. It reads answers until the picker ends the stream. It never
 // sends protocol_config and never a response phase.
 //
+// X-EPP-Host is the name of the picker's Service, which stands for every
+// ready replica of the picker. NGF dials that name anew for each request,
+// so its requests spread over the replicas (kube-proxy spreads connections
+// to a ClusterIP; a headless Service resolves to each pod's IP). The shim
+// does the same explicitly: it resolves the host for each request and
+// takes the resolved addresses in turn. Like NGF it does not retry a
+// failed exchange on another replica.
+//
 // The invariant: the shim speaks to the picker only as NGF does. A shim
 // that helped the picker (a :path, a protocol_config, a response phase)
 // would hide exactly the incompatibilities it exists to find.
 package ngfshim
 
 import (
+	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
@@ -31,8 +40,10 @@ import (
 	"maps"
 	"net"
 	"net/http"
+	"net/netip"
 	"slices"
 	"strings"
+	"sync"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -56,8 +67,8 @@ const (
 
 // Shim is an http.Handler that turns each request into one ext_proc
 // exchange with the picker its X-EPP-Host and X-EPP-Port headers name.
-// Like httputil.ReverseProxy it is a plain struct: set Dial, and Log if
-// wanted.
+// Like httputil.ReverseProxy it is a plain struct: set Dial, and Resolve
+// and Log if wanted. A Shim must not be copied after first use.
 //
 // Its answers to NJS are NGF's: 200 with the destination header when the
 // picker named an endpoint (200 without it when the picker's answers held
@@ -67,9 +78,44 @@ type Shim struct {
 	// Dial opens a connection to the picker at target ("host:port"). The
 	// shim opens one per request and closes it when the request ends.
 	Dial func(target string) (*grpc.ClientConn, error)
+	// Resolve returns the addresses (IPs) that X-EPP-Host stands for: the
+	// ready replicas behind the picker's Service. Nil looks the host up
+	// in DNS (net.DefaultResolver); an IP is used as it is either way.
+	Resolve func(ctx context.Context, host string) ([]string, error)
 	// Log receives one line per request at debug level and the failures at
 	// warn; nil discards them.
 	Log *slog.Logger
+
+	mu    sync.Mutex
+	turns map[string]uint64 // per host: the requests sent to it so far
+}
+
+// pickAddr resolves host and returns the address whose turn it is.
+func (s *Shim) pickAddr(ctx context.Context, host string) (string, error) {
+	if ip, err := netip.ParseAddr(host); err == nil {
+		return ip.String(), nil
+	}
+	resolve := s.Resolve
+	if resolve == nil {
+		resolve = net.DefaultResolver.LookupHost
+	}
+	addrs, err := resolve(ctx, host)
+	if err != nil {
+		return "", fmt.Errorf("resolving %s %q: %w", PickerHostHeader, host, err)
+	}
+	if len(addrs) == 0 {
+		return "", fmt.Errorf("resolving %s %q: no address", PickerHostHeader, host)
+	}
+	// A resolver may rotate its answers; in order, the turns stay even.
+	addrs = slices.Sorted(slices.Values(addrs))
+	s.mu.Lock()
+	if s.turns == nil {
+		s.turns = map[string]uint64{}
+	}
+	n := s.turns[host]
+	s.turns[host] = n + 1
+	s.mu.Unlock()
+	return addrs[n%uint64(len(addrs))], nil
 }
 
 // Dialer returns a Shim.Dial that connects with TLS (certificate not
@@ -102,7 +148,13 @@ func (s *Shim) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, msg, http.StatusBadRequest)
 		return
 	}
-	target := net.JoinHostPort(host, port)
+	addr, err := s.pickAddr(r.Context(), host)
+	if err != nil {
+		log.Warn("finding the picker", "err", err)
+		http.Error(w, err.Error(), http.StatusBadGateway)
+		return
+	}
+	target := net.JoinHostPort(addr, port)
 	conn, err := s.Dial(target)
 	if err != nil {
 		log.Warn("connecting to the picker", "picker", target, "err", err)

@@ -49,6 +49,41 @@ func (s *Stack) StartReplica(ctx context.Context, extraArgs ...string) (_ *Repli
 	return r, nil
 }
 
+// StartSpreadGateway starts one more dev gateway of the pool, in front of
+// the first picker and every replica started so far, and returns its base
+// URL: its streams go to each picker in turn, as a cluster's gateway
+// spreads them over the ready endpoints of the picker's Service (with
+// Options.Peers every replica serves). A stream that fails before any
+// answer is retried once on the next picker. The stack stops it.
+func (s *Stack) StartSpreadGateway(ctx context.Context) (string, error) {
+	ports := []int{s.ports.GRPC}
+	for _, r := range s.replicas {
+		ports = append(ports, r.ports.GRPC)
+	}
+	name := "devgateway-spread-" + strconv.Itoa(len(s.spread)+1)
+	p, addr, err := s.startGateway(ctx, name, ports...)
+	if p != nil {
+		s.spread = append(s.spread, p)
+	}
+	if err != nil {
+		return "", err
+	}
+	return "http://" + addr, nil
+}
+
+// PickerGRPCAddrs are the ext_proc addresses of the first picker and of
+// every replica started so far, in that order.
+func (s *Stack) PickerGRPCAddrs() []string {
+	addrs := []string{s.ports.GRPCAddr()}
+	for _, r := range s.replicas {
+		addrs = append(addrs, r.ports.GRPCAddr())
+	}
+	return addrs
+}
+
+// GRPCAddr is the replica's ext_proc address.
+func (r *Replica) GRPCAddr() string { return r.ports.GRPCAddr() }
+
 // replicaPorts finds free ports for another picker, none of them the
 // first picker's or another replica's.
 func (s *Stack) replicaPorts() (PickerPorts, error) {

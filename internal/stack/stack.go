@@ -158,7 +158,8 @@ type Stack struct {
 	gateway     *Process
 	gatewayAddr string
 	replicas    []*Replica
-	nginx       []*NGINX // StartNGINX's
+	spread      []*Process // StartSpreadGateway's
+	nginx       []*NGINX   // StartNGINX's
 	// With Options.Peers: the peer credentials' directory, the peer port,
 	// and each picker process's pod IP.
 	peerDir   string
@@ -227,6 +228,8 @@ func (s *Stack) Stop() error {
 		errs = append(errs, n.stop())
 	}
 	s.nginx = nil
+	errs = append(errs, stopAll(s.spread...))
+	s.spread = nil
 	for _, r := range s.replicas {
 		errs = append(errs, r.stop())
 	}
@@ -416,9 +419,10 @@ func (s *Stack) KillPicker() {
 // Picker is the running (or last) picker process.
 func (s *Stack) Picker() *Process { return s.picker }
 
-// startGateway starts a dev gateway of the pool in front of the picker
-// whose ext_proc port is pickerGRPCPort and returns it with its address.
-func (s *Stack) startGateway(ctx context.Context, name string, pickerGRPCPort int) (*Process, string, error) {
+// startGateway starts a dev gateway of the pool in front of the pickers
+// whose ext_proc ports are pickerGRPCPorts (streams spread over them in
+// turn) and returns it with its address.
+func (s *Stack) startGateway(ctx context.Context, name string, pickerGRPCPorts ...int) (*Process, string, error) {
 	listening := make(chan string, 1)
 	const prefix = "devgateway listening on "
 	onLine := func(line string) {
@@ -433,9 +437,13 @@ func (s *Stack) startGateway(ctx context.Context, name string, pickerGRPCPort in
 	if name != "devgateway" {
 		listen = "127.0.0.1:0" // a fixed GatewayListen is the first gateway's
 	}
+	addrs := make([]string, len(pickerGRPCPorts))
+	for i, port := range pickerGRPCPorts {
+		addrs[i] = "127.0.0.1:" + strconv.Itoa(port)
+	}
 	args := []string{
 		"--listen=" + listen,
-		"--picker-addr=127.0.0.1:" + strconv.Itoa(pickerGRPCPort),
+		"--picker-addr=" + strings.Join(addrs, ","),
 		"--picker-tls=true",
 		"--kubeconfig=" + s.kubeconfig,
 		"--pool-name=" + s.opts.PoolName,
