@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/go-logr/logr/testr"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -28,13 +29,21 @@ import (
 
 // writeCredentials writes a CA and a peer certificate it signed into a
 // new directory.
-func writeCredentials(t *testing.T) Credentials {
+func writeCredentials(t testing.TB) Credentials {
 	t.Helper()
 	dir := t.TempDir()
 	if err := peercert.Write(dir, ServerName, 2*time.Hour); err != nil {
 		t.Fatal(err)
 	}
 	return Credentials{Dir: dir}
+}
+
+// logFor logs to t; a benchmark logs nothing.
+func logFor(t testing.TB) logr.Logger {
+	if tt, ok := t.(*testing.T); ok {
+		return testr.New(tt)
+	}
+	return logr.Discard()
 }
 
 func endpoints() []picker.Endpoint {
@@ -49,7 +58,7 @@ func endpoints() []picker.Endpoint {
 // same three endpoints and its own peer server on loopback, on one clock
 // that moves only when a test moves it.
 type cluster struct {
-	t       *testing.T
+	t       testing.TB
 	clock   *testclock.FakeClock
 	reps    []*Replica
 	pickers []*picker.Picker
@@ -59,13 +68,13 @@ type cluster struct {
 	peers   []Peer
 }
 
-func newCluster(t *testing.T, n int, creds Credentials, opts Options) *cluster {
+func newCluster(t testing.TB, n int, creds Credentials, opts Options) *cluster {
 	t.Helper()
 	return newClusterWith(t, n, creds, opts, v1alpha1.PickerConfig{})
 }
 
 // newClusterWith is newCluster with every picker configured by cfg.
-func newClusterWith(t *testing.T, n int, creds Credentials, opts Options, cfg v1alpha1.PickerConfig) *cluster {
+func newClusterWith(t testing.TB, n int, creds Credentials, opts Options, cfg v1alpha1.PickerConfig) *cluster {
 	t.Helper()
 	c := &cluster{t: t, clock: testclock.NewFakeClock(time.Now())}
 	for i := range n {
@@ -73,7 +82,7 @@ func newClusterWith(t *testing.T, n int, creds Credentials, opts Options, cfg v1
 		p.Replace(endpoints())
 		reg := prometheus.NewRegistry()
 		o := opts
-		o.Self, o.Dial, o.Registerer, o.Log = fmt.Sprintf("tally-%d", i), creds.Dial, reg, testr.New(t).WithName(fmt.Sprint(i))
+		o.Self, o.Dial, o.Registerer, o.Log = fmt.Sprintf("tally-%d", i), creds.Dial, reg, logFor(t).WithName(fmt.Sprint(i))
 		x := New(p, o)
 		lis, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
