@@ -181,7 +181,7 @@ func (b *bench) bin(kind string) string {
 }
 
 func (b *bench) start(ctx context.Context, kind string) (*pickerTarget, error) {
-	pt, err := b.env.startTarget(ctx, kind, b.bin(kind), b.o.useTLS, b.o.conns, b.o.pickerArgs)
+	pt, err := b.env.startTarget(ctx, kind, b.bin(kind), b.o.useTLS, b.o.conns, 0, b.o.pickerArgs)
 	if err != nil {
 		return nil, err
 	}
@@ -252,7 +252,7 @@ func (b *bench) scale(ctx context.Context, kind string, pods int) (err error) {
 // idle records a just-started picker's resident set and its CPU use with
 // nothing in flight.
 func (b *bench) idle(ctx context.Context, pt *pickerTarget, pods int) error {
-	m, err := startMeter(pt.pid)
+	m, err := startMeter(pt.pids...)
 	if err != nil {
 		return err
 	}
@@ -270,7 +270,7 @@ func (b *bench) idle(ctx context.Context, pt *pickerTarget, pods int) error {
 }
 
 func (b *bench) load(ctx context.Context, pt *pickerTarget, pods int, lc loadCase) error {
-	r, err := runLoad(ctx, pt.target, lc.concurrency, lc.tokens, b.plan.warmup, b.plan.window)
+	r, err := runLoad(ctx, pt.target, lc.concurrency, 0, lc.tokens, b.plan.warmup, b.plan.window)
 	if err != nil {
 		return fmt.Errorf("%s: load of %d clients × %d tokens at %d endpoints: %w", pt.name, lc.concurrency, lc.tokens, pods, err)
 	}

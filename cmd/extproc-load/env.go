@@ -7,10 +7,10 @@ import (
 	"io"
 	"net/netip"
 	"os"
+	"strconv"
 	"time"
 
 	"github.com/tallyepp/tally/internal/stack"
-	"github.com/tallyepp/tally/picker/debugledger"
 )
 
 // firstPodIP is the first pod's address. The demo counts up from
@@ -81,15 +81,20 @@ func (e *benchEnv) stop() error {
 	return err
 }
 
-// pickerTarget is a started picker and the target that drives it.
+// pickerTarget is a started picker (its replicas, with --replicas) and the
+// target that drives it.
 type pickerTarget struct {
 	*target
-	proc *pickerProcess
-	// idleRSS is the picker's resident set once ready, before any request.
+	procs []*pickerProcess
+	// idleRSS is the pickers' resident set once ready, before any request.
 	idleRSS int64
 }
 
-func (e *benchEnv) startTarget(ctx context.Context, kind, bin string, useTLS bool, conns int, extra []string) (*pickerTarget, error) {
+// startTarget starts the picker; with replicas of 1 or more, that many peer
+// replicas of one ledger (leader election and the peer layer, as a
+// Deployment of the picker with --peer-selector runs), the target's
+// streams spread over their ext_proc ports in turn.
+func (e *benchEnv) startTarget(ctx context.Context, kind, bin string, useTLS bool, conns, replicas int, extra []string) (_ *pickerTarget, err error) {
 	if _, err := os.Stat(bin); err != nil {
 		hint := "make build"
 		if kind == pickerUpstream {
@@ -97,28 +102,49 @@ func (e *benchEnv) startTarget(ctx context.Context, kind, bin string, useTLS boo
 		}
 		return nil, fmt.Errorf("the %s picker's binary: %w (build it with `%s`)", kind, err, hint)
 	}
-	began := time.Now()
-	proc, err := startPicker(ctx, kind, bin, e.cluster, useTLS, extra, e.logDir)
-	if err != nil {
+	pt := &pickerTarget{target: &target{name: kind, prompts: newPrompts(1), pods: e.pods, endpoints: e.endpoints(), log: e.log}}
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, pt.stop())
+		}
+	}()
+	var addrs []string
+	for i := range max(replicas, 1) {
+		began := time.Now()
+		peer := ""
+		if replicas > 0 {
+			// The first started leads: it is the first to try the Lease.
+			peer = "epp-" + strconv.Itoa(i+1)
+		}
+		proc, err := startPicker(ctx, kind, bin, e.cluster, useTLS, extra, e.logDir, peer)
+		if err != nil {
+			return nil, err
+		}
+		pt.procs = append(pt.procs, proc)
+		fmt.Fprintf(e.log, "[extproc-load] %s picker %s ready with %d endpoints in %v\n", kind, peer, len(e.cluster.Endpoints()), time.Since(began).Round(time.Millisecond))
+		addrs = append(addrs, proc.ports.GRPCAddr())
+		pt.pids = append(pt.pids, proc.Pid())
+		pt.metricsURLs = append(pt.metricsURLs, proc.ports.MetricsURL())
+		if rss, _, err := procMemory(proc.Pid()); err == nil {
+			pt.idleRSS += rss
+		}
+	}
+	if pt.client, err = dialAll(addrs, useTLS, conns); err != nil {
 		return nil, err
 	}
-	fmt.Fprintf(e.log, "[extproc-load] %s picker ready with %d endpoints in %v\n", kind, len(e.cluster.Endpoints()), time.Since(began).Round(time.Millisecond))
-	c, err := dial(proc.ports.GRPCAddr(), useTLS, conns)
-	if err != nil {
-		return nil, errors.Join(err, proc.Stop())
-	}
-	t := &target{name: kind, client: c, prompts: newPrompts(1), pods: e.pods, pid: proc.Pid(), endpoints: e.endpoints(), log: e.log}
 	if kind == pickerTally {
-		t.ledger = func(ctx context.Context) (debugledger.Ledger, error) { return ledgerAt(ctx, proc.ports.MetricsURL()) }
-	}
-	pt := &pickerTarget{target: t, proc: proc}
-	if rss, _, err := procMemory(proc.Pid()); err == nil {
-		pt.idleRSS = rss
+		pt.ledger = leaderLedger(pt.metricsURLs)
 	}
 	return pt, nil
 }
 
 func (pt *pickerTarget) stop() error {
-	pt.client.close()
-	return pt.proc.Stop()
+	if pt.client != nil {
+		pt.client.close()
+	}
+	var errs []error
+	for _, p := range pt.procs {
+		errs = append(errs, p.Stop())
+	}
+	return errors.Join(errs...)
 }

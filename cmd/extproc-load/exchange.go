@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -23,8 +25,16 @@ import (
 // accepts in a streamed body message.
 const maxChunkBytes = 62_000
 
-// client is a gateway's connections to one picker.
+// client is a gateway's connections to a picker: to one address, or to
+// each replica's, streams going to each in turn as a gateway spreads them
+// over the ready endpoints of the picker's Service.
 type client struct {
+	pickers []*pickerConn
+	next    atomic.Uint64
+}
+
+// pickerConn is the connections to one picker address.
+type pickerConn struct {
 	*envoy.Client
 	conns []*grpc.ClientConn
 	// addr is the picker's address, which NGF's NJS names to its shim in
@@ -32,14 +42,59 @@ type client struct {
 	addr string
 }
 
+// stream is one request's stream, and the picker address it went to.
+type stream struct {
+	*envoy.Stream
+	addr string
+}
+
+// dialAll connects to every address, each with conns connections of its own.
+func dialAll(addrs []string, useTLS bool, conns int) (*client, error) {
+	c := &client{}
+	for _, addr := range addrs {
+		pc, err := dial(addr, useTLS, conns)
+		if err != nil {
+			c.close()
+			return nil, err
+		}
+		c.pickers = append(c.pickers, pc)
+	}
+	return c, nil
+}
+
+// Open starts a stream on the next picker in turn.
+func (c *client) Open(ctx context.Context) (*stream, error) {
+	pc := c.pickers[(c.next.Add(1)-1)%uint64(len(c.pickers))]
+	x, err := pc.Open(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", pc.addr, err)
+	}
+	return &stream{Stream: x, addr: pc.addr}, nil
+}
+
+// addrs are the picker addresses, in turn order.
+func (c *client) addrs() []string {
+	out := make([]string, len(c.pickers))
+	for i, pc := range c.pickers {
+		out[i] = pc.addr
+	}
+	return out
+}
+
+func (c *client) close() {
+	for _, pc := range c.pickers {
+		pc.close()
+	}
+}
+
 // dial connects to a picker's ext_proc port. With useTLS the certificate is
 // not verified: pickers serve self-signed ones by default.
-func dial(addr string, useTLS bool, conns int) (*client, error) {
+func dial(addr string, useTLS bool, conns int) (*pickerConn, error) {
 	creds := insecure.NewCredentials()
 	if useTLS {
 		creds = credentials.NewTLS(&tls.Config{InsecureSkipVerify: true}) //nolint:gosec // a benchmark of a self-signed picker
 	}
-	c := &client{addr: addr}
+	c := &pickerConn{addr: addr}
 	var ccs []grpc.ClientConnInterface
 	for range max(conns, 1) {
 		// Large windows, as Envoy's defaults are: a 128 KiB prompt should
@@ -59,7 +114,7 @@ func dial(addr string, useTLS bool, conns int) (*client, error) {
 	return c, nil
 }
 
-func (c *client) close() {
+func (c *pickerConn) close() {
 	for _, conn := range c.conns {
 		conn.Close()
 	}
@@ -104,6 +159,8 @@ type placed struct {
 	// request body streamed back, when the gateway can finish the upstream
 	// request.
 	pick, routed time.Duration
+	// via is the picker address the stream went to.
+	via string
 }
 
 // sendRequest plays the request path, without waiting for answers until

@@ -58,13 +58,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/signal"
 	"strings"
 	"syscall"
 	"time"
-
-	"github.com/tallyepp/tally/picker/debugledger"
 )
 
 // The gateways whose exchange --gateway plays.
@@ -75,9 +74,11 @@ const (
 
 type options struct {
 	// Where the picker is.
-	addr        string
-	metricsURL  string
+	addrs       []string
+	metricsURLs []string
 	pid         int
+	replicas    int
+	rate        float64
 	picker      string
 	tallyBin    string
 	upstreamBin string
@@ -112,8 +113,11 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	var o options
 	fs := flag.NewFlagSet("extproc-load", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&o.addr, "addr", "", "ext_proc address of a picker already running (host:port); empty starts the API server, pool, pods and picker")
-	fs.StringVar(&o.metricsURL, "metrics-url", "", "with --addr: the picker's metrics server (for /debug/ledger), e.g. http://127.0.0.1:9090")
+	var addrs, metricsURLs string
+	fs.StringVar(&addrs, "addr", "", "ext_proc address of a picker already running (host:port), or a comma-separated list of its replicas' (streams go to each in turn); empty starts the API server, pool, pods and picker")
+	fs.StringVar(&metricsURLs, "metrics-url", "", "with --addr: the picker's metrics server (for /debug/ledger), e.g. http://127.0.0.1:9090, or a comma-separated list in --addr's order: the ledger is read from the replica that leads")
+	fs.IntVar(&o.replicas, "replicas", 0, "without --addr: start this many peer replicas of the picker (leader election, --peer-selector) and spread the streams over them in turn; 0 starts one picker without the peer layer")
+	fs.Float64Var(&o.rate, "rate", 0, "load: open loop at this many requests per second (each arrival its own client, whatever the others wait for) instead of --concurrency closed-loop clients")
 	fs.IntVar(&o.pid, "pid", 0, "with --addr: the picker's process id, for its CPU time and peak RSS")
 	fs.StringVar(&o.picker, "picker", pickerTally, "picker to start: tally or upstream")
 	fs.StringVar(&o.tallyBin, "tally-bin", "bin/epp", "Tally's picker binary")
@@ -159,6 +163,20 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	if o.n == 0 {
 		o.n = d[0]
 	}
+	if addrs != "" {
+		o.addrs = strings.Split(addrs, ",")
+		for i, a := range o.addrs {
+			o.addrs[i] = strings.TrimSpace(a)
+			if _, _, err := net.SplitHostPort(o.addrs[i]); err != nil {
+				return "", o, fmt.Errorf("flag --addr: %q of %q is not host:port: want host:port or a comma-separated list of them", o.addrs[i], addrs)
+			}
+		}
+	}
+	if metricsURLs != "" {
+		for _, u := range strings.Split(metricsURLs, ",") {
+			o.metricsURLs = append(o.metricsURLs, strings.TrimSuffix(strings.TrimSpace(u), "/"))
+		}
+	}
 	if o.tokens == 0 {
 		o.tokens = d[1]
 	}
@@ -187,8 +205,20 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 		return "", o, fmt.Errorf("flag --runs: %d is invalid: want 1 or more", o.runs)
 	case o.tokens < 0:
 		return "", o, fmt.Errorf("flag --tokens: %d is invalid: want 1 or more", o.tokens)
-	case cmd == "bench" && o.addr != "":
+	case cmd == "bench" && len(o.addrs) > 0:
 		return "", o, errors.New("flag --addr: bench starts its own pickers; drop --addr")
+	case o.replicas < 0:
+		return "", o, fmt.Errorf("flag --replicas: %d is invalid: want 0 or more", o.replicas)
+	case o.replicas > 0 && len(o.addrs) > 0:
+		return "", o, errors.New("flag --replicas: starts the replicas itself; drop --addr, or --replicas to drive pickers already running")
+	case o.replicas > 0 && (o.picker != pickerTally || cmd == "bench"):
+		return "", o, errors.New("flag --replicas: only for a started Tally picker (--picker tally), not bench")
+	case len(o.metricsURLs) > 0 && len(o.addrs) == 0:
+		return "", o, errors.New("flag --metrics-url: only with --addr (a started picker's is known)")
+	case len(o.metricsURLs) > 1 && len(o.metricsURLs) != len(o.addrs):
+		return "", o, fmt.Errorf("flag --metrics-url: %d URLs for %d --addr addresses: give one, or one per address in the same order", len(o.metricsURLs), len(o.addrs))
+	case o.rate < 0 || (o.rate > 0 && cmd != "load"):
+		return "", o, fmt.Errorf("flag --rate: %v is invalid: want more than 0, for load only", o.rate)
 	}
 	return cmd, o, nil
 }
@@ -221,16 +251,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 
 // runOne runs one scenario against a picker it starts or is pointed at.
 func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer) (err error) {
-	t := &target{prompts: newPrompts(1), log: stderr, name: o.addr}
-	if o.addr != "" {
-		if t.client, err = dial(o.addr, o.useTLS, o.conns); err != nil {
+	t := &target{prompts: newPrompts(1), log: stderr, name: strings.Join(o.addrs, ",")}
+	if len(o.addrs) > 0 {
+		if t.client, err = dialAll(o.addrs, o.useTLS, o.conns); err != nil {
 			return err
 		}
 		defer t.client.close()
-		t.pid = o.pid
-		if o.metricsURL != "" {
-			url := strings.TrimSuffix(o.metricsURL, "/")
-			t.ledger = func(ctx context.Context) (debugledger.Ledger, error) { return ledgerAt(ctx, url) }
+		if o.pid != 0 {
+			t.pids = []int{o.pid}
+		}
+		if len(o.metricsURLs) > 0 {
+			t.metricsURLs = o.metricsURLs
+			t.ledger = leaderLedger(o.metricsURLs)
 		}
 	} else {
 		env, err := startEnv(ctx, o.pods, o.keepLogs, stderr)
@@ -242,7 +274,7 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 		if o.picker == pickerUpstream {
 			bin = o.upstreamBin
 		}
-		pt, err := env.startTarget(ctx, o.picker, bin, o.useTLS, o.conns, o.pickerArgs)
+		pt, err := env.startTarget(ctx, o.picker, bin, o.useTLS, o.conns, o.replicas, o.pickerArgs)
 		if err != nil {
 			return err
 		}
@@ -258,7 +290,7 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 		}
 		printBurst(stdout, r)
 	case "load":
-		r, err := runLoad(ctx, t, o.concurrency, o.tokens, o.warmup, o.duration)
+		r, err := runLoad(ctx, t, o.concurrency, o.rate, o.tokens, o.warmup, o.duration)
 		if err != nil {
 			return err
 		}
@@ -312,13 +344,20 @@ func printBurst(w io.Writer, r burstResult) {
 }
 
 func printLoad(w io.Writer, r loadResult) {
-	fmt.Fprintf(w, "load: %d clients, %d-token prompts, %v window\n", r.concurrency, r.tokens, r.window.Round(time.Millisecond))
+	if r.rate > 0 {
+		fmt.Fprintf(w, "load: open loop at %.0f requests/s, %d-token prompts, %v window\n", r.rate, r.tokens, r.window.Round(time.Millisecond))
+	} else {
+		fmt.Fprintf(w, "load: %d clients, %d-token prompts, %v window\n", r.concurrency, r.tokens, r.window.Round(time.Millisecond))
+	}
 	fmt.Fprintf(w, "requests %d (%.0f/s), refused %d, failed %d\n", r.requests, r.rps, r.refused, r.errors)
 	fmt.Fprintf(w, "time to pick p50 %s, p99 %s, p999 %s ms; routed body back p99 %s ms\n", ms(r.pickP50), ms(r.pickP99), ms(r.pickP999), ms(r.routedP99))
 	if r.use.cpu > 0 || r.use.peak > 0 {
 		fmt.Fprintf(w, "picker CPU %s ms per request, peak RSS %s MB\n", ms(r.cpuPerRequest()), mb(r.use.peak))
 	}
 	fmt.Fprintf(w, "load tool CPU %s ms per request (the clients and the pods' servers)\n", ms(r.clientCPUPerRequest()))
+	for _, a := range r.byAddr {
+		fmt.Fprintf(w, "  via %-21s (%s): %d picks, p50 %s, p99 %s ms\n", a.addr, a.role, a.n, ms(a.p50), ms(a.p99))
+	}
 	fmt.Fprintf(w, "placement: %s\n", r.placement.spread())
 	if r.firstError != "" {
 		fmt.Fprintf(w, "first failure: %s\n", r.firstError)

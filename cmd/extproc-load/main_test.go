@@ -36,6 +36,12 @@ var smokeEndpoints = []string{"127.0.0.21:8000", "127.0.0.22:8000", "127.0.0.23:
 // loopback port and returns a target driving it.
 func inProcessTally(t *testing.T) (*target, *picker.Picker) {
 	t.Helper()
+	return inProcessTallyReplicas(t, 1)
+}
+
+// inProcessTallyReplicas is inProcessTally served on replicas addresses.
+func inProcessTallyReplicas(t *testing.T, replicas int) (*target, *picker.Picker) {
+	t.Helper()
 	cfg := v1alpha1.Default()
 	p := picker.New(cfg, picker.Options{Log: logr.Discard(), Rand: rand.New(rand.NewPCG(1, 2))})
 	var eps []picker.Endpoint
@@ -53,7 +59,21 @@ func inProcessTally(t *testing.T) (*target, *picker.Picker) {
 	}
 	go g.Serve(lis)
 	t.Cleanup(g.Stop)
-	c, err := dial(lis.Addr().String(), false, 2)
+	addrs := []string{lis.Addr().String()}
+	for range replicas - 1 {
+		// Another server in front of the same picker: a replica that
+		// shares its ledger, as followers share the leader's.
+		g := grpc.NewServer(extproc.GRPCServerOptions(cfg.MaxRequestBytes)...)
+		extproc.NewServer(p, extproc.Options{MaxRequestBytes: cfg.MaxRequestBytes, Log: logr.Discard()}).Register(g)
+		lis, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		go g.Serve(lis)
+		t.Cleanup(g.Stop)
+		addrs = append(addrs, lis.Addr().String())
+	}
+	c, err := dialAll(addrs, false, 2)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -69,7 +89,7 @@ func inProcessTally(t *testing.T) (*target, *picker.Picker) {
 		}
 		return l, nil
 	}
-	return &target{name: "tally", client: c, prompts: newPrompts(1), pods: newPods(), pid: os.Getpid(), ledger: ledger, endpoints: smokeEndpoints}, p
+	return &target{name: "tally", client: c, prompts: newPrompts(1), pods: newPods(), pids: []int{os.Getpid()}, ledger: ledger, endpoints: smokeEndpoints}, p
 }
 
 // TestBurstPlacesEveryRequest plays the bursts through each gateway: every
@@ -127,7 +147,7 @@ func TestBurstPlacesEveryRequest(t *testing.T) {
 
 func TestLoadMeasuresRequestsLatencyAndCPU(t *testing.T) {
 	tg, _ := inProcessTally(t)
-	r, err := runLoad(t.Context(), tg, 4, 2_000, 200*time.Millisecond, time.Second)
+	r, err := runLoad(t.Context(), tg, 4, 0, 2_000, 200*time.Millisecond, time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -145,6 +165,33 @@ func TestLoadMeasuresRequestsLatencyAndCPU(t *testing.T) {
 	}
 	if got := r.placement.total(); got == 0 {
 		t.Errorf("no placement recorded")
+	}
+}
+
+// TestOpenLoopLoadSpreadsOverEveryAddress drives two servers of one
+// picker (replicas sharing a ledger) at a fixed rate: the streams go to
+// each in turn, and each address's picks are reported on their own.
+func TestOpenLoopLoadSpreadsOverEveryAddress(t *testing.T) {
+	tg, _ := inProcessTallyReplicas(t, 2)
+	r, err := runLoad(t.Context(), tg, 0, 200, 2_000, 200*time.Millisecond, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.errors != 0 || r.refused != 0 {
+		t.Fatalf("%d failed (first: %s), %d refused", r.errors, r.firstError, r.refused)
+	}
+	if len(r.byAddr) != 2 {
+		t.Fatalf("per-address picks %+v, want one entry per address", r.byAddr)
+	}
+	a, b := r.byAddr[0], r.byAddr[1]
+	if a.n == 0 || a.n-b.n > 1 || b.n-a.n > 1 {
+		t.Errorf("picks per address %d and %d: want each in turn (within one)", a.n, b.n)
+	}
+	if a.n+b.n != r.placement.total() {
+		t.Errorf("per-address picks %d + %d, placement %d: want the same requests", a.n, b.n, r.placement.total())
+	}
+	if a.addr == b.addr || a.p99 <= 0 || b.p99 <= 0 || a.role != "role unknown" {
+		t.Errorf("per-address picks %+v: want two addresses, each with latencies, roles unknown without metrics", r.byAddr)
 	}
 }
 
@@ -199,6 +246,14 @@ func TestFlagsAreChecked(t *testing.T) {
 		{"burst", "fresh"},
 		{"--addr", "127.0.0.1:1", "bench"},
 		{"--gateway", "ngf", "load"},
+		{"--addr", "127.0.0.1:1,127.0.0.2", "load"},
+		{"--replicas", "-1", "burst"},
+		{"--replicas", "2", "--addr", "127.0.0.1:1", "burst"},
+		{"--replicas", "2", "--picker", "upstream", "burst"},
+		{"--addr", "127.0.0.1:1,127.0.0.2:1", "--metrics-url", "http://a,http://b,http://c", "load"},
+		{"--metrics-url", "http://a", "load"},
+		{"--rate", "400", "burst"},
+		{"--rate", "-1", "load"},
 	} {
 		var out, errs bytes.Buffer
 		code := run(context.Background(), args, &out, &errs)

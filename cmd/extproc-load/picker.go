@@ -62,20 +62,30 @@ func pickerArgs(kind string, c *stack.Cluster, grpcPort, healthPort, metricsPort
 // startPicker starts the picker binary of kind against the cluster, its
 // output in a log file under logDir, and waits until it is ready and lists
 // every pod of the cluster.
-func startPicker(ctx context.Context, kind, bin string, c *stack.Cluster, useTLS bool, extra []string, logDir string) (*pickerProcess, error) {
+//
+// peer, when not empty, names the picker process as a peer replica of the
+// pool (stack.Cluster.PeerCommand): leader election and the peer layer.
+func startPicker(ctx context.Context, kind, bin string, c *stack.Cluster, useTLS bool, extra []string, logDir, peer string) (*pickerProcess, error) {
 	ports, err := stack.FreePickerPorts()
 	if err != nil {
 		return nil, err
 	}
 	args := append(pickerArgs(kind, c, ports.GRPC, ports.Health, ports.Metrics, useTLS), extra...)
-	logPath := filepath.Join(logDir, fmt.Sprintf("%s-%d.log", kind, time.Now().UnixNano()))
+	cmd := exec.Command(bin, args...)
+	name := kind + " picker"
+	if peer != "" {
+		if cmd, err = c.PeerCommand(ctx, peer, bin, args...); err != nil {
+			return nil, err
+		}
+		name = kind + " picker " + peer
+	}
+	cmd.Env = append(cmd.Environ(), "KUBECONFIG="+c.Kubeconfig(), "NAMESPACE="+c.Namespace())
+	logPath := filepath.Join(logDir, fmt.Sprintf("%s%s-%d.log", kind, peer, time.Now().UnixNano()))
 	logFile, err := os.Create(logPath)
 	if err != nil {
 		return nil, fmt.Errorf("creating the picker's log: %w", err)
 	}
-	cmd := exec.Command(bin, args...)
-	cmd.Env = append(os.Environ(), "KUBECONFIG="+c.Kubeconfig(), "NAMESPACE="+c.Namespace())
-	proc, err := stack.StartCommand(kind+" picker", cmd, logFile, nil)
+	proc, err := stack.StartCommand(name, cmd, logFile, nil)
 	if err != nil {
 		logFile.Close()
 		return nil, err
@@ -94,4 +104,38 @@ func startPicker(ctx context.Context, kind, bin string, c *stack.Cluster, useTLS
 // ledgerAt reads Tally's /debug/ledger.
 func ledgerAt(ctx context.Context, metricsURL string) (debugledger.Ledger, error) {
 	return stack.ReadLedger(ctx, http.DefaultClient, metricsURL)
+}
+
+// leaderLedger reads the ledger of the replica that leads, of the metrics
+// servers at urls: the leader's ledger is the pool's (a follower's is its
+// copy of it, so the ledgers must not be summed). A picker without
+// replicas leads itself; if none says it leads, the first is read.
+func leaderLedger(urls []string) func(context.Context) (debugledger.Ledger, error) {
+	return func(ctx context.Context) (debugledger.Ledger, error) {
+		var first debugledger.Ledger
+		for i, url := range urls {
+			l, err := ledgerAt(ctx, url)
+			if err != nil {
+				return l, err
+			}
+			if l.Replica == nil || l.Replica.Leading {
+				return l, nil
+			}
+			if i == 0 {
+				first = l
+			}
+		}
+		return first, nil
+	}
+}
+
+// leaderIndex is the index of the metrics server, of urls, whose replica
+// leads; -1 if none can be told.
+func leaderIndex(ctx context.Context, urls []string) int {
+	for i, url := range urls {
+		if l, err := ledgerAt(ctx, url); err == nil && l.Replica != nil && l.Replica.Leading {
+			return i
+		}
+	}
+	return -1
 }

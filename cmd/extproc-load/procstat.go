@@ -83,36 +83,51 @@ type usage struct {
 	peakSinceStart bool
 }
 
-// meter measures a process's usage from start to stop; a zero pid measures
-// nothing.
+// meter measures the usage of processes (a picker's replicas) from start
+// to stop: their CPU time summed, and their peaks summed (each replica's
+// memory is its own). No pids measures nothing.
 type meter struct {
-	pid        int
+	pids       []int
 	cpu0       time.Duration
 	peakWindow bool
 }
 
-func startMeter(pid int) (*meter, error) {
-	m := &meter{pid: pid}
-	if pid == 0 {
-		return m, nil
+func startMeter(pids ...int) (*meter, error) {
+	m := &meter{peakWindow: true}
+	for _, pid := range pids {
+		if pid != 0 {
+			m.pids = append(m.pids, pid)
+		}
 	}
-	m.peakWindow = resetPeakMemory(pid)
-	var err error
-	m.cpu0, err = procCPU(pid)
-	return m, err
+	for _, pid := range m.pids {
+		m.peakWindow = resetPeakMemory(pid) && m.peakWindow
+		cpu, err := procCPU(pid)
+		if err != nil {
+			return m, err
+		}
+		m.cpu0 += cpu
+	}
+	return m, nil
 }
 
 func (m *meter) stop() (usage, error) {
-	if m.pid == 0 {
+	if len(m.pids) == 0 {
 		return usage{}, nil
 	}
-	cpu, err := procCPU(m.pid)
-	if err != nil {
-		return usage{}, err
+	var u usage
+	for _, pid := range m.pids {
+		cpu, err := procCPU(pid)
+		if err != nil {
+			return usage{}, err
+		}
+		_, peak, err := procMemory(pid)
+		if err != nil {
+			return usage{}, err
+		}
+		u.cpu += cpu
+		u.peak += peak
 	}
-	_, peak, err := procMemory(m.pid)
-	if err != nil {
-		return usage{}, err
-	}
-	return usage{cpu: cpu - m.cpu0, peak: peak, peakSinceStart: !m.peakWindow}, nil
+	u.cpu -= m.cpu0
+	u.peakSinceStart = !m.peakWindow
+	return u, nil
 }

@@ -28,6 +28,10 @@ const (
 	// ledgerEmptyTimeout is how long churn waits for the ledger to empty:
 	// a picker releases a reservation when it sees its stream end.
 	ledgerEmptyTimeout = 10 * time.Second
+	// openLoopInFlight bounds the requests an open-loop load has in
+	// flight: past it the picker is far behind the rate, and arrivals are
+	// dropped (counted as failures) rather than pile up without end.
+	openLoopInFlight = 10_000
 	// failureBackoff is a load client's pause after a failed request.
 	failureBackoff = 10 * time.Millisecond
 )
@@ -39,8 +43,12 @@ type target struct {
 	prompts *prompts
 	// pods is nil when the tool does not serve the pool's pods.
 	pods *pods
-	// pid is the picker's process for CPU and memory; 0 measures nothing.
-	pid int
+	// metricsURLs are the pickers' metrics servers, in the client's
+	// address order (empty when not known).
+	metricsURLs []string
+	// pids are the picker's processes (one per replica) for CPU and
+	// memory; none measures nothing.
+	pids []int
 	// ledger reads the picker's in-flight ledger; nil skips the churn check
 	// (the upstream picker has none).
 	ledger func(context.Context) (debugledger.Ledger, error)
@@ -58,11 +66,16 @@ type target struct {
 func (t *target) ngf() bool { return t.gateway == gatewayNGF }
 
 // send plays req's request path as t's gateway does.
-func (t *target) send(x *envoy.Stream, req request) (placed, error) {
+func (t *target) send(x *stream, req request) (placed, error) {
+	var p placed
+	var err error
 	if t.ngf() {
-		return sendNGF(x, req, t.client.addr)
+		p, err = sendNGF(x.Stream, req, x.addr)
+	} else {
+		p, err = sendRequest(x.Stream, req)
 	}
-	return sendRequest(x, req)
+	p.via = x.addr
+	return p, err
 }
 
 func (t *target) logf(format string, args ...any) {
@@ -292,8 +305,10 @@ func runBurst(ctx context.Context, t *target, kind string, n, tokens int) (burst
 // loadResult is what C clients doing complete cycles measured.
 type loadResult struct {
 	concurrency, tokens int
+	rate                float64 // requests/s of an open loop; 0: closed loop
 	window              time.Duration
-	requests            int // completed in the window
+	byAddr              []addrPicks // per picker address, with several
+	requests            int         // completed in the window
 	refused, errors     int
 	firstError          string
 	rps                 float64
@@ -371,14 +386,20 @@ func (r loadResult) clientCPUPerRequest() time.Duration {
 // prompt and a unique remainder), for warmup and then the measured window.
 // Latencies are of requests that started in the window; requests/s and
 // CPU count what completed in it.
-func runLoad(ctx context.Context, t *target, concurrency, tokens int, warmup, window time.Duration) (loadResult, error) {
-	res := loadResult{concurrency: concurrency, tokens: tokens, window: window, placement: newPlacement(t.endpoints)}
+//
+// With rate above 0 the load is an open loop instead: a request arrives
+// every 1/rate seconds, each its own client, whether or not the earlier
+// ones have finished (as a gateway's users do), at most openLoopInFlight
+// at once.
+func runLoad(ctx context.Context, t *target, concurrency int, rate float64, tokens int, warmup, window time.Duration) (loadResult, error) {
+	res := loadResult{concurrency: concurrency, rate: rate, tokens: tokens, window: window, placement: newPlacement(t.endpoints)}
 	nonce := t.prompts.newNonce()
 	system := t.prompts.prefix(nonce, min(loadSystemTokens, tokens/2))
 	type sample struct {
 		start, end   time.Time
 		pick, routed time.Duration
 		endpoint     string
+		via          string
 		refused      bool
 	}
 	var (
@@ -388,7 +409,42 @@ func runLoad(ctx context.Context, t *target, concurrency, tokens int, warmup, wi
 		wg      sync.WaitGroup
 		samples = make([][]sample, concurrency)
 	)
-	for c := range concurrency {
+	if rate > 0 {
+		// One list of samples, shared by the arrivals under a lock.
+		samples = make([][]sample, 1)
+		var mu sync.Mutex
+		var inFlight atomic.Int64
+		interval := time.Duration(float64(time.Second) / rate)
+		wg.Go(func() {
+			start := time.Now()
+			for i := 0; !stop.Load() && ctx.Err() == nil; i++ {
+				// Arrivals keep to the schedule even if one tick was late.
+				sleepCtx(ctx, time.Until(start.Add(time.Duration(i)*interval)))
+				if inFlight.Load() >= openLoopInFlight {
+					errs.add(fmt.Errorf("over %d requests in flight: the open loop dropped an arrival", openLoopInFlight))
+					continue
+				}
+				inFlight.Add(1)
+				n := int(next.Add(1))
+				wg.Go(func() {
+					defer inFlight.Add(-1)
+					req := request{id: fmt.Sprintf("load-%d-%d", nonce, n), path: completionsPath, body: t.prompts.body(nonce, system, n, tokens)}
+					began := time.Now()
+					p, err := t.cycle(ctx, req)
+					if err != nil {
+						if ctx.Err() == nil {
+							errs.add(err)
+						}
+						return
+					}
+					mu.Lock()
+					samples[0] = append(samples[0], sample{start: began, end: time.Now(), pick: p.pick, routed: p.routed, endpoint: p.endpoint, via: p.via, refused: p.status != 0})
+					mu.Unlock()
+				})
+			}
+		})
+	}
+	for c := range concurrency * boolInt(rate == 0) {
 		wg.Go(func() {
 			for !stop.Load() && ctx.Err() == nil {
 				i := int(next.Add(1))
@@ -403,12 +459,12 @@ func runLoad(ctx context.Context, t *target, concurrency, tokens int, warmup, wi
 					sleepCtx(ctx, failureBackoff)
 					continue
 				}
-				samples[c] = append(samples[c], sample{start: began, end: time.Now(), pick: p.pick, routed: p.routed, endpoint: p.endpoint, refused: p.status != 0})
+				samples[c] = append(samples[c], sample{start: began, end: time.Now(), pick: p.pick, routed: p.routed, endpoint: p.endpoint, via: p.via, refused: p.status != 0})
 			}
 		})
 	}
 	sleepCtx(ctx, warmup)
-	m, err := startMeter(t.pid)
+	m, err := startMeter(t.pids...)
 	var client0, client1 time.Duration
 	if err == nil {
 		client0, err = procCPU(os.Getpid())
@@ -433,6 +489,7 @@ func runLoad(ctx context.Context, t *target, concurrency, tokens int, warmup, wi
 	res.clientCPU = client1 - client0
 	res.window = until.Sub(from)
 	var picks, routed []time.Duration
+	byAddr := map[string][]time.Duration{}
 	for _, ss := range samples {
 		for _, s := range ss {
 			if s.end.After(from) && !s.end.After(until) {
@@ -448,6 +505,7 @@ func runLoad(ctx context.Context, t *target, concurrency, tokens int, warmup, wi
 			res.placement.add(s.endpoint)
 			picks = append(picks, s.pick)
 			routed = append(routed, s.routed)
+			byAddr[s.via] = append(byAddr[s.via], s.pick)
 		}
 	}
 	res.errors, res.firstError = errs.summary()
@@ -456,7 +514,37 @@ func runLoad(ctx context.Context, t *target, concurrency, tokens int, warmup, wi
 	slices.Sort(routed)
 	res.pickP50, res.pickP99, res.pickP999 = percentile(picks, 0.50), percentile(picks, 0.99), percentile(picks, 0.999)
 	res.routedP99 = percentile(routed, 0.99)
+	if t.client != nil && len(t.client.pickers) > 1 {
+		leader := leaderIndex(ctx, t.metricsURLs)
+		for i, addr := range t.client.addrs() {
+			p := byAddr[addr]
+			slices.Sort(p)
+			role := "role unknown"
+			switch {
+			case i == leader:
+				role = "leader"
+			case leader >= 0:
+				role = "follower"
+			}
+			res.byAddr = append(res.byAddr, addrPicks{addr: addr, role: role, n: len(p), p50: percentile(p, 0.50), p99: percentile(p, 0.99)})
+		}
+	}
 	return res, ctx.Err()
+}
+
+// addrPicks is the pick latency of the streams one picker address served.
+type addrPicks struct {
+	addr     string
+	role     string // leader, follower, or unknown without metrics URLs
+	n        int
+	p50, p99 time.Duration
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // Ways a request ends in a churn run.
@@ -556,7 +644,7 @@ func (t *target) churnOne(ctx context.Context, kind string, req request) error {
 		}
 		return nil
 	}
-	p, err := sendRequest(x, req)
+	p, err := sendRequest(x.Stream, req)
 	if err != nil || p.status != 0 {
 		return err
 	}

@@ -53,6 +53,7 @@ type Cluster struct {
 	// only those its Serve has taken in (see Pod.stopSimulator).
 	listeners []net.Listener
 	nextIP    netip.Addr
+	peers     *peerSet // PeerCommand's, made at its first call
 }
 
 // StartCluster starts the API server, creates the namespace, the pool and

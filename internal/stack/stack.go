@@ -160,11 +160,8 @@ type Stack struct {
 	replicas    []*Replica
 	spread      []*Process // StartSpreadGateway's
 	nginx       []*NGINX   // StartNGINX's
-	// With Options.Peers: the peer credentials' directory, the peer port,
-	// and each picker process's pod IP.
-	peerDir   string
-	peerPort  int
-	pickerIPs map[string]netip.Addr
+	// With Options.Peers: what the picker processes share as peers.
+	peers *peerSet
 
 	http *http.Client
 
@@ -183,7 +180,7 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	if err := opts.setDefaults(); err != nil {
 		return nil, err
 	}
-	s := &Stack{opts: opts, nextIP: opts.FirstPodIP, servedBy: map[string]string{}, http: NewHTTPClient(), pickerIPs: map[string]netip.Addr{}}
+	s := &Stack{opts: opts, nextIP: opts.FirstPodIP, servedBy: map[string]string{}, http: NewHTTPClient()}
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, s.Stop())
