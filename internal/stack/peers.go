@@ -154,11 +154,14 @@ func (p *peerSet) pickerPod(ctx context.Context, name string) (netip.Addr, error
 // PeerAddr is the peer address (pod IP and --peer-port) of the picker
 // process name ("epp", or a replica's Name), with Options.Peers.
 func (s *Stack) PeerAddr(name string) (netip.AddrPort, bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	ip, ok := s.pickerIPs[name]
-	return netip.AddrPortFrom(ip, uint16(s.peerPort)), ok
+	if s.peers == nil {
+		return netip.AddrPort{}, false
+	}
+	s.peers.mu.Lock()
+	defer s.peers.mu.Unlock()
+	ip, ok := s.peers.ips[name]
+	return netip.AddrPortFrom(ip, uint16(s.peers.port)), ok
 }
 
 // PeerCredentials is the directory of the stack's peer credentials.
-func (s *Stack) PeerCredentials() string { return s.peerDir }
+func (s *Stack) PeerCredentials() string { return s.peers.dir }
