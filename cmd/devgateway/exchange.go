@@ -64,7 +64,10 @@ func (ex *exchange) run() bool {
 		}
 		up = ex.wholeBody(up, bodiless)
 		if up.readErr == nil {
-			next := (first + 1) % len(pickers)
+			next := ex.g.healthyFrom((first+1)%len(pickers), len(pickers))
+			if next == first {
+				next = (first + 1) % len(pickers)
+			}
 			retried, rd, rerr := ex.requestPath(pickers[next], bodiless, bytes.NewReader(up.original), int64(len(up.original)))
 			if retried != nil {
 				up = retried // the same bytes, sent again

@@ -50,6 +50,11 @@ type Gateway struct {
 	// request's stream goes to the next in turn, and a stream that fails
 	// before the picker answered anything is retried once on the one after.
 	Pickers []*envoy.Client
+	// Healthy, when set, reports whether picker i of Pickers passed its
+	// last health check: a new stream goes to the next healthy one in
+	// turn (to the next in turn when none is), as a gateway sends streams
+	// only to ready endpoints.
+	Healthy func(i int) bool
 	// Pool reports the pool's failure mode and endpoints. It is called only
 	// when the picker is unreachable or its stream fails before a decision.
 	// Nil means FailClose.
@@ -173,7 +178,37 @@ func (g *Gateway) nextPicker(n int) int {
 	if n == 1 {
 		return 0
 	}
-	return int((g.nextPick.Add(1) - 1) % uint64(n))
+	turn := g.nextPick.Add(1) - 1
+	if g.Healthy != nil {
+		// In turn among the healthy ones, as a balancer over the ready
+		// endpoints.
+		var healthy [16]int
+		k := 0
+		for i := 0; i < n && k < len(healthy); i++ {
+			if g.Healthy(i) {
+				healthy[k] = i
+				k++
+			}
+		}
+		if k > 0 {
+			return healthy[turn%uint64(k)]
+		}
+	}
+	return int(turn % uint64(n))
+}
+
+// healthyFrom is the first healthy picker from i on, in turn; i when none
+// is (or no health is checked).
+func (g *Gateway) healthyFrom(i, n int) int {
+	if g.Healthy == nil {
+		return i
+	}
+	for k := range n {
+		if j := (i + k) % n; g.Healthy(j) {
+			return j
+		}
+	}
+	return i
 }
 
 func (g *Gateway) pool() PoolView {

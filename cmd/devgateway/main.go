@@ -16,7 +16,11 @@
 // picker to the client chunk by chunk, flushed as it arrives (SSE streams).
 //
 // --picker-addr may list several pickers (the replicas of one picker, as the
-// ready endpoints behind its Service): the streams go to each in turn. A
+// ready endpoints behind its Service): the streams go to each in turn,
+// skipping those whose gRPC health check of the ext_proc service, every
+// 500 ms on the ext_proc port, does not say SERVING (starting or draining
+// pickers, with --health-checking; one that serves no health there counts
+// as healthy), as Envoy's health checking of the ext_proc cluster does. A
 // stream that fails before its picker answered anything (connection
 // refused, the picker died with the request) is retried once on the next
 // address, the body sent again whole, as a gateway's retry policy on the
@@ -154,7 +158,7 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	var failureMode, endpoints, pickerAddrs string
 	fs.StringVar(&o.listen, "listen", defaultListenAddr, "HTTP listen address (port 0 picks a free port)")
 	fs.StringVar(&pickerAddrs, "picker-addr", defaultPickerAddr, "ext_proc address of the endpoint picker, or a comma-separated list of its replicas' addresses: "+
-		"streams go to each in turn; a stream that fails before the picker answered anything (refused, the picker died) is retried once on the next address")
+		"streams go to each healthy one in turn (gRPC health of the ext_proc service on its port, as the picker serves with --health-checking); a stream that fails before the picker answered anything (refused, the picker died) is retried once on the next address")
 	fs.BoolVar(&o.pickerTLS, "picker-tls", true, "use TLS to the picker without verifying its (self-signed) certificate")
 	fs.DurationVar(&o.pickerTimeout, "picker-timeout", defaultPickerTimeout, "longest wait from a request's start to the picker's decision")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig used with --pool-name (default: $KUBECONFIG, else in-cluster)")
@@ -278,6 +282,7 @@ func serve(ctx context.Context, opts options, log *slog.Logger, stderr io.Writer
 	// One connection per address: each replica is its own picker, with
 	// its own HTTP/2 connection, as Envoy holds one per cluster endpoint.
 	var pickers []*envoy.Client
+	var conns []grpc.ClientConnInterface
 	for _, addr := range opts.pickerAddrs {
 		conn, err := dialPicker(opts, addr)
 		if err != nil {
@@ -285,6 +290,7 @@ func serve(ctx context.Context, opts options, log *slog.Logger, stderr io.Writer
 		}
 		defer conn.Close()
 		pickers = append(pickers, envoy.NewClient(envoy.Options{}, conn))
+		conns = append(conns, conn)
 	}
 
 	state := newPoolState(opts.overrides.apply(PoolView{FailureMode: infv1.EndpointPickerFailClose}))
@@ -321,6 +327,13 @@ func serve(ctx context.Context, opts options, log *slog.Logger, stderr io.Writer
 		Pool:          state.View,
 		PickerTimeout: opts.pickerTimeout,
 		Log:           log,
+	}
+	if len(conns) > 1 {
+		// Several replicas: new streams go only to those whose health
+		// check passes (ready), as a gateway's do.
+		health := newHealthChecks(len(conns))
+		gw.Healthy = health.ok
+		background.Go(func() { health.run(pollCtx, conns) })
 	}
 	ln, err := net.Listen("tcp", opts.listen)
 	if err != nil {

@@ -2,10 +2,19 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"io"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
@@ -174,5 +183,75 @@ func TestAStreamThePickerAnsweredIsNotRetried(t *testing.T) {
 	}
 	if extra := streamsSeen(second); len(extra) != 0 {
 		t.Errorf("the second picker got %d streams for a request the first answered", len(extra))
+	}
+}
+
+func TestStreamsGoOnlyToPickersWhoseHealthCheckPasses(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = io.WriteString(w, "ok")
+	})
+	// Picker 0 serves no health (counted healthy), picker 1 is not ready,
+	// picker 2 is.
+	var pickers []*testPicker
+	var clients []*envoy.Client
+	var conns []grpc.ClientConnInterface
+	for i := range 3 {
+		p := newTestPicker(pickerBehavior{destination: up.addr()})
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := grpc.NewServer()
+		extprocv3.RegisterExternalProcessorServer(srv, p)
+		if i > 0 {
+			h := health.NewServer()
+			st := healthpb.HealthCheckResponse_SERVING
+			if i == 1 {
+				st = healthpb.HealthCheckResponse_NOT_SERVING
+			}
+			h.SetServingStatus(extProcService, st)
+			healthpb.RegisterHealthServer(srv, h)
+		}
+		go func() { _ = srv.Serve(ln) }()
+		t.Cleanup(srv.Stop)
+		c := pickerClient(t, ln.Addr().String())
+		conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = conn.Close() })
+		pickers, clients, conns = append(pickers, p), append(clients, c), append(conns, conn)
+	}
+	checks := newHealthChecks(len(conns))
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	go checks.run(ctx, conns)
+	deadline := time.Now().Add(10 * time.Second)
+	for checks.ok(1) {
+		if time.Now().After(deadline) {
+			t.Fatal("the not-ready picker still passes its health check after 10 s")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	base := startGateway(t, &Gateway{Pickers: clients, Healthy: checks.ok})
+	const requests = 6
+	for i := range requests {
+		resp, err := newClient(t).Post(base+"/v1/completions", "application/json", strings.NewReader(`{"model":"m"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || string(got) != "ok" {
+			t.Fatalf("request %d: %d %q", i, resp.StatusCode, got)
+		}
+	}
+	if n := len(streamsSeen(pickers[1])); n != 0 {
+		t.Errorf("the picker that is not ready got %d streams", n)
+	}
+	for _, j := range []int{0, 2} {
+		for range requests / 2 {
+			pickers[j].record(t)
+		}
 	}
 }

@@ -115,6 +115,9 @@ func (p *peerSet) command(ctx context.Context, name, path string, args []string)
 		"--peer-selector=" + pickerSelector,
 		"--peer-port=" + strconv.Itoa(p.port),
 		"--peer-cert-path=" + p.dir,
+		// Health on the ext_proc port: a gateway in front of several
+		// replicas sends streams only to the ready ones.
+		"--health-checking",
 	}, args...)
 	cmd := exec.Command(path, args...)
 	cmd.Env = append(os.Environ(), "POD_NAME="+name, "POD_IP="+ip.String())
