@@ -260,9 +260,23 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, b build
 		g.Go(func() error {
 			select {
 			case <-elected:
-				peers.Lead()
 			case <-managing.Done():
+				return nil
 			}
+			// Lead once the endpoint set is read: a leader without it
+			// would refuse every pick its followers forward (a replica
+			// that restarts may take the lease at once). Until then the
+			// followers place on their own copies.
+			t := time.NewTicker(readinessPollInterval)
+			defer t.Stop()
+			for !pick.Synced() || !poolStatus.Load().Found {
+				select {
+				case <-t.C:
+				case <-managing.Done():
+					return nil
+				}
+			}
+			peers.Lead()
 			return nil
 		})
 	}

@@ -313,7 +313,7 @@ func (x *Replica) applySync(c *peerConn, s *pb.Sync) {
 	for id, e := range x.byID {
 		switch {
 		case e.origin == x.opts.Self:
-			e.shared = true
+			e.shared, e.gossiped = true, false
 			claim.Reservations = append(claim.Reservations, toReservation(e))
 		case held[id] == nil:
 			stale = append(stale, e)

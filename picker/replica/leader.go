@@ -228,7 +228,9 @@ func (x *Replica) followerEvent(f *follower, ev *pb.Event) {
 		}
 	}
 	t := e.ticket
-	x.broadcast(f, opEvent(ev))
+	if x.leading.Load() {
+		x.broadcast(f, opEvent(ev))
+	}
 	x.mu.Unlock()
 	if t != nil && ev.Kind == pb.Event_KIND_END {
 		t.Cancel() // its client left while it waited

@@ -105,7 +105,10 @@ type entry struct {
 	r      *picker.Reservation // nil while a forwarded pick waits
 	pr     picker.Prepared
 	// The leader knows it (forwarded, or adopted since): events go there.
-	shared    bool
+	shared bool
+	// Placed here while no replica led, and sent to every peer: events go
+	// to every peer too, until a leader's Sync has it claimed.
+	gossiped  bool
 	firstByte bool
 	servedBy  netip.AddrPort
 	ticket    *picker.Ticket // leader: waiting in its flow control queue
@@ -251,11 +254,17 @@ func (x *Replica) placeAlone(ctx context.Context, pr picker.Prepared, id, reason
 	e := &entry{id: id, origin: x.opts.Self, r: r, pr: pr}
 	x.mu.Lock()
 	x.add(e)
+	adopt := &pb.FromFollower{Msg: &pb.FromFollower_Adopt{Adopt: toReservation(e)}}
 	if c := x.leader; c != nil {
 		// A leader is there now (a late or slow one): it adopts this
 		// placement, replacing any it made of the same pick.
 		e.shared = true
-		c.send(&pb.FromFollower{Msg: &pb.FromFollower_Adopt{Adopt: toReservation(e)}})
+		c.send(adopt)
+	} else {
+		// No leader: the other replicas hold it in their copies, so that
+		// what they place in the gap sees it (and its events follow).
+		e.gossiped = true
+		x.gossip(adopt)
 	}
 	x.mu.Unlock()
 	return r, nil
@@ -359,8 +368,21 @@ func (x *Replica) event(r *picker.Reservation, ev *pb.Event, apply func(*entry))
 	switch {
 	case x.leading.Load():
 		x.broadcast(nil, &pb.FromLeader{Msg: &pb.FromLeader_Op{Op: &pb.Op{Op: &pb.Op_Event{Event: ev}, SentUnixNano: time.Now().UnixNano()}}})
-	case e.shared:
+	case e.shared && x.leader != nil:
 		x.sendUp(ev)
+	case e.shared, e.gossiped:
+		// No leader hears it: the peers' copies do.
+		x.gossip(&pb.FromFollower{Msg: &pb.FromFollower_Event{Event: ev}})
+	}
+}
+
+// gossip sends m to every peer that speaks this version. Called with mu
+// held.
+func (x *Replica) gossip(m *pb.FromFollower) {
+	for _, c := range x.peers {
+		if c.up && c.version == Version {
+			c.send(m)
+		}
 	}
 }
 

@@ -300,6 +300,12 @@ func TestTheLeaderLostFollowersPlaceAtOnceAndTheNextLeaderReconciles(t *testing.
 		t.Errorf("%v picks placed locally without a leader, want 30", got)
 	}
 	c.end(before[6:9]) // ends no leader hears
+	// In the gap each live replica's copy holds the other's placements
+	// and ends too: 24 of before less the 2 ended by live replicas, and
+	// the 30 of the gap (the dead leader's end is never heard).
+	for _, i := range []int{1, 2} {
+		c.eventually(fmt.Sprintf("replica %d holds the gap's placements of both", i), func() bool { return sum(c.inFlight(i)) == 52 })
+	}
 	c.lead(1, 2)
 	// The new leader holds each open reservation once: the 30 of before
 	// less the 6 ended while the leader lived and the 2 the live replicas

@@ -54,7 +54,11 @@ var _ = Describe("Three picker replicas sharing one ledger", Ordered, func() {
 			// while the leader answers: on a machine this busy (three
 			// pickers, their gateways and the engines on two cores) an
 			// answer can take longer than the default 100 ms.
-			PickerArgs: append(slices.Clone(leaseArgs), "--peer-pick-timeout=2s"),
+			//
+			// A replica told to stop keeps taking new streams for a second
+			// (the chart's default is 5 s), while the gateway's health
+			// checks (every 500 ms) see it draining.
+			PickerArgs: append(slices.Clone(leaseArgs), "--peer-pick-timeout=2s", "--shutdown-delay=1s"),
 		})
 		fronts = []replicaFront{{name: "epp", gatewayURL: rs.GatewayURL(), metrics: rs.PickerMetrics, ledger: rs.Ledger}}
 		for range 2 {
