@@ -238,3 +238,48 @@ func TestBurstsOfDetachedRequestsDoNotDependOnTheLearnedRate(t *testing.T) {
 		}
 	}
 }
+
+// pacedHeldBurst plays one burst of 128 requests of 32,000 tokens sharing
+// a 30,000-token prefix held by endpoint 0 (a request placed there and
+// answered), through a gateway that ends each stream at the pick and
+// places one request every pace, over 3 endpoints scraped every 250 ms
+// (the scraper's default) whose engines hold every request of the burst
+// as waiting until it is placed. It returns the burst's placement.
+func pacedHeldBurst(t *testing.T, rate int, pace time.Duration) [3]int {
+	const tokens, shared, lag = 32_000, 30_000, 2 * time.Millisecond
+	cfg := testConfig()
+	cfg.PrefillTokensPerSecond = rate
+	e := newThreeEnginesWith(t, cfg, 1, 250*time.Millisecond, 0)
+	e.waiting = true
+	prefix := text("paced-prefix", shared*4)
+	r := mustPick(t, e.p, on(addr(0), join(prefix, text("paced-warm", (tokens-shared)*4))))
+	e.step(660 * time.Millisecond)
+	e.p.End(r, Outcome{})
+	e.step(300 * time.Millisecond) // the burst starts 40 ms before a scrape
+	var placed [3]int
+	for i := range 128 {
+		r := mustPick(t, e.p, Request{Model: model, Prompt: join(prefix, text(fmt.Sprint("paced-", i), (tokens-shared)*4)), MaxTokens: 16})
+		e.p.End(r, Outcome{Detached: true})
+		placed[e.send(r, e.clock.ns.Load()+int64(lag))]++
+		e.step(pace)
+	}
+	return placed
+}
+
+// A burst placed slowly is placed as a fast one is. At a learned rate far
+// above what the engine does now (a churn taught 296,000 tokens/s), the
+// model ends each detached prefill on the prefix's holder before the next
+// pick when the gateway places one every 8 ms or so (a loaded gateway's
+// first burst): the holder looks idle between scrapes, 250 ms apart,
+// and drew 67 to 78 of 128. Once a scrape finds the engine behind the
+// model, the prefill the model ends there after it counts too.
+func TestASlowBurstOfDetachedRequestsIsPlacedAsAFastOne(t *testing.T) {
+	for _, rate := range []int{300_000, ratemodel.MaxRate} {
+		for _, pace := range []time.Duration{2 * time.Millisecond, 5 * time.Millisecond, 8 * time.Millisecond, 12 * time.Millisecond} {
+			placed := pacedHeldBurst(t, rate, pace)
+			if placed[0] > 64 || slices.Min(placed[:]) == 0 {
+				t.Errorf("rate %d tokens/s, one pick every %v: %v, want none idle and the prefix's holder (endpoint 0) at most 64", rate, pace, placed)
+			}
+		}
+	}
+}

@@ -70,8 +70,12 @@ func (l *ledger) expectedOutputTokens(r *Reservation) float64 {
 }
 
 // scheduleDetached gives a detached reservation whose prefill ended at
-// end its modelled end.
+// end its modelled end. On an engine the last scrape found behind the
+// model, its prefill counts in behind: the engine has not begun it either.
 func (l *ledger) scheduleDetached(r *Reservation, end int64) {
+	if e := &r.row.engine; e.lagging && !r.sawFirstByte {
+		e.behind += max(r.promptTokens-r.cachedTokens, 1)
+	}
 	r.doneAt = end + int64(l.expectedOutputTokens(r)*l.decodeNsPerToken)
 	if r.heapIdx >= 0 {
 		heap.Fix(&l.detachedDue, r.heapIdx)

@@ -106,9 +106,11 @@ type engineView struct {
 	foreign       int // requests beyond the ledger at the last scrape
 	foreignTokens int // the prefill cost of one of them
 	// behind is the prefill, in tokens, of the requests the engine said
-	// were waiting whose prefill the model had ended (observeEngine).
-	behind int
-	at     int64 // when the last scrape was handed over
+	// were waiting whose prefill the model had ended (observeEngine), and
+	// while lagging, of the detached ones whose prefill it ended since.
+	behind  int
+	lagging bool
+	at      int64 // when the last scrape was handed over
 	// The share of predicted cached tokens the engine delivered, a mean
 	// over its recent predictions; see cacheTrust.
 	delivery ratemodel.DecayedMean
@@ -330,7 +332,7 @@ func (l *ledger) observeEngine(addr netip.AddrPort, s EngineStats, now, sent int
 	l.observeOutputCounts(w, s)
 	e.foreign = max(s.Running+s.Waiting-peak, 0)
 	e.peak = w.inFlight
-	e.behind = 0
+	e.behind, e.lagging = 0, false
 	if w.detached > 0 && s.Waiting > e.foreign {
 		// Waiting requests have not begun their prefill. More of them
 		// than the model still has in prefill here, beyond the foreign
@@ -340,7 +342,12 @@ func (l *ledger) observeEngine(addr netip.AddrPort, s EngineStats, now, sent int
 		// at once). They count until the engine says they started.
 		l.drain(w, now)
 		if n := s.Waiting - e.foreign - (w.inFlight - w.decoding); n > 0 {
-			e.behind = w.behindTokens(n)
+			// Until the next scrape, the model's rate is not the
+			// engine's: the prefill it ends here counts as well
+			// (scheduleDetached), or a burst placed more slowly than
+			// the model drains would find the endpoint idle between
+			// scrapes.
+			e.behind, e.lagging = w.behindTokens(n), true
 		}
 	}
 	// No engine the scraper reads says how many prompt tokens its queue
