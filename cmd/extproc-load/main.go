@@ -44,9 +44,19 @@
 // InferencePool, --pods Ready pods on loopback IPs (each address serves a
 // vLLM metrics page reporting the requests the tool holds there), and the
 // picker process (--picker tally: --tally-bin; upstream: --upstream-bin), so
-// it knows the picker's pid. With --addr it drives a picker already running
-// there instead (--pid and --metrics-url, if given, for CPU, memory and the
-// ledger).
+// it knows the picker's pid. With --replicas N it starts N peer replicas of
+// the picker instead (leader election and --peer-selector, one ledger) and
+// spreads the streams over their ext_proc ports in turn, as a gateway
+// spreads them over the picker Service's endpoints; it reports each
+// replica's forwarded and locally placed picks, load reports the pick
+// latency through each address (leader or follower), and CPU and memory
+// are the replicas' summed. With --addr (one address, or a comma-separated
+// list of replicas') it drives pickers already running instead (--pid and
+// --metrics-url, if given, for CPU, memory and the ledger, which is read
+// from the replica that leads: a follower's is a copy of it).
+//
+// load runs --concurrency closed-loop clients, or with --rate R an open
+// loop of R arrivals a second.
 //
 // Progress goes to stderr, results to stdout. Exit status 2 is a bad flag, 1
 // a failed run.
