@@ -13,12 +13,12 @@ import (
 	"github.com/tallyepp/tally/internal/stack"
 )
 
-// firstPodIP is the first pod's address. The demo counts up from
+// defaultFirstPodIP is the first pod's address (--first-pod-ip). The demo counts up from
 // 127.0.0.2, the install tests use 127.0.10.x and the end-to-end suite
 // 127.0.42-46.x; a benchmark or its smoke test running beside them (go test
 // runs packages in parallel) must not collide, and a thousand pods end at
 // 127.0.73.232.
-var firstPodIP = netip.MustParseAddr("127.0.70.1")
+var defaultFirstPodIP = netip.MustParseAddr("127.0.70.1")
 
 // benchEnv is the API server, the pool and its pods, which every picker of
 // a run is started against in turn.
@@ -31,7 +31,7 @@ type benchEnv struct {
 	log      io.Writer
 }
 
-func startEnv(ctx context.Context, n int, keepLogs bool, log io.Writer) (*benchEnv, error) {
+func startEnv(ctx context.Context, n int, firstPodIP netip.Addr, keepLogs bool, log io.Writer) (*benchEnv, error) {
 	e := &benchEnv{pods: newPods(), log: log, keepLogs: keepLogs}
 	dir, err := os.MkdirTemp("", "extproc-load-")
 	if err != nil {
@@ -127,6 +127,11 @@ func (e *benchEnv) startTarget(ctx context.Context, kind, bin string, useTLS boo
 		pt.metricsURLs = append(pt.metricsURLs, proc.ports.MetricsURL())
 		if rss, _, err := procMemory(proc.Pid()); err == nil {
 			pt.idleRSS += rss
+		}
+	}
+	if replicas > 1 {
+		if err := waitForPeers(ctx, pt.metricsURLs); err != nil {
+			return nil, err
 		}
 	}
 	if pt.client, err = dialAll(addrs, useTLS, conns); err != nil {

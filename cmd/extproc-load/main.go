@@ -44,9 +44,19 @@
 // InferencePool, --pods Ready pods on loopback IPs (each address serves a
 // vLLM metrics page reporting the requests the tool holds there), and the
 // picker process (--picker tally: --tally-bin; upstream: --upstream-bin), so
-// it knows the picker's pid. With --addr it drives a picker already running
-// there instead (--pid and --metrics-url, if given, for CPU, memory and the
-// ledger).
+// it knows the picker's pid. With --replicas N it starts N peer replicas of
+// the picker instead (leader election and --peer-selector, one ledger) and
+// spreads the streams over their ext_proc ports in turn, as a gateway
+// spreads them over the picker Service's endpoints; it reports each
+// replica's forwarded and locally placed picks, load reports the pick
+// latency through each address (leader or follower), and CPU and memory
+// are the replicas' summed. With --addr (one address, or a comma-separated
+// list of replicas') it drives pickers already running instead (--pid and
+// --metrics-url, if given, for CPU, memory and the ledger, which is read
+// from the replica that leads: a follower's is a copy of it).
+//
+// load runs --concurrency closed-loop clients, or with --rate R an open
+// loop of R arrivals a second.
 //
 // Progress goes to stderr, results to stdout. Exit status 2 is a bad flag, 1
 // a failed run.
@@ -59,6 +69,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"os/signal"
 	"strings"
@@ -79,6 +90,7 @@ type options struct {
 	pid         int
 	replicas    int
 	rate        float64
+	firstPodIP  netip.Addr
 	picker      string
 	tallyBin    string
 	upstreamBin string
@@ -117,6 +129,7 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	fs.StringVar(&addrs, "addr", "", "ext_proc address of a picker already running (host:port), or a comma-separated list of its replicas' (streams go to each in turn); empty starts the API server, pool, pods and picker")
 	fs.StringVar(&metricsURLs, "metrics-url", "", "with --addr: the picker's metrics server (for /debug/ledger), e.g. http://127.0.0.1:9090, or a comma-separated list in --addr's order: the ledger is read from the replica that leads")
 	fs.IntVar(&o.replicas, "replicas", 0, "without --addr: start this many peer replicas of the picker (leader election, --peer-selector) and spread the streams over them in turn; 0 starts one picker without the peer layer")
+	firstPodIP := fs.String("first-pod-ip", defaultFirstPodIP.String(), "without --addr: the first pod's loopback IP (the others count up from it); another one lets two runs share a machine")
 	fs.Float64Var(&o.rate, "rate", 0, "load: open loop at this many requests per second (each arrival its own client, whatever the others wait for) instead of --concurrency closed-loop clients")
 	fs.IntVar(&o.pid, "pid", 0, "with --addr: the picker's process id, for its CPU time and peak RSS")
 	fs.StringVar(&o.picker, "picker", pickerTally, "picker to start: tally or upstream")
@@ -162,6 +175,11 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	}
 	if o.n == 0 {
 		o.n = d[0]
+	}
+	if ip, err := netip.ParseAddr(*firstPodIP); err != nil || !ip.IsLoopback() || !ip.Is4() {
+		return "", o, fmt.Errorf("flag --first-pod-ip: %q is invalid: want an IPv4 loopback address such as 127.0.70.1", *firstPodIP)
+	} else {
+		o.firstPodIP = ip
 	}
 	if addrs != "" {
 		o.addrs = strings.Split(addrs, ",")
@@ -265,7 +283,7 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 			t.ledger = leaderLedger(o.metricsURLs)
 		}
 	} else {
-		env, err := startEnv(ctx, o.pods, o.keepLogs, stderr)
+		env, err := startEnv(ctx, o.pods, o.firstPodIP, o.keepLogs, stderr)
 		if err != nil {
 			return err
 		}
@@ -282,6 +300,13 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 		t = pt.target
 	}
 	t.gateway = o.gateway
+	if len(t.metricsURLs) > 1 {
+		defer func() {
+			for _, line := range replicaReport(ctx, t.metricsURLs) {
+				fmt.Fprintf(stdout, "replica %s\n", line)
+			}
+		}()
+	}
 	switch cmd {
 	case "burst":
 		r, err := runBurst(ctx, t, o.kind, o.n, o.tokens)

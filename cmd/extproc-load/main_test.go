@@ -254,6 +254,7 @@ func TestFlagsAreChecked(t *testing.T) {
 		{"--metrics-url", "http://a", "load"},
 		{"--rate", "400", "burst"},
 		{"--rate", "-1", "load"},
+		{"--first-pod-ip", "10.0.0.1", "burst"},
 	} {
 		var out, errs bytes.Buffer
 		code := run(context.Background(), args, &out, &errs)

@@ -139,3 +139,64 @@ func leaderIndex(ctx context.Context, urls []string) int {
 	}
 	return -1
 }
+
+// peersTimeout bounds the wait for replicas to find their leader.
+const peersTimeout = 30 * time.Second
+
+// waitForPeers waits until one replica of the metrics servers at urls
+// leads and every other has a stream to it: a follower that has not found
+// its leader yet places locally, which is not what a run should measure.
+func waitForPeers(ctx context.Context, urls []string) error {
+	deadline := time.Now().Add(peersTimeout)
+	for {
+		leaders, following, last := 0, 0, ""
+		for _, url := range urls {
+			l, err := ledgerAt(ctx, url)
+			switch {
+			case err != nil:
+				last = err.Error()
+			case l.Replica == nil:
+				last = url + " runs without the peer layer"
+			case l.Replica.Leading:
+				leaders++
+			case l.Replica.Leader != "" && l.Replica.Peers > 0:
+				following++
+			default:
+				last = fmt.Sprintf("%s: leader %q, %d peers", url, l.Replica.Leader, l.Replica.Peers)
+			}
+		}
+		if leaders == 1 && following == len(urls)-1 {
+			return nil
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return fmt.Errorf("waiting %v for the replicas to find their leader: %d lead, %d follow (last: %s)", peersTimeout, leaders, following, last)
+		}
+		time.Sleep(pollInterval)
+	}
+}
+
+// replicaReport is each replica's view of the run from its metrics: whether
+// it leads, the picks it forwarded to the leader and those it placed on its
+// own ledger (by reason), since it started.
+func replicaReport(ctx context.Context, urls []string) []string {
+	var out []string
+	for _, url := range urls {
+		m, err := stack.ReadMetrics(ctx, http.DefaultClient, url)
+		if err != nil {
+			out = append(out, fmt.Sprintf("%s: %v", url, err))
+			continue
+		}
+		leads, _ := m.Value("tally_peer_is_leader")
+		fwd, _ := m.Value("tally_peer_forwarded_picks_total")
+		line := fmt.Sprintf("%s: leading %v, forwarded %.0f picks, placed locally:", url, leads == 1, fwd)
+		for _, s := range m["tally_peer_local_placements_total"].GetMetric() {
+			for _, l := range s.GetLabel() {
+				if l.GetName() == "reason" {
+					line += fmt.Sprintf(" %s %.0f", l.GetValue(), s.GetCounter().GetValue())
+				}
+			}
+		}
+		out = append(out, line)
+	}
+	return out
+}

@@ -74,6 +74,12 @@ func hasLabels(s *dto.Metric, pairs []string) bool {
 	return true
 }
 
+// ReadMetrics reads the /metrics of the picker whose metrics server is at
+// metricsURL.
+func ReadMetrics(ctx context.Context, c *http.Client, metricsURL string) (Metrics, error) {
+	return readMetrics(ctx, c, metricsURL, "the metrics at "+metricsURL)
+}
+
 // PickerMetrics reads the picker's /metrics.
 func (s *Stack) PickerMetrics(ctx context.Context) (Metrics, error) {
 	return readMetrics(ctx, s.http, s.PickerMetricsURL(), "the picker's metrics")
