@@ -37,7 +37,10 @@ const Version = 1
 
 // Defaults of Options.
 const (
-	DefaultPickTimeout = 100 * time.Millisecond
+	// A pick takes the leader well under a millisecond; a burst on busy
+	// machines was seen past 100 ms, and every pick placed locally is a
+	// pick the one ledger does not decide.
+	DefaultPickTimeout = 250 * time.Millisecond
 	DefaultOrphanGrace = 10 * time.Second
 	// outboxSize bounds the messages waiting to be sent on one stream; a
 	// peer that falls this far behind is disconnected (it resyncs when it

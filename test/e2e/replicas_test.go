@@ -53,7 +53,7 @@ var _ = Describe("Three picker replicas sharing one ledger", Ordered, func() {
 			// The specs check that a follower never places a pick itself
 			// while the leader answers: on a machine this busy (three
 			// pickers, their gateways and the engines on two cores) an
-			// answer can take longer than the default 100 ms.
+			// answer can take longer than the default 250 ms.
 			//
 			// A replica told to stop keeps taking new streams for a second
 			// (the chart's default is 5 s), while the gateway's health

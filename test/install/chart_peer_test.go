@@ -148,8 +148,8 @@ func TestChartPeering(t *testing.T) {
 	if got := flagValue(t, c.Args, "--peer-port"); got != "9004" {
 		t.Errorf("--peer-port = %q, want 9004", got)
 	}
-	if got := flagValue(t, c.Args, "--peer-pick-timeout"); got != "100ms" {
-		t.Errorf("--peer-pick-timeout = %q, want the default 100ms", got)
+	if got := flagValue(t, c.Args, "--peer-pick-timeout"); got != "250ms" {
+		t.Errorf("--peer-pick-timeout = %q, want the default 250ms", got)
 	}
 	if !slices.ContainsFunc(c.Ports, func(p corev1.ContainerPort) bool {
 		return p.Name == "peer" && p.ContainerPort == 9004 && p.Protocol == corev1.ProtocolTCP

@@ -161,7 +161,7 @@ func TestChartDefaults(t *testing.T) {
 		"--peer-selector=app.kubernetes.io/component=endpoint-picker,app.kubernetes.io/instance=" + releaseName + ",app.kubernetes.io/name=tally",
 		"--peer-port=9004",
 		"--peer-cert-path=/etc/tally/peer-tls",
-		"--peer-pick-timeout=100ms",
+		"--peer-pick-timeout=250ms",
 		"-v=0",
 	}
 	if diff := cmp.Diff(wantArgs, c.Args); diff != "" {
