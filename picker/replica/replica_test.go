@@ -490,3 +490,25 @@ func TestAPickTheLeaderAnsweredLateIsCountedOnce(t *testing.T) {
 		c.eventually(fmt.Sprintf("replica %d's ledger empty", i), func() bool { return sum(c.inFlight(i)) == 0 })
 	}
 }
+
+func TestADetachedStreamThroughAFollowerStaysInEveryLedgerUntilTheModelEndsIt(t *testing.T) {
+	// NGINX Gateway Fabric ends the stream at the pick: the reservation
+	// stays, on the leader's ledger and every copy, until the model says
+	// the request is done.
+	c := newCluster(t, 3, writeCredentials(t), Options{PickTimeout: time.Minute})
+	c.lead(0, 1, 2)
+	ps := c.burst(6, "", 1)
+	for _, p := range ps {
+		c.reps[1].End(p.r, picker.Outcome{Detached: true})
+	}
+	for i := range 3 {
+		c.eventually(fmt.Sprintf("replica %d holds the 6 detached", i), func() bool {
+			l := c.pickers[i].Snapshot()
+			return l.InFlight == 6 && l.Detached == 6
+		})
+	}
+	c.clock.Step(time.Hour)
+	for i := range 3 {
+		c.eventually(fmt.Sprintf("replica %d's ledger empty", i), func() bool { return c.pickers[i].Snapshot().InFlight == 0 })
+	}
+}
