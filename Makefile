@@ -139,6 +139,12 @@ lint: ## Fail on unformatted files or go vet findings.
 	@out="$$(gofmt -l $$(git ls-files '*.go'))"; if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 
+.PHONY: proto
+proto: ## Regenerate the peer protocol's Go code (picker/replica/replicapb) from peer.proto: needs protoc (Debian: protobuf-compiler); the plugins come from the module proxy.
+	GOBIN=$(CURDIR)/bin $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
+	GOBIN=$(CURDIR)/bin $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.2
+	cd picker/replica/replicapb && PATH=$(CURDIR)/bin:$$PATH protoc --go_out=. --go_opt=paths=source_relative --go-grpc_out=. --go-grpc_opt=paths=source_relative peer.proto
+
 .PHONY: run
 run: ## Run the picker against the cluster in KUBECONFIG (POOL_NAME, POOL_NAMESPACE).
 	$(GO) run ./cmd/epp --pool-name=$(POOL_NAME) --pool-namespace=$(POOL_NAMESPACE)
