@@ -10,10 +10,13 @@
 //	                   port 0 picks one)
 //	--picker-tls BOOL  TLS to the picker, certificate not verified since the
 //	                   picker serves a self-signed one (default true)
-//	--resolve HOST=IP[,IP...]
+//	--resolve HOST=IP[:PORT][,IP[:PORT]...]
 //	                   the addresses X-EPP-Host HOST stands for, instead of
 //	                   DNS: the ready replicas behind the picker's Service, as
-//	                   cluster DNS would answer (repeatable, one per host)
+//	                   cluster DNS would answer (repeatable, one per host). An
+//	                   address with a port is dialled at that port instead of
+//	                   X-EPP-Port: replicas on one machine listen on one IP at
+//	                   several ports, where a cluster's share a port
 //	-v N               log verbosity; 1 logs every request
 //
 // The picker's address comes with each request, in X-EPP-Host and X-EPP-Port.
@@ -70,7 +73,7 @@ func main() {
 type options struct {
 	listen    string
 	pickerTLS bool
-	resolve   map[string][]string // --resolve: host -> IPs
+	resolve   map[string][]string // --resolve: host -> IP or IP:PORT
 	verbosity int
 }
 
@@ -103,7 +106,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.BoolVar(&o.pickerTLS, "picker-tls", true, "use TLS to the picker without verifying its (self-signed) certificate")
 	fs.IntVar(&o.verbosity, "v", 0, "log verbosity (1 logs every request)")
 	var errs []error
-	fs.Func("resolve", "HOST=IP[,IP...]: the addresses X-EPP-Host HOST stands for, instead of DNS (the picker's replicas; repeatable)", func(v string) error {
+	fs.Func("resolve", "HOST=IP[:PORT][,IP[:PORT]...]: the addresses X-EPP-Host HOST stands for, instead of DNS (the picker's replicas; a port overrides X-EPP-Port; repeatable)", func(v string) error {
 		host, ips, err := parseResolve(v)
 		if err != nil {
 			return err
@@ -134,22 +137,33 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	return o, errors.Join(errs...)
 }
 
-// parseResolve parses one --resolve value, "host=ip,ip".
+// resolveUsage is the form of a --resolve value, for its errors.
+const resolveUsage = "want HOST=IP[:PORT][,IP[:PORT]...]"
+
+// parseResolve parses one --resolve value, "host=ip,ip:port".
 func parseResolve(v string) (string, []string, error) {
 	host, list, ok := strings.Cut(v, "=")
 	host = strings.TrimSpace(host)
 	if !ok || host == "" || list == "" {
-		return "", nil, fmt.Errorf("%q: want HOST=IP[,IP...]", v)
+		return "", nil, fmt.Errorf("%q: %s", v, resolveUsage)
 	}
-	var ips []string
+	var addrs []string
 	for _, s := range strings.Split(list, ",") {
-		ip, err := netip.ParseAddr(strings.TrimSpace(s))
-		if err != nil {
-			return "", nil, fmt.Errorf("%q: %q is not an IP address: want HOST=IP[,IP...]", v, s)
+		s = strings.TrimSpace(s)
+		if ip, err := netip.ParseAddr(s); err == nil {
+			addrs = append(addrs, ip.String())
+			continue
 		}
-		ips = append(ips, ip.String())
+		ap, err := netip.ParseAddrPort(s)
+		if err != nil {
+			return "", nil, fmt.Errorf("%q: %q is not an IP address or IP:PORT: %s", v, s, resolveUsage)
+		}
+		if ap.Port() == 0 {
+			return "", nil, fmt.Errorf("%q: %q has port 0: a port is from 1 to 65535", v, s)
+		}
+		addrs = append(addrs, ap.String())
 	}
-	return host, ips, nil
+	return host, addrs, nil
 }
 
 // resolver answers the hosts of --resolve and looks the others up in DNS.

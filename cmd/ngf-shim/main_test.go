@@ -22,6 +22,9 @@ func TestBadFlagsExitWithStatus2AndNameTheFlag(t *testing.T) {
 		{[]string{"-v=-1"}, "-v"},
 		{[]string{"--resolve=epp"}, "resolve"},
 		{[]string{"--resolve=epp=127.0.0.1,epp-2"}, `"epp-2" is not an IP`},
+		{[]string{"--resolve=epp=127.0.0.1:9002,epp-2:9002"}, `"epp-2:9002" is not an IP`},
+		{[]string{"--resolve=epp=127.0.0.1:0"}, "port 0"},
+		{[]string{"--resolve=epp=127.0.0.1:70000"}, `"127.0.0.1:70000" is not an IP`},
 		{[]string{"--resolve=epp=127.0.0.1", "--resolve=epp=127.0.0.2"}, "given twice"},
 		{[]string{"stray"}, "stray"},
 	} {
@@ -92,5 +95,17 @@ func TestResolveFlagMapsAHostToItsReplicas(t *testing.T) {
 	}
 	if got, err := r(context.Background(), "other"); err != nil || strings.Join(got, " ") != "::1" {
 		t.Errorf("other resolved to %v, %v", got, err)
+	}
+}
+
+func TestResolveFlagTakesAPortPerAddress(t *testing.T) {
+	// The local stack's replicas: one IP, a port each.
+	o, err := parseFlags([]string{"--resolve=tally-epp.e2e.svc=127.0.0.1:9002, 127.0.0.1:9102,[::1]:9202,127.0.0.3"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := resolver(o.resolve)(context.Background(), "tally-epp.e2e.svc")
+	if want := "127.0.0.1:9002 127.0.0.1:9102 [::1]:9202 127.0.0.3"; err != nil || strings.Join(got, " ") != want {
+		t.Errorf("resolved to %v, %v; want %s", got, err, want)
 	}
 }

@@ -23,7 +23,10 @@
 // to a ClusterIP; a headless Service resolves to each pod's IP). The shim
 // does the same explicitly: it resolves the host for each request and
 // takes the resolved addresses in turn. Like NGF it does not retry a
-// failed exchange on another replica.
+// failed exchange on another replica. A resolved address may carry a port
+// of its own, which then stands in for X-EPP-Port: replicas run on one
+// machine listen on one IP at several ports, where a cluster's share the
+// Service's port at several IPs.
 //
 // The invariant: the shim speaks to the picker only as NGF does. A shim
 // that helped the picker (a :path, a protocol_config, a response phase)
@@ -78,9 +81,10 @@ type Shim struct {
 	// Dial opens a connection to the picker at target ("host:port"). The
 	// shim opens one per request and closes it when the request ends.
 	Dial func(target string) (*grpc.ClientConn, error)
-	// Resolve returns the addresses (IPs) that X-EPP-Host stands for: the
-	// ready replicas behind the picker's Service. Nil looks the host up
-	// in DNS (net.DefaultResolver); an IP is used as it is either way.
+	// Resolve returns the addresses that X-EPP-Host stands for: the ready
+	// replicas behind the picker's Service. Each is an IP, dialled at
+	// X-EPP-Port, or an IP:PORT, dialled as it is. Nil looks the host up
+	// in DNS (net.DefaultResolver); an IP host is used as it is either way.
 	Resolve func(ctx context.Context, host string) ([]string, error)
 	// Log receives one line per request at debug level and the failures at
 	// warn; nil discards them.
@@ -90,7 +94,24 @@ type Shim struct {
 	turns map[string]uint64 // per host: the requests sent to it so far
 }
 
-// pickAddr resolves host and returns the address whose turn it is.
+// pickTarget resolves host and returns the address ("host:port") whose
+// turn it is: port applies to the resolved addresses that carry none.
+func (s *Shim) pickTarget(ctx context.Context, host, port string) (string, error) {
+	addr, err := s.pickAddr(ctx, host)
+	if err != nil {
+		return "", err
+	}
+	if ap, err := netip.ParseAddrPort(addr); err == nil {
+		return ap.String(), nil
+	}
+	if _, err := netip.ParseAddr(addr); err != nil {
+		return "", fmt.Errorf("resolving %s %q: %q is neither IP nor IP:PORT", PickerHostHeader, host, addr)
+	}
+	return net.JoinHostPort(addr, port), nil
+}
+
+// pickAddr resolves host and returns the address (IP or IP:PORT) whose
+// turn it is.
 func (s *Shim) pickAddr(ctx context.Context, host string) (string, error) {
 	if ip, err := netip.ParseAddr(host); err == nil {
 		return ip.String(), nil
@@ -148,13 +169,12 @@ func (s *Shim) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, msg, http.StatusBadRequest)
 		return
 	}
-	addr, err := s.pickAddr(r.Context(), host)
+	target, err := s.pickTarget(r.Context(), host, port)
 	if err != nil {
 		log.Warn("finding the picker", "err", err)
 		http.Error(w, err.Error(), http.StatusBadGateway)
 		return
 	}
-	target := net.JoinHostPort(addr, port)
 	conn, err := s.Dial(target)
 	if err != nil {
 		log.Warn("connecting to the picker", "picker", target, "err", err)

@@ -29,6 +29,20 @@ type NGINXOptions struct {
 	// (default: the stack's Options.FailureMode). NGINX reads it from its
 	// configuration: SetFailureMode does not change it.
 	FailureMode infv1.EndpointPickerFailureMode
+	// SpreadOverReplicas names the picker by its Service's host name
+	// (PickerHost), which the shim resolves to every picker process
+	// started so far (PickerGRPCAddrs), so NGINX's requests spread over
+	// the replicas as NGF's spread over a Service's pods. The stack's
+	// pickers listen on one IP at several ports, so each resolved address
+	// carries its port. Replicas started later are not among them.
+	// Without it NGINX asks the first picker alone.
+	SpreadOverReplicas bool
+}
+
+// PickerHost is the host name of the picker's Service, as NGF names it to
+// its shim: StartNGINX with SpreadOverReplicas passes it.
+func (s *Stack) PickerHost() string {
+	return PickerServiceName + "." + s.opts.Namespace + ".svc.cluster.local"
 }
 
 // NGINX is a real NGINX in front of the stack's picker, configured the way
@@ -68,7 +82,13 @@ func (s *Stack) StartNGINX(ctx context.Context, opts NGINXOptions) (*NGINX, erro
 		return nil, fmt.Errorf("starting NGINX: %w", err)
 	}
 	var shimAddr netip.AddrPort
-	if n.shim, shimAddr, err = startShim(ctx, strings.Replace(name, "nginx", shimBin, 1), shim, s.opts.Output); err != nil {
+	var pickerHost string
+	var shimArgs []string
+	if opts.SpreadOverReplicas {
+		pickerHost = s.PickerHost()
+		shimArgs = append(shimArgs, "--resolve="+pickerHost+"="+strings.Join(s.PickerGRPCAddrs(), ","))
+	}
+	if n.shim, shimAddr, err = startShim(ctx, strings.Replace(name, "nginx", shimBin, 1), shim, s.opts.Output, shimArgs...); err != nil {
 		return nil, err
 	}
 	port, err := FreePort()
@@ -86,6 +106,7 @@ func (s *Stack) StartNGINX(ctx context.Context, opts NGINXOptions) (*NGINX, erro
 		Listen:        n.addr,
 		Shim:          shimAddr,
 		Picker:        netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(s.ports.GRPC)),
+		PickerHost:    pickerHost,
 		PoolEndpoints: pods,
 		FailureMode:   opts.FailureMode,
 	})
@@ -117,8 +138,8 @@ func (s *Stack) StartNGINX(ctx context.Context, opts NGINXOptions) (*NGINX, erro
 }
 
 // startShim starts the shim on a free loopback port and returns it with
-// its address once it listens.
-func startShim(ctx context.Context, name, path string, out io.Writer) (*Process, netip.AddrPort, error) {
+// its address once it listens; extra are more flags.
+func startShim(ctx context.Context, name, path string, out io.Writer, extra ...string) (*Process, netip.AddrPort, error) {
 	listening := make(chan string, 1)
 	onLine := func(line string) {
 		if _, addr, ok := strings.Cut(line, shimListeningPrefix); ok {
@@ -130,7 +151,7 @@ func startShim(ctx context.Context, name, path string, out io.Writer) (*Process,
 	}
 	// The picker serves TLS (--secure-serving, self-signed) as the stack
 	// runs it.
-	args := []string{"--listen=127.0.0.1:0", "--picker-tls=true", "-v=1"}
+	args := append([]string{"--listen=127.0.0.1:0", "--picker-tls=true", "-v=1"}, extra...)
 	p, err := startProcess(name, path, args, out, onLine)
 	if err != nil {
 		return nil, netip.AddrPort{}, err

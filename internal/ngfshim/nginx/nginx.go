@@ -63,6 +63,11 @@ type Config struct {
 	Shim netip.AddrPort
 	// Picker is the picker's ext_proc address, passed to the shim.
 	Picker netip.AddrPort
+	// PickerHost, when set, is the host name passed to the shim in place
+	// of Picker's IP (with Picker's port), as NGF passes the name of the
+	// picker's Service: the shim resolves it for each request and spreads
+	// the requests over its addresses (see package ngfshim).
+	PickerHost string
 	// PoolEndpoints are the pool's endpoints, FailOpen's targets. NGINX
 	// knows them as they were when the configuration was rendered.
 	PoolEndpoints []netip.AddrPort
@@ -98,6 +103,13 @@ func Render(c Config) ([]byte, error) {
 			errs = append(errs, fmt.Errorf("nginx config: %s %v is invalid: must be ip:port with a port from 1 to 65535", name, ap))
 		}
 	}
+	pickerHost := c.Picker.Addr().String()
+	if c.PickerHost != "" {
+		if !isHostName(c.PickerHost) {
+			errs = append(errs, fmt.Errorf("nginx config: PickerHost %q is invalid: must be a DNS name (letters, digits, '-' and '.')", c.PickerHost))
+		}
+		pickerHost = c.PickerHost
+	}
 	failureTarget := "invalid-backend-ref"
 	switch c.FailureMode {
 	case infv1.EndpointPickerFailClose:
@@ -122,7 +134,7 @@ func Render(c Config) ([]byte, error) {
 		"JSModule":      c.JSModule,
 		"Listen":        c.Listen.String(),
 		"ShimAddr":      c.Shim.String(),
-		"PickerHost":    c.Picker.Addr().String(),
+		"PickerHost":    pickerHost,
 		"PickerPort":    strconv.Itoa(int(c.Picker.Port())),
 		"PoolUpstream":  poolUpstream,
 		"PoolEndpoints": endpoints,
@@ -134,4 +146,24 @@ func Render(c Config) ([]byte, error) {
 		return nil, fmt.Errorf("rendering nginx.conf: %w", err)
 	}
 	return b.Bytes(), nil
+}
+
+// isHostName reports whether s is a DNS name NGINX can take unquoted in a
+// set directive: dot-separated labels of letters, digits and '-', none
+// empty or starting or ending with '-'.
+func isHostName(s string) bool {
+	if len(s) > 253 {
+		return false
+	}
+	for _, label := range strings.Split(s, ".") {
+		if label == "" || len(label) > 63 || label[0] == '-' || label[len(label)-1] == '-' {
+			return false
+		}
+		for _, r := range label {
+			if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-') {
+				return false
+			}
+		}
+	}
+	return true
 }

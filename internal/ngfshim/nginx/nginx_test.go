@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -142,6 +143,13 @@ func addrOf(ln net.Listener) netip.AddrPort {
 // the given failure mode. The picker is down when pickerDown is set.
 func startRig(t *testing.T, mode infv1.EndpointPickerFailureMode, pickerDown bool) *rig {
 	t.Helper()
+	return startRigNamingThePicker(t, mode, pickerDown, "")
+}
+
+// startRigNamingThePicker is startRig with NGINX naming the picker by
+// pickerHost (when set), which the shim resolves to the fake picker.
+func startRigNamingThePicker(t *testing.T, mode infv1.EndpointPickerFailureMode, pickerDown bool, pickerHost string) *rig {
+	t.Helper()
 	testtier.SkipIfShort(t, "NGINX with its NJS module")
 	bin, jsModule, err := Find()
 	if err != nil {
@@ -169,7 +177,12 @@ func startRig(t *testing.T, mode infv1.EndpointPickerFailureMode, pickerDown boo
 		t.Cleanup(g.Stop)
 	}
 
-	shim := httptest.NewServer(&ngfshim.Shim{Dial: ngfshim.Dialer(false)})
+	shim := httptest.NewServer(&ngfshim.Shim{Dial: ngfshim.Dialer(false), Resolve: func(_ context.Context, host string) ([]string, error) {
+		if host != pickerHost {
+			return nil, fmt.Errorf("no such host %q", host)
+		}
+		return []string{pickerAddr.String()}, nil
+	}})
 	t.Cleanup(shim.Close)
 
 	nginxLn := listen(t)
@@ -183,6 +196,7 @@ func startRig(t *testing.T, mode infv1.EndpointPickerFailureMode, pickerDown boo
 		Listen:        nginxAddr,
 		Shim:          addrOf(shim.Listener),
 		Picker:        pickerAddr,
+		PickerHost:    pickerHost,
 		PoolEndpoints: []netip.AddrPort{addrOf(podLn)},
 		FailureMode:   mode,
 	})
@@ -302,6 +316,23 @@ func TestNGINXProxiesTheRequestWholeToThePickedEndpoint(t *testing.T) {
 	}
 }
 
+func TestNGINXNamesThePickerByPickerHostForTheShimToResolve(t *testing.T) {
+	const service = "tally-epp.e2e.svc.cluster.local"
+	r := startRigNamingThePicker(t, infv1.EndpointPickerFailClose, false, service)
+	if status, got := r.post(t, "/v1/completions", `{"prompt":"hi"}`); status != http.StatusOK || got != `{"served":true}` {
+		t.Fatalf("status %d, body %q; want the picked pod's answer\n%s", status, got, r.errorLog(t))
+	}
+	streams := r.picker.seen()
+	if len(streams) != 1 {
+		t.Fatalf("the picker saw %d streams, want 1", len(streams))
+	}
+	for _, h := range streams[0] {
+		if h.GetKey() == "x-epp-host" && h.GetValue() != service {
+			t.Errorf("x-epp-host %q, want the Service's name %q", h.GetValue(), service)
+		}
+	}
+}
+
 func TestNGINXPassesAStreamAsThePodWritesIt(t *testing.T) {
 	r := startRig(t, infv1.EndpointPickerFailClose, false)
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
@@ -371,9 +402,35 @@ func TestRenderNamesTheFieldAtFault(t *testing.T) {
 		"Listen":      func() Config { c := ok; c.Listen = netip.AddrPort{}; return c }(),
 		"FailureMode": func() Config { c := ok; c.FailureMode = "FailSometimes"; return c }(),
 		"JSModule":    func() Config { c := ok; c.JSModule = "/a b.so"; return c }(),
+		"PickerHost":  func() Config { c := ok; c.PickerHost = "epp;evil"; return c }(),
 	} {
 		if _, err := Render(c); err == nil || !strings.Contains(err.Error(), field) {
 			t.Errorf("Render with a bad %s: %v, want an error naming it", field, err)
+		}
+	}
+}
+
+func TestRenderPassesPickerHostInPlaceOfPickersIP(t *testing.T) {
+	c := Config{
+		Dir:        "/tmp/x",
+		Listen:     netip.MustParseAddrPort("127.0.0.1:1"),
+		Shim:       netip.MustParseAddrPort("127.0.0.1:2"),
+		Picker:     netip.MustParseAddrPort("127.0.0.1:9002"),
+		PickerHost: "tally-epp.e2e.svc.cluster.local",
+	}
+	conf, err := Render(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"set $epp_host tally-epp.e2e.svc.cluster.local;", "set $epp_port 9002;"} {
+		if !strings.Contains(string(conf), want) {
+			t.Errorf("nginx.conf lacks %q:\n%s", want, conf)
+		}
+	}
+	for _, bad := range []string{"a b", "-epp", "epp-", "epp..svc", "epp.svc.", "epp_0", strings.Repeat("a", 64)} {
+		c.PickerHost = bad
+		if _, err := Render(c); err == nil || !strings.Contains(err.Error(), "PickerHost") {
+			t.Errorf("Render with PickerHost %q: %v, want an error naming PickerHost", bad, err)
 		}
 	}
 }
