@@ -156,7 +156,7 @@ func (x *Replica) stream(ctx context.Context, c *peerConn) error {
 	if err != nil {
 		return err
 	}
-	if err := s.Send(&pb.FromFollower{Msg: &pb.FromFollower_Hello{Hello: &pb.Hello{Version: Version, Replica: x.opts.Self}}}); err != nil {
+	if err := s.Send(&pb.FromFollower{Msg: &pb.FromFollower_Hello{Hello: &pb.Hello{Version: Version, Replica: x.opts.Self, Instance: x.instance}}}); err != nil {
 		return err
 	}
 	x.mu.Lock()

@@ -60,6 +60,7 @@ func (s server) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromL
 	ctx, cancel := context.WithCancel(stream.Context())
 	defer cancel()
 	f := &follower{name: h.Replica, out: make(chan *pb.FromLeader, outboxSize), cancel: cancel}
+	x.restarted(f.name, h.Instance)
 	x.mu.Lock()
 	x.followers[f] = struct{}{}
 	delete(x.gone, f.name)
@@ -119,7 +120,43 @@ func (s server) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromL
 
 // hello is this replica's Hello. Called with mu held.
 func (x *Replica) hello() *pb.Hello {
-	return &pb.Hello{Version: Version, Replica: x.opts.Self, Leading: x.leading.Load()}
+	return &pb.Hello{Version: Version, Replica: x.opts.Self, Leading: x.leading.Load(), Instance: x.instance}
+}
+
+// restarted leaves to the ledger's model the reservations of a follower
+// that comes back as another process: its streams died with the old one,
+// but their requests may still run on the engines.
+func (x *Replica) restarted(name, instance string) {
+	var orphans []*entry
+	x.mu.Lock()
+	before, seen := x.instances[name]
+	x.instances[name] = instance
+	if seen && before != instance {
+		orphans = x.takeOrigin(name)
+	}
+	x.mu.Unlock()
+	for _, e := range orphans {
+		x.p.End(e.r, picker.Outcome{Detached: true})
+	}
+}
+
+// takeOrigin removes the placed reservations of origin from the maps,
+// telling the followers (when leading) they are detached, and returns
+// them. Called with mu held.
+func (x *Replica) takeOrigin(origin string) []*entry {
+	var out []*entry
+	for id, e := range x.byID {
+		if e.origin != origin || e.r == nil {
+			continue
+		}
+		out = append(out, e)
+		delete(x.byID, id)
+		delete(x.byRes, e.r)
+		if x.leading.Load() {
+			x.broadcast(nil, opEvent(&pb.Event{Id: id, Kind: pb.Event_KIND_END, Outcome: &pb.Outcome{Detached: true}}))
+		}
+	}
+	return out
 }
 
 // sync is every reservation this replica holds. Called with mu held.

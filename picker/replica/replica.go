@@ -17,6 +17,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net/netip"
 	"strconv"
 	"sync"
@@ -75,12 +76,13 @@ type Peer struct {
 
 // Replica is one replica of the picker: the leader, or a follower of it.
 type Replica struct {
-	opts    Options
-	p       *picker.Picker
-	m       *metrics
-	leading atomic.Bool
-	ids     atomic.Uint64
-	lagNs   atomic.Int64 // of the last change applied from the leader
+	opts     Options
+	p        *picker.Picker
+	m        *metrics
+	leading  atomic.Bool
+	ids      atomic.Uint64
+	instance string       // this process, among its restarts
+	lagNs    atomic.Int64 // of the last change applied from the leader
 
 	mu sync.Mutex
 	// Every reservation this replica holds that a peer may speak of: its
@@ -92,6 +94,7 @@ type Replica struct {
 	// origin was last connected.
 	followers map[*follower]struct{}
 	gone      map[string]time.Time
+	instances map[string]string // each follower's process, as last seen
 	leadSince time.Time
 	// Following: the stream to each peer, and the one that leads.
 	peers  map[string]*peerConn
@@ -135,6 +138,8 @@ func New(p *picker.Picker, opts Options) *Replica {
 		byRes:     map[*picker.Reservation]*entry{},
 		followers: map[*follower]struct{}{},
 		gone:      map[string]time.Time{},
+		instances: map[string]string{},
+		instance:  strconv.FormatInt(time.Now().UnixNano(), 36) + "-" + strconv.FormatUint(rand.Uint64(), 36),
 		peers:     map[string]*peerConn{},
 	}
 	x.registerState(opts.Registerer)

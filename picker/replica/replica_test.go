@@ -59,6 +59,9 @@ func endpoints() []picker.Endpoint {
 // that moves only when a test moves it.
 type cluster struct {
 	t       testing.TB
+	creds   Credentials
+	opts    Options
+	cfg     v1alpha1.PickerConfig
 	clock   *testclock.FakeClock
 	reps    []*Replica
 	pickers []*picker.Picker
@@ -76,26 +79,11 @@ func newCluster(t testing.TB, n int, creds Credentials, opts Options) *cluster {
 // newClusterWith is newCluster with every picker configured by cfg.
 func newClusterWith(t testing.TB, n int, creds Credentials, opts Options, cfg v1alpha1.PickerConfig) *cluster {
 	t.Helper()
-	c := &cluster{t: t, clock: testclock.NewFakeClock(time.Now())}
+	c := &cluster{t: t, clock: testclock.NewFakeClock(time.Now()), creds: creds, opts: opts, cfg: cfg}
 	for i := range n {
-		p := picker.New(cfg, picker.Options{Clock: c.clock, Rand: mrand.New(mrand.NewPCG(uint64(i), 1))})
-		p.Replace(endpoints())
-		reg := prometheus.NewRegistry()
-		o := opts
-		o.Self, o.Dial, o.Registerer, o.Log = fmt.Sprintf("tally-%d", i), creds.Dial, reg, logFor(t).WithName(fmt.Sprint(i))
-		x := New(p, o)
-		lis, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		s := grpc.NewServer(grpc.Creds(creds.Server()))
-		x.Register(s)
-		go func() { _ = s.Serve(lis) }()
-		ctx, stop := context.WithCancel(context.Background())
-		go x.Run(ctx)
-		c.reps, c.pickers, c.regs = append(c.reps, x), append(c.pickers, p), append(c.regs, reg)
-		c.servers, c.stops = append(c.servers, s), append(c.stops, stop)
-		c.peers = append(c.peers, Peer{Name: o.Self, Addr: netip.MustParseAddrPort(lis.Addr().String())})
+		c.reps, c.pickers, c.regs = append(c.reps, nil), append(c.pickers, nil), append(c.regs, nil)
+		c.servers, c.stops, c.peers = append(c.servers, nil), append(c.stops, nil), append(c.peers, Peer{})
+		c.start(i)
 	}
 	for _, x := range c.reps {
 		x.SetPeers(c.peers)
@@ -106,6 +94,39 @@ func newClusterWith(t testing.TB, n int, creds Credentials, opts Options, cfg v1
 		}
 	})
 	return c
+}
+
+// start starts replica i, a new process of it: its own picker (an empty
+// ledger), peer server and streams.
+func (c *cluster) start(i int) {
+	t := c.t
+	p := picker.New(c.cfg, picker.Options{Clock: c.clock, Rand: mrand.New(mrand.NewPCG(uint64(i), 1))})
+	p.Replace(endpoints())
+	reg := prometheus.NewRegistry()
+	o := c.opts
+	o.Self, o.Dial, o.Registerer, o.Log = fmt.Sprintf("tally-%d", i), c.creds.Dial, reg, logFor(t).WithName(fmt.Sprint(i))
+	x := New(p, o)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := grpc.NewServer(grpc.Creds(c.creds.Server()))
+	x.Register(s)
+	go func() { _ = s.Serve(lis) }()
+	ctx, stop := context.WithCancel(context.Background())
+	go x.Run(ctx)
+	c.reps[i], c.pickers[i], c.regs[i], c.servers[i], c.stops[i] = x, p, reg, s, stop
+	c.peers[i] = Peer{Name: o.Self, Addr: netip.MustParseAddrPort(lis.Addr().String())}
+}
+
+// restart kills replica i and starts a new process of it, under the same
+// name at a new address, which every replica then follows.
+func (c *cluster) restart(i int) {
+	c.kill(i)
+	c.start(i)
+	for _, x := range c.reps {
+		x.SetPeers(c.peers)
+	}
 }
 
 // kill stops replica i as a SIGKILL would: its server and its streams end.
@@ -511,4 +532,21 @@ func TestADetachedStreamThroughAFollowerStaysInEveryLedgerUntilTheModelEndsIt(t 
 	for i := range 3 {
 		c.eventually(fmt.Sprintf("replica %d's ledger empty", i), func() bool { return c.pickers[i].Snapshot().InFlight == 0 })
 	}
+}
+
+func TestAFollowerBackAsAnotherProcessLeavesItsOldReservationsToTheModel(t *testing.T) {
+	// The grace for replicas that are gone is an hour: what ends the old
+	// process's reservations is its successor's arrival.
+	c := newCluster(t, 2, writeCredentials(t), Options{PickTimeout: time.Minute, OrphanGrace: time.Hour})
+	c.lead(0, 1)
+	c.burst(5, "", 1)
+	c.eventually("the leader holds the follower's 5", func() bool { return sum(c.inFlight(0)) == 5 })
+	c.restart(1)
+	c.lead(0, 1)
+	c.eventually("the old process's 5 are detached on the leader", func() bool {
+		l := c.pickers[0].Snapshot()
+		return l.InFlight == 5 && l.Detached == 5
+	})
+	c.clock.Step(time.Hour)
+	c.eventually("and end by the model", func() bool { return c.pickers[0].Snapshot().InFlight == 0 })
 }

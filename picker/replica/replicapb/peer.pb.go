@@ -401,7 +401,10 @@ type Hello struct {
 	// The sender's pod name.
 	Replica string `protobuf:"bytes,2,opt,name=replica,proto3" json:"replica,omitempty"`
 	// The sender holds the Lease and places every pick.
-	Leading       bool `protobuf:"varint,3,opt,name=leading,proto3" json:"leading,omitempty"`
+	Leading bool `protobuf:"varint,3,opt,name=leading,proto3" json:"leading,omitempty"`
+	// The sender's process, new at each start: a follower that comes back
+	// as another process no longer serves its earlier streams.
+	Instance      string `protobuf:"bytes,4,opt,name=instance,proto3" json:"instance,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -455,6 +458,13 @@ func (x *Hello) GetLeading() bool {
 		return x.Leading
 	}
 	return false
+}
+
+func (x *Hello) GetInstance() string {
+	if x != nil {
+		return x.Instance
+	}
+	return ""
 }
 
 // Request is a request as hashed by the replica that parsed it: the
@@ -1128,11 +1138,12 @@ const file_peer_proto_rawDesc = "" +
 	"\x06placed\x18\x02 \x01(\v2\x15.tally.peer.v1.PlacedH\x00R\x06placed\x12#\n" +
 	"\x02op\x18\x03 \x01(\v2\x11.tally.peer.v1.OpH\x00R\x02op\x12)\n" +
 	"\x04sync\x18\x04 \x01(\v2\x13.tally.peer.v1.SyncH\x00R\x04syncB\x05\n" +
-	"\x03msg\"U\n" +
+	"\x03msg\"q\n" +
 	"\x05Hello\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x18\n" +
 	"\areplica\x18\x02 \x01(\tR\areplica\x12\x18\n" +
-	"\aleading\x18\x03 \x01(\bR\aleading\"\xb9\x02\n" +
+	"\aleading\x18\x03 \x01(\bR\aleading\x12\x1a\n" +
+	"\binstance\x18\x04 \x01(\tR\binstance\"\xb9\x02\n" +
 	"\aRequest\x12\x14\n" +
 	"\x05model\x18\x01 \x01(\tR\x05model\x12!\n" +
 	"\fprompt_chars\x18\x02 \x01(\x03R\vpromptChars\x12\x16\n" +
