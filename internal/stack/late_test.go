@@ -33,10 +33,16 @@ func TestLateFirstByteFractionReachesTheSimulators(t *testing.T) {
 	if r.TTFT < atLeast || r.CompletionTokens != tokens {
 		t.Fatalf("first event after %v of a %v response with %d tokens; want the whole generation, at least %v, and %d tokens", r.TTFT, r.Latency, r.CompletionTokens, atLeast, tokens)
 	}
-	// The simulator says how long it held the response back: the time to
-	// its first token is what is left, well under the generation.
-	if first := r.TTFT - r.HeldBack; r.HeldBack == 0 || first < 0 || first > atLeast/2 {
-		t.Fatalf("held back %v of a first event after %v; want all but the prefill (under %v)", r.HeldBack, r.TTFT, atLeast/2)
+	// The simulator says it held the response back, no longer than the
+	// first event waited; and once the first event came the rest came
+	// with it, not token by token. (How much of the wait was the prefill
+	// depends on how busy the machine is: a run beside others took 237 ms
+	// of 497 for it, so that is not checked.)
+	if r.HeldBack <= 0 || r.HeldBack > r.TTFT {
+		t.Fatalf("held back %v of a first event after %v; want more than 0 and at most the wait", r.HeldBack, r.TTFT)
+	}
+	if rest := r.Latency - r.TTFT; rest > atLeast/2 {
+		t.Fatalf("the events after the first took %v; a response held back whole comes at once (well under %v)", rest, atLeast/2)
 	}
 }
 
