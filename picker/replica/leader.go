@@ -92,30 +92,22 @@ func (s server) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromL
 			}
 		}
 	}()
-	recvd := make(chan *pb.FromFollower)
+	// The follower's messages are handled as they are read, in order, on
+	// the reading goroutine: no hand-off. The handler returns when the
+	// stream ends or the follower is cut off (its Recv then ends too).
 	go func() {
 		defer cancel()
 		for {
 			m, err := stream.Recv()
-			if err != nil {
+			if err != nil || ctx.Err() != nil {
 				return
 			}
-			select {
-			case recvd <- m:
-			case <-ctx.Done():
-				return
-			}
+			x.fromFollower(ctx, f, m)
 		}
 	}()
-	for {
-		select {
-		case m := <-recvd:
-			x.fromFollower(ctx, f, m)
-		case <-ctx.Done():
-			<-sent
-			return nil
-		}
-	}
+	<-ctx.Done()
+	<-sent
+	return nil
 }
 
 // hello is this replica's Hello. Called with mu held.
