@@ -42,13 +42,17 @@ type ledger struct {
 	rows   []*row                  // current endpoints, sorted by address
 	byAddr map[netip.AddrPort]*row // current endpoints
 	// candidateRows are the current endpoints a pick may choose without a
-	// subset hint: rows minus those excluded for failing scrapes.
+	// subset hint: the rows that decode, minus those excluded for failing
+	// scrapes.
 	candidateRows []*row
-	byKey         map[rowKey]*row // current and retained endpoints
-	all           []*row          // current and retained endpoints, oldest first
-	lists         uint64          // setEndpoints calls so far
-	index         *prefix.Index
-	owners        uint32 // the last owner tag given to a pick's prefix records
+	// prefillRows are the current rows that may prefill for another, minus
+	// those excluded.
+	prefillRows []*row
+	byKey       map[rowKey]*row // current and retained endpoints
+	all         []*row          // current and retained endpoints, oldest first
+	lists       uint64          // setEndpoints calls so far
+	index       *prefix.Index
+	owners      uint32 // the last owner tag given to a pick's prefix records
 	// meanPromptTokens is a moving mean of the prompts placed: the size of
 	// a foreign request when its engine does not say (engine.go).
 	meanPromptTokens float64
@@ -131,6 +135,7 @@ func (l *ledger) setEndpoints(eps []Endpoint, now int64) (c setCounts) {
 			c.returned++
 		}
 		w.ep, w.current, w.listed = ep, true, mark
+		w.decodes, w.prefills = ep.decodes(), ep.prefills()
 		l.byAddr[key(ep.Address)] = w
 	}
 	for _, w := range l.rows {

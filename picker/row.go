@@ -48,11 +48,14 @@ type row struct {
 	// What the engine's metrics say (see engine.go).
 	engine engineView
 
-	ep      Endpoint
-	key     rowKey
-	current bool
-	dropped bool
-	leftAt  int64 // ledger time when it left the set, while retained
+	ep Endpoint
+	// decodes and prefills: its endpoint's role allows it to be a
+	// destination, and to prefill for another (Endpoint.Role).
+	decodes, prefills bool
+	key               rowKey
+	current           bool
+	dropped           bool
+	leftAt            int64 // ledger time when it left the set, while retained
 	// pos is its place in the ledger's rows while current; listed, the
 	// last setEndpoints that listed it.
 	pos    int
