@@ -54,6 +54,7 @@ func EndpointsFor(pool *infv1.InferencePool, pods []corev1.Pod) []picker.Endpoin
 				Pod:     pod.Name,
 				UID:     string(pod.UID),
 				Engine:  engineType(pod),
+				Role:    role(pod),
 				Address: netip.AddrPortFrom(ip, uint16(port.Number)),
 			})
 		}
@@ -79,6 +80,20 @@ func engineType(pod *corev1.Pod) string {
 		return t
 	}
 	return "vllm"
+}
+
+// RoleLabel names a pod's part in prefill/decode disaggregation, by llm-d's
+// convention: prefill, decode, prefill-decode (or its older spelling both).
+const RoleLabel = "llm-d.ai/role"
+
+// role is the pod's role label, with llm-d's deprecated "both" read as
+// prefill-decode; "" when unlabelled. Other values (llm-d's encode roles)
+// pass through: the picker treats them as neither prefill nor decode.
+func role(pod *corev1.Pod) string {
+	if r := pod.Labels[RoleLabel]; r != "both" {
+		return r
+	}
+	return picker.RolePrefillDecode
 }
 
 func inPool(pool *infv1.InferencePool, pod *corev1.Pod) bool {

@@ -194,3 +194,26 @@ func TestEndpointsCarryThePodUID(t *testing.T) {
 		t.Errorf("a pod labelled sglang gives %+v, want engine sglang", eps)
 	}
 }
+
+// The llm-d.ai/role label gives each endpoint its disaggregation role, with
+// the deprecated "both" read as prefill-decode.
+func TestEndpointsCarryTheRoleLabel(t *testing.T) {
+	pool := testPool(map[string]string{"app": "llm"}, 8000)
+	for _, tc := range []struct{ label, want string }{
+		{"", ""},
+		{"prefill", picker.RolePrefill},
+		{"decode", picker.RoleDecode},
+		{"prefill-decode", picker.RolePrefillDecode},
+		{"both", picker.RolePrefillDecode},
+		{"encode", "encode"},
+	} {
+		labels := map[string]string{"app": "llm"}
+		if tc.label != "" {
+			labels[controllers.RoleLabel] = tc.label
+		}
+		eps := controllers.EndpointsFor(pool, []corev1.Pod{testPod("a", "10.0.0.1", withLabels(labels))})
+		if len(eps) != 1 || eps[0].Role != tc.want {
+			t.Errorf("label %q gives %+v, want one endpoint with role %q", tc.label, eps, tc.want)
+		}
+	}
+}

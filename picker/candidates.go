@@ -58,11 +58,12 @@ func (l *ledger) addIP(c []*row, ip netip.Addr, withExcluded bool) []*row {
 	return c
 }
 
-// addCandidate appends w unless this pick has it already, or it is
-// excluded for failing scrapes and withExcluded is false.
+// addCandidate appends w unless this pick has it already, it does not
+// decode (a prefill-only pod is never a destination), or it is excluded for
+// failing scrapes and withExcluded is false.
 func (l *ledger) addCandidate(c []*row, w *row, withExcluded bool) []*row {
 	s := &l.scratch
-	if s.seen[w.pos] == s.mark || w.engine.excluded && !withExcluded {
+	if s.seen[w.pos] == s.mark || !w.decodes || w.engine.excluded && !withExcluded {
 		return c
 	}
 	s.seen[w.pos] = s.mark

@@ -55,7 +55,9 @@ func (l *ledger) detach(r *Reservation, now int64) bool {
 	w := r.row
 	w.detached++
 	w.detachedList.Push(r)
-	if r.decoding {
+	if r.decoding && r.pre == nil {
+		// A split request still prefilling elsewhere is scheduled when
+		// its prefiller's model ends the prefill (row.drain).
 		l.scheduleDetached(r, now)
 	}
 	return true
@@ -73,7 +75,7 @@ func (l *ledger) expectedOutputTokens(r *Reservation) float64 {
 // end its modelled end. On an engine the last scrape found behind the
 // model, its prefill counts in behind: the engine has not begun it either.
 func (l *ledger) scheduleDetached(r *Reservation, end int64) {
-	if e := &r.row.engine; e.lagging && !r.sawFirstByte {
+	if e := &r.row.engine; e.lagging && !r.sawFirstByte && !r.split() {
 		e.behind += max(r.promptTokens-r.cachedTokens, 1)
 	}
 	r.doneAt = end + int64(l.expectedOutputTokens(r)*l.decodeNsPerToken)
@@ -115,6 +117,12 @@ func (l *ledger) shortenDetached(w *row, excess int, now, seen int64) {
 		next := w.detachedList.Next(r)
 		if r.pickedNs+int64(detachArrival) > seen {
 			break // the list is in detach order, close to pick order
+		}
+		if r.pre != nil {
+			// Still prefilling on its prefiller: this engine has not
+			// begun it, so it is not among those that ended.
+			r = next
+			continue
 		}
 		l.release(r, now)
 		l.detachEnds[detachEndEngine]++

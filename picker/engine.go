@@ -390,18 +390,27 @@ func (l *ledger) observeFailure(addr netip.AddrPort) (failed bool) {
 func (l *ledger) refreshCandidates() {
 	healthy := 0
 	for _, w := range l.rows {
-		if !w.engine.unhealthy {
+		if !w.engine.unhealthy && w.decodes {
 			healthy++
 		}
 	}
-	l.candidateRows = l.candidateRows[:0]
+	l.candidateRows, l.prefillRows = l.candidateRows[:0], l.prefillRows[:0]
 	for _, w := range l.rows {
-		w.engine.excluded = w.engine.unhealthy && healthy > 0
-		if !w.engine.excluded {
+		// Failing destinations are still better than none; a failing
+		// prefiller is never needed (the destination can prefill).
+		w.engine.excluded = w.engine.unhealthy && (healthy > 0 || !w.decodes)
+		if w.engine.excluded {
+			continue
+		}
+		if w.decodes {
 			l.candidateRows = append(l.candidateRows, w)
+		}
+		if w.prefills {
+			l.prefillRows = append(l.prefillRows, w)
 		}
 	}
 	clear(l.candidateRows[len(l.candidateRows):cap(l.candidateRows)])
+	clear(l.prefillRows[len(l.prefillRows):cap(l.prefillRows)])
 }
 
 // pickTimes are the times of the recent picks on an endpoint, oldest first.

@@ -42,13 +42,17 @@ type ledger struct {
 	rows   []*row                  // current endpoints, sorted by address
 	byAddr map[netip.AddrPort]*row // current endpoints
 	// candidateRows are the current endpoints a pick may choose without a
-	// subset hint: rows minus those excluded for failing scrapes.
+	// subset hint: the rows that decode, minus those excluded for failing
+	// scrapes.
 	candidateRows []*row
-	byKey         map[rowKey]*row // current and retained endpoints
-	all           []*row          // current and retained endpoints, oldest first
-	lists         uint64          // setEndpoints calls so far
-	index         *prefix.Index
-	owners        uint32 // the last owner tag given to a pick's prefix records
+	// prefillRows are the current rows that may prefill for another, minus
+	// those excluded.
+	prefillRows []*row
+	byKey       map[rowKey]*row // current and retained endpoints
+	all         []*row          // current and retained endpoints, oldest first
+	lists       uint64          // setEndpoints calls so far
+	index       *prefix.Index
+	owners      uint32 // the last owner tag given to a pick's prefix records
 	// meanPromptTokens is a moving mean of the prompts placed: the size of
 	// a foreign request when its engine does not say (engine.go).
 	meanPromptTokens float64
@@ -131,6 +135,7 @@ func (l *ledger) setEndpoints(eps []Endpoint, now int64) (c setCounts) {
 			c.returned++
 		}
 		w.ep, w.current, w.listed = ep, true, mark
+		w.decodes, w.prefills = ep.decodes(), ep.prefills()
 		l.byAddr[key(ep.Address)] = w
 	}
 	for _, w := range l.rows {
@@ -257,6 +262,10 @@ func (l *ledger) recordTail(r *Reservation) bool {
 		// ago (still at the front of the list) and puts the tail behind
 		// it, where eviction takes a prompt's tail before its head.
 		l.index.Record(r.row.id, r.hashes, r.owner)
+		// A split request's prefiller cached the whole prompt too.
+		if w := r.pre; w != nil && w.id >= 0 {
+			l.index.Record(w.id, r.hashes, r.owner)
+		}
 	}
 	return l.index.Untidy()
 }
@@ -279,6 +288,9 @@ func (l *ledger) firstByte(r *Reservation, now int64) {
 	if !r.decoding {
 		r.row.endPrefill(r, now)
 	}
+	// A split request's first bytes come from its destination once the
+	// prefill leg has answered and the KV cache moved.
+	l.releasePrefill(r, now)
 	l.freed(now)
 }
 
@@ -308,7 +320,9 @@ func (l *ledger) end(r *Reservation, o Outcome, now int64) (buf *[]uint64, detac
 		// prefill or decoding to model: it is done when it is answered.
 		return nil, l.detach(r, now)
 	}
-	if o.PromptTokens > 0 && !r.delivered {
+	// A split request's usage is its destination's, whose cache the
+	// prefiller's KV filled: it says nothing of the prefix index's trust.
+	if o.PromptTokens > 0 && !r.delivered && !r.split() {
 		r.delivered = true
 		e := &r.row.engine
 		delivered := min(max(o.CachedTokens, 0), o.PromptTokens)
@@ -334,9 +348,12 @@ func (l *ledger) release(r *Reservation, now int64) *[]uint64 {
 	if r.detached {
 		l.unlinkDetached(r)
 	}
-	if r.stream && r.sawFirstByte {
+	if r.stream && r.sawFirstByte && !r.split() {
+		// A split request's first byte times its prefiller's queue, the
+		// KV transfer and a decode step: it teaches neither row's rate.
 		l.learnPrefill(r, now)
 	}
+	l.releasePrefill(r, now)
 	r.row.drop(r, now)
 	r.prefill = 0
 	r.released = true
@@ -344,6 +361,16 @@ func (l *ledger) release(r *Reservation, now int64) *[]uint64 {
 	buf := r.hashBuf
 	r.hashes, r.hashBuf = nil, nil
 	return buf
+}
+
+// releasePrefill takes a split request's prefill part off its prefiller,
+// if it still holds it.
+func (l *ledger) releasePrefill(r *Reservation, now int64) {
+	if r.pre == nil {
+		return
+	}
+	r.pre.dropPrefill(r, now)
+	r.pre, r.prefill = nil, 0
 }
 
 // servedBy moves r to the endpoint at addr (Picker.ServedBy); it reports

@@ -35,6 +35,7 @@ type scratch struct {
 	best     []int // best's result and its tie keys: room for one more than the longest list
 	bestKeys []uint64
 	ended    []endedPrefill // the detached prefills a drain ended
+	weight   float64        // the last score's workWeight
 }
 
 func newScratch() scratch {
@@ -78,8 +79,82 @@ func (l *ledger) place(r *Reservation, req Request) error {
 		cands[i].taken = true
 		r.endpoints[k] = cands[i].w.ep.Address
 	}
-	l.reserve(r, &cands[best[0]], req.Model, now)
+	d := &cands[best[0]]
+	if pc, ok := l.prefiller(d, r, now); ok {
+		// Held as decoding on the destination from the pick: its prefill
+		// is queued on the prefiller alone.
+		r.decoding = true
+		l.reserve(r, d, req.Model, now)
+		l.reservePrefill(r, &pc, now)
+		return nil
+	}
+	l.reserve(r, d, req.Model, now)
 	return nil
+}
+
+// prefiller chooses where a request placed on d prefills when it is split
+// (disaggregation): ok is false when it is not split. As llm-d's
+// prefix-based-pd-decider, only a prompt of at least promptTokens with at
+// least nonCachedTokens not cached on d may be; then the cheapest
+// prefill-capable endpoint other than d (the same cost terms as a
+// destination's) takes it, if prefilling there is no costlier than on d.
+// Each side's cost adds the stall its prefill puts on the requests decoding
+// there, which wait out its tokens (vLLM runs a step's prefill beside its
+// decodes): what keeping prefill off decode pods is for. An exact tie
+// splits, as the pods' roles ask.
+func (l *ledger) prefiller(d *candidate, r *Reservation, now int64) (p candidate, ok bool) {
+	dis := &l.cfg.Disaggregation
+	rows := l.prefillRows
+	if !dis.Enabled() || r.bodiless || len(rows) == 0 || r.promptTokens < dis.PromptTokens || d.uncached < dis.NonCachedTokens {
+		return p, false
+	}
+	s := &l.scratch
+	ids, matched := s.ids[:len(rows)], s.matched[:len(rows)]
+	for i, w := range rows {
+		ids[i] = w.id
+	}
+	l.index.Match(r.hashes, ids, matched)
+	ties := 0
+	for i, w := range rows {
+		if w == d.w {
+			continue
+		}
+		l.drain(w, now)
+		c := candidate{w: w, matched: matched[i], uncached: l.uncachedTokens(w, r.promptChars, matched[i])}
+		c.queued, c.foreign = w.queued(), w.engine.foreignCost(now)
+		if !r.bodiless && l.overLimit(w, c.queued) {
+			continue
+		}
+		c.cost = l.cost(c.queued, c.foreign, c.uncached, w.decoding, s.weight) + c.uncached*w.decoding
+		switch {
+		case !ok || c.cost < p.cost:
+			p, ok, ties = c, true, 1
+		case c.cost == p.cost:
+			// Uniform among exact ties: list order must not decide.
+			ties++
+			if l.rand.IntN(ties) == 0 {
+				p = c
+			}
+		}
+	}
+	if !ok || p.cost > d.cost+d.uncached*d.w.decoding {
+		return p, false
+	}
+	return p, true
+}
+
+// reservePrefill holds a split request's prefill on its prefiller, and
+// records its prompt's head there: the prefiller's engine computes, and
+// caches, the prompt (the KV it hands over lands on the destination, where
+// reserve recorded it).
+func (l *ledger) reservePrefill(r *Reservation, p *candidate, now int64) {
+	w := p.w
+	r.prefiller = w.ep.Address
+	r.pre = w
+	r.prefill = p.uncached
+	w.holdPrefill(r, now)
+	w.engine.recent.add(now)
+	l.index.Record(w.id, r.hashes[:min(len(r.hashes), l.blocks.inLock)], r.owner)
 }
 
 // score drains rows to now and works out each one's cost for r: the
@@ -103,6 +178,7 @@ func (l *ledger) score(rows []*row, r *Reservation, now int64) []candidate {
 	}
 
 	weight := workWeight(rows)
+	s.weight = weight
 	whole := l.uncachedTokens(nil, r.promptChars, 0) // where nothing is held
 	// A held prompt's uncached tokens depend only on the blocks held and
 	// the engine's cache trust, which candidates mostly share: the last

@@ -28,11 +28,21 @@ type Reservation struct {
 	adapterLoad, adapterWait bool
 	endpoints                [maxFallbackEndpoints]netip.AddrPort
 	nEndpoints               int
+	// prefiller is the pod that prefills a split request (disaggregation):
+	// its KV cache moves to the destination, which decodes. Invalid when
+	// the destination prefills itself.
+	prefiller netip.AddrPort
 
 	// Guarded by the picker's lock.
-	row          *row // current holder; its counters include this reservation until released
-	prefill      int  // prefill tokens still held (0 once decoding)
-	decoding     bool // past the first byte, or past the modelled prefill
+	row      *row // current holder; its counters include this reservation until released
+	prefill  int  // prefill tokens still held (0 once decoding)
+	decoding bool // past the first byte, or past the modelled prefill
+	// pre is the prefiller's row while it holds the prefill part of a split
+	// request (its request and prefill); nil before a split and once the
+	// part is released. A split request decodes on row from the pick: it
+	// holds a decode slot there and no prefill, and prefill counts the
+	// part's tokens.
+	pre          *row
 	sawFirstByte bool
 	released     bool
 	delivered    bool
@@ -69,3 +79,13 @@ type Reservation struct {
 // in random order), at most FallbackEndpoints in all; saturated endpoints are
 // not listed. The slice is shared: do not modify it.
 func (r *Reservation) Endpoints() []netip.AddrPort { return r.endpoints[:r.nEndpoints] }
+
+// Prefiller is the endpoint that prefills the request when it is split
+// (disaggregation): the destination pulls the KV cache from it and decodes.
+// ok is false when the destination prefills the request itself.
+func (r *Reservation) Prefiller() (addr netip.AddrPort, ok bool) {
+	return r.prefiller, r.prefiller.IsValid()
+}
+
+// split reports whether r's prefill runs on another endpoint than its row.
+func (r *Reservation) split() bool { return r.prefiller.IsValid() }

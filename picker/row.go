@@ -48,11 +48,14 @@ type row struct {
 	// What the engine's metrics say (see engine.go).
 	engine engineView
 
-	ep      Endpoint
-	key     rowKey
-	current bool
-	dropped bool
-	leftAt  int64 // ledger time when it left the set, while retained
+	ep Endpoint
+	// decodes and prefills: its endpoint's role allows it to be a
+	// destination, and to prefill for another (Endpoint.Role).
+	decodes, prefills bool
+	key               rowKey
+	current           bool
+	dropped           bool
+	leftAt            int64 // ledger time when it left the set, while retained
 	// pos is its place in the ledger's rows while current; listed, the
 	// last setEndpoints that listed it.
 	pos    int
@@ -145,7 +148,14 @@ func (w *row) drain(now int64, ended []endedPrefill) []endedPrefill {
 		// When the model's position passed its end: its decoding started
 		// then, not at this (lazy) drain.
 		end := fromAt + int64(max(r.endPos-fromOut, 0)/w.rate*1e9)
-		w.endPrefill(r, now)
+		if r.pre == w {
+			// A split request's prefill leg is one token long: done
+			// with its prefill, it is gone from its prefiller.
+			w.dropPrefill(r, now)
+			r.pre, r.prefill = nil, 0
+		} else {
+			w.endPrefill(r, now)
+		}
 		if r.detached {
 			ended = append(ended, endedPrefill{r, min(max(end, r.enqueuedAt), now)})
 		}
@@ -169,6 +179,26 @@ func (w *row) hold(r *Reservation, now int64) {
 		w.decoding++
 		return
 	}
+	w.enqueue(r, now)
+}
+
+// holdPrefill adds the prefill part of a split request r to w, its
+// prefiller: the request, and its prefill at the back of the queue.
+func (w *row) holdPrefill(r *Reservation, now int64) {
+	w.inFlight++
+	w.engine.peak = max(w.engine.peak, w.inFlight)
+	w.enqueue(r, now)
+}
+
+// dropPrefill takes the prefill part of a split request r off w, its
+// prefiller.
+func (w *row) dropPrefill(r *Reservation, now int64) {
+	w.inFlight--
+	w.leaveQueue(r, now)
+}
+
+// enqueue puts r's prefill at the back of w's queue.
+func (w *row) enqueue(r *Reservation, now int64) {
 	w.advance(now)
 	ahead := w.queued()
 	w.prefill += r.prefill

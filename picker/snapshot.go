@@ -53,7 +53,8 @@ type EndpointStats struct {
 // Ledger is one consistent view of the whole ledger.
 type Ledger struct {
 	// InFlight, Detached and PrefillTokens sum every row, retained ones
-	// included.
+	// included: a split request (disaggregation) counts in flight on its
+	// prefiller, until its prefill is done, and on its destination.
 	InFlight, Detached, PrefillTokens int
 	// Waiting counts the requests in the flow control queue.
 	Waiting int

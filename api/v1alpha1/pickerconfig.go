@@ -134,7 +134,28 @@ type PickerConfig struct {
 	// candidate endpoint is saturated, and dispatches them best first as
 	// capacity frees. Off by default.
 	FlowControl FlowControl `json:"flowControl,omitempty"`
+	// Disaggregation, when on, lets a request's prefill run on another pod
+	// than the one that decodes it (llm-d's prefill/decode
+	// disaggregation; pods carry the llm-d.ai/role label). Off by default.
+	Disaggregation Disaggregation `json:"disaggregation,omitempty"`
 }
+
+// Disaggregation is when a request's prefill runs on a prefill pod, the KV
+// cache moving to its decode pod: as llm-d's prefix-based-pd-decider, only
+// for a prompt of at least PromptTokens whose tokens not cached on the
+// chosen decode pod are at least NonCachedTokens, and, beyond llm-d, only
+// when the prefill pod's queue does not make the pair costlier than
+// prefilling on the decode pod.
+type Disaggregation struct {
+	// NonCachedTokens is the fewest uncached prompt tokens that split a
+	// request; 0 turns disaggregation off (llm-d's default).
+	NonCachedTokens int `json:"nonCachedTokens,omitempty"`
+	// PromptTokens is the shortest prompt, in tokens, that may be split.
+	PromptTokens int `json:"promptTokens,omitempty"`
+}
+
+// Enabled reports whether requests may be split.
+func (d Disaggregation) Enabled() bool { return d.NonCachedTokens > 0 }
 
 // FlowControl is late binding: a request that arrives while every candidate
 // endpoint is saturated waits in the picker, its stream held open, and is
@@ -307,6 +328,12 @@ func (c *PickerConfig) Validate() error {
 	}
 	if c.Saturation.MaxPrefillTokens < 0 {
 		bad("saturation.maxPrefillTokens", c.Saturation.MaxPrefillTokens, "must be 0 (off) or more")
+	}
+	if d := c.Disaggregation; d.NonCachedTokens < 0 || d.NonCachedTokens > 100_000_000 {
+		bad("disaggregation.nonCachedTokens", d.NonCachedTokens, "must be 0 (off) or from 1 to 100000000")
+	}
+	if d := c.Disaggregation; d.PromptTokens < 0 || d.PromptTokens > 100_000_000 {
+		bad("disaggregation.promptTokens", d.PromptTokens, "must be from 0 to 100000000")
 	}
 	f := c.FlowControl
 	if f.HoldPrefillMilliseconds < 1 || f.HoldPrefillMilliseconds > 600_000 {

@@ -77,3 +77,26 @@ func TestFlowControlErrorsNameTheField(t *testing.T) {
 		t.Errorf("an unlisted band = %+v, want the default band's limits", b)
 	}
 }
+
+func TestDisaggregationIsOffByDefaultAndNamesItsFields(t *testing.T) {
+	if Default().Disaggregation.Enabled() {
+		t.Error("disaggregation is on by default, want off (nonCachedTokens 0, as llm-d)")
+	}
+	c, err := Load([]byte("disaggregation: {nonCachedTokens: 16, promptTokens: 64}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := c.Disaggregation; !d.Enabled() || d.NonCachedTokens != 16 || d.PromptTokens != 64 {
+		t.Errorf("disaggregation = %+v, want on with 16 and 64", d)
+	}
+	for doc, field := range map[string]string{
+		"disaggregation: {nonCachedTokens: -1}": "disaggregation.nonCachedTokens: -1 is invalid",
+		"disaggregation: {promptTokens: -3}":    "disaggregation.promptTokens: -3 is invalid",
+		"disaggregation: {nonCached: 3}":        `unknown field "nonCached"`,
+	} {
+		_, err := Load([]byte(doc))
+		if err == nil || !strings.Contains(err.Error(), field) {
+			t.Errorf("%q: error %v, want one naming %s", doc, err, field)
+		}
+	}
+}

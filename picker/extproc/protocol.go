@@ -21,7 +21,7 @@ import (
 // ownedHeaders are the request headers only the picker may set. A copy sent
 // by the client is removed, so that a client cannot choose its own endpoint
 // on a path where the picker writes none.
-var ownedHeaders = []string{protocol.DestinationHeader}
+var ownedHeaders = []string{protocol.DestinationHeader, protocol.PrefillerHeader}
 
 // maxChunkBytes bounds each body chunk sent back in FULL_DUPLEX_STREAMED
 // mode; Envoy's ext_proc filter expects chunks no larger than this.

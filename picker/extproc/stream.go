@@ -23,6 +23,7 @@ import (
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/extproc/internal/wire"
 	"github.com/tallyepp/tally/picker/logging"
+	"github.com/tallyepp/tally/picker/protocol"
 	"github.com/tallyepp/tally/picker/request"
 )
 
@@ -571,6 +572,23 @@ func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 		eps = eps[:1]
 	}
 	answer := &wire.RouteAnswer{InBody: inBodyAnswer, Destination: destinationValue(eps)}
+	if pre, ok := res.Prefiller(); ok {
+		// Split: the destination's sidecar sends the prefill leg there.
+		if st.requestMode == fullDuplex && st.body != nil {
+			answer.ContentLength = strconv.Itoa(len(*st.body))
+		}
+		resp := answer.Message()
+		common := resp.GetRequestHeaders().GetResponse()
+		if inBodyAnswer {
+			common = resp.GetRequestBody().GetResponse()
+			if st.rewritten {
+				common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: *st.body}}
+				common.HeaderMutation.SetHeaders = append(common.HeaderMutation.SetHeaders, wire.HeaderOption("content-length", strconv.Itoa(len(*st.body))))
+			}
+		}
+		common.HeaderMutation.SetHeaders = append(common.HeaderMutation.SetHeaders, wire.HeaderOption(protocol.PrefillerHeader, pre.String()))
+		return st.send(resp)
+	}
 	if inBodyAnswer && st.rewritten {
 		// BUFFERED: Envoy passes on the body it holds unless the answer
 		// replaces it, and its content-length with it.

@@ -28,4 +28,9 @@ const (
 	// from.
 	SubsetNamespace = "envoy.lb.subset_hint"
 	SubsetKey       = "x-gateway-destination-endpoint-subset"
+	// PrefillerHeader names, on a request whose prefill runs on another
+	// pod than its destination (llm-d's prefill/decode disaggregation),
+	// the pod that prefills it: "ip:port". The destination's sidecar sends
+	// it the prefill leg, then decodes with the KV cache it hands over.
+	PrefillerHeader = "x-prefiller-host-port"
 )

@@ -160,7 +160,14 @@ var ignoredPluginTypes = map[string]string{
 	"slo-deadline-ordering-policy":         "Tally does not order on latency objectives",
 	"eviction-priority-then-time-ordering": "Tally's flow control never evicts a request it dispatched",
 	"eviction-sheddable-filter":            "Tally's flow control never evicts a request it dispatched; sheddable requests are refused while saturated",
+	"disagg-profile-handler":               "Tally chooses the decode pod, then the prefill pod, in one critical section of its own (disaggregation in a PickerConfig, set by prefix-based-pd-decider)",
+	"decode-filter":                        "what Tally does anyway: only pods labelled llm-d.ai/role decode or prefill-decode, and unlabelled ones, are destinations",
+	"prefill-filter":                       "what Tally does anyway: only pods labelled llm-d.ai/role prefill or prefill-decode prefill for another pod",
 }
+
+// pdDeciderType is llm-d's plugin that decides whether a request's prefill
+// runs on a prefill pod: its parameters map onto disaggregation.
+const pdDeciderType = "prefix-based-pd-decider"
 
 // Pickers whose maxNumOfEndpoints sets how many endpoints the destination
 // header lists.
@@ -227,7 +234,7 @@ func FromEndpointPickerConfig(data []byte) (v1alpha1.PickerConfig, []Note, error
 		switch {
 		case p.Type == "":
 			return v1alpha1.PickerConfig{}, nil, fmt.Errorf("EndpointPickerConfig: %s.type is required", path)
-		case prefixTypes[p.Type] || pickerTypes[p.Type] || p.Type == "concurrency-detector":
+		case prefixTypes[p.Type] || pickerTypes[p.Type] || p.Type == "concurrency-detector" || p.Type == pdDeciderType:
 			group := p.Type
 			if prefixTypes[p.Type] {
 				group = "prefix"
@@ -369,6 +376,8 @@ func (m *mapper) plugin(path string, p upstreamPlugin) error {
 		err = m.prefix(ps)
 	case pickerTypes[p.Type]:
 		err = m.picker(ps)
+	case p.Type == pdDeciderType:
+		err = m.pdDecider(ps)
 	default:
 		err = m.concurrency(ps)
 	}
@@ -540,5 +549,33 @@ func (m *mapper) concurrency(ps *params) error {
 	m.cfg.Saturation.MaxInFlightRequests = int(math.Floor(float64(n) * (1 + headroom)))
 	m.mapped(ps.path+".parameters.maxConcurrency", "saturation.maxInFlightRequests",
 		fmt.Sprintf("%d x (1 + headroom %v); Tally answers 429 once every endpoint is over it", n, headroom))
+	return nil
+}
+
+// pdDecider maps llm-d's prefix-based-pd-decider: a request is split when
+// its prompt has at least promptTokens tokens and at least nonCachedTokens
+// of them are not cached on the chosen decode pod; nonCachedTokens 0 (its
+// default) never splits. Tally splits only when the prefill pod's queue does
+// not make the pair costlier than prefilling on the decode pod, too.
+func (m *mapper) pdDecider(ps *params) error {
+	d := &m.cfg.Disaggregation
+	if n, ok, err := ps.int("nonCachedTokens"); err != nil {
+		return err
+	} else if ok {
+		if n < 0 {
+			return fmt.Errorf("EndpointPickerConfig: %s.parameters.nonCachedTokens: %d is invalid: must be 0 (never split) or more", ps.path, n)
+		}
+		d.NonCachedTokens = n
+		m.mapped(ps.path+".parameters.nonCachedTokens", "disaggregation.nonCachedTokens", "the fewest tokens not cached on the decode pod that split a request; 0 never splits")
+	}
+	if n, ok, err := ps.int("promptTokens"); err != nil {
+		return err
+	} else if ok {
+		if n < 0 {
+			return fmt.Errorf("EndpointPickerConfig: %s.parameters.promptTokens: %d is invalid: must be 0 or more", ps.path, n)
+		}
+		d.PromptTokens = n
+		m.mapped(ps.path+".parameters.promptTokens", "disaggregation.promptTokens", "the shortest prompt, in tokens, that may be split")
+	}
 	return nil
 }

@@ -351,3 +351,79 @@ func notesOf(t *testing.T, doc string) []Note {
 	}
 	return notes
 }
+
+// An llm-d prefill/decode configuration: the decider's thresholds become
+// disaggregation, the handler and role filters are noted as what Tally does
+// itself.
+const llmdDisaggregated = `
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefill-filter
+- type: decode-filter
+- type: prefix-cache-scorer
+- type: queue-scorer
+- type: max-score-picker
+- name: pd-decider
+  type: prefix-based-pd-decider
+  parameters:
+    nonCachedTokens: 16
+    promptTokens: 64
+    unknownParameter: 3
+- type: disagg-profile-handler
+schedulingProfiles:
+- name: prefill
+  plugins:
+  - pluginRef: prefill-filter
+  - pluginRef: queue-scorer
+  - pluginRef: max-score-picker
+- name: decode
+  plugins:
+  - pluginRef: decode-filter
+  - pluginRef: prefix-cache-scorer
+  - pluginRef: max-score-picker
+`
+
+func TestTheLlmdPrefillDecodeDeciderMapsOntoDisaggregation(t *testing.T) {
+	c, notes, err := LoadAny([]byte(llmdDisaggregated))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := c.Disaggregation; d != (v1alpha1.Disaggregation{NonCachedTokens: 16, PromptTokens: 64}) {
+		t.Errorf("disaggregation = %+v, want nonCachedTokens 16, promptTokens 64", d)
+	}
+	if err := Unsupported(notes, "--lenient"); err != nil {
+		t.Errorf("an llm-d P/D configuration has settings Tally cannot honour: %v", err)
+	}
+	by := notesByField(notes)
+	for field, want := range map[string]string{
+		"plugins[5](pd-decider).parameters.nonCachedTokens": "disaggregation.nonCachedTokens",
+		"plugins[5](pd-decider).parameters.promptTokens":    "disaggregation.promptTokens",
+	} {
+		if by[field].Mapped != want {
+			t.Errorf("%s: note %+v, want it mapped to %s", field, by[field], want)
+		}
+	}
+	for field, reason := range map[string]string{
+		"plugins[0](prefill-filter)":                         "llm-d.ai/role",
+		"plugins[1](decode-filter)":                          "llm-d.ai/role",
+		"plugins[6](disagg-profile-handler)":                 "one critical section",
+		"plugins[5](pd-decider).parameters.unknownParameter": "does not know",
+	} {
+		if n := by[field]; n.Mapped != "" || !strings.Contains(n.Reason, reason) {
+			t.Errorf("%s: note %+v, want it ignored with a reason naming %q", field, n, reason)
+		}
+	}
+
+	off, _, err := LoadAny([]byte(strings.Replace(llmdDisaggregated, "nonCachedTokens: 16", "nonCachedTokens: 0", 1)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if off.Disaggregation.Enabled() {
+		t.Errorf("nonCachedTokens 0 gives %+v, want disaggregation off (llm-d's default)", off.Disaggregation)
+	}
+	_, _, err = LoadAny([]byte(strings.Replace(llmdDisaggregated, "nonCachedTokens: 16", "nonCachedTokens: -2", 1)))
+	if err == nil || !strings.Contains(err.Error(), "plugins[5](pd-decider).parameters.nonCachedTokens: -2 is invalid") {
+		t.Errorf("nonCachedTokens -2: error %v, want one naming the field", err)
+	}
+}

@@ -1,0 +1,58 @@
+package extproc_test
+
+import (
+	"testing"
+
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/internal/envoy"
+	"github.com/tallyepp/tally/picker"
+	"github.com/tallyepp/tally/picker/protocol"
+)
+
+// A split request goes to its decode pod, naming its prefill pod in
+// x-prefiller-host-port (over a client's own copy), in the answer that
+// routes it whatever the body mode.
+func TestASplitRequestNamesItsPrefiller(t *testing.T) {
+	cfg := v1alpha1.Default()
+	cfg.Disaggregation.NonCachedTokens = 16
+	eps := endpoints(epA, epB)
+	eps[0].Role, eps[1].Role = picker.RolePrefill, picker.RoleDecode
+	for _, mode := range []filterv3.ProcessingMode_BodySendMode{filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, filterv3.ProcessingMode_BUFFERED} {
+		f := newFixture(t, fixtureOptions{cfg: &cfg, endpoints: eps})
+		req := completion("m", letters(7, 4000))
+		req.Mode = mode
+		req.Headers = append(req.Headers, protocol.PrefillerHeader, "10.9.9.9:80") // a client trying to choose
+		x, err := f.gw.Open(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := x.SendRequest(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Immediate != nil {
+			t.Fatalf("%v: refused with %v %s", mode, r.Immediate.GetStatus().GetCode(), r.Immediate.GetBody())
+		}
+		answer := r.HeadersAnswer
+		if mode == filterv3.ProcessingMode_BUFFERED {
+			answer = r.BodyAnswer
+		}
+		if r.First() != epB.String() || r.Metadata != r.Destination {
+			t.Errorf("%v: destination %q, metadata %q; want the decode pod %s first in both", mode, r.Destination, r.Metadata, epB)
+		}
+		if got, _ := envoy.HeaderValue(answer, protocol.PrefillerHeader); got != epA.String() {
+			t.Errorf("%v: %s = %q, want the prefill pod %s", mode, protocol.PrefillerHeader, got, epA)
+		}
+		if s := statsOf(f.picker, epA); s.InFlight != 1 || s.PrefillTokens != 1000 {
+			t.Errorf("%v: the prefill pod holds %s, want the request's 1000 prefill tokens", mode, statsString(s))
+		}
+		if err := x.Respond(okResponse); err != nil {
+			t.Fatal(err)
+		}
+		if ok, state := ledgerEmpty(f.picker); !ok {
+			t.Errorf("%v: %s", mode, state)
+		}
+	}
+}
