@@ -127,6 +127,9 @@ func parse(args []string, stderr io.Writer) (options, error) {
 		"fraction of streamed responses held back whole until their last token, as a buffering proxy would (0 to 1); chosen per request by a hash of its X-Request-Id header, or of its prompt; each says how long it was held in its X-Modelsim-Held-Back-Ms header")
 	fs.Uint64Var(&o.cfg.Seed, "seed", 1, "seed of the fault draws; engine i uses seed+i")
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", defaultShutdownGrace, "on SIGTERM/SIGINT, how long requests in flight may finish before they are cut")
+	fs.DurationVar(&o.cfg.Engine.KVLease, "kv-lease", o.cfg.Engine.KVLease, "engine time a prefill leg (kv_transfer_params.do_remote_decode) holds its KV blocks for a decode server to pull")
+	fs.DurationVar(&o.cfg.Engine.KVTransferDurationPerBlock, "kv-transfer-per-block", o.cfg.Engine.KVTransferDurationPerBlock, "engine time a decode leg (kv_transfer_params.do_remote_prefill) takes to pull one KV block")
+	fs.StringVar(&o.cfg.KVLoadFailurePolicy, "kv-load-failure-policy", o.cfg.KVLoadFailurePolicy, `what a decode leg whose KV blocks are gone does, as vLLM's kv_load_failure_policy: "fail" (answer 500) or "recompute" (prefill locally)`)
 	var lora loraModules
 	fs.Var(&lora, "lora-modules", "LoRA adapters served besides --model, as name or name=path (path is the root /v1/models reports); repeat or comma-separate (default none: LoRA off)")
 	maxLoRAs := fs.Int("max-loras", server.DefaultMaxLoRAs, "with --lora-modules, how many adapters may run at once (the engine's adapter slots)")
@@ -168,6 +171,15 @@ func parse(args []string, stderr io.Writer) (options, error) {
 	}
 	if !(c.LateFirstByteFraction >= 0 && c.LateFirstByteFraction <= 1) {
 		bad("late-first-byte-fraction", c.LateFirstByteFraction, "must be from 0 to 1")
+	}
+	if c.Engine.KVLease <= 0 {
+		bad("kv-lease", c.Engine.KVLease, "must be positive")
+	}
+	if c.Engine.KVTransferDurationPerBlock < 0 {
+		bad("kv-transfer-per-block", c.Engine.KVTransferDurationPerBlock, "must be 0 or more")
+	}
+	if c.KVLoadFailurePolicy != server.KVLoadFailureFail && c.KVLoadFailurePolicy != server.KVLoadFailureRecompute {
+		bad("kv-load-failure-policy", c.KVLoadFailurePolicy, `must be "fail" or "recompute"`)
 	}
 	if o.shutdownGrace < 0 {
 		bad("shutdown-grace", o.shutdownGrace, "must be 0 or more")

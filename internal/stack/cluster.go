@@ -122,7 +122,7 @@ func (c *Cluster) AddPods(ctx context.Context, n int) error {
 	g.SetLimit(podCreateWorkers)
 	for i, addr := range added {
 		g.Go(func() error {
-			_, err := createPod(gctx, c.kube, c.opts.Namespace, fmt.Sprintf("pod-%d", first+i), addr.Addr(), c.opts.TargetPort, true)
+			_, err := createPod(gctx, c.kube, c.opts.Namespace, fmt.Sprintf("pod-%d", first+i), addr.Addr(), c.opts.TargetPort, true, "")
 			return err
 		})
 	}

@@ -3,6 +3,7 @@ package stack
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net/netip"
 
 	corev1 "k8s.io/api/core/v1"
@@ -68,9 +69,9 @@ func createNamespace(ctx context.Context, c client.Client, name string) error {
 // createPod creates a pod of the pool and, with no kubelet to do it, sets
 // its status: the pod IP and the Ready condition. It returns the UID the
 // API server gave the pod.
-func createPod(ctx context.Context, c client.Client, namespace, name string, ip netip.Addr, port int32, ready bool) (types.UID, error) {
+func createPod(ctx context.Context, c client.Client, namespace, name string, ip netip.Addr, port int32, ready bool, role string) (types.UID, error) {
 	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name, Labels: podSelectorLabel},
+		ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name, Labels: podLabels(role)},
 		Spec: corev1.PodSpec{Containers: []corev1.Container{{
 			Name:  "model-server",
 			Image: "tally.invalid/modelsim",
@@ -92,6 +93,16 @@ func createPod(ctx context.Context, c client.Client, namespace, name string, ip 
 		return "", fmt.Errorf("setting the status of pod %s/%s: %w", namespace, name, err)
 	}
 	return pod.UID, nil
+}
+
+// podLabels are a pod's labels: the pool's selector and, for a pod with a
+// prefill/decode role, llm-d's role label.
+func podLabels(role string) map[string]string {
+	labels := maps.Clone(podSelectorLabel)
+	if role != "" {
+		labels[RoleLabel] = role
+	}
+	return labels
 }
 
 // deletePod deletes a pod at once (no kubelet would confirm a graceful

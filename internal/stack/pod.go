@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"net/url"
 	"slices"
 	"sync"
 	"time"
@@ -16,13 +17,35 @@ import (
 
 	"github.com/tallyepp/tally/internal/modelsim/engine"
 	"github.com/tallyepp/tally/internal/modelsim/server"
+	"github.com/tallyepp/tally/internal/pdsidecar"
 )
+
+// Prefill/decode roles, as llm-d labels its pods.
+const (
+	RoleLabel         = "llm-d.ai/role"
+	RolePrefill       = "prefill"
+	RoleDecode        = "decode"
+	RolePrefillDecode = "prefill-decode"
+)
+
+func checkRole(role string) error {
+	switch role {
+	case "", RolePrefill, RoleDecode, RolePrefillDecode:
+		return nil
+	}
+	return fmt.Errorf("role %q is invalid: must be %q, %q, %q or \"\" (unlabelled)", role, RolePrefill, RoleDecode, RolePrefillDecode)
+}
 
 // Pod is one pod of the pool and the simulator that serves its IP.
 type Pod struct {
 	Name string
 	// Addr is the pod's endpoint: its IP and the target port.
 	Addr netip.AddrPort
+	// Role is the pod's RoleLabel, "" for none. A decode pod serves Addr
+	// with the prefill/decode sidecar, its simulator on the DecoderPort.
+	Role string
+	// sidecar fronts a decode pod's simulator; nil for other pods.
+	sidecar *pdsidecar.Sidecar
 
 	stack *Stack
 
@@ -36,6 +59,9 @@ type Pod struct {
 	// reset right after it started (its Serve goroutine not yet running)
 	// left the address bound, so the new one failed to listen on it.
 	lis net.Listener
+	// simSrv and simLis serve a decode pod's simulator on its DecoderPort.
+	simSrv *http.Server
+	simLis net.Listener
 	// metricsFailing survives a simulator's replacement.
 	metricsFailing bool
 }
@@ -123,14 +149,24 @@ func (s *Stack) PodNames() []string {
 }
 
 // AddPod creates the next pod (IP one above the last) with its simulator
-// already serving, Ready or not.
+// already serving, Ready or not, without a prefill/decode role.
 func (s *Stack) AddPod(ctx context.Context, ready bool) (*Pod, error) {
+	return s.AddPodWithRole(ctx, ready, "")
+}
+
+// AddPodWithRole is AddPod for a pod labelled with a prefill/decode role
+// ("" for none).
+func (s *Stack) AddPodWithRole(ctx context.Context, ready bool, role string) (*Pod, error) {
+	if err := checkRole(role); err != nil {
+		return nil, err
+	}
 	s.mu.Lock()
 	ip := s.nextIP
 	s.nextIP = ip.Next()
 	p := &Pod{
 		Name:  fmt.Sprintf("sim-%d", len(s.pods)),
 		Addr:  netip.AddrPortFrom(ip, uint16(s.opts.TargetPort)),
+		Role:  role,
 		stack: s,
 	}
 	s.pods = append(s.pods, p)
@@ -141,7 +177,7 @@ func (s *Stack) AddPod(ctx context.Context, ready bool) (*Pod, error) {
 	if err := p.startSimulator(); err != nil {
 		return nil, err
 	}
-	uid, err := createPod(ctx, s.kube, s.opts.Namespace, p.Name, ip, s.opts.TargetPort, ready)
+	uid, err := createPod(ctx, s.kube, s.opts.Namespace, p.Name, ip, s.opts.TargetPort, ready, p.Role)
 	if err != nil {
 		return nil, err
 	}
@@ -163,7 +199,7 @@ func (s *Stack) DeletePod(ctx context.Context, p *Pod) error {
 // name and IP, served by the same simulator, but a new UID, as when a
 // StatefulSet replaces a pod and the address is reused.
 func (s *Stack) RecreatePod(ctx context.Context, p *Pod, ready bool) error {
-	uid, err := createPod(ctx, s.kube, s.opts.Namespace, p.Name, p.Addr.Addr(), s.opts.TargetPort, ready)
+	uid, err := createPod(ctx, s.kube, s.opts.Namespace, p.Name, p.Addr.Addr(), s.opts.TargetPort, ready, p.Role)
 	if err != nil {
 		return err
 	}
@@ -199,8 +235,17 @@ func (s *Stack) ResetSimulators(timeScale float64) error {
 	return nil
 }
 
+// PrefilledBy names the prefill pod that ran the prefill leg of the request
+// with this id (sent in RequestIDHeader), or "" if none did.
+func (s *Stack) PrefilledBy(id string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.prefilledBy[id]
+}
+
 // ServedBy names the pod that received the request with this id (sent in
-// RequestIDHeader), or "" if none did.
+// RequestIDHeader), or "" if none did; with prefill/decode roles, the
+// decode pod.
 func (s *Stack) ServedBy(id string) string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -291,7 +336,16 @@ func (p *Pod) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		p.mu.Unlock()
 		if id := r.Header.Get(RequestIDHeader); id != "" {
 			s.mu.Lock()
-			s.servedBy[id] = p.Name
+			// A prefill pod sees only prefill legs, which carry their
+			// request's id: the decode pod stays the one that served it.
+			if p.Role == RolePrefill {
+				if s.prefilledBy == nil {
+					s.prefilledBy = map[string]string{}
+				}
+				s.prefilledBy[id] = p.Name
+			} else {
+				s.servedBy[id] = p.Name
+			}
 			s.mu.Unlock()
 		}
 		if hold := s.currentHold(); hold != nil {
@@ -313,6 +367,15 @@ func (p *Pod) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			s.held.Add(-1)
 		}
 	}
+	if p.sidecar != nil {
+		p.sidecar.ServeHTTP(w, r)
+		return
+	}
+	p.serveSimulator(w, r)
+}
+
+// serveSimulator passes a request to the pod's simulator now.
+func (p *Pod) serveSimulator(w http.ResponseWriter, r *http.Request) {
 	p.mu.Lock()
 	sim := p.sim
 	p.mu.Unlock()
@@ -333,23 +396,54 @@ func (p *Pod) startSimulator() error {
 		sim.Close()
 		return fmt.Errorf("pod %s: listening on its IP: %w", p.Name, err)
 	}
+	var simSrv *http.Server
+	var simLis net.Listener
+	if p.Role == RoleDecode {
+		decoder := netip.AddrPortFrom(p.Addr.Addr(), uint16(p.stack.opts.DecoderPort))
+		if simLis, err = net.Listen("tcp", decoder.String()); err != nil {
+			sim.Close()
+			lis.Close()
+			return fmt.Errorf("pod %s: listening on its decoder port: %w", p.Name, err)
+		}
+		simSrv = &http.Server{Handler: http.HandlerFunc(p.serveSimulator), ReadHeaderTimeout: 10 * time.Second}
+		if p.sidecar == nil {
+			sc, err := pdsidecar.New(pdsidecar.Config{Decoder: &url.URL{Scheme: "http", Host: decoder.String()}, Client: p.stack.http})
+			if err != nil {
+				sim.Close()
+				lis.Close()
+				simLis.Close()
+				return fmt.Errorf("pod %s: creating its sidecar: %w", p.Name, err)
+			}
+			p.sidecar = sc
+		}
+	}
 	srv := &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
 	p.mu.Lock()
 	sim.FailMetrics(p.metricsFailing)
 	p.sim, p.srv, p.lis = sim, srv, lis
+	p.simSrv, p.simLis = simSrv, simLis
 	p.mu.Unlock()
 	go srv.Serve(lis)
+	if simSrv != nil {
+		go simSrv.Serve(simLis)
+	}
 	return nil
 }
 
 func (p *Pod) stopSimulator() {
 	p.mu.Lock()
 	sim, srv, lis := p.sim, p.srv, p.lis
+	simSrv, simLis := p.simSrv, p.simLis
 	p.sim, p.srv, p.lis = nil, nil, nil
+	p.simSrv, p.simLis = nil, nil
 	p.mu.Unlock()
 	if srv != nil {
 		srv.Close()
 		lis.Close() // already closed when Serve had taken it in
+	}
+	if simSrv != nil {
+		simSrv.Close()
+		simLis.Close()
 	}
 	if sim != nil {
 		sim.Close()

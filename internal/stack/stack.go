@@ -34,7 +34,11 @@ const (
 	DefaultPoolName   = "demo-pool"
 	DefaultPods       = 4
 	DefaultTargetPort = 8000
-	DefaultModel      = server.DefaultModel
+	// DefaultDecoderPort is where a decode pod's simulator listens, its
+	// sidecar taking TargetPort, as llm-d's decode pods run vLLM on 8200
+	// behind the sidecar on 8000.
+	DefaultDecoderPort = 8200
+	DefaultModel       = server.DefaultModel
 )
 
 // DefaultFirstPodIP is the first pod's IP; the next pods count up from it.
@@ -86,6 +90,16 @@ type Options struct {
 	LoRAAdapters []string
 	MaxLoRAs     int
 	LoRALoadTime time.Duration
+	// Roles are the prefill/decode roles of the first pods, in order
+	// (RoleLabel's values: RolePrefill, RoleDecode, RolePrefillDecode; ""
+	// leaves a pod unlabelled); pods past the list are unlabelled, as is
+	// every pod without Roles. A pod's role is its RoleLabel; a decode
+	// pod runs the prefill/decode sidecar (internal/pdsidecar) on
+	// TargetPort in front of its simulator on DecoderPort.
+	Roles []string
+	// DecoderPort is where decode pods' simulators listen (default
+	// DefaultDecoderPort).
+	DecoderPort int32
 	// FailureMode is the pool's endpointPickerRef.failureMode (default FailClose).
 	FailureMode infv1.EndpointPickerFailureMode
 	// GatewayListen is the dev gateway's listen address (default
@@ -118,6 +132,17 @@ func (o *Options) setDefaults() error {
 	if o.Pods < 0 {
 		return fmt.Errorf("stack options: Pods: %d is invalid: must be 0 or more", o.Pods)
 	}
+	if len(o.Roles) > o.Pods {
+		return fmt.Errorf("stack options: Roles: %d roles for %d pods: at most one a pod", len(o.Roles), o.Pods)
+	}
+	for i, r := range o.Roles {
+		if err := checkRole(r); err != nil {
+			return fmt.Errorf("stack options: Roles[%d]: %w", i, err)
+		}
+	}
+	if o.DecoderPort == 0 {
+		o.DecoderPort = DefaultDecoderPort
+	}
 	if !o.FirstPodIP.IsValid() {
 		o.FirstPodIP = DefaultFirstPodIP
 	}
@@ -126,6 +151,9 @@ func (o *Options) setDefaults() error {
 	}
 	if o.TargetPort == 0 {
 		o.TargetPort = DefaultTargetPort
+	}
+	if o.DecoderPort == o.TargetPort {
+		return fmt.Errorf("stack options: DecoderPort: %d is invalid: it is the TargetPort, which a decode pod's sidecar takes", o.DecoderPort)
 	}
 	if o.Model == "" {
 		o.Model = DefaultModel
@@ -169,8 +197,10 @@ type Stack struct {
 	pods     []*Pod
 	nextIP   netip.Addr
 	servedBy map[string]string // request id -> pod name
-	hold     *gate             // non-nil while requests are held at the pods
-	held     atomic.Int64      // requests the pods hold now
+	// prefilledBy maps a request id to the prefill pod of its prefill leg.
+	prefilledBy map[string]string
+	hold        *gate        // non-nil while requests are held at the pods
+	held        atomic.Int64 // requests the pods hold now
 }
 
 // Start brings the whole stack up: API server, namespace, pool, pods and
@@ -192,8 +222,12 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	if err := createPool(ctx, s.kube, opts.Namespace, opts.PoolName, opts.TargetPort, opts.FailureMode); err != nil {
 		return nil, err
 	}
-	for range opts.Pods {
-		if _, err := s.AddPod(ctx, true); err != nil {
+	for i := range opts.Pods {
+		role := ""
+		if i < len(opts.Roles) {
+			role = opts.Roles[i]
+		}
+		if _, err := s.AddPodWithRole(ctx, true, role); err != nil {
 			return nil, err
 		}
 	}

@@ -57,8 +57,23 @@
 // shares no block. (vLLM also keeps up to --max-cpu-loras adapters in host
 // memory, which makes a reload cheaper; the engine has one tier.)
 //
+// Prefill/decode disaggregation, as vLLM's NixlConnector serves it. A
+// prefill leg (Request.RemoteDecode) runs as any request but, when it
+// finishes, keeps its blocks for the decode engine to pull: they stay held
+// (in use) for KVLease, until Release frees them (the decode engine has
+// read them) or the lease runs out. A decode leg (Request.RemotePrefill)
+// computes no prefill of its own: admitted as any request (its blocks
+// taken, its local prefix cache hits reused), it pulls the rest of its
+// prompt's blocks from the prefill engine, which takes
+// KVTransferDurationPerBlock per block and runs beside the steps (vLLM
+// reads over NIXL asynchronously, the request waiting meanwhile, counted
+// as waiting); then, at the next step, it computes its last prompt token,
+// as vLLM recomputes it to get the logits, and so has its first token at
+// the end of that step. The engine knows nothing of the remote side: the
+// caller checks the blocks exist before adding a decode leg.
+//
 // Invariant: every block is in exactly one place: the free list, held by
-// running requests (ref > 0), or cached and unreferenced on the LRU list; a
+// running, transferring or held requests (ref > 0), or cached and unreferenced on the LRU list; a
 // request's blocks are taken at admission and given back exactly once, when
 // it finishes or is cancelled. Likewise every running request with an
 // adapter holds its adapter's slot from admission until it leaves, so the
@@ -91,6 +106,12 @@ const (
 	// DefaultLoRALoadTime is the cost of loading a LoRA adapter into a
 	// slot; it matters only with MaxLoRAs above 0.
 	DefaultLoRALoadTime = 200 * time.Millisecond
+	// DefaultKVLease is how long a finished prefill leg's blocks wait to
+	// be pulled (vLLM's NixlConnector lease, VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+	DefaultKVLease = 30 * time.Second
+	// DefaultKVTransferDurationPerBlock is one block of an 8B model (16
+	// tokens x 128 KiB = 2 MiB) read over a 400 Gb/s RDMA link: about 50 us.
+	DefaultKVTransferDurationPerBlock = 50 * time.Microsecond
 )
 
 // Config sizes the engine and sets its latency model.
@@ -116,20 +137,28 @@ type Config struct {
 	// LoRALoadTime is added to a step for each adapter it loads into a
 	// slot.
 	LoRALoadTime time.Duration
+	// KVLease is how long a finished prefill leg (Request.RemoteDecode)
+	// holds its blocks for the decode engine before they are freed.
+	KVLease time.Duration
+	// KVTransferDurationPerBlock is how long a decode leg
+	// (Request.RemotePrefill) takes to pull one block.
+	KVTransferDurationPerBlock time.Duration
 }
 
 // DefaultConfig returns the configuration of the latency model described in
 // the package doc.
 func DefaultConfig() Config {
 	return Config{
-		KVBlocks:                  DefaultKVBlocks,
-		BlockSizeTokens:           DefaultBlockSizeTokens,
-		MaxRunningRequests:        DefaultMaxRunningRequests,
-		StepBudgetTokens:          DefaultStepBudgetTokens,
-		StepBaseDuration:          DefaultStepBaseDuration,
-		PrefillDurationPerToken:   DefaultPrefillDurationPerToken,
-		DecodeDurationPerSequence: DefaultDecodeDurationPerSequence,
-		LoRALoadTime:              DefaultLoRALoadTime,
+		KVBlocks:                   DefaultKVBlocks,
+		BlockSizeTokens:            DefaultBlockSizeTokens,
+		MaxRunningRequests:         DefaultMaxRunningRequests,
+		StepBudgetTokens:           DefaultStepBudgetTokens,
+		StepBaseDuration:           DefaultStepBaseDuration,
+		PrefillDurationPerToken:    DefaultPrefillDurationPerToken,
+		DecodeDurationPerSequence:  DefaultDecodeDurationPerSequence,
+		LoRALoadTime:               DefaultLoRALoadTime,
+		KVLease:                    DefaultKVLease,
+		KVTransferDurationPerBlock: DefaultKVTransferDurationPerBlock,
 	}
 }
 
@@ -167,6 +196,12 @@ func (c Config) Validate() error {
 	if c.LoRALoadTime < 0 {
 		bad("LoRALoadTime", c.LoRALoadTime, "must be 0 or more")
 	}
+	if c.KVLease <= 0 {
+		bad("KVLease", c.KVLease, "must be positive")
+	}
+	if c.KVTransferDurationPerBlock < 0 {
+		bad("KVTransferDurationPerBlock", c.KVTransferDurationPerBlock, "must be 0 or more")
+	}
 	return errors.Join(errs...)
 }
 
@@ -189,6 +224,12 @@ type Request struct {
 	// Adapter names the LoRA adapter the request runs with; "" is the
 	// base model. Only an engine with MaxLoRAs above 0 takes adapters.
 	Adapter string
+	// RemoteDecode marks a prefill leg: when it finishes, its blocks are
+	// held for KVLease for a decode engine to pull (see Release).
+	RemoteDecode bool
+	// RemotePrefill marks a decode leg: its prompt's blocks not cached
+	// here are pulled from a prefill engine instead of computed.
+	RemotePrefill bool
 }
 
 // EventKind says what happened to a request.
@@ -280,6 +321,14 @@ type Stats struct {
 	// into a slot, a free one or one whose adapter was evicted: the swaps.
 	RunningAdapters int
 	AdapterLoads    int64
+	// HeldRequests are finished prefill legs whose blocks wait to be
+	// pulled (their blocks count in KVBlocksInUse); LeasesExpired counts
+	// those freed unpulled when their lease ran out, LeasesReleased
+	// those pulled. KVBlocksPulled counts blocks decode legs pulled.
+	HeldRequests   int
+	LeasesExpired  int64
+	LeasesReleased int64
+	KVBlocksPulled int64
 }
 
 // KVCacheUsage is the fraction of blocks held by running requests, as vLLM's
@@ -300,8 +349,10 @@ type block struct {
 type requestState uint8
 
 const (
-	waiting requestState = iota
+	waiting      requestState = iota
+	transferring              // a decode leg admitted, pulling its blocks
 	running
+	held // a finished prefill leg whose blocks wait to be pulled
 	gone // finished or cancelled
 )
 
@@ -316,6 +367,9 @@ type request struct {
 	generated int
 	// scheduledAt is when the step that admitted it started.
 	scheduledAt time.Duration
+	// readyAt is when a transferring decode leg has its blocks;
+	// heldUntil when a held prefill leg's lease runs out.
+	readyAt, heldUntil time.Duration
 }
 
 // loraSlot holds one adapter's weights. An adapter is in at most one slot.
@@ -344,6 +398,10 @@ type Engine struct {
 	requests map[string]*request
 	waiting  []*request // FIFO
 	running  []*request // in admission order
+	// transfers are decode legs pulling their blocks, in admission order;
+	// held are finished prefill legs keeping theirs, by ID.
+	transfers []*request
+	held      map[string]*request
 
 	// LoRA state, used only with MaxLoRAs above 0.
 	slots       []loraSlot     // MaxLoRAs of them
@@ -372,6 +430,7 @@ func New(cfg Config) (*Engine, error) {
 		evictable: lru.New(cfg.KVBlocks),
 		byHash:    make(map[uint64]int32),
 		requests:  make(map[string]*request),
+		held:      make(map[string]*request),
 	}
 	if cfg.MaxLoRAs > 0 {
 		e.slots = make([]loraSlot, cfg.MaxLoRAs)
@@ -420,6 +479,14 @@ func (e *Engine) Clone() *Engine {
 	for i, r := range e.running {
 		c.running[i] = copyOf(r)
 	}
+	c.transfers = make([]*request, len(e.transfers))
+	for i, r := range e.transfers {
+		c.transfers[i] = copyOf(r)
+	}
+	c.held = make(map[string]*request, len(e.held))
+	for id, r := range e.held {
+		c.held[id] = copyOf(r)
+	}
 	c.plan = make([]scheduled, len(e.plan))
 	for i, p := range e.plan {
 		c.plan[i] = scheduled{r: copyOf(p.r), prefill: p.prefill}
@@ -434,10 +501,32 @@ func (e *Engine) Clone() *Engine {
 // Now is the engine's clock.
 func (e *Engine) Now() time.Duration { return e.now }
 
-// Busy reports whether the engine holds requests or a step is running.
-func (e *Engine) Busy() bool { return e.inFlight || e.hasWork() }
+// Busy reports whether the engine holds requests or a step is running
+// (held prefill legs do not count: they wait for nothing the engine does).
+func (e *Engine) Busy() bool { return e.inFlight || e.hasWork() || len(e.transfers) > 0 }
 
-func (e *Engine) hasWork() bool { return len(e.running) > 0 || len(e.waiting) > 0 }
+// hasWork reports whether a step starting now would schedule something.
+func (e *Engine) hasWork() bool {
+	return len(e.running) > 0 || len(e.waiting) > 0 || e.transferReadyBy(e.now)
+}
+
+// transferReadyBy reports whether a transfer ends by t.
+func (e *Engine) transferReadyBy(t time.Duration) bool {
+	next, ok := e.nextTransferEnd()
+	return ok && next <= t
+}
+
+// nextTransferEnd is when the first transfer running ends.
+func (e *Engine) nextTransferEnd() (time.Duration, bool) {
+	if len(e.transfers) == 0 {
+		return 0, false
+	}
+	next := e.transfers[0].readyAt
+	for _, r := range e.transfers[1:] {
+		next = min(next, r.readyAt)
+	}
+	return next, true
+}
 
 // BlocksNeeded is how many KV blocks a request of that many prompt and
 // output tokens takes at admission.
@@ -453,12 +542,14 @@ func (e *Engine) Add(r Request) error {
 	switch {
 	case r.ID == "":
 		return errors.New("engine: request ID is empty")
-	case e.requests[r.ID] != nil:
+	case e.requests[r.ID] != nil || e.held[r.ID] != nil:
 		return fmt.Errorf("engine: request ID %q is already in use", r.ID)
 	case r.PromptTokens < 1:
 		return fmt.Errorf("engine: request %q: PromptTokens %d is invalid: must be 1 or more", r.ID, r.PromptTokens)
 	case r.OutputTokens < 1:
 		return fmt.Errorf("engine: request %q: OutputTokens %d is invalid: must be 1 or more", r.ID, r.OutputTokens)
+	case r.RemoteDecode && r.RemotePrefill:
+		return fmt.Errorf("engine: request %q: RemoteDecode and RemotePrefill are both set: a request is a prefill leg or a decode leg", r.ID)
 	case r.Adapter != "" && e.cfg.MaxLoRAs == 0:
 		return fmt.Errorf("engine: request %q: Adapter %q is invalid: the engine serves no adapters (MaxLoRAs is 0)", r.ID, r.Adapter)
 	}
@@ -494,6 +585,9 @@ func (e *Engine) Cancel(id string) bool {
 	case running:
 		e.release(r)
 		e.running = slices.DeleteFunc(e.running, func(w *request) bool { return w == r })
+	case transferring:
+		e.release(r)
+		e.transfers = slices.DeleteFunc(e.transfers, func(w *request) bool { return w == r })
 	}
 	r.state = gone
 	delete(e.requests, id)
@@ -510,7 +604,11 @@ func (e *Engine) Step() (time.Duration, []Event) {
 	start := e.now
 	if !e.inFlight {
 		if !e.hasWork() {
-			return 0, e.events
+			next, ok := e.nextTransferEnd()
+			if !ok {
+				return 0, e.events
+			}
+			e.now = next // idle until a decode leg has its blocks
 		}
 		e.startStep()
 	}
@@ -534,14 +632,22 @@ func (e *Engine) AdvanceTo(t time.Duration) []Event {
 			e.finishStep()
 			continue
 		}
-		if e.now >= t || !e.hasWork() {
+		if e.now >= t {
 			break
+		}
+		if !e.hasWork() {
+			next, ok := e.nextTransferEnd()
+			if !ok || next >= t {
+				break
+			}
+			e.now = next // idle until a decode leg has its blocks
 		}
 		e.startStep()
 	}
 	if t > e.now {
 		e.now = t
 	}
+	e.expireLeases()
 	return e.events
 }
 
@@ -554,7 +660,7 @@ func (e *Engine) NextEventAt() (at time.Duration, ok bool) {
 	if e.hasWork() {
 		return e.now, true
 	}
-	return 0, false
+	return e.nextTransferEnd()
 }
 
 // Stats returns the engine's gauges and counters.
@@ -562,7 +668,8 @@ func (e *Engine) Stats() Stats {
 	s := e.stats
 	s.Now = e.now
 	s.RunningRequests = len(e.running)
-	s.WaitingRequests = len(e.waiting)
+	s.WaitingRequests = len(e.waiting) + len(e.transfers) // as vLLM counts WAITING_FOR_REMOTE_KVS
+	s.HeldRequests = len(e.held)
 	s.KVBlocks = e.cfg.KVBlocks
 	s.KVBlocksCached = e.evictable.Len()
 	s.KVBlocksInUse = e.cfg.KVBlocks - len(e.free) - e.evictable.Len()
@@ -588,7 +695,12 @@ func (e *Engine) queuedPrefillTokens() int {
 		left := float64(e.stepEnd-e.now) / float64(e.stepEnd-e.stepStart)
 		n += int(math.Round(float64(inStep) * left))
 	}
+	n += len(e.transfers) // each computes its last prompt token
 	for _, r := range e.waiting {
+		if r.RemotePrefill {
+			n++
+			continue
+		}
 		hits, _ := e.cachedPrefix(r)
 		n += r.PromptTokens - hits*e.cfg.BlockSizeTokens
 	}
@@ -598,6 +710,8 @@ func (e *Engine) queuedPrefillTokens() int {
 // startStep schedules a step at Now: running requests first, then admits
 // waiting ones in FIFO order, skipping those whose adapter cannot run yet.
 func (e *Engine) startStep() {
+	e.expireLeases() // before admission, so that expired blocks can be reused
+	e.promoteTransfers()
 	budget := e.cfg.StepBudgetTokens
 	prefillTokens, decodes := 0, 0
 	e.plan = e.plan[:0]
@@ -617,7 +731,7 @@ func (e *Engine) startStep() {
 		decodes++
 	}
 	loads := 0
-	for i := 0; i < len(e.waiting) && len(e.running) < e.cfg.MaxRunningRequests && budget > 0; {
+	for i := 0; i < len(e.waiting) && len(e.running)+len(e.transfers) < e.cfg.MaxRunningRequests && budget > 0; {
 		r := e.waiting[i]
 		if !e.adapterFits(r.Adapter) {
 			i++ // as vLLM: skipped for this step, keeping its place
@@ -632,10 +746,14 @@ func (e *Engine) startStep() {
 		} else {
 			e.waiting = slices.Delete(e.waiting, i, i+1)
 		}
-		e.running = append(e.running, r)
 		if e.holdAdapter(r.Adapter) {
 			loads++
 		}
+		if r.RemotePrefill {
+			e.startTransfer(r)
+			continue
+		}
+		e.running = append(e.running, r)
 		n := min(r.PromptTokens-r.computed, budget)
 		e.schedulePrefill(r, n)
 		budget -= n
@@ -719,17 +837,7 @@ func (e *Engine) cachedPrefix(r *request) (hits, evictable int) {
 func (e *Engine) schedulePrefill(r *request, n int) {
 	e.plan = append(e.plan, scheduled{r: r, prefill: n})
 	r.computed += n
-	bs := e.cfg.BlockSizeTokens
-	for r.hashed < len(r.BlockHashes) && min((r.hashed+1)*bs, r.PromptTokens) <= r.computed {
-		h := r.BlockHashes[r.hashed]
-		if _, taken := e.byHash[h]; !taken {
-			idx := r.blocks[r.hashed]
-			e.byHash[h] = idx
-			e.blocks[idx].hash = h
-			e.blocks[idx].hashed = true
-		}
-		r.hashed++
-	}
+	e.registerHashes(r)
 }
 
 // finishStep produces the tokens of the step that ends at Now.
@@ -755,17 +863,26 @@ func (e *Engine) finishStep() {
 		e.stats.OutputTokens++
 		if r.generated == r.OutputTokens {
 			e.emit(Finished, r)
-			e.release(r)
-			r.state = gone
 			delete(e.requests, r.ID)
 			e.stats.FinishedRequests++
 			finished = true
+			if r.RemoteDecode {
+				// vLLM holds the blocks of a prefill leg that ended
+				// length-capped, which every simulated request does.
+				e.dropAdapter(r.Adapter)
+				r.state = held
+				r.heldUntil = e.now + e.cfg.KVLease
+				e.held[r.ID] = r
+				continue
+			}
+			e.release(r)
+			r.state = gone
 		}
 	}
 	clear(e.plan) // drop references to finished requests
 	e.plan = e.plan[:0]
 	if finished {
-		e.running = slices.DeleteFunc(e.running, func(r *request) bool { return r.state == gone })
+		e.running = slices.DeleteFunc(e.running, func(r *request) bool { return r.state != running })
 	}
 }
 
@@ -840,11 +957,15 @@ func (e *Engine) dropAdapter(adapter string) {
 	e.slots[e.slotOf[adapter]].lastUsed = e.loraTick
 }
 
-// release gives back r's blocks, last first, so that a prompt's tail is
-// evicted before its head (the head is the part other prompts share), and
-// its hold on its adapter.
+// release gives back r's blocks and its hold on its adapter.
 func (e *Engine) release(r *request) {
 	e.dropAdapter(r.Adapter)
+	e.freeBlocks(r)
+}
+
+// freeBlocks gives back r's blocks, last first, so that a prompt's tail is
+// evicted before its head (the head is the part other prompts share).
+func (e *Engine) freeBlocks(r *request) {
 	for i := len(r.blocks) - 1; i >= 0; i-- {
 		idx := r.blocks[i]
 		b := &e.blocks[idx]
@@ -880,4 +1001,104 @@ func (e *Engine) allocate() int32 {
 	}
 	e.blocks[idx].ref = 1
 	return idx
+}
+
+// startTransfer starts the pull of a decode leg's prompt blocks that
+// admission did not find cached here; it begins as the step starts, as
+// vLLM's workers start the read with the step's forward pass.
+func (e *Engine) startTransfer(r *request) {
+	bs := e.cfg.BlockSizeTokens
+	pull := (r.PromptTokens+bs-1)/bs - r.cached/bs
+	r.state = transferring
+	r.readyAt = e.now + time.Duration(pull)*e.cfg.KVTransferDurationPerBlock
+	e.transfers = append(e.transfers, r)
+	e.stats.KVBlocksPulled += int64(pull)
+}
+
+// promoteTransfers moves the decode legs whose blocks have arrived to the
+// running requests: their whole prompt but its last token is computed, and
+// the blocks it fills are registered in the prefix cache, as vLLM caches
+// blocks it received.
+func (e *Engine) promoteTransfers() {
+	if !e.transferReadyBy(e.now) {
+		return
+	}
+	e.transfers = slices.DeleteFunc(e.transfers, func(r *request) bool {
+		if r.readyAt > e.now {
+			return false
+		}
+		r.state = running
+		e.running = append(e.running, r)
+		// schedulePrefill registers hashes as it goes; the pulled tokens
+		// are computed already, so register them the same way.
+		r.computed = max(r.computed, r.PromptTokens-1)
+		e.registerHashes(r)
+		return true
+	})
+}
+
+// registerHashes names the blocks r's computed tokens fill, so that
+// requests admitted from now on reuse them.
+func (e *Engine) registerHashes(r *request) {
+	bs := e.cfg.BlockSizeTokens
+	for r.hashed < len(r.BlockHashes) && min((r.hashed+1)*bs, r.PromptTokens) <= r.computed {
+		h := r.BlockHashes[r.hashed]
+		if _, taken := e.byHash[h]; !taken {
+			idx := r.blocks[r.hashed]
+			e.byHash[h] = idx
+			e.blocks[idx].hash = h
+			e.blocks[idx].hashed = true
+		}
+		r.hashed++
+	}
+}
+
+// expireLeases frees the blocks of held prefill legs whose lease has run
+// out by Now.
+func (e *Engine) expireLeases() {
+	for id, r := range e.held {
+		if r.heldUntil <= e.now {
+			e.freeBlocks(r)
+			r.state = gone
+			delete(e.held, id)
+			e.stats.LeasesExpired++
+		}
+	}
+}
+
+// HeldBlockIDs returns the KV blocks of a finished prefill leg's prompt,
+// as vLLM names them in remote_block_ids; ok is false when the engine
+// holds no such leg (unknown, pulled, or its lease ran out by Now).
+func (e *Engine) HeldBlockIDs(id string) (ids []int, ok bool) {
+	r := e.held[id]
+	if r == nil || r.heldUntil <= e.now {
+		return nil, false
+	}
+	bs := e.cfg.BlockSizeTokens
+	n := (r.PromptTokens + bs - 1) / bs
+	ids = make([]int, n)
+	for i := range n {
+		ids[i] = int(r.blocks[i])
+	}
+	return ids, true
+}
+
+// Release frees a held prefill leg's blocks, as the prefill engine does
+// when the decode engine tells it it has read them. It reports whether
+// the engine held the leg (false when unknown, released already, or its
+// lease ran out by Now).
+func (e *Engine) Release(id string) bool {
+	r := e.held[id]
+	if r == nil {
+		return false
+	}
+	if r.heldUntil <= e.now {
+		e.expireLeases()
+		return false
+	}
+	e.freeBlocks(r)
+	r.state = gone
+	delete(e.held, id)
+	e.stats.LeasesReleased++
+	return true
 }

@@ -21,12 +21,13 @@ import (
 // /v1/chat/completions that the simulator reads; others are ignored, as an
 // OpenAI-compatible server would.
 type generateRequest struct {
-	Model               string          `json:"model"`
-	Prompt              json.RawMessage `json:"prompt"`
-	Messages            []chatMessage   `json:"messages"`
-	Stream              bool            `json:"stream"`
-	MaxTokens           *int            `json:"max_tokens"`
-	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	Model               string            `json:"model"`
+	Prompt              json.RawMessage   `json:"prompt"`
+	Messages            []chatMessage     `json:"messages"`
+	Stream              bool              `json:"stream"`
+	MaxTokens           *int              `json:"max_tokens"`
+	MaxCompletionTokens *int              `json:"max_completion_tokens"`
+	KVTransferParams    *kvTransferParams `json:"kv_transfer_params"`
 	// adapter is the LoRA adapter Model names; "" is the base model.
 	adapter string
 }
@@ -120,7 +121,26 @@ func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request, chat boo
 		requestID = r.Header.Get(h)
 	}
 	late := req.Stream && s.lateFirstBytes(requestID, p.key)
-	pend, err := s.submit(engine.Request{ID: out.id, PromptTokens: p.tokens, OutputTokens: out.maxTokens, BlockHashes: p.hashes, Adapter: req.adapter})
+	er := engine.Request{ID: out.id, PromptTokens: p.tokens, OutputTokens: out.maxTokens, BlockHashes: p.hashes, Adapter: req.adapter}
+	if kv := req.KVTransferParams; kv != nil {
+		switch {
+		case kv.DoRemotePrefill:
+			url, pull, apiErr := kv.remoteSource()
+			if apiErr != nil {
+				writeError(w, apiErr)
+				return
+			}
+			if err := s.pullBlocks(ctx, url, pull); err == nil {
+				er.RemotePrefill = true
+			} else if s.cfg.KVLoadFailurePolicy == KVLoadFailureFail {
+				writeError(w, &apiError{http.StatusInternalServerError, "InternalServerError", fmt.Sprintf("KV load failed (kv_load_failure_policy fail): %v", err)})
+				return
+			} // recompute: an ordinary request, prefilled here
+		case kv.DoRemoteDecode:
+			er.RemoteDecode = true
+		}
+	}
+	pend, err := s.submit(er)
 	if err != nil {
 		writeError(w, badRequest("%v", err))
 		return
@@ -146,6 +166,9 @@ func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request, chat boo
 		}
 		if !req.Stream {
 			if finished {
+				if er.RemoteDecode {
+					out.kvParams = s.heldParams(r, out.id)
+				}
 				out.writeJSON(w, cached)
 				return
 			}
@@ -332,6 +355,8 @@ type output struct {
 	charsPerToken int
 	promptTokens  int
 	maxTokens     int
+	// kvParams are a finished prefill leg's, for its non-streamed response.
+	kvParams *kvTransferParams
 }
 
 // filler is the generated text, repeated: deterministic, and CharsPerToken
@@ -384,6 +409,9 @@ type response struct {
 	Model   string   `json:"model"`
 	Choices []choice `json:"choices"`
 	Usage   *usage   `json:"usage,omitempty"`
+	// KVTransferParams is a prefill leg's, omitted elsewhere and when
+	// its blocks are held no longer.
+	KVTransferParams *kvTransferParams `json:"kv_transfer_params,omitempty"`
 }
 
 func (o *output) response(object string, choices []choice, u *usage) response {
@@ -447,8 +475,10 @@ func (o *output) writeJSON(w http.ResponseWriter, cached int) {
 		s := text.String()
 		c.Text = &s
 	}
+	resp := o.response(object, []choice{c}, o.usage(cached))
+	resp.KVTransferParams = o.kvParams
 	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(o.response(object, []choice{c}, o.usage(cached)))
+	_ = json.NewEncoder(w).Encode(resp)
 }
 
 // servedModels names the base model and the adapters for an error message.

@@ -37,6 +37,9 @@
 // with the base model as parent, and /metrics adds vllm:lora_requests_info
 // and the simulator's own modelsim_lora_adapter_loads_total.
 //
+// Prefill/decode disaggregation (kv_transfer_params) is served as vLLM's
+// NixlConnector serves it; see disagg.go.
+//
 // Invariant: the engine is touched only under Server.mu, and every request
 // added to it leaves exactly once: it finishes, or its handler cancels it
 // when the client goes away.
@@ -47,11 +50,13 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/http"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
@@ -121,17 +126,25 @@ type Config struct {
 	// Engine.MaxLoRAs must be 1 or more (vLLM's default --max-loras is 1);
 	// without, it must be 0.
 	LoRAModules []LoRAModule
+	// EngineID names the engine in the kv_transfer_params of prefill legs
+	// (remote_engine_id); "" draws a random one, as vLLM does.
+	EngineID string
+	// KVLoadFailurePolicy says what a decode leg whose blocks cannot be
+	// pulled does: KVLoadFailureFail (vLLM's default) answers 500,
+	// KVLoadFailureRecompute computes the prefill locally.
+	KVLoadFailurePolicy string
 }
 
 // DefaultConfig returns a configuration with the engine's default latency
 // model, running in real time, without faults.
 func DefaultConfig() Config {
 	return Config{
-		Model:           DefaultModel,
-		Engine:          engine.DefaultConfig(),
-		CharsPerToken:   DefaultCharsPerToken,
-		TimeScale:       1,
-		RequestIDHeader: DefaultRequestIDHeader,
+		Model:               DefaultModel,
+		Engine:              engine.DefaultConfig(),
+		CharsPerToken:       DefaultCharsPerToken,
+		TimeScale:           1,
+		RequestIDHeader:     DefaultRequestIDHeader,
+		KVLoadFailurePolicy: KVLoadFailureFail,
 	}
 }
 
@@ -162,6 +175,9 @@ func (c Config) Validate() error {
 	if !(c.LateFirstByteFraction >= 0 && c.LateFirstByteFraction <= 1) {
 		bad("LateFirstByteFraction", c.LateFirstByteFraction, "must be from 0 to 1")
 	}
+	if c.KVLoadFailurePolicy != KVLoadFailureFail && c.KVLoadFailurePolicy != KVLoadFailureRecompute {
+		bad("KVLoadFailurePolicy", strconv.Quote(c.KVLoadFailurePolicy), `must be "fail" or "recompute"`)
+	}
 	c.validateLoRA(bad)
 	if err := c.Engine.Validate(); err != nil {
 		errs = append(errs, err)
@@ -187,6 +203,8 @@ type Server struct {
 	lora    *loraRequests        // nil without LoRAModules
 
 	adapters map[string]LoRAModule // by name; read-only
+	engineID string
+	kvClient *http.Client // pulls KV blocks from prefill servers
 
 	nextID     atomic.Uint64
 	metricsOff atomic.Bool   // FailMetrics
@@ -228,6 +246,11 @@ func New(cfg Config) (*Server, error) {
 		done:       make(chan struct{}),
 		driverDone: make(chan struct{}),
 		adapters:   make(map[string]LoRAModule, len(cfg.LoRAModules)),
+		engineID:   cfg.EngineID,
+		kvClient:   &http.Client{Timeout: kvPullTimeout},
+	}
+	if s.engineID == "" {
+		s.engineID = "modelsim-" + uuid.NewString()
 	}
 	for _, m := range cfg.LoRAModules {
 		s.adapters[m.Name] = m
@@ -251,6 +274,7 @@ func New(cfg Config) (*Server, error) {
 	s.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { s.handleGenerate(w, r, true) })
 	s.mux.HandleFunc("GET /v1/models", s.handleModels)
 	s.mux.HandleFunc("GET /health", s.handleHealth)
+	s.mux.HandleFunc("POST "+PullPath, s.handlePull)
 	metrics := promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 	s.mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
 		if s.metricsOff.Load() {
@@ -504,3 +528,6 @@ func (s *Server) fault() (fail, hang bool) {
 	}
 	return false, s.rng.Float64() < s.cfg.HangRate
 }
+
+// EngineID is the engine's id, as prefill legs name it in remote_engine_id.
+func (s *Server) EngineID() string { return s.engineID }
