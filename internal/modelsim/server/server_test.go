@@ -857,10 +857,12 @@ func TestAScrapeAgreesWithItselfOnFinishedRequests(t *testing.T) {
 		})
 	}
 	defer func() { close(done); wg.Wait() }()
-	deadline := time.Now().Add(time.Second)
+	// Until 10 scrapes have seen requests finish since the one before: on
+	// a busy machine a second held only 8 scrapes.
+	deadline := time.Now().Add(30 * time.Second)
 	scrapes, moved := 0, 0
 	last := -1.0
-	for time.Now().Before(deadline) {
+	for moved < 10 && time.Now().Before(deadline) {
 		fams := scrape(t, url)
 		scrapes++
 		finished := value(t, fams, "vllm:request_success_total", map[string]string{"finished_reason": "length"})
