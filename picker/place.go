@@ -385,9 +385,12 @@ func (l *ledger) uncachedTokens(w *row, promptChars, matchedBlocks int) int {
 
 // hold is place for a choice made elsewhere (Picker.Hold): r is reserved on
 // endpoints[0], with endpoints as its fallbacks, at the cost place would
-// give it there. It reports false, and changes nothing, when endpoints[0]
-// is not a current endpoint.
-func (l *ledger) hold(r *Reservation, req Request, endpoints []netip.AddrPort) bool {
+// give it there; a split request's prefill (prefiller valid) is held on the
+// prefiller, as place holds it. It reports false, and changes nothing, when
+// endpoints[0] is not a current endpoint. A prefiller this ledger does not
+// know is still named (r.Prefiller), its prefill then held on the
+// destination.
+func (l *ledger) hold(r *Reservation, req Request, endpoints []netip.AddrPort, prefiller netip.AddrPort) bool {
 	if len(endpoints) == 0 {
 		return false
 	}
@@ -396,8 +399,21 @@ func (l *ledger) hold(r *Reservation, req Request, endpoints []netip.AddrPort) b
 		return false
 	}
 	now := r.pickedNs
-	cands := l.score(append(l.scratch.rows[:0], w), r, now)
+	d := l.score(append(l.scratch.rows[:0], w), r, now)[0]
 	r.nEndpoints = copy(r.endpoints[:min(len(endpoints), maxFallbackEndpoints)], endpoints)
-	l.reserve(r, &cands[0], req.Model, now)
+	if !prefiller.IsValid() {
+		l.reserve(r, &d, req.Model, now)
+		return true
+	}
+	r.prefiller = prefiller
+	pw, known := l.byAddr[key(prefiller)]
+	if !known || pw == w {
+		l.reserve(r, &d, req.Model, now)
+		return true
+	}
+	pc := l.score(append(l.scratch.rows[:0], pw), r, now)[0]
+	r.decoding = true
+	l.reserve(r, &d, req.Model, now)
+	l.reservePrefill(r, &pc, now)
 	return true
 }

@@ -52,19 +52,21 @@ func (p *Picker) EnqueuePrepared(pr Prepared) (*Reservation, *Ticket, error) {
 // endpoints as its fallbacks, at the cost placement would give it there,
 // and records its prompt's blocks there. It is how a replica's ledger
 // follows the placements of the replica that leads. The reservation ends
-// as any other (FirstByte, ServedBy, End). When endpoints[0] is not one of
-// this picker's endpoints the reservation holds nothing (its End does
-// nothing) and ok is false.
-func (p *Picker) Hold(pr Prepared, endpoints []netip.AddrPort) (r *Reservation, ok bool) {
+// as any other (FirstByte, ServedBy, End). A split request (prefiller
+// valid: disaggregation) holds its prefill on the prefiller. When
+// endpoints[0] is not one of this picker's endpoints the reservation holds
+// nothing (its End does nothing) and ok is false.
+func (p *Picker) Hold(pr Prepared, endpoints []netip.AddrPort, prefiller netip.AddrPort) (r *Reservation, ok bool) {
 	r = p.l.newReservation(pr.Request, pr.Hashes, p.now())
 	p.mu.Lock()
-	ok = p.l.hold(r, pr.Request, endpoints)
+	ok = p.l.hold(r, pr.Request, endpoints, prefiller)
 	untidy := ok && p.l.untidy()
 	p.rearm(r.pickedNs)
 	p.mu.Unlock()
 	if !ok {
 		r.released = true
 		r.nEndpoints = copy(r.endpoints[:], endpoints)
+		r.prefiller = prefiller
 		r.hashes = nil
 		return r, false
 	}

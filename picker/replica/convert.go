@@ -59,6 +59,9 @@ func toReservation(e *entry) *pb.Reservation {
 	res := &pb.Reservation{Id: e.id, Origin: e.origin, Request: toRequest(e.pr), FirstByte: e.firstByte}
 	if e.r != nil {
 		res.Endpoints = toStrings(e.r.Endpoints())
+		if a, ok := e.r.Prefiller(); ok {
+			res.Prefiller = a.String()
+		}
 	}
 	if e.servedBy.IsValid() {
 		res.ServedBy = e.servedBy.String()
@@ -110,4 +113,11 @@ func compareIDs(a, b string) int {
 	ia, _ := strconv.ParseUint(na, 10, 64)
 	ib, _ := strconv.ParseUint(nb, 10, 64)
 	return cmp.Compare(ia, ib)
+}
+
+// toAddr parses an optional address: "" (or one that does not parse) is
+// the zero AddrPort.
+func toAddr(s string) netip.AddrPort {
+	a, _ := netip.ParseAddrPort(s)
+	return a
 }

@@ -233,7 +233,11 @@ func (x *Replica) answer(f *follower, e *entry, r *picker.Reservation, err error
 	}
 	e.r = r
 	x.add(e)
-	f.send(placed(&pb.Placed{Id: e.id, Endpoints: toStrings(r.Endpoints())}))
+	answer := &pb.Placed{Id: e.id, Endpoints: toStrings(r.Endpoints())}
+	if a, ok := r.Prefiller(); ok {
+		answer.Prefiller = a.String()
+	}
+	f.send(placed(answer))
 	x.broadcast(f, opPlaced(e))
 }
 
@@ -319,7 +323,7 @@ func (x *Replica) adopt(f *follower, res *pb.Reservation) {
 // has already seen.
 func (x *Replica) holdAt(res *pb.Reservation, eps []netip.AddrPort) *entry {
 	pr := fromRequest(res.Request)
-	r, _ := x.p.Hold(pr, eps)
+	r, _ := x.p.Hold(pr, eps, toAddr(res.Prefiller))
 	e := &entry{id: res.Id, origin: res.Origin, r: r, pr: pr, shared: true}
 	if res.ServedBy != "" {
 		if a, err := netip.ParseAddrPort(res.ServedBy); err == nil {

@@ -312,7 +312,7 @@ func (x *Replica) forward(ctx context.Context, c *peerConn, pr picker.Prepared) 
 				return nil, err
 			}
 			eps := toAddrs(a.Endpoints)
-			r, _ := x.p.Hold(pr, eps)
+			r, _ := x.p.Hold(pr, eps, toAddr(a.Prefiller))
 			x.mu.Lock()
 			e.r, e.answer = r, nil
 			x.byRes[r] = e

@@ -62,6 +62,7 @@ type cluster struct {
 	creds   Credentials
 	opts    Options
 	cfg     v1alpha1.PickerConfig
+	eps     []picker.Endpoint // default endpoints()
 	clock   *testclock.FakeClock
 	reps    []*Replica
 	pickers []*picker.Picker
@@ -77,9 +78,9 @@ func newCluster(t testing.TB, n int, creds Credentials, opts Options) *cluster {
 }
 
 // newClusterWith is newCluster with every picker configured by cfg.
-func newClusterWith(t testing.TB, n int, creds Credentials, opts Options, cfg v1alpha1.PickerConfig) *cluster {
+func newClusterWith(t testing.TB, n int, creds Credentials, opts Options, cfg v1alpha1.PickerConfig, eps ...picker.Endpoint) *cluster {
 	t.Helper()
-	c := &cluster{t: t, clock: testclock.NewFakeClock(time.Now()), creds: creds, opts: opts, cfg: cfg}
+	c := &cluster{t: t, clock: testclock.NewFakeClock(time.Now()), creds: creds, opts: opts, cfg: cfg, eps: eps}
 	for i := range n {
 		c.reps, c.pickers, c.regs = append(c.reps, nil), append(c.pickers, nil), append(c.regs, nil)
 		c.servers, c.stops, c.peers = append(c.servers, nil), append(c.stops, nil), append(c.peers, Peer{})
@@ -101,7 +102,11 @@ func newClusterWith(t testing.TB, n int, creds Credentials, opts Options, cfg v1
 func (c *cluster) start(i int) {
 	t := c.t
 	p := picker.New(c.cfg, picker.Options{Clock: c.clock, Rand: mrand.New(mrand.NewPCG(uint64(i), 1))})
-	p.Replace(endpoints())
+	eps := c.eps
+	if eps == nil {
+		eps = endpoints()
+	}
+	p.Replace(eps)
 	reg := prometheus.NewRegistry()
 	o := c.opts
 	o.Self, o.Dial, o.Registerer, o.Log = fmt.Sprintf("tally-%d", i), c.creds.Dial, reg, logFor(t).WithName(fmt.Sprint(i))
@@ -549,4 +554,56 @@ func TestAFollowerBackAsAnotherProcessLeavesItsOldReservationsToTheModel(t *test
 	})
 	c.clock.Step(time.Hour)
 	c.eventually("and end by the model", func() bool { return c.pickers[0].Snapshot().InFlight == 0 })
+}
+
+func TestASplitRequestIsHeldAsSplitOnEveryCopy(t *testing.T) {
+	// Two prefill pods and two decode pods: the leader splits each long
+	// cold request, and every copy holds its prefill on the prefill pod
+	// the leader chose and its decoding on the decode pod, naming the
+	// prefiller to the follower's gateway.
+	eps := make([]picker.Endpoint, 4)
+	for i := range eps {
+		role := "decode"
+		if i < 2 {
+			role = "prefill"
+		}
+		eps[i] = picker.Endpoint{Pod: fmt.Sprintf("pod-%d", i), Role: role,
+			Address: netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 0, byte(2 + i)}), 8000)}
+	}
+	cfg := v1alpha1.PickerConfig{Disaggregation: v1alpha1.Disaggregation{NonCachedTokens: 16}}
+	c := newClusterWith(t, 2, writeCredentials(t), Options{PickTimeout: time.Minute}, cfg, eps...)
+	c.lead(0, 1)
+	ps := c.burst(8, "", 0, 1)
+	for _, p := range ps {
+		if _, ok := p.r.Prefiller(); !ok {
+			t.Fatalf("a request through replica %d was not split: %v", p.via, p.r.Endpoints())
+		}
+	}
+	rows := func(i int) map[string][2]int {
+		out := map[string][2]int{}
+		for _, e := range c.pickers[i].Snapshot().Endpoints {
+			out[e.Endpoint.Pod] = [2]int{e.InFlight, e.PrefillTokens}
+		}
+		return out
+	}
+	c.eventually("both copies hold the same rows", func() bool {
+		a, b := rows(0), rows(1)
+		return fmt.Sprint(a) == fmt.Sprint(b) && a["pod-0"][0]+a["pod-1"][0] == 8 && a["pod-2"][0]+a["pod-3"][0] == 8
+	})
+	for _, p := range ps {
+		c.reps[p.via].FirstByte(p.r)
+	}
+	c.eventually("the prefill parts released on both at the first bytes", func() bool {
+		for i := range 2 {
+			r := rows(i)
+			if r["pod-0"][0]+r["pod-1"][0] != 0 || r["pod-2"][0]+r["pod-3"][0] != 8 {
+				return false
+			}
+		}
+		return true
+	})
+	c.end(ps)
+	c.eventually("both ledgers empty", func() bool {
+		return c.pickers[0].Snapshot().InFlight == 0 && c.pickers[1].Snapshot().InFlight == 0
+	})
 }

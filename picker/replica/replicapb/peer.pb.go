@@ -651,9 +651,11 @@ type Placed struct {
 	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
 	// Set when the pick waits in the leader's flow control queue; another
 	// Placed follows once it is dispatched or refused.
-	Queued        bool     `protobuf:"varint,2,opt,name=queued,proto3" json:"queued,omitempty"`
-	Endpoints     []string `protobuf:"bytes,3,rep,name=endpoints,proto3" json:"endpoints,omitempty"`
-	Refusal       Refusal  `protobuf:"varint,4,opt,name=refusal,proto3,enum=tally.peer.v1.Refusal" json:"refusal,omitempty"`
+	Queued    bool     `protobuf:"varint,2,opt,name=queued,proto3" json:"queued,omitempty"`
+	Endpoints []string `protobuf:"bytes,3,rep,name=endpoints,proto3" json:"endpoints,omitempty"`
+	Refusal   Refusal  `protobuf:"varint,4,opt,name=refusal,proto3,enum=tally.peer.v1.Refusal" json:"refusal,omitempty"`
+	// A split request's prefill pod (disaggregation), "" when not split.
+	Prefiller     string `protobuf:"bytes,5,opt,name=prefiller,proto3" json:"prefiller,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -714,6 +716,13 @@ func (x *Placed) GetRefusal() Refusal {
 		return x.Refusal
 	}
 	return Refusal_REFUSAL_NONE
+}
+
+func (x *Placed) GetPrefiller() string {
+	if x != nil {
+		return x.Prefiller
+	}
+	return ""
 }
 
 type Outcome struct {
@@ -863,7 +872,9 @@ type Reservation struct {
 	Endpoints []string `protobuf:"bytes,4,rep,name=endpoints,proto3" json:"endpoints,omitempty"`
 	FirstByte bool     `protobuf:"varint,5,opt,name=first_byte,json=firstByte,proto3" json:"first_byte,omitempty"`
 	// Where the request was served, when the gateway said (ServedBy).
-	ServedBy      string `protobuf:"bytes,6,opt,name=served_by,json=servedBy,proto3" json:"served_by,omitempty"`
+	ServedBy string `protobuf:"bytes,6,opt,name=served_by,json=servedBy,proto3" json:"served_by,omitempty"`
+	// A split request's prefill pod (disaggregation), "" when not split.
+	Prefiller     string `protobuf:"bytes,7,opt,name=prefiller,proto3" json:"prefiller,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -936,6 +947,13 @@ func (x *Reservation) GetFirstByte() bool {
 func (x *Reservation) GetServedBy() string {
 	if x != nil {
 		return x.ServedBy
+	}
+	return ""
+}
+
+func (x *Reservation) GetPrefiller() string {
+	if x != nil {
+		return x.Prefiller
 	}
 	return ""
 }
@@ -1162,12 +1180,13 @@ const file_peer_proto_rawDesc = "" +
 	"\x06hashes\x18\v \x03(\x06R\x06hashes\"H\n" +
 	"\x04Pick\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x120\n" +
-	"\arequest\x18\x02 \x01(\v2\x16.tally.peer.v1.RequestR\arequest\"\x80\x01\n" +
+	"\arequest\x18\x02 \x01(\v2\x16.tally.peer.v1.RequestR\arequest\"\x9e\x01\n" +
 	"\x06Placed\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x16\n" +
 	"\x06queued\x18\x02 \x01(\bR\x06queued\x12\x1c\n" +
 	"\tendpoints\x18\x03 \x03(\tR\tendpoints\x120\n" +
-	"\arefusal\x18\x04 \x01(\x0e2\x16.tally.peer.v1.RefusalR\arefusal\"\x9c\x01\n" +
+	"\arefusal\x18\x04 \x01(\x0e2\x16.tally.peer.v1.RefusalR\arefusal\x12\x1c\n" +
+	"\tprefiller\x18\x05 \x01(\tR\tprefiller\"\x9c\x01\n" +
 	"\aOutcome\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\x03R\fpromptTokens\x12#\n" +
 	"\rcached_tokens\x18\x02 \x01(\x03R\fcachedTokens\x12+\n" +
@@ -1182,7 +1201,7 @@ const file_peer_proto_rawDesc = "" +
 	"\x10KIND_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fKIND_FIRST_BYTE\x10\x01\x12\x12\n" +
 	"\x0eKIND_SERVED_BY\x10\x02\x12\f\n" +
-	"\bKIND_END\x10\x03\"\xc1\x01\n" +
+	"\bKIND_END\x10\x03\"\xdf\x01\n" +
 	"\vReservation\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x16\n" +
 	"\x06origin\x18\x02 \x01(\tR\x06origin\x120\n" +
@@ -1190,7 +1209,8 @@ const file_peer_proto_rawDesc = "" +
 	"\tendpoints\x18\x04 \x03(\tR\tendpoints\x12\x1d\n" +
 	"\n" +
 	"first_byte\x18\x05 \x01(\bR\tfirstByte\x12\x1b\n" +
-	"\tserved_by\x18\x06 \x01(\tR\bservedBy\"\x94\x01\n" +
+	"\tserved_by\x18\x06 \x01(\tR\bservedBy\x12\x1c\n" +
+	"\tprefiller\x18\a \x01(\tR\tprefiller\"\x94\x01\n" +
 	"\x02Op\x124\n" +
 	"\x06placed\x18\x01 \x01(\v2\x1a.tally.peer.v1.ReservationH\x00R\x06placed\x12,\n" +
 	"\x05event\x18\x02 \x01(\v2\x14.tally.peer.v1.EventH\x00R\x05event\x12$\n" +
