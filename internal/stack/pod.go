@@ -327,10 +327,13 @@ func (s *Stack) simulatorConfig() server.Config {
 }
 
 // ServeHTTP records which pod a completion request reached, holds it while
-// the stack holds, and passes it to the simulator.
+// the stack holds, and passes it to the simulator. A decode leg's pull of
+// its KV blocks (server.PullPath) is neither counted nor held: it stands for
+// the NIXL transfer between engines, not a request to the pod, and holding
+// it would hold a decode leg that the hold already let through.
 func (p *Pod) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	s := p.stack
-	if r.Method == http.MethodPost {
+	if r.Method == http.MethodPost && r.URL.Path != server.PullPath {
 		p.mu.Lock()
 		p.served++
 		p.mu.Unlock()

@@ -60,6 +60,12 @@ func TestDecodePodRunsTheSidecarInFrontOfItsSimulator(t *testing.T) {
 			ds.PrefillTokens, ds.KVBlocksPulled, ps.PrefillTokens, ps.LeasesReleased)
 	}
 
+	// The decode leg's pull of the KV blocks is no request to the prefill
+	// pod: it received the prefill leg alone.
+	if n := pre.Served(); n != 1 {
+		t.Fatalf("the prefill pod counts %d requests, want 1 (its prefill leg)", n)
+	}
+
 	// Without the header the sidecar passes the request through.
 	plain := Completion(DefaultModel, "hello there", 2, false)
 	if r := Send(context.Background(), s.HTTPClient(), dec.URL(), "pd-2", plain); r.Err != nil {
