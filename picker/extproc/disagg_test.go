@@ -1,6 +1,7 @@
 package extproc_test
 
 import (
+	"slices"
 	"testing"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -53,6 +54,41 @@ func TestASplitRequestNamesItsPrefiller(t *testing.T) {
 		}
 		if ok, state := ledgerEmpty(f.picker); !ok {
 			t.Errorf("%v: %s", mode, state)
+		}
+	}
+}
+
+// An unsplit request's answer removes a prefill pod the client named: the
+// decode pod's sidecar must not send the prefill where a client says.
+func TestAClientsOwnPrefillerIsRemovedFromAnUnsplitRequest(t *testing.T) {
+	for _, mode := range []filterv3.ProcessingMode_BodySendMode{filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, filterv3.ProcessingMode_BUFFERED} {
+		f := newFixture(t, fixtureOptions{endpoints: endpoints(epA, epB)})
+		req := completion("m", letters(7, 4000))
+		req.Mode = mode
+		req.Headers = append(req.Headers, protocol.PrefillerHeader, "10.9.9.9:80")
+		x, err := f.gw.Open(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := x.SendRequest(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		answer := r.HeadersAnswer
+		if mode == filterv3.ProcessingMode_BUFFERED {
+			answer = r.BodyAnswer
+		}
+		if r.Destination == "" {
+			t.Fatalf("%v: not routed", mode)
+		}
+		if !slices.Contains(answer.GetHeaderMutation().GetRemoveHeaders(), protocol.PrefillerHeader) {
+			t.Errorf("%v: the answer keeps the client's %s (removes %v)", mode, protocol.PrefillerHeader, answer.GetHeaderMutation().GetRemoveHeaders())
+		}
+		if _, set := envoy.HeaderValue(answer, protocol.PrefillerHeader); set {
+			t.Errorf("%v: the answer sets %s on an unsplit request", mode, protocol.PrefillerHeader)
+		}
+		if err := x.Respond(okResponse); err != nil {
+			t.Fatal(err)
 		}
 	}
 }

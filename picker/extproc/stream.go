@@ -37,6 +37,8 @@ const (
 type stream struct {
 	s   *Server
 	srv extprocv3.ExternalProcessor_ProcessServer
+	// clientPrefiller: the request came with its own x-prefiller-host-port.
+	clientPrefiller bool
 
 	// Body modes the gateway announced in protocol_config; when it
 	// announced none, FULL_DUPLEX_STREAMED both ways until the gateway's
@@ -178,6 +180,9 @@ func (st *stream) requestHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders) 
 			st.contentLength = n
 		}
 	}
+	// Only the picker names a prefill pod: a client's own copy is removed
+	// from an unsplit request's answer (a split one's is overwritten).
+	st.clientPrefiller = headerValue(headers, protocol.PrefillerHeader) != ""
 	st.objective, st.fairnessID = headerValue(headers, objectiveHeader), headerValue(headers, fairnessHeader)
 	st.modelHeader = headerValue(headers, modelRewriteHeader)
 	var bad []string
@@ -587,6 +592,24 @@ func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 			}
 		}
 		common.HeaderMutation.SetHeaders = append(common.HeaderMutation.SetHeaders, wire.HeaderOption(protocol.PrefillerHeader, pre.String()))
+		return st.send(resp)
+	}
+	if st.clientPrefiller {
+		// Not split, and the client named a prefill pod: the decode pod's
+		// sidecar must not send the prefill anywhere.
+		if st.requestMode == fullDuplex && st.body != nil {
+			answer.ContentLength = strconv.Itoa(len(*st.body))
+		}
+		resp := answer.Message()
+		common := resp.GetRequestHeaders().GetResponse()
+		if inBodyAnswer {
+			common = resp.GetRequestBody().GetResponse()
+			if st.rewritten {
+				common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: *st.body}}
+				common.HeaderMutation.SetHeaders = append(common.HeaderMutation.SetHeaders, wire.HeaderOption("content-length", strconv.Itoa(len(*st.body))))
+			}
+		}
+		common.HeaderMutation.RemoveHeaders = append(common.HeaderMutation.RemoveHeaders, protocol.PrefillerHeader)
 		return st.send(resp)
 	}
 	if inBodyAnswer && st.rewritten {
