@@ -438,9 +438,10 @@ func TestAFollowerOfAnotherVersionPlacesLocally(t *testing.T) {
 
 func TestAForwardedPickWaitsInTheLeadersQueue(t *testing.T) {
 	cfg := v1alpha1.PickerConfig{FlowControl: v1alpha1.FlowControl{Enabled: true, MaxDecodingRequests: 1, RequestTTLSeconds: 600}}
-	// A pick unanswered for 50 ms is placed locally, unless the leader
-	// says it waits in its queue.
-	c := newClusterWith(t, 2, writeCredentials(t), Options{PickTimeout: 50 * time.Millisecond}, cfg)
+	// A pick unanswered for a second is placed locally, unless the leader
+	// says it waits in its queue. (At 50 ms, a busy machine once delayed
+	// the leader's "queued" past the bound.)
+	c := newClusterWith(t, 2, writeCredentials(t), Options{PickTimeout: time.Second}, cfg)
 	c.lead(0, 1)
 	// One request decoding on each pod saturates the pool.
 	fill := c.burst(3, "", 0)
@@ -458,7 +459,7 @@ func TestAForwardedPickWaitsInTheLeadersQueue(t *testing.T) {
 		placed <- r
 	}()
 	c.eventually("the follower's pick waits in the leader's queue", func() bool { return waiting(0) == 1 })
-	time.Sleep(200 * time.Millisecond)
+	time.Sleep(1500 * time.Millisecond) // past the bound
 	select {
 	case r := <-placed:
 		t.Fatalf("placed on %v while the pool was saturated", r.Endpoints())
