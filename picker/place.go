@@ -176,7 +176,7 @@ func (l *ledger) prefiller(d *candidate, r *Reservation, now int64, force bool) 
 func (l *ledger) reservePrefill(r *Reservation, p *candidate, now int64) {
 	w := p.w
 	r.prefiller = w.ep.Address
-	r.pre = w
+	r.pre, r.prefilledOn = w, w
 	r.prefill = p.uncached
 	w.holdPrefill(r, now)
 	w.engine.recent.add(now)

@@ -2,10 +2,14 @@ package picker
 
 import (
 	"fmt"
+	"math"
+	"math/rand/v2"
 	"net/netip"
 	"testing"
+	"time"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/picker/internal/ratemodel"
 )
 
 // pdFlowPicker is pdPicker with flow control on: at 10,000 tokens/s and
@@ -134,5 +138,68 @@ func TestFullDecodePodsHoldEvenWithFreePrefillPods(t *testing.T) {
 	}
 	p.End(r, Outcome{})
 	p.End(fill[0], Outcome{})
+	assertLedgerEmpty(t, p)
+}
+
+// Split requests teach their prefill pod's rate: a prefill pod whose first
+// bytes come twice as late is learned about half as fast, the decode pods
+// learn nothing, and in a later burst, drained by the model alone, the
+// slower prefill pod takes about half as many prefills.
+func TestSplitFirstBytesTeachThePrefillPodsRate(t *testing.T) {
+	clock := newFakeClock()
+	cfg := testConfig()
+	cfg.Disaggregation.NonCachedTokens = 16
+	p := newPicker(t, 0, cfg, Options{Clock: clock})
+	p.Replace(withRoles(RolePrefill, RolePrefill, RoleDecode, RoleDecode))
+	engine := map[netip.AddrPort]float64{addr(0): 50_000, addr(1): 25_000} // tokens/s
+	rng := rand.New(rand.NewPCG(7, 1))
+	for i := range 400 {
+		tokens := 500 + rng.IntN(8000)
+		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("learn ", i), tokens*4), Stream: true})
+		pre, ok := r.Prefiller()
+		if !ok {
+			t.Fatalf("request %d on an idle pool: not split", i)
+		}
+		noise := math.Exp(rng.NormFloat64() * 0.3)
+		// The prefill leg, then the KV transfer and the first decode step.
+		clock.Advance(time.Duration(float64(tokens)/engine[pre]*noise*float64(time.Second)) + 20*time.Millisecond)
+		p.FirstByte(r)
+		clock.Advance(63 * 8 * time.Millisecond)
+		p.End(r, Outcome{CompletionTokens: 64})
+	}
+	rs := rates(p)
+	if ratio := rs[0] / rs[1]; ratio < 1.6 || ratio > 2.4 {
+		t.Errorf("rates %.0f: the half-speed prefill pod is learned %.2fx slower, want about 2x", rs, ratio)
+	}
+	p.mu.Lock()
+	for _, i := range []int{2, 3} {
+		if w := p.l.byAddr[addr(i)]; w.rates != (ratemodel.Endpoint{}) {
+			t.Errorf("decode pod %d learned from split requests: %+v", i, w.rates)
+		}
+	}
+	p.mu.Unlock()
+
+	// A burst at 100,000 tokens/s, more than both prefill pods' 75,000:
+	// no first bytes, so only the drain model at the learned rates empties
+	// their queues.
+	pres := map[netip.AddrPort]int{}
+	var res []*Reservation
+	for i := range 90 {
+		r := mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("burst ", i), 8000), Stream: true})
+		pre, ok := r.Prefiller()
+		if !ok {
+			t.Fatalf("burst request %d: not split", i)
+		}
+		pres[pre]++
+		res = append(res, r)
+		clock.Advance(20 * time.Millisecond)
+	}
+	t.Logf("learned rates %.0f; the burst's prefills %d and %d", rs, pres[addr(0)], pres[addr(1)])
+	if ratio := float64(pres[addr(0)]) / float64(pres[addr(1)]); ratio < 1.4 || ratio > 2.6 {
+		t.Errorf("the burst's prefills: %d on the fast pod, %d on the half-speed one (%.2fx), want about 2x", pres[addr(0)], pres[addr(1)], ratio)
+	}
+	for _, r := range res {
+		p.End(r, Outcome{})
+	}
 	assertLedgerEmpty(t, p)
 }
