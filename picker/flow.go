@@ -105,7 +105,10 @@ type flowQueue struct {
 	closed   bool
 	seq      uint64 // arrivals so far
 	free     []*row // scratch: unsaturated candidates of a cycle
-	outcomes [numOutcomes]uint64
+	// scratch: the candidates of a cycle with a decode slot free while a
+	// prefill pod is free (a split request's choice), empty otherwise
+	decodeFree []*row
+	outcomes   [numOutcomes]uint64
 }
 
 // Enqueue is Admit without the wait, for callers that cannot block (a
@@ -245,11 +248,11 @@ func (l *ledger) dispatch(now int64) (placed int) {
 		l.finish(t, ErrQueueTimeout, outcomeEvictedTTL)
 	}
 	for q.waiting.Len() > 0 && len(l.candidateRows) > 0 {
-		free := l.freeRows(now)
-		if len(free) == 0 {
+		free, decodeFree := l.freeRows(now)
+		if len(free) == 0 && len(decodeFree) == 0 {
 			break
 		}
-		t := l.nextTicket(free, now)
+		t := l.nextTicket(free, decodeFree, now)
 		if t == nil {
 			break
 		}
@@ -257,7 +260,10 @@ func (l *ledger) dispatch(now int64) (placed int) {
 		err := l.place(t.r, t.req)
 		if errors.Is(err, ErrSaturated) {
 			// Its candidates filled since the check: it waits on. Cannot
-			// happen without a subset hint, which freeRows checks.
+			// happen without a subset hint, which freeRows checks, or a
+			// request freed by a split (decodeFree) whose prompt is cached
+			// where it would decode: it is not split, and waits for a pod
+			// to take it whole.
 			break
 		}
 		if err != nil {
@@ -271,23 +277,30 @@ func (l *ledger) dispatch(now int64) (placed int) {
 }
 
 // freeRows returns the current candidates below their saturation
-// threshold, drained to now.
-func (l *ledger) freeRows(now int64) []*row {
+// threshold, drained to now, and, when some prefill pod is free
+// (prefillFree), those with a decode slot free: a request that may be
+// split may go there (place's rule).
+func (l *ledger) freeRows(now int64) (free, decodeFree []*row) {
 	q := &l.queue
-	q.free = q.free[:0]
+	q.free, q.decodeFree = q.free[:0], q.decodeFree[:0]
+	split := l.cfg.Disaggregation.Enabled() && l.prefillFree(now)
 	for _, c := range l.candidateRows {
 		l.drain(c, now)
-		if !l.saturated(c, c.queued(), c.decoding, now) {
+		queued := c.queued()
+		if !l.saturated(c, queued, c.decoding, now) {
 			q.free = append(q.free, c)
 		}
+		if split && !l.overLimit(c, queued) && !l.decodeFull(c.decoding) {
+			q.decodeFree = append(q.decodeFree, c)
+		}
 	}
-	return q.free
+	return q.free, q.decodeFree
 }
 
 // nextTicket chooses the next request to place on one of free: from
 // the highest band with one that may go there, the flow whose turn it is,
 // and in it the cheapest of the first few (or the oldest).
-func (l *ledger) nextTicket(free []*row, now int64) *Ticket {
+func (l *ledger) nextTicket(free, decodeFree []*row, now int64) *Ticket {
 	strict := l.cfg.FlowControl.Fairness == v1alpha1.FairnessGlobalStrict
 	for _, b := range l.queue.waiting.Bands() {
 		if b.Len() == 0 {
@@ -302,13 +315,13 @@ func (l *ledger) nextTicket(free []*row, now int64) *Ticket {
 					oldest = f
 				}
 			}
-			if t := l.chooseInFlow(oldest, free, now); t != nil {
+			if t := l.chooseInFlow(oldest, free, decodeFree, now); t != nil {
 				return t
 			}
 		}
 		f := b.Turn()
 		for range b.Flows() {
-			if t := l.chooseInFlow(f, free, now); t != nil {
+			if t := l.chooseInFlow(f, free, decodeFree, now); t != nil {
 				b.Pass(f) // the next flow's turn, even if t empties f
 				return t
 			}
@@ -319,8 +332,9 @@ func (l *ledger) nextTicket(free []*row, now int64) *Ticket {
 }
 
 // chooseInFlow returns the request of f to place next, or nil when
-// none of its first few may go on any of free.
-func (l *ledger) chooseInFlow(f *flowqueue.Flow[Ticket, flowLinks], free []*row, now int64) *Ticket {
+// none of its first few may go on any of free (or of decodeFree, for one
+// that may be split).
+func (l *ledger) chooseInFlow(f *flowqueue.Flow[Ticket, flowLinks], free, decodeFree []*row, now int64) *Ticket {
 	fc := &l.cfg.FlowControl
 	fcfs := fc.Ordering == v1alpha1.OrderingFCFS ||
 		now-f.Front().enqueued >= int64(time.Duration(fc.MaxReorderMilliseconds)*time.Millisecond)
@@ -329,7 +343,11 @@ func (l *ledger) chooseInFlow(f *flowqueue.Flow[Ticket, flowLinks], free []*row,
 	k := 0
 	for t := f.Front(); t != nil && k < cheapestWindow; t = f.After(t) {
 		k++
-		cost, ok := l.costOnFree(t, free, now)
+		rows := free
+		if len(decodeFree) > 0 && l.maySplit(t.r) {
+			rows = decodeFree // free's rows are among them
+		}
+		cost, ok := l.costOnFree(t, rows, now)
 		if !ok {
 			continue
 		}
@@ -384,10 +402,13 @@ func (l *ledger) costOnFree(t *Ticket, free []*row, now int64) (cost int, ok boo
 func (l *ledger) nextDue(now int64) int64 {
 	fc := &l.cfg.FlowControl
 	due := int64(maxDispatchInterval)
-	for _, c := range l.candidateRows {
-		over := float64(l.projected(c, now, nil).queued) - float64(fc.HoldPrefillMilliseconds)*c.rate/1000
-		if over > 0 && c.rate > 0 {
-			due = min(due, int64(over/c.rate*1e9))
+	// Prefill pods count too: a split request waits on them.
+	for _, rows := range [2][]*row{l.candidateRows, l.prefillRows} {
+		for _, c := range rows {
+			over := float64(l.projected(c, now, nil).queued) - float64(fc.HoldPrefillMilliseconds)*c.rate/1000
+			if over > 0 && c.rate > 0 {
+				due = min(due, int64(over/c.rate*1e9))
+			}
 		}
 	}
 	due = max(due, int64(minDispatchInterval))

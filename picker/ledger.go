@@ -348,10 +348,18 @@ func (l *ledger) release(r *Reservation, now int64) *[]uint64 {
 	if r.detached {
 		l.unlinkDetached(r)
 	}
-	if r.stream && r.sawFirstByte && !r.split() {
-		// A split request's first byte times its prefiller's queue, the
-		// KV transfer and a decode step: it teaches neither row's rate.
-		l.learnPrefill(r, now)
+	if r.stream && r.sawFirstByte {
+		// A split request's first byte times its prefiller's queue and
+		// prefill, then the KV transfer and a decode step: a sample of
+		// the prefiller's rate (the transfer is overhead, as a first
+		// step's is), never of the destination's, which prefilled nothing.
+		// One whose prefiller this ledger did not know teaches nothing.
+		switch w := r.prefilledOn; {
+		case !r.split():
+			l.learnPrefill(r, r.row, now)
+		case w != nil && !w.dropped:
+			l.learnPrefill(r, w, now)
+		}
 	}
 	l.releasePrefill(r, now)
 	r.row.drop(r, now)

@@ -62,12 +62,28 @@ func (l *ledger) place(r *Reservation, req Request) error {
 	if len(cands) == 0 {
 		return ErrNoEndpoint
 	}
-	eligible, free := l.saturation(cands, r)
+	eligible, free, decodeFree := l.saturation(cands, r)
 	// Flow control's threshold decides whether the request may be placed
 	// now, not where: a saturated endpoint whose prefix saves more than its
-	// queue costs is still the cheapest place.
+	// queue costs is still the cheapest place. A request that may be split
+	// needs only a decode slot on its destination, if a prefill pod is
+	// free to prefill it (stage-aware saturation).
+	splitOnly := false
 	if free == 0 {
-		return ErrSaturated
+		if decodeFree == 0 || !l.maySplit(r) || !l.prefillFree(now) {
+			return ErrSaturated
+		}
+		// Only a split can be placed now: its destination is one with a
+		// decode slot, whatever the prefill queued there.
+		splitOnly = true
+		eligible = 0
+		for i := range cands {
+			c := &cands[i]
+			c.taken = c.taken || l.decodeFull(c.w.decoding)
+			if !c.taken {
+				eligible++
+			}
+		}
 	}
 	if l.loraSeen {
 		eligible -= l.adapterCost(cands, req.Model, r.promptTokens)
@@ -79,14 +95,22 @@ func (l *ledger) place(r *Reservation, req Request) error {
 		cands[i].taken = true
 		r.endpoints[k] = cands[i].w.ep.Address
 	}
+	if len(best) == 0 {
+		return ErrSaturated // the adapter rules took out every decode slot left
+	}
 	d := &cands[best[0]]
-	if pc, ok := l.prefiller(d, r, now); ok {
+	if pc, ok := l.prefiller(d, r, now, splitOnly); ok {
 		// Held as decoding on the destination from the pick: its prefill
 		// is queued on the prefiller alone.
 		r.decoding = true
 		l.reserve(r, d, req.Model, now)
 		l.reservePrefill(r, &pc, now)
 		return nil
+	}
+	if splitOnly {
+		// Too much of it is cached on d to split, or the free prefill
+		// pod is d itself: it waits for a pod to take it whole.
+		return ErrSaturated
 	}
 	l.reserve(r, d, req.Model, now)
 	return nil
@@ -101,8 +125,10 @@ func (l *ledger) place(r *Reservation, req Request) error {
 // Each side's cost adds the stall its prefill puts on the requests decoding
 // there, which wait out its tokens (vLLM runs a step's prefill beside its
 // decodes): what keeping prefill off decode pods is for. An exact tie
-// splits, as the pods' roles ask.
-func (l *ledger) prefiller(d *candidate, r *Reservation, now int64) (p candidate, ok bool) {
+// splits, as the pods' roles ask. With flow control, a saturated prefill
+// pod is not chosen; force splits onto the cheapest free one whatever
+// prefilling on d would cost (d is saturated: place's splitOnly).
+func (l *ledger) prefiller(d *candidate, r *Reservation, now int64, force bool) (p candidate, ok bool) {
 	dis := &l.cfg.Disaggregation
 	rows := l.prefillRows
 	if !dis.Enabled() || r.bodiless || len(rows) == 0 || r.promptTokens < dis.PromptTokens || d.uncached < dis.NonCachedTokens {
@@ -122,7 +148,7 @@ func (l *ledger) prefiller(d *candidate, r *Reservation, now int64) (p candidate
 		l.drain(w, now)
 		c := candidate{w: w, matched: matched[i], uncached: l.uncachedTokens(w, r.promptChars, matched[i])}
 		c.queued, c.foreign = w.queued(), w.engine.foreignCost(now)
-		if !r.bodiless && l.overLimit(w, c.queued) {
+		if l.prefillSaturated(w, c.queued, c.foreign) {
 			continue
 		}
 		c.cost = l.cost(c.queued, c.foreign, c.uncached, w.decoding, s.weight) + c.uncached*w.decoding
@@ -137,7 +163,7 @@ func (l *ledger) prefiller(d *candidate, r *Reservation, now int64) (p candidate
 			}
 		}
 	}
-	if !ok || p.cost > d.cost+d.uncached*d.w.decoding {
+	if !ok || !force && p.cost > d.cost+d.uncached*d.w.decoding {
 		return p, false
 	}
 	return p, true
@@ -150,7 +176,7 @@ func (l *ledger) prefiller(d *candidate, r *Reservation, now int64) (p candidate
 func (l *ledger) reservePrefill(r *Reservation, p *candidate, now int64) {
 	w := p.w
 	r.prefiller = w.ep.Address
-	r.pre = w
+	r.pre, r.prefilledOn = w, w
 	r.prefill = p.uncached
 	w.holdPrefill(r, now)
 	w.engine.recent.add(now)
@@ -218,9 +244,10 @@ func (l *ledger) cost(queued, foreign, uncached, decoding int, weight float64) i
 }
 
 // saturation takes out the candidates over a static saturation limit, and
-// counts those left (eligible) and those of them below flow control's
-// threshold (free).
-func (l *ledger) saturation(cands []candidate, r *Reservation) (eligible, free int) {
+// counts those left (eligible), those of them below flow control's
+// threshold (free), and those with a decode slot free (decodeFree: where a
+// split request may go while its prefill runs elsewhere).
+func (l *ledger) saturation(cands []candidate, r *Reservation) (eligible, free, decodeFree int) {
 	for i := range cands {
 		c := &cands[i]
 		c.taken = !r.bodiless && l.overLimit(c.w, c.queued)
@@ -228,17 +255,52 @@ func (l *ledger) saturation(cands []candidate, r *Reservation) (eligible, free i
 			continue
 		}
 		eligible++
-		if !l.flowOn || r.bodiless || !l.flowFull(c.w, c.queued+c.foreign, c.w.decoding) {
+		if !l.flowOn || r.bodiless {
 			free++
+			decodeFree++
+			continue
+		}
+		if !l.decodeFull(c.w.decoding) {
+			decodeFree++
+			if !l.prefillFull(c.w, c.queued+c.foreign) {
+				free++
+			}
 		}
 	}
-	return eligible, free
+	return eligible, free, decodeFree
 }
 
 // saturated reports whether w may take no request now: over a static
 // limit (overLimit) or, with flow control, over its threshold.
 func (l *ledger) saturated(w *row, queued, decoding int, now int64) bool {
 	return l.overLimit(w, queued) || l.flowOn && l.flowFull(w, queued+w.engine.foreignCost(now), decoding)
+}
+
+// prefillSaturated reports whether w, queued and foreign its drained queue
+// and foreign load, may not prefill a split request now: saturated's
+// rules.
+func (l *ledger) prefillSaturated(w *row, queued, foreign int) bool {
+	return l.overLimit(w, queued) || l.flowOn && l.flowFull(w, queued+foreign, w.decoding)
+}
+
+// maySplit reports whether r is long enough to be split, were enough of it
+// uncached on its destination (prefiller has the whole rule).
+func (l *ledger) maySplit(r *Reservation) bool {
+	dis := &l.cfg.Disaggregation
+	return dis.Enabled() && !r.bodiless && len(l.prefillRows) > 0 &&
+		r.promptTokens >= dis.PromptTokens && r.promptTokens >= dis.NonCachedTokens
+}
+
+// prefillFree reports whether some prefill pod may prefill a split request
+// now (prefillSaturated), drained to now.
+func (l *ledger) prefillFree(now int64) bool {
+	for _, w := range l.prefillRows {
+		l.drain(w, now)
+		if !l.prefillSaturated(w, w.queued(), w.engine.foreignCost(now)) {
+			return true
+		}
+	}
+	return false
 }
 
 // overLimit reports whether w is over a static saturation limit
@@ -252,15 +314,24 @@ func (l *ledger) overLimit(w *row, queued int) bool {
 // flowFull reports whether w is over flow control's threshold: its
 // queued prefill (the ledger's drain model, plus the load its engine
 // reports beyond the ledger) would take holdPrefillMilliseconds at its
-// rate, or its decoding slots are full. An engine's waiting count is not
-// trusted here: it is read before the requests it counts have started
-// (docs/design.md, "Flow control").
+// rate (prefillFull), or its decoding slots are full (decodeFull). An
+// engine's waiting count is not trusted here: it is read before the
+// requests it counts have started (docs/design.md, "Flow control").
 func (l *ledger) flowFull(w *row, work, decoding int) bool {
-	fc := &l.cfg.FlowControl
-	if fc.MaxDecodingRequests > 0 && decoding >= fc.MaxDecodingRequests {
-		return true
-	}
-	return work > 0 && float64(work)*1000 >= float64(fc.HoldPrefillMilliseconds)*w.rate
+	return l.decodeFull(decoding) || l.prefillFull(w, work)
+}
+
+// decodeFull reports whether an endpoint with decoding requests decoding
+// has no decoding slot free (flowControl.maxDecodingRequests).
+func (l *ledger) decodeFull(decoding int) bool {
+	m := l.cfg.FlowControl.MaxDecodingRequests
+	return m > 0 && decoding >= m
+}
+
+// prefillFull reports whether work tokens of prefill would take w
+// holdPrefillMilliseconds or more at its rate.
+func (l *ledger) prefillFull(w *row, work int) bool {
+	return work > 0 && float64(work)*1000 >= float64(l.cfg.FlowControl.HoldPrefillMilliseconds)*w.rate
 }
 
 // reserve holds r on c's row and records its prompt's head there.

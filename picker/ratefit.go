@@ -70,15 +70,15 @@ func (l *ledger) setRates(now int64) {
 	}
 }
 
-// learnPrefill takes r's streamed first byte as a prefill sample, as
-// its response ends at now (see above).
-func (l *ledger) learnPrefill(r *Reservation, now int64) {
+// learnPrefill takes r's streamed first byte as a sample of w's prefill
+// rate, w the row that prefilled it (its own, or its prefiller's when it
+// was split), as its response ends at now (see above).
+func (l *ledger) learnPrefill(r *Reservation, w *row, now int64) {
 	seconds := float64(r.firstByteNs-r.enqueuedAt) / 1e9
 	if seconds <= 0 || r.work < minLearnTokens {
 		l.rateSamples[rateSampleShort]++
 		return
 	}
-	w := r.row
 	if out := r.outputTokens; out >= lateMinOutput {
 		spread := float64(now - r.firstByteNs)
 		if spread < lateSpreadShare*float64(out-1)*l.decodeNsPerToken {

@@ -42,7 +42,10 @@ type Reservation struct {
 	// part is released. A split request decodes on row from the pick: it
 	// holds a decode slot there and no prefill, and prefill counts the
 	// part's tokens.
-	pre          *row
+	pre *row
+	// prefilledOn is the prefiller's row of a split request, kept after its
+	// part is released: its first byte teaches that row's rate.
+	prefilledOn  *row
 	sawFirstByte bool
 	released     bool
 	delivered    bool
