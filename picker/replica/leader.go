@@ -3,6 +3,7 @@ package replica
 import (
 	"context"
 	"net/netip"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -20,6 +21,23 @@ type follower struct {
 	name   string
 	out    chan *pb.FromLeader
 	cancel context.CancelFunc
+	// The stream, sent on by the outbox's goroutine and, for the answer
+	// to the follower's own pick, by the goroutine that placed it.
+	stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromLeader]
+	sendMu sync.Mutex
+}
+
+// sendNow sends m at once, from the calling goroutine: the answer to a
+// pick, which waits on no broadcast queued before it (the follower
+// matches it by id). A follower that does not read blocks only this
+// follower's picks, until its stream is cut.
+func (f *follower) sendNow(m *pb.FromLeader) {
+	f.sendMu.Lock()
+	err := f.stream.Send(m)
+	f.sendMu.Unlock()
+	if err != nil {
+		f.cancel()
+	}
 }
 
 // send queues m for the follower; a follower too far behind is cut off
@@ -59,7 +77,7 @@ func (s server) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromL
 	}
 	ctx, cancel := context.WithCancel(stream.Context())
 	defer cancel()
-	f := &follower{name: h.Replica, out: make(chan *pb.FromLeader, outboxSize), cancel: cancel}
+	f := &follower{name: h.Replica, out: make(chan *pb.FromLeader, outboxSize), cancel: cancel, stream: stream}
 	x.restarted(f.name, h.Instance)
 	x.mu.Lock()
 	x.followers[f] = struct{}{}
@@ -81,7 +99,10 @@ func (s server) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromL
 		for {
 			select {
 			case m := <-f.out:
-				if err := stream.Send(m); err != nil {
+				f.sendMu.Lock()
+				err := stream.Send(m)
+				f.sendMu.Unlock()
+				if err != nil {
 					sent <- err
 					cancel()
 					return
@@ -222,13 +243,13 @@ func (x *Replica) placeFor(ctx context.Context, f *follower, p *pb.Pick) {
 // other follower of the placement.
 func (x *Replica) answer(f *follower, e *entry, r *picker.Reservation, err error) {
 	x.mu.Lock()
-	defer x.mu.Unlock()
 	e.ticket = nil
 	if err != nil {
 		if x.byID[e.id] == e {
 			delete(x.byID, e.id)
 		}
-		f.send(placed(&pb.Placed{Id: e.id, Refusal: refusalOf(err)}))
+		x.mu.Unlock()
+		f.sendNow(placed(&pb.Placed{Id: e.id, Refusal: refusalOf(err)}))
 		return
 	}
 	e.r = r
@@ -237,8 +258,10 @@ func (x *Replica) answer(f *follower, e *entry, r *picker.Reservation, err error
 	if a, ok := r.Prefiller(); ok {
 		answer.Prefiller = a.String()
 	}
-	f.send(placed(answer))
 	x.broadcast(f, opPlaced(e))
+	x.mu.Unlock()
+	// Outside the replica's lock: a send may wait on the follower.
+	f.sendNow(placed(answer))
 }
 
 func placed(p *pb.Placed) *pb.FromLeader {
