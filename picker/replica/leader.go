@@ -25,6 +25,7 @@ type follower struct {
 	// to the follower's own pick, by the goroutine that placed it.
 	stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromLeader]
 	sendMu sync.Mutex
+	closed bool // the handler returned: the stream takes no more sends
 }
 
 // sendNow sends m at once, from the calling goroutine: the answer to a
@@ -33,7 +34,10 @@ type follower struct {
 // follower's picks, until its stream is cut.
 func (f *follower) sendNow(m *pb.FromLeader) {
 	f.sendMu.Lock()
-	err := f.stream.Send(m)
+	var err error
+	if !f.closed {
+		err = f.stream.Send(m)
+	}
 	f.sendMu.Unlock()
 	if err != nil {
 		f.cancel()
@@ -128,10 +132,14 @@ func (s server) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromL
 	}()
 	<-ctx.Done()
 	<-sent
+	// A pick still being placed (or waiting in the queue) answers no one.
+	f.sendMu.Lock()
+	f.closed = true
+	f.sendMu.Unlock()
 	return nil
 }
 
-// hello is this replica's Hello. Called with mu held.
+// hello is this replica's Hello. It reads only what needs no lock.
 func (x *Replica) hello() *pb.Hello {
 	return &pb.Hello{Version: Version, Replica: x.opts.Self, Leading: x.leading.Load(), Instance: x.instance}
 }
