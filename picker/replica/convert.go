@@ -103,10 +103,12 @@ func toAddrs(s []string) []netip.AddrPort {
 	return as
 }
 
-// compareIDs orders reservation ids "<replica>/<n>" by replica, then n.
+// compareIDs orders reservation ids "<replica>/<instance>/<n>" by replica
+// and instance, then n.
 func compareIDs(a, b string) int {
-	ra, na, _ := strings.Cut(a, "/")
-	rb, nb, _ := strings.Cut(b, "/")
+	i, j := strings.LastIndexByte(a, '/'), strings.LastIndexByte(b, '/')
+	ra, na := a[:max(i, 0)], a[i+1:]
+	rb, nb := b[:max(j, 0)], b[j+1:]
 	if c := strings.Compare(ra, rb); c != 0 {
 		return c
 	}

@@ -202,8 +202,10 @@ func (x *Replica) Leader() string {
 	return ""
 }
 
+// newID is a new reservation id, unique over the replicas and over a
+// replica's restarts: "<replica>/<instance>/<n>".
 func (x *Replica) newID() string {
-	return x.opts.Self + "/" + strconv.FormatUint(x.ids.Add(1), 10)
+	return x.opts.Self + "/" + x.instance + "/" + strconv.FormatUint(x.ids.Add(1), 10)
 }
 
 // Admit places req: on this replica's ledger when it leads, or when no

@@ -595,7 +595,8 @@ func (x *Request) GetHashes() []uint64 {
 
 type Pick struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The reservation's id, unique over the replicas: "<replica>/<n>".
+	// The reservation's id, unique over the replicas and their restarts:
+	// "<replica>/<instance>/<n>".
 	Id            string   `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
 	Request       *Request `protobuf:"bytes,2,opt,name=request,proto3" json:"request,omitempty"`
 	unknownFields protoimpl.UnknownFields
