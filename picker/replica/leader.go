@@ -153,31 +153,41 @@ func (x *Replica) restarted(name, instance string) {
 	before, seen := x.instances[name]
 	x.instances[name] = instance
 	if seen && before != instance {
-		orphans = x.takeOrigin(name)
+		orphans = x.take(nil, true, func(e *entry) bool { return e.origin == name })
 	}
 	x.mu.Unlock()
-	for _, e := range orphans {
-		x.p.End(e.r, picker.Outcome{Detached: true})
-	}
+	x.endTaken(orphans, true)
 }
 
-// takeOrigin removes the placed reservations of origin from the maps,
-// telling the followers (when leading) they are detached, and returns
-// them. Called with mu held.
-func (x *Replica) takeOrigin(origin string) []*entry {
+// take removes from the maps the placed reservations match selects and,
+// while this replica leads, tells every follower but except that they
+// ended (detached: left to the ledger's model). Called with mu held; the
+// caller ends them here with endTaken once it has let go of mu.
+func (x *Replica) take(except *follower, detached bool, match func(*entry) bool) []*entry {
 	var out []*entry
 	for id, e := range x.byID {
-		if e.origin != origin || e.r == nil {
+		if e.r == nil || !match(e) {
 			continue
 		}
 		out = append(out, e)
 		delete(x.byID, id)
 		delete(x.byRes, e.r)
 		if x.leading.Load() {
-			x.broadcast(nil, opEvent(&pb.Event{Id: id, Kind: pb.Event_KIND_END, Outcome: &pb.Outcome{Detached: true}}))
+			ev := &pb.Event{Id: id, Kind: pb.Event_KIND_END}
+			if detached {
+				ev.Outcome = &pb.Outcome{Detached: true}
+			}
+			x.broadcast(except, opEvent(ev))
 		}
 	}
 	return out
+}
+
+// endTaken ends in this replica's ledger the reservations take removed.
+func (x *Replica) endTaken(taken []*entry, detached bool) {
+	for _, e := range taken {
+		x.p.End(e.r, picker.Outcome{Detached: detached})
+	}
 }
 
 // sync is every reservation this replica holds. Called with mu held.
@@ -378,22 +388,10 @@ func (x *Replica) claim(f *follower, c *pb.Claim) {
 		claimed[res.Id] = true
 		x.adopt(f, res)
 	}
-	var ended []*entry
 	x.mu.Lock()
-	for id, e := range x.byID {
-		if e.origin == f.name && !claimed[id] && e.ticket == nil {
-			ended = append(ended, e)
-			delete(x.byID, id)
-			delete(x.byRes, e.r)
-			x.broadcast(f, opEvent(&pb.Event{Id: id, Kind: pb.Event_KIND_END}))
-		}
-	}
+	ended := x.take(f, false, func(e *entry) bool { return e.origin == f.name && !claimed[e.id] && e.ticket == nil })
 	x.mu.Unlock()
-	for _, e := range ended {
-		if e.r != nil {
-			x.p.End(e.r, picker.Outcome{})
-		}
-	}
+	x.endTaken(ended, false)
 }
 
 // Lead makes this replica the leader: it places every pick from now on,
@@ -427,26 +425,17 @@ func (x *Replica) detachOrphans(now time.Time) int {
 	for f := range x.followers {
 		connected[f.name] = true
 	}
-	var orphans []*entry
-	for id, e := range x.byID {
-		if connected[e.origin] || e.r == nil {
-			continue
+	orphans := x.take(nil, true, func(e *entry) bool {
+		if connected[e.origin] {
+			return false
 		}
 		since, ok := x.gone[e.origin]
 		if !ok || since.Before(x.leadSince) {
 			since = x.leadSince
 		}
-		if now.Sub(since) < x.opts.OrphanGrace {
-			continue
-		}
-		orphans = append(orphans, e)
-		delete(x.byID, id)
-		delete(x.byRes, e.r)
-		x.broadcast(nil, opEvent(&pb.Event{Id: id, Kind: pb.Event_KIND_END, Outcome: &pb.Outcome{Detached: true}}))
-	}
+		return now.Sub(since) >= x.opts.OrphanGrace
+	})
 	x.mu.Unlock()
-	for _, e := range orphans {
-		x.p.End(e.r, picker.Outcome{Detached: true})
-	}
+	x.endTaken(orphans, true)
 	return len(orphans)
 }

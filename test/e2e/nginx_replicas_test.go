@@ -100,26 +100,10 @@ var _ = Describe("Through NGINX as NGINX Gateway Fabric drives it, spread over t
 			Expect(n).To(Equal(32.0), "streams replica %s decided; all %v", name, streams)
 		}
 		// While all 96 are held at the pods, every replica's copy of the
-		// ledger holds each of them where it went: the streams ended at
-		// the pick, the reservations did not.
-		for i, l := range ledgers {
-			for _, e := range l.Endpoints {
-				Expect(e.InFlight).To(Equal(placed[e.Pod]), "replica %s's ledger row %+v; placement %v", fronts[i].name, e, placed)
-			}
-		}
-		// The followers forwarded their picks: none placed one itself.
-		forwarded := 0.0
-		for _, f := range fronts {
-			m, err := f.metrics(ctx)
-			Expect(err).NotTo(HaveOccurred())
-			for _, reason := range []string{"no_leader", "timeout", "version"} {
-				v, _ := m.Value("tally_peer_local_placements_total", "reason", reason)
-				Expect(v).To(BeZero(), "replica %s placed picks itself (%s) while the leader answered", f.name, reason)
-			}
-			v, _ := m.Value("tally_peer_forwarded_picks_total")
-			forwarded += v
-		}
-		Expect(forwarded).To(BeNumerically(">=", 64), "picks the two followers forwarded")
+		// ledger holds each of them where it went (the streams ended at
+		// the pick, the reservations did not), and the followers
+		// forwarded their picks.
+		forwarded := expectOneLedger(ctx, fronts, ledgers, placed, 64)
 		// A detached reservation ends when the model says its request is
 		// done, on every copy.
 		start := time.Now()

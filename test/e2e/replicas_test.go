@@ -110,25 +110,9 @@ var _ = Describe("Three picker replicas sharing one ledger", Ordered, func() {
 			Expect(placed[p.Name]).To(BeNumerically("~", 32, 1), "placement %v", placed)
 		}
 		// While all 96 are in flight, every replica's copy of the ledger
-		// holds each of them where it went.
-		for i, l := range ledgers {
-			for _, e := range l.Endpoints {
-				Expect(e.InFlight).To(Equal(placed[e.Pod]), "replica %s's ledger row %+v; placement %v", fronts[i].name, e, placed)
-			}
-		}
-		// The followers forwarded every pick: none placed one itself.
-		forwarded := 0.0
-		for _, f := range fronts {
-			m, err := f.metrics(ctx)
-			Expect(err).NotTo(HaveOccurred())
-			for _, reason := range []string{"no_leader", "timeout", "version"} {
-				v, _ := m.Value("tally_peer_local_placements_total", "reason", reason)
-				Expect(v).To(BeZero(), "replica %s placed picks itself (%s) while the leader answered", f.name, reason)
-			}
-			v, _ := m.Value("tally_peer_forwarded_picks_total")
-			forwarded += v
-		}
-		Expect(forwarded).To(BeNumerically(">=", 64), "picks the two followers forwarded")
+		// holds each of them where it went, and the followers forwarded
+		// every pick.
+		expectOneLedger(ctx, fronts, ledgers, placed, 64)
 		expectEveryLedgerDrains(ctx, fronts)
 	}, SpecTimeout(2*time.Minute))
 
@@ -333,6 +317,31 @@ func peerRefuses(ctx context.Context, addr netip.AddrPort, credDir string) {
 		cancel()
 		conn.Close()
 	}
+}
+
+// expectOneLedger checks that every replica's ledger (read while the burst
+// placed was held) holds each request where it went, that no replica
+// placed a pick itself while the leader answered, and that the followers
+// forwarded at least atLeast picks; it returns how many they forwarded.
+func expectOneLedger(ctx context.Context, fronts []replicaFront, ledgers []debugledger.Ledger, placed map[string]int, atLeast float64) (forwarded float64) {
+	GinkgoHelper()
+	for i, l := range ledgers {
+		for _, e := range l.Endpoints {
+			Expect(e.InFlight).To(Equal(placed[e.Pod]), "replica %s's ledger row %+v; placement %v", fronts[i].name, e, placed)
+		}
+	}
+	for _, f := range fronts {
+		m, err := f.metrics(ctx)
+		Expect(err).NotTo(HaveOccurred())
+		for _, reason := range []string{"no_leader", "timeout", "version"} {
+			v, _ := m.Value("tally_peer_local_placements_total", "reason", reason)
+			Expect(v).To(BeZero(), "replica %s placed picks itself (%s) while the leader answered", f.name, reason)
+		}
+		v, _ := m.Value("tally_peer_forwarded_picks_total")
+		forwarded += v
+	}
+	Expect(forwarded).To(BeNumerically(">=", atLeast), "picks the followers forwarded")
+	return forwarded
 }
 
 // expectEveryLedgerDrains waits until every replica's ledger is idle.
