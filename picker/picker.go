@@ -247,8 +247,7 @@ func (p *Picker) placeNow(r *Reservation, req Request, start time.Time) (*Reserv
 // head, coarse ones for the tail (blocks.go).
 func (p *Picker) prepare(req Request) *Reservation {
 	buf := p.hashBufs.Get().(*[]uint64)
-	hashes := prefix.HashTiered((*buf)[:0], req.Model, req.CacheSalt, req.Prompt,
-		p.cfg.BlockSizeChars, p.blocks.fine, p.blocks.coarseChars, p.cfg.MaxPromptBlocks)
+	hashes := p.hash((*buf)[:0], req)
 	*buf = hashes
 	r := p.l.newReservation(req, hashes, p.now())
 	if len(hashes) > 0 {
@@ -258,6 +257,13 @@ func (p *Picker) prepare(req Request) *Reservation {
 		p.hashBufs.Put(buf)
 	}
 	return r
+}
+
+// hash appends req's prompt's block hashes to dst: fine blocks for the
+// head, coarse ones for the tail, at most MaxPromptBlocks (blocks.go).
+func (p *Picker) hash(dst []uint64, req Request) []uint64 {
+	return prefix.HashTiered(dst, req.Model, req.CacheSalt, req.Prompt,
+		p.cfg.BlockSizeChars, p.blocks.fine, p.blocks.coarseChars, p.cfg.MaxPromptBlocks)
 }
 
 // placed finishes a placement outside the lock: the long prompt's tail, the

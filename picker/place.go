@@ -100,11 +100,7 @@ func (l *ledger) place(r *Reservation, req Request) error {
 	}
 	d := &cands[best[0]]
 	if pc, ok := l.prefiller(d, r, now, splitOnly); ok {
-		// Held as decoding on the destination from the pick: its prefill
-		// is queued on the prefiller alone.
-		r.decoding = true
-		l.reserve(r, d, req.Model, now)
-		l.reservePrefill(r, &pc, now)
+		l.reserveSplit(r, d, &pc, req.Model, now)
 		return nil
 	}
 	if splitOnly {
@@ -167,6 +163,14 @@ func (l *ledger) prefiller(d *candidate, r *Reservation, now int64, force bool) 
 		return p, false
 	}
 	return p, true
+}
+
+// reserveSplit holds a split request: as decoding on its destination d
+// from the pick, its prefill queued on the prefiller p alone.
+func (l *ledger) reserveSplit(r *Reservation, d, p *candidate, model string, now int64) {
+	r.decoding = true
+	l.reserve(r, d, model, now)
+	l.reservePrefill(r, p, now)
 }
 
 // reservePrefill holds a split request's prefill on its prefiller, and
@@ -483,8 +487,6 @@ func (l *ledger) hold(r *Reservation, req Request, endpoints []netip.AddrPort, p
 		return true
 	}
 	pc := l.score(append(l.scratch.rows[:0], pw), r, now)[0]
-	r.decoding = true
-	l.reserve(r, &d, req.Model, now)
-	l.reservePrefill(r, &pc, now)
+	l.reserveSplit(r, &d, &pc, req.Model, now)
 	return true
 }

@@ -4,8 +4,6 @@ import (
 	"context"
 	"net/netip"
 	"time"
-
-	"github.com/tallyepp/tally/picker/prefix"
 )
 
 // Prepared is a request as hashed for the ledger: its prompt's block
@@ -23,8 +21,7 @@ type Prepared struct {
 // and Hold take. Replicas that share hashes must share the configuration
 // the hashing reads (the block size and the block limits).
 func (p *Picker) Prepare(req Request) Prepared {
-	hashes := prefix.HashTiered(nil, req.Model, req.CacheSalt, req.Prompt,
-		p.cfg.BlockSizeChars, p.blocks.fine, p.blocks.coarseChars, p.cfg.MaxPromptBlocks)
+	hashes := p.hash(nil, req)
 	if len(req.Prompt) > 0 {
 		req.PromptChars = len(req.Prompt)
 	}
