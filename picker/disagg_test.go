@@ -292,3 +292,128 @@ func TestARequestIsSplitOnlyWhenItPays(t *testing.T) {
 		}
 	})
 }
+
+// The pair is chosen by the request's time to first token through it, not
+// by its decode pod's cost of prefilling alone: a decode pod that holds
+// most of the prompt but has a long decode queue loses to an idle one when
+// a prefill pod holds the prompt too (the split moves only the KV).
+func TestThePairIsChosenByItsTimeToFirstToken(t *testing.T) {
+	p := pdPicker(t, nil)
+	history := text("history", 60_000) // 15,000 tokens
+	first := mustPick(t, p, Request{Model: model, Prompt: history, Stream: true})
+	busy, ok := endpointOf(first), false
+	pre, ok := first.Prefiller()
+	if !ok {
+		t.Fatal("a cold 15,000-token prompt on an idle pool is not split")
+	}
+	p.FirstByte(first)
+	p.End(first, Outcome{})
+	idle := addr(2)
+	if busy == idle {
+		idle = addr(3)
+	}
+	// 100 requests decoding on the pod that holds the history (12,800
+	// tokens of decode weight), none on the other.
+	var decoding []*Reservation
+	for i := range 100 {
+		r := mustPick(t, p, on(busy, text(fmt.Sprint("decode ", i), 400)))
+		p.FirstByte(r)
+		decoding = append(decoding, r)
+	}
+	// The history and 5,000 tokens more: 5,000 uncached on busy and on
+	// pre, 20,000 on idle. Prefilling on busy would wait out its queue;
+	// the split through pre decodes on idle at once.
+	prompt := append(append([]byte{}, history...), text("question", 20_000)...)
+	r := mustPick(t, p, Request{Model: model, Prompt: prompt, Stream: true})
+	got, _ := r.Prefiller()
+	if endpointOf(r) != idle || got != pre {
+		t.Errorf("the request went to %s prefilled on %s, want the idle decode pod %s prefilled on %s (which holds its history)", endpointOf(r), got, idle, pre)
+	}
+	p.End(r, Outcome{})
+	for _, r := range decoding {
+		p.End(r, Outcome{})
+	}
+	assertLedgerEmpty(t, p)
+}
+
+// Each pick says why it split its request or did not.
+func TestEachPickSaysWhyItSplitOrNot(t *testing.T) {
+	long := text("why", 4000) // 1,000 tokens
+	p := pdPicker(t, nil)
+	split := mustPick(t, p, Request{Model: model, Prompt: long})
+	if split.splitWhy != splitDecisionSplit {
+		t.Errorf("a cold 1,000-token prompt on an idle pool: %q, want %q", split.splitWhy, splitDecisionSplit)
+	}
+	dest := endpointOf(split)
+	p.End(split, Outcome{})
+	if r := mustPick(t, p, on(dest, long)); r.splitWhy != splitDecisionCached {
+		t.Errorf("a prompt cached on its destination: %q, want %q", r.splitWhy, splitDecisionCached)
+	}
+	if r := mustPick(t, p, Request{Model: model, Prompt: text("short", 40)}); r.splitWhy != splitDecisionShort {
+		t.Errorf("a 10-token prompt: %q, want %q", r.splitWhy, splitDecisionShort)
+	}
+	// 20,000 tokens queued on each prefill pod: a cold 1,000-token prompt
+	// prefills sooner where it decodes.
+	for i := range 2 {
+		mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("big ", i), 80_000)})
+	}
+	if r := mustPick(t, p, Request{Model: model, Prompt: text("cold", 4000)}); r.splitWhy != splitDecisionLocalCheaper {
+		t.Errorf("busy prefill pods: %q, want %q", r.splitWhy, splitDecisionLocalCheaper)
+	}
+	q := pdPicker(t, nil)
+	q.Replace(withRoles(RoleDecode, RoleDecode))
+	if r := mustPick(t, q, Request{Model: model, Prompt: long}); r.splitWhy != splitDecisionNoPrefillPod {
+		t.Errorf("no prefill pod: %q, want %q", r.splitWhy, splitDecisionNoPrefillPod)
+	}
+	off := newPicker(t, 0, testConfig(), Options{})
+	off.Replace(withRoles(RolePrefill, RoleDecode))
+	if r := mustPick(t, off, Request{Model: model, Prompt: long}); r.splitWhy != "" {
+		t.Errorf("disaggregation off: %q, want none", r.splitWhy)
+	}
+}
+
+// A prefill pod off after failed legs is tried again after its backoff,
+// and one leg that works ends the count.
+func TestAPrefillPodBackOffEnds(t *testing.T) {
+	clock := newFakeClock()
+	p := pdPicker(t, clock)
+	p.Replace(withRoles(RolePrefill, RoleDecode))
+	fail := func(tag string) {
+		t.Helper()
+		r := mustPick(t, p, Request{Model: model, Prompt: text(tag, 4000), Stream: true})
+		if _, ok := r.Prefiller(); !ok {
+			t.Fatalf("%s: not split", tag)
+		}
+		p.End(r, Outcome{ServerError: true})
+	}
+	for i := range legFailureThreshold {
+		fail(fmt.Sprint("fail ", i))
+	}
+	if r := mustPick(t, p, Request{Model: model, Prompt: text("off", 4000)}); r.splitWhy != splitDecisionNoPrefillPod {
+		t.Errorf("after %d failed legs: %q, want %q", legFailureThreshold, r.splitWhy, splitDecisionNoPrefillPod)
+	} else {
+		p.End(r, Outcome{})
+	}
+	clock.Advance(legBackoff)
+	fail("again") // tried again after the backoff, and failing: off for twice as long
+	clock.Advance(legBackoff)
+	if r := mustPick(t, p, Request{Model: model, Prompt: text("still off", 4000)}); r.splitWhy != splitDecisionNoPrefillPod {
+		t.Errorf("one backoff into a doubled one: %q, want %q", r.splitWhy, splitDecisionNoPrefillPod)
+	} else {
+		p.End(r, Outcome{})
+	}
+	clock.Advance(legBackoff)
+	r := mustPick(t, p, Request{Model: model, Prompt: text("works", 4000), Stream: true})
+	if _, ok := r.Prefiller(); !ok {
+		t.Fatal("after the doubled backoff: not split")
+	}
+	p.FirstByte(r)
+	p.End(r, Outcome{})
+	fail("once more") // one failure after a leg that worked does not turn it off
+	if r := mustPick(t, p, Request{Model: model, Prompt: text("on", 4000)}); r.splitWhy != splitDecisionSplit {
+		t.Errorf("one failure after a leg that worked: %q, want %q", r.splitWhy, splitDecisionSplit)
+	} else {
+		p.End(r, Outcome{})
+	}
+	assertLedgerEmpty(t, p)
+}

@@ -134,11 +134,16 @@ type engineView struct {
 	baseGenerated, baseFinished, baseDecode float64
 	outputBase, decodeBase                  bool
 	failures                                int
-	unhealthy                               bool
-	excluded                                bool // unhealthy while another endpoint is healthy
-	cacheTokens                             int
-	kvUsage                                 float64 // -1: not published
-	delivered, predicted                    int64   // cached prompt tokens delivered by the engine, and predicted
+	// legFailures are the prefill legs in a row it failed (legFailed),
+	// and until legsOffUntil it prefills for no other pod.
+	legFailures          int
+	legsOffUntil         int64
+	legFailuresTotal     int64
+	unhealthy            bool
+	excluded             bool // unhealthy while another endpoint is healthy
+	cacheTokens          int
+	kvUsage              float64 // -1: not published
+	delivered, predicted int64   // cached prompt tokens delivered by the engine, and predicted
 	// LoRA (adapters.go): whether the engine publishes its adapters, its
 	// base model, the adapters of its running and waiting requests, and
 	// how many it runs at once.

@@ -291,6 +291,9 @@ func (l *ledger) firstByte(r *Reservation, now int64) {
 	// A split request's first bytes come from its destination once the
 	// prefill leg has answered and the KV cache moved.
 	l.releasePrefill(r, now)
+	if w := r.prefilledOn; w != nil {
+		w.engine.legFailures, w.engine.legsOffUntil = 0, 0 // its leg worked
+	}
 	l.freed(now)
 }
 
@@ -307,6 +310,12 @@ type Outcome struct {
 	// where a request goes): it stays in the ledger until the model says
 	// it is done (detach.go).
 	Detached bool
+	// ServerError: the response was a model server's error (a status of
+	// 500 or more). Its bytes are no first token: the stream reports no
+	// first byte for it. A split request's error that came before any
+	// first byte is its prefill leg's (llm-d's sidecar answers with that
+	// leg's error): its prefill pod is fed back (legFailed).
+	ServerError bool
 }
 
 // end ends r's stream (Picker.End). It returns the hash buffer to reuse
@@ -319,6 +328,9 @@ func (l *ledger) end(r *Reservation, o Outcome, now int64) (buf *[]uint64, detac
 		// A bodiless request (a GET of /v1/models) gives the engine no
 		// prefill or decoding to model: it is done when it is answered.
 		return nil, l.detach(r, now)
+	}
+	if o.ServerError && r.split() && !r.sawFirstByte {
+		l.legFailed(r, now)
 	}
 	// A split request's usage is its destination's, whose cache the
 	// prefiller's KV filled: it says nothing of the prefix index's trust.

@@ -32,6 +32,7 @@ type metrics struct {
 	// The engines' view (engine.go), beside the ledger's, so drift shows.
 	engineRunning, engineWaiting, foreignRequests, foreignTokens, endpointHealthy *prometheus.Desc
 	prefixCapacity, deliveredCached, predictedCached, deliveryRatio               *prometheus.Desc
+	legFailures, legsOff                                                          *prometheus.Desc
 	healthChanges                                                                 *prometheus.CounterVec
 
 	// The same picks and ledger under the upstream picker's names, labels
@@ -136,6 +137,10 @@ func newMetrics(poolName string, flowControl bool) *metrics {
 		"Cached prompt tokens the endpoint's engine reported in usage (prompt_tokens_details.cached_tokens).", ep, nil)
 	m.predictedCached = prometheus.NewDesc("tally_endpoint_predicted_cached_tokens_total",
 		"Cached prompt tokens the picker predicted for the same responses.", ep, nil)
+	m.legFailures = prometheus.NewDesc("tally_prefill_leg_failures_total",
+		"Prefill legs the endpoint failed: split requests whose response was a server error before their first byte.", ep, nil)
+	m.legsOff = prometheus.NewDesc("tally_prefill_legs_off",
+		"1 while the endpoint prefills for no other pod, after prefill legs failed in a row.", ep, nil)
 	m.deliveryRatio = prometheus.NewDesc("tally_endpoint_cache_delivery_ratio",
 		"Delivered over predicted cached prompt tokens: below 1 the prefix index believes the engine holds more than it does.", ep, nil)
 	m.healthChanges = prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -188,7 +193,7 @@ func (p *Picker) Describe(ch chan<- *prometheus.Desc) {
 		m.detachedActive, m.detachedEnd, m.rateSamples, m.expectedOutput, m.decodeSpeed,
 		m.poolReadyPods, m.poolAvgQueue, m.poolPerPodQueue, m.poolAvgRunning, m.poolAvgKVCache,
 		m.engineRunning, m.engineWaiting, m.foreignRequests, m.foreignTokens, m.endpointHealthy,
-		m.prefixCapacity, m.deliveredCached, m.predictedCached, m.deliveryRatio} {
+		m.prefixCapacity, m.deliveredCached, m.predictedCached, m.deliveryRatio, m.legFailures, m.legsOff} {
 		ch <- d
 	}
 	for _, c := range m.collectors() {
@@ -297,6 +302,14 @@ func (m *metrics) collectEngine(ch chan<- prometheus.Metric, s EndpointStats, ep
 	}
 	ch <- prometheus.MustNewConstMetric(m.deliveredCached, prometheus.CounterValue, float64(s.DeliveredCachedTokens), ep)
 	ch <- prometheus.MustNewConstMetric(m.predictedCached, prometheus.CounterValue, float64(s.PredictedCachedTokens), ep)
+	if s.Endpoint.prefills() {
+		ch <- prometheus.MustNewConstMetric(m.legFailures, prometheus.CounterValue, float64(s.PrefillLegFailures), ep)
+		off := 0.0
+		if s.PrefillLegsOff {
+			off = 1
+		}
+		gauge(m.legsOff, off)
+	}
 	if s.PredictedCachedTokens > 0 {
 		gauge(m.deliveryRatio, float64(s.DeliveredCachedTokens)/float64(s.PredictedCachedTokens))
 	}

@@ -21,6 +21,8 @@ type candidate struct {
 	loraOut         uint8
 	adapter, active bool
 	refs            int
+	// pre is its prefill pod when the request would be split there (pair).
+	pre *candidate
 }
 
 // scratch is the room one operation works in, sized on setEndpoints so that
@@ -36,6 +38,10 @@ type scratch struct {
 	bestKeys []uint64
 	ended    []endedPrefill // the detached prefills a drain ended
 	weight   float64        // the last score's workWeight
+	// pre holds the prefill pods a split weighs (pair), first and second
+	// the two cheapest of them.
+	pre           []candidate
+	first, second *candidate
 }
 
 func newScratch() scratch {
@@ -50,6 +56,7 @@ func (s *scratch) size(n int) {
 		s.ids = make([]int, 0, n)
 		s.matched = make([]int, n)
 		s.seen = make([]uint64, n)
+		s.pre = make([]candidate, 0, n)
 	}
 }
 
@@ -88,6 +95,10 @@ func (l *ledger) place(r *Reservation, req Request) error {
 	if l.loraSeen {
 		eligible -= l.adapterCost(cands, req.Model, r.promptTokens)
 	}
+	pairs := l.maySplit(r)
+	if pairs {
+		eligible -= l.pair(cands, r, now, splitOnly)
+	}
 
 	r.nEndpoints = min(eligible, l.cfg.FallbackEndpoints)
 	best := l.best(cands, max(r.nEndpoints, 1))
@@ -96,73 +107,141 @@ func (l *ledger) place(r *Reservation, req Request) error {
 		r.endpoints[k] = cands[i].w.ep.Address
 	}
 	if len(best) == 0 {
-		return ErrSaturated // the adapter rules took out every decode slot left
+		// The adapter rules took out every decode slot left, or, with
+		// only a split placeable, every endpoint that could be split to
+		// is too cached to split: it waits for a pod to take it whole.
+		return ErrSaturated
 	}
 	d := &cands[best[0]]
-	if pc, ok := l.prefiller(d, r, now, splitOnly); ok {
-		l.reserveSplit(r, d, &pc, req.Model, now)
+	r.splitWhy = l.splitWhy(d, r, pairs)
+	if d.pre != nil {
+		l.reserveSplit(r, d, d.pre, req.Model, now)
 		return nil
-	}
-	if splitOnly {
-		// Too much of it is cached on d to split, or the free prefill
-		// pod is d itself: it waits for a pod to take it whole.
-		return ErrSaturated
 	}
 	l.reserve(r, d, req.Model, now)
 	return nil
 }
 
-// prefiller chooses where a request placed on d prefills when it is split
-// (disaggregation): ok is false when it is not split. As llm-d's
-// prefix-based-pd-decider, only a prompt of at least promptTokens with at
-// least nonCachedTokens not cached on d may be; then the cheapest
-// prefill-capable endpoint other than d (the same cost terms as a
-// destination's) takes it, if prefilling there is no costlier than on d.
-// Each side's cost adds the stall its prefill puts on the requests decoding
-// there, which wait out its tokens (vLLM runs a step's prefill beside its
-// decodes): what keeping prefill off decode pods is for. An exact tie
-// splits, as the pods' roles ask. With flow control, a saturated prefill
-// pod is not chosen; force splits onto the cheapest free one whatever
-// prefilling on d would cost (d is saturated: place's splitOnly).
-func (l *ledger) prefiller(d *candidate, r *Reservation, now int64, force bool) (p candidate, ok bool) {
-	dis := &l.cfg.Disaggregation
-	rows := l.prefillRows
-	if !dis.Enabled() || r.bodiless || len(rows) == 0 || r.promptTokens < dis.PromptTokens || d.uncached < dis.NonCachedTokens {
-		return p, false
-	}
+// pair scores each decode candidate of a request that may be split
+// (disaggregation) as the cheaper of its two ways to a first token: its
+// own prefill there, or a split, when at least nonCachedTokens of the
+// prompt are not cached there (llm-d's prefix-based-pd-decider). A split's
+// cost is the request's time to first token through the pair: the
+// cheapest free prefill pod other than the candidate (its queue and the
+// request's uncached tokens there), the transfer of what the candidate
+// lacks, and the candidate's own queue and decoding; a candidate that
+// would prefill itself costs its whole cost. Each side adds the stall its
+// prefill puts on the requests decoding there, which wait out its tokens
+// (vLLM runs a step's prefill beside its decodes): what keeping prefill
+// off decode pods is for. A candidate splits unless prefilling there is
+// cheaper than the split before its transfer: the transfer is the price
+// the pods' roles ask (on an idle pool the decode pod would otherwise
+// prefill the first request of every burst), so an exact tie splits too.
+// The candidates that split get c.pre, their prefill pod. With force (only
+// a split may be placed now: place's splitOnly) a candidate that cannot
+// split is taken out; pair returns how many it took out.
+func (l *ledger) pair(cands []candidate, r *Reservation, now int64, force bool) (out int) {
 	s := &l.scratch
+	first, second := l.prefillers(r, now)
+	s.first, s.second = first, second
+	need := l.cfg.Disaggregation.NonCachedTokens
+	for i := range cands {
+		c := &cands[i]
+		if c.taken {
+			continue
+		}
+		p := first
+		if p != nil && p.w == c.w {
+			p = second
+		}
+		if p == nil || c.uncached < need {
+			if force {
+				c.taken = true
+				out++
+				continue
+			}
+			c.cost += c.uncached * c.w.decoding
+			continue
+		}
+		local := c.cost + c.uncached*c.w.decoding
+		transfer := l.transferCost(c)
+		split := p.cost + transfer + c.cost - int(float64(c.uncached)*s.weight)
+		if force || split-transfer <= local {
+			c.cost, c.pre = split, p
+		} else {
+			c.cost = local
+		}
+	}
+	return out
+}
+
+// prefillers returns the two cheapest prefill pods free to prefill r (nil
+// where there are fewer): each one's cost is
+// its queue and the request's uncached tokens there, plus the stall they
+// put on what decodes there. Exact ties are ordered at random. A
+// saturated prefill pod (flow control, or a static limit) is none.
+func (l *ledger) prefillers(r *Reservation, now int64) (first, second *candidate) {
+	s := &l.scratch
+	rows := l.prefillRows
 	ids, matched := s.ids[:len(rows)], s.matched[:len(rows)]
 	for i, w := range rows {
 		ids[i] = w.id
 	}
 	l.index.Match(r.hashes, ids, matched)
-	ties := 0
+	pre := s.pre[:0]
 	for i, w := range rows {
-		if w == d.w {
+		l.drain(w, now)
+		if !w.prefillsNow(now) {
 			continue
 		}
-		l.drain(w, now)
 		c := candidate{w: w, matched: matched[i], uncached: l.uncachedTokens(w, r.promptChars, matched[i])}
 		c.queued, c.foreign = w.queued(), w.engine.foreignCost(now)
 		if l.prefillSaturated(w, c.queued, c.foreign) {
 			continue
 		}
 		c.cost = l.cost(c.queued, c.foreign, c.uncached, w.decoding, s.weight) + c.uncached*w.decoding
-		switch {
-		case !ok || c.cost < p.cost:
-			p, ok, ties = c, true, 1
-		case c.cost == p.cost:
-			// Uniform among exact ties: list order must not decide.
-			ties++
-			if l.rand.IntN(ties) == 0 {
-				p = c
-			}
+		pre = append(pre, c)
+	}
+	s.pre = pre
+	best := l.best(pre, 2)
+	if len(best) > 0 {
+		first = &pre[best[0]]
+	}
+	if len(best) > 1 {
+		second = &pre[best[1]]
+	}
+	return first, second
+}
+
+// transferCost is what moving the KV of c's uncached tokens to c (a split
+// request's decode pod) costs, in c's prefill tokens: the transfer at
+// disaggregation.transferTokensPerSecond, at c's prefill rate.
+func (l *ledger) transferCost(c *candidate) int {
+	return int(float64(c.uncached) * c.w.rate / float64(l.cfg.Disaggregation.TransferTokensPerSecond))
+}
+
+// splitWhy says why r, placed on d, was split or not (disaggregation
+// only; "" when it is off).
+func (l *ledger) splitWhy(d *candidate, r *Reservation, pairs bool) splitDecision {
+	dis := &l.cfg.Disaggregation
+	switch {
+	case !dis.Enabled() || r.bodiless:
+		return ""
+	case d.pre != nil:
+		return splitDecisionSplit
+	case !pairs:
+		if len(l.prefillRows) == 0 {
+			return splitDecisionNoPrefillPod
 		}
+		return splitDecisionShort
 	}
-	if !ok || !force && p.cost > d.cost+d.uncached*d.w.decoding {
-		return p, false
+	if p := l.scratch.first; p == nil || p.w == d.w && l.scratch.second == nil {
+		return splitDecisionNoPrefillPod
 	}
-	return p, true
+	if d.uncached < dis.NonCachedTokens {
+		return splitDecisionCached
+	}
+	return splitDecisionLocalCheaper
 }
 
 // reserveSplit holds a split request: as decoding on its destination d
@@ -300,7 +379,7 @@ func (l *ledger) maySplit(r *Reservation) bool {
 func (l *ledger) prefillFree(now int64) bool {
 	for _, w := range l.prefillRows {
 		l.drain(w, now)
-		if !l.prefillSaturated(w, w.queued(), w.engine.foreignCost(now)) {
+		if w.prefillsNow(now) && !l.prefillSaturated(w, w.queued(), w.engine.foreignCost(now)) {
 			return true
 		}
 	}

@@ -32,6 +32,9 @@ type Reservation struct {
 	// its KV cache moves to the destination, which decodes. Invalid when
 	// the destination prefills itself.
 	prefiller netip.AddrPort
+	// splitWhy says why the pick split it or did not (disaggregation
+	// only; "" when it is off).
+	splitWhy splitDecision
 
 	// Guarded by the picker's lock.
 	row      *row // current holder; its counters include this reservation until released

@@ -48,6 +48,11 @@ type EndpointStats struct {
 	Adapters                         map[string]int
 	RunningAdapters, WaitingAdapters []string
 	MaxLoRAs                         int
+	// PrefillLegFailures counts the prefill legs it failed (a split
+	// request's error before its first byte); PrefillLegsOff: it prefills
+	// for no other pod now, after too many in a row (legs.go).
+	PrefillLegFailures int64
+	PrefillLegsOff     bool
 }
 
 // Ledger is one consistent view of the whole ledger.
@@ -114,6 +119,7 @@ func (l *ledger) snapshot(now int64) Ledger {
 			KVCacheUsage:          -1,
 			PrefixCapacityBlocks:  l.index.Capacity(w.id),
 			DeliveredCachedTokens: e.delivered, PredictedCachedTokens: e.predicted, CacheTrust: e.cacheTrust(),
+			PrefillLegFailures: e.legFailuresTotal, PrefillLegsOff: !w.prefillsNow(now),
 			Adapters: v.adapters, RunningAdapters: e.runningAdapters,
 			WaitingAdapters: e.waitingAdapters, MaxLoRAs: e.maxLoRAs}
 		if e.scraped {

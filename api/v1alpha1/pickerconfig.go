@@ -41,6 +41,9 @@ const (
 	// DefaultPrefillTokensPerSecond is each endpoint's starting prefill rate,
 	// before the picker has learned it from streamed first bytes.
 	DefaultPrefillTokensPerSecond = 10_000
+	// DefaultTransferTokensPerSecond is a KV transfer between pods (NIXL
+	// over RDMA) of an 8B model: 16 tokens' blocks in 50 µs.
+	DefaultTransferTokensPerSecond = 320_000
 	// DefaultMaxPromptBlocks caps the prompt blocks hashed and recorded per
 	// request, so that a huge prompt holds the picker's lock no longer than
 	// a 32,000-token one (250 blocks of 512 characters): 375 blocks of
@@ -152,6 +155,10 @@ type Disaggregation struct {
 	NonCachedTokens int `json:"nonCachedTokens,omitempty"`
 	// PromptTokens is the shortest prompt, in tokens, that may be split.
 	PromptTokens int `json:"promptTokens,omitempty"`
+	// TransferTokensPerSecond is how fast a prefill pod's KV cache reaches
+	// a decode pod, in prompt tokens: a split pays its uncached tokens'
+	// transfer at this rate in its time to first token.
+	TransferTokensPerSecond int `json:"transferTokensPerSecond,omitempty"`
 }
 
 // Enabled reports whether requests may be split.
@@ -253,6 +260,7 @@ func (c *PickerConfig) setDefaults() {
 	c.EndpointRetentionSeconds = cmp.Or(c.EndpointRetentionSeconds, DefaultEndpointRetentionSeconds)
 	c.PrefillTokensPerSecond = cmp.Or(c.PrefillTokensPerSecond, DefaultPrefillTokensPerSecond)
 	c.LoRALoadMilliseconds = cmp.Or(c.LoRALoadMilliseconds, DefaultLoRALoadMilliseconds)
+	c.Disaggregation.TransferTokensPerSecond = cmp.Or(c.Disaggregation.TransferTokensPerSecond, DefaultTransferTokensPerSecond)
 	f := &c.FlowControl
 	f.HoldPrefillMilliseconds = cmp.Or(f.HoldPrefillMilliseconds, DefaultHoldPrefillMilliseconds)
 	f.RequestTTLSeconds = cmp.Or(f.RequestTTLSeconds, DefaultRequestTTLSeconds)
@@ -334,6 +342,9 @@ func (c *PickerConfig) Validate() error {
 	}
 	if d := c.Disaggregation; d.PromptTokens < 0 || d.PromptTokens > 100_000_000 {
 		bad("disaggregation.promptTokens", d.PromptTokens, "must be from 0 to 100000000")
+	}
+	if d := c.Disaggregation; d.TransferTokensPerSecond < 1 || d.TransferTokensPerSecond > 1_000_000_000 {
+		bad("disaggregation.transferTokensPerSecond", d.TransferTokensPerSecond, "must be from 1 to 1000000000")
 	}
 	f := c.FlowControl
 	if f.HoldPrefillMilliseconds < 1 || f.HoldPrefillMilliseconds > 600_000 {

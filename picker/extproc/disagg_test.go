@@ -92,3 +92,51 @@ func TestAClientsOwnPrefillerIsRemovedFromAnUnsplitRequest(t *testing.T) {
 		}
 	}
 }
+
+// A split request whose response is a server error before any first byte
+// failed its prefill leg (llm-d's sidecar answers with that leg's error):
+// the error's body teaches no prefill rate, and a prefill pod that fails
+// its legs in a row prefills for no one for a while, its requests then
+// prefilled on their decode pods.
+func TestFailingPrefillLegsAreFedBack(t *testing.T) {
+	cfg := v1alpha1.Default()
+	cfg.Disaggregation.NonCachedTokens = 16
+	eps := endpoints(epA, epB)
+	eps[0].Role, eps[1].Role = picker.RolePrefill, picker.RoleDecode
+	f := newFixture(t, fixtureOptions{cfg: &cfg, endpoints: eps})
+	failed := response(500, `{"error":{"message":"prefill leg failed"}}`)
+	rate := statsOf(f.picker, epA).PrefillTokensPerSecond
+	for i := range 4 {
+		x, err := f.gw.Open(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := x.SendRequest(completion("m", letters(uint64(10+i), 20_000)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		pre, _ := envoy.HeaderValue(r.HeadersAnswer, protocol.PrefillerHeader)
+		if i < 3 && pre != epA.String() {
+			t.Fatalf("request %d: %s = %q, want the prefill pod %s (it failed %d legs)", i, protocol.PrefillerHeader, pre, epA, i)
+		}
+		if i == 3 && pre != "" {
+			t.Errorf("after 3 failed legs: %s = %q, want none (the decode pod prefills)", protocol.PrefillerHeader, pre)
+		}
+		if err := x.Respond(failed); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s := statsOf(f.picker, epA)
+	if s.PrefillLegFailures != 3 || !s.PrefillLegsOff {
+		t.Errorf("the prefill pod: %d leg failures, off %v; want 3, off", s.PrefillLegFailures, s.PrefillLegsOff)
+	}
+	if s.PrefillTokensPerSecond != rate {
+		t.Errorf("the prefill pod's rate moved from %g to %g on error responses", rate, s.PrefillTokensPerSecond)
+	}
+	if b := statsOf(f.picker, epB); b.PrefillLegFailures != 0 {
+		t.Errorf("the decode pod counts %d leg failures, want none (its own prefill failed)", b.PrefillLegFailures)
+	}
+	if ok, state := ledgerEmpty(f.picker); !ok {
+		t.Error(state)
+	}
+}

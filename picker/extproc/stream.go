@@ -421,6 +421,7 @@ func (st *stream) responseHeaders(md *corev3.Metadata, h *extprocv3.HttpHeaders)
 	}
 	if code, err := strconv.Atoi(headerValue(h.GetHeaders(), ":status")); err == nil && code >= 500 {
 		st.s.metrics.serverErrors.Inc()
+		st.resp.serverError = true
 	}
 	st.up.responseHeaders(h.GetHeaders())
 	if h.GetEndOfStream() {
@@ -481,7 +482,7 @@ func (st *stream) restoreModel(chunk []byte) (_ []byte, changed bool) {
 }
 
 func (st *stream) responseBody(b *extprocv3.HttpBody) error {
-	if !st.resp.firstByte && len(b.GetBody()) > 0 && st.res != nil {
+	if !st.resp.firstByte && !st.resp.serverError && len(b.GetBody()) > 0 && st.res != nil {
 		st.s.picker.FirstByte(st.res)
 	}
 	st.resp.body(b.GetBody(), st.res != nil, &st.s.tails)
@@ -831,6 +832,7 @@ func (st *stream) release() {
 	if st.resp.seen {
 		o.CompletionTokens = st.resp.outputTokens()
 	}
+	o.ServerError = st.resp.serverError
 	st.s.picker.End(res, o)
 }
 

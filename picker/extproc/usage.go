@@ -67,6 +67,9 @@ type response struct {
 	// does was cut at the pick by the gateway (see stream.halfClosed).
 	seen      bool
 	firstByte bool
+	// serverError: its status was 500 or more. Its bytes are no first
+	// token (picker.Outcome.ServerError).
+	serverError bool
 	// kind is what the body is, told by its first byte other than
 	// whitespace.
 	kind bodyKind

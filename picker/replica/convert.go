@@ -71,7 +71,7 @@ func toReservation(e *entry) *pb.Reservation {
 
 func toOutcome(o picker.Outcome) *pb.Outcome {
 	return &pb.Outcome{PromptTokens: int64(o.PromptTokens), CachedTokens: int64(o.CachedTokens),
-		CompletionTokens: int64(o.CompletionTokens), Detached: o.Detached}
+		CompletionTokens: int64(o.CompletionTokens), Detached: o.Detached, ServerError: o.ServerError}
 }
 
 func fromOutcome(m *pb.Outcome) picker.Outcome {
@@ -79,7 +79,7 @@ func fromOutcome(m *pb.Outcome) picker.Outcome {
 		return picker.Outcome{}
 	}
 	return picker.Outcome{PromptTokens: int(m.PromptTokens), CachedTokens: int(m.CachedTokens),
-		CompletionTokens: int(m.CompletionTokens), Detached: m.Detached}
+		CompletionTokens: int(m.CompletionTokens), Detached: m.Detached, ServerError: m.ServerError}
 }
 
 func toStrings(as []netip.AddrPort) []string {

@@ -389,7 +389,7 @@ func TestTheLlmdPrefillDecodeDeciderMapsOntoDisaggregation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if d := c.Disaggregation; d != (v1alpha1.Disaggregation{NonCachedTokens: 16, PromptTokens: 64}) {
+	if d := c.Disaggregation; d.NonCachedTokens != 16 || d.PromptTokens != 64 {
 		t.Errorf("disaggregation = %+v, want nonCachedTokens 16, promptTokens 64", d)
 	}
 	if err := Unsupported(notes, "--lenient"); err != nil {

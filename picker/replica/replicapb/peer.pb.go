@@ -732,6 +732,7 @@ type Outcome struct {
 	CachedTokens     int64                  `protobuf:"varint,2,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
 	CompletionTokens int64                  `protobuf:"varint,3,opt,name=completion_tokens,json=completionTokens,proto3" json:"completion_tokens,omitempty"`
 	Detached         bool                   `protobuf:"varint,4,opt,name=detached,proto3" json:"detached,omitempty"`
+	ServerError      bool                   `protobuf:"varint,5,opt,name=server_error,json=serverError,proto3" json:"server_error,omitempty"`
 	unknownFields    protoimpl.UnknownFields
 	sizeCache        protoimpl.SizeCache
 }
@@ -790,6 +791,13 @@ func (x *Outcome) GetCompletionTokens() int64 {
 func (x *Outcome) GetDetached() bool {
 	if x != nil {
 		return x.Detached
+	}
+	return false
+}
+
+func (x *Outcome) GetServerError() bool {
+	if x != nil {
+		return x.ServerError
 	}
 	return false
 }
@@ -1187,12 +1195,13 @@ const file_peer_proto_rawDesc = "" +
 	"\x06queued\x18\x02 \x01(\bR\x06queued\x12\x1c\n" +
 	"\tendpoints\x18\x03 \x03(\tR\tendpoints\x120\n" +
 	"\arefusal\x18\x04 \x01(\x0e2\x16.tally.peer.v1.RefusalR\arefusal\x12\x1c\n" +
-	"\tprefiller\x18\x05 \x01(\tR\tprefiller\"\x9c\x01\n" +
+	"\tprefiller\x18\x05 \x01(\tR\tprefiller\"\xbf\x01\n" +
 	"\aOutcome\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\x03R\fpromptTokens\x12#\n" +
 	"\rcached_tokens\x18\x02 \x01(\x03R\fcachedTokens\x12+\n" +
 	"\x11completion_tokens\x18\x03 \x01(\x03R\x10completionTokens\x12\x1a\n" +
-	"\bdetached\x18\x04 \x01(\bR\bdetached\"\xe1\x01\n" +
+	"\bdetached\x18\x04 \x01(\bR\bdetached\x12!\n" +
+	"\fserver_error\x18\x05 \x01(\bR\vserverError\"\xe1\x01\n" +
 	"\x05Event\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12-\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x19.tally.peer.v1.Event.KindR\x04kind\x12\x12\n" +
