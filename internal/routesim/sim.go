@@ -435,6 +435,9 @@ type Outcome struct {
 	TTFT time.Duration
 	// E2E is the time from arrival to the last output token.
 	E2E time.Duration
+	// PrefillEnd, of a split request, is the time from arrival to the end
+	// of its prefill leg, when its decode leg starts.
+	PrefillEnd time.Duration
 	// PromptTokens is its prompt; CachedTokens the prompt tokens the
 	// engine found in its cache (a split request's prefiller: the tokens
 	// it did not compute).
@@ -998,6 +1001,7 @@ func (s *sim) prefillEvent(e, i int, ev engine.Event) error {
 			s.lora[e].Started(j.Adapter)
 		}
 	case engine.Finished:
+		o.PrefillEnd = ev.At - j.arrival
 		s.inEngine[e]--
 		if s.lora != nil {
 			s.lora[e].Left(j.Adapter, true)
