@@ -114,6 +114,9 @@ bench-routesim: build ## Rerun only the routing simulator's sections of docs/ben
 	$(ROUTESIM_BENCH) --name routesim >/dev/null
 	@# The burst ignores --bypass and --non-streaming: the first run has it.
 	$(ROUTESIM_BENCH) --name routesim-mixed --bypass 0.3 --non-streaming 0.5 --burst 0 >/dev/null
+	@# Two prefill and two decode engines, Tally against llm-d-like, beside
+	@# the same four engines serving both roles.
+	$(ROUTESIM_BENCH) --name routesim-pd --pd >/dev/null
 
 # BENCH_ARGS passes flags to bin/extproc-load, e.g. BENCH_ARGS=--runs=3 for
 # medians of three runs of the 3-endpoint loads, alternating the pickers.

@@ -2,12 +2,15 @@
 // engines in virtual time under several routing policies (round-robin,
 // least-request on scraped metrics, an upstream-like scorer, and Tally's
 // real picker) and reports each policy's latency beside the no-queueing
-// bound. See package internal/routesim.
+// bound; with --pd, Tally against a model of llm-d on prefill and decode
+// engines. See package internal/routesim.
 //
 //	routesim --trace test/data/mooncake_sample.jsonl --engines 4
 //	routesim --trace test/data/mooncake_sample.jsonl --policies tally,tally-flow --load-factor 3.4 --priorities 10=0.2,-1=0.8
 //	routesim --azure AzureLLMInferenceTrace_conv.csv --requests 5000 --out docs/bench
 //	routesim --trace test/data/mooncake_sample.jsonl --adapters 8 --adapter-zipf 1.1 --max-loras 2 --lora-load-time 200ms
+//	routesim --trace test/data/mooncake_sample.jsonl --roles prefill,prefill,decode,decode --policies tally,llm-d-like --tally-config-text '{disaggregation: {nonCachedTokens: 16}}'
+//	routesim --trace test/data/mooncake_sample.jsonl --engines 4 --pd --pd-utilisation 0.5,0.8
 //
 // The tables go to stdout, progress to stderr; with --out DIR it also
 // writes DIR/routesim.md, its SVG charts and routesim.json (--name other
@@ -43,6 +46,7 @@ import (
 	"github.com/tallyepp/tally/internal/docsection"
 	"github.com/tallyepp/tally/internal/modelsim/engine"
 	"github.com/tallyepp/tally/internal/routesim"
+	"github.com/tallyepp/tally/picker"
 )
 
 func main() { os.Exit(run(os.Args[1:], os.Stdout, os.Stderr)) }
@@ -61,6 +65,17 @@ type options struct {
 	parallel              int
 	quiet                 bool
 	lora                  loraFlags
+	roles                 string
+	pd                    pdFlags
+}
+
+// pdFlags are the prefill/decode comparison's flags (--pd).
+type pdFlags struct {
+	on              bool
+	prefillEngines  int
+	utilisations    string
+	nonCachedTokens int
+	comparison      routesim.PDComparison // read from the above
 }
 
 // loraFlags are the LoRA flags, copied into the configuration only with
@@ -103,6 +118,12 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.lora.baseFraction, "adapter-base-fraction", 0, "with --adapters: fraction (0 to 1) of the requests that stay on the base model")
 	fs.IntVar(&o.lora.maxLoRAs, "max-loras", 1, "with --adapters: adapters each engine runs at once (vLLM's --max-loras; its default is 1)")
 	fs.DurationVar(&o.lora.loadTime, "lora-load-time", engine.DefaultLoRALoadTime, "with --adapters: what loading an adapter into a slot costs the engine's step")
+	fs.StringVar(&o.roles, "roles", "", "comma-separated role of each engine in prefill/decode disaggregation, as the pod label llm-d.ai/role: prefill, decode, prefill-decode, or empty (unlabelled); with a prefill-only engine only tally, tally-flow and llm-d-like run, and they split requests when disaggregation.nonCachedTokens is set in the picker's configuration (--tally-config-text '{disaggregation: {nonCachedTokens: 16}}'), which llm-d-like's decider reads too")
+	dp := routesim.DefaultPDComparison()
+	fs.BoolVar(&o.pd.on, "pd", false, "run the prefill/decode comparison instead of the policy table and the burst: --pd-prefill-engines prefill-only and the rest of --engines decode-only engines at each --pd-utilisation, tally and llm-d-like, beside tally on the same engines all serving both roles")
+	fs.IntVar(&o.pd.prefillEngines, "pd-prefill-engines", dp.PrefillEngines, "with --pd: the prefill-only engines of --engines; the rest decode")
+	fs.StringVar(&o.pd.utilisations, "pd-utilisation", joinFloats(dp.Utilisations), "with --pd: comma-separated prefill utilisations (0.5: llm-d-like keeps the prefill engines half busy), each run with the arrival rate scaled to it")
+	fs.IntVar(&o.pd.nonCachedTokens, "pd-non-cached-tokens", dp.NonCachedTokens, "with --pd: split a request whose destination lacks at least this many prompt tokens (both policies)")
 	fs.StringVar(&o.out, "out", "", "directory for routesim.md, its SVG charts and routesim.json (none when empty)")
 	fs.StringVar(&o.name, "name", routesim.DefaultName, "names the files in --out (NAME.md, NAME-ttft-cdf.svg...) and the section of --doc")
 	fs.StringVar(&o.doc, "doc", "", "markdown file whose section named by --name gets the tables, with links to the charts; --out, required then, gets only the charts")
@@ -136,6 +157,15 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	if err := o.lora.apply(&o.cfg); err != nil {
 		return nil, err
 	}
+	if o.roles != "" {
+		o.cfg.Roles = strings.Split(o.roles, ",")
+		for i, r := range o.cfg.Roles {
+			o.cfg.Roles[i] = strings.TrimSpace(r)
+		}
+	}
+	if err := o.pd.apply(o.cfg); err != nil {
+		return nil, err
+	}
 	var err error
 	if o.cfg.Priorities, err = parsePriorities(o.priorities); err != nil {
 		return nil, fmt.Errorf("--priorities: %w", err)
@@ -160,7 +190,14 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		}
 	}
 	if err := o.cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("%w (flags --engines, --kv-blocks, --load-factor, --non-streaming, --bypass, --priorities, --flows)", err)
+		return nil, fmt.Errorf("%w (flags --engines, --kv-blocks, --load-factor, --non-streaming, --bypass, --priorities, --flows, --roles)", err)
+	}
+	if !o.pd.on {
+		for _, p := range splitList(o.policies) {
+			if !routesim.RoleAware(p) && slices.Contains(o.cfg.Roles, picker.RolePrefill) {
+				return nil, fmt.Errorf("--policies: %q does not know the engines' roles (--roles %s): run tally, tally-flow or llm-d-like", p, o.roles)
+			}
+		}
 	}
 	if o.burst.Requests > 0 {
 		if err := o.burst.Validate(); err != nil {
@@ -168,6 +205,32 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		}
 	}
 	return o, nil
+}
+
+// apply checks the prefill/decode flags, naming the one at fault, and
+// makes the comparison of --pd.
+func (p *pdFlags) apply(cfg routesim.Config) error {
+	if !p.on {
+		return nil
+	}
+	us, err := parseWeights(p.utilisations)
+	if err != nil {
+		return fmt.Errorf("--pd-utilisation: %w", err)
+	}
+	p.comparison = routesim.PDComparison{PrefillEngines: p.prefillEngines, DecodeEngines: cfg.Engines - p.prefillEngines,
+		Utilisations: us, NonCachedTokens: p.nonCachedTokens}
+	switch c := p.comparison; {
+	case len(cfg.Roles) > 0:
+		return errors.New("--roles and --pd: give at most one (--pd sets the roles: --pd-prefill-engines prefill, the rest of --engines decode)")
+	case c.PrefillEngines < 1 || c.DecodeEngines < 1:
+		return fmt.Errorf("--pd-prefill-engines: %d is invalid: must be from 1 to %d (--engines %d less one decode engine)", p.prefillEngines, cfg.Engines-1, cfg.Engines)
+	case c.NonCachedTokens < 1:
+		return fmt.Errorf("--pd-non-cached-tokens: %d is invalid: must be 1 or more", c.NonCachedTokens)
+	}
+	if err := p.comparison.Validate(); err != nil {
+		return fmt.Errorf("--pd-utilisation: %w", err)
+	}
+	return nil
 }
 
 // apply checks the LoRA flags, naming the one at fault, and copies them
@@ -216,6 +279,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	if o.requests > 0 && o.requests < len(reqs) {
 		reqs = reqs[:o.requests]
+	}
+	if o.pd.on {
+		return runPD(o, args, reqs, source, stdout, stderr)
 	}
 	s := routesim.Suite{Config: o.cfg, Policies: splitList(o.policies), Parallel: o.parallel}
 	if o.burst.Requests > 0 {
@@ -342,4 +408,54 @@ func baseName(path string) string {
 		return path[i+1:]
 	}
 	return path
+}
+
+// runPD runs the prefill/decode comparison (--pd) and writes its tables:
+// to stdout, and into the section --name of --doc (or --out/NAME.md).
+func runPD(o *options, args []string, reqs []routesim.Request, source string, stdout, stderr io.Writer) int {
+	var progress func(string)
+	if !o.quiet {
+		progress = func(msg string) { fmt.Fprintln(stderr, "routesim:", msg) }
+	}
+	rep, err := o.pd.comparison.Run(reqs, source, o.cfg, o.parallel, progress)
+	if err != nil {
+		fmt.Fprintln(stderr, "routesim:", err)
+		return 1
+	}
+	rep.Command = "routesim " + strings.Join(args, " ")
+	if err := rep.WriteMarkdown(stdout); err != nil {
+		fmt.Fprintln(stderr, "routesim: writing the report:", err)
+		return 1
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "## Routing simulator, prefill/decode: %s\n\n", rep.Title())
+	fmt.Fprintf(&b, "Generated by `cmd/routesim --pd` (package `internal/routesim`): the trace replayed in virtual time against simulated vLLM engines. A split request runs as llm-d's sidecar runs it: a prefill leg (one output token) on its prefill engine, then, when that leg ends, its decode leg on its destination, which pulls the blocks it does not cache (vLLM's NixlConnector, %v a block) and generates the output. Tally is the real picker with `disaggregation.nonCachedTokens` set; llm-d-like scores decode engines as upstream-like does (scrapes every 50 ms, a prefix index written after the pick) plus llm-d's active-request counts, splits by its prefix-based-pd-decider, and scores prefill engines the same way. Deterministic: the same flags and seed give the same numbers on any machine; only the wall time at the end is the machine's.\n\n", rep.Config.EngineConfig().KVTransferDurationPerBlock)
+	if err := rep.WriteMarkdown(&b); err != nil {
+		return 1
+	}
+	switch {
+	case o.doc != "":
+		if err := docsection.WriteFile(o.doc, o.name, b.String()); err != nil {
+			fmt.Fprintln(stderr, "routesim: --doc:", err)
+			return 1
+		}
+	case o.out != "":
+		if err := os.MkdirAll(o.out, 0o755); err != nil {
+			fmt.Fprintln(stderr, "routesim: --out:", err)
+			return 1
+		}
+		if err := os.WriteFile(filepath.Join(o.out, o.name+".md"), []byte(b.String()), 0o644); err != nil {
+			fmt.Fprintln(stderr, "routesim: --out:", err)
+			return 1
+		}
+	}
+	return 0
+}
+
+func joinFloats(xs []float64) string {
+	s := make([]string, len(xs))
+	for i, x := range xs {
+		s[i] = strconv.FormatFloat(x, 'g', -1, 64)
+	}
+	return strings.Join(s, ",")
 }

@@ -59,6 +59,13 @@ func TestBadFlagsExit2NamingTheFlag(t *testing.T) {
 		{[]string{"--trace", sampleTrace, "--adapters", "8", "--adapter-zipf", "-1"}, "--adapter-zipf: -1 is invalid"},
 		{[]string{"--trace", sampleTrace, "--adapters", "8", "--adapter-base-fraction", "2"}, "--adapter-base-fraction: 2 is invalid"},
 		{[]string{"--trace", sampleTrace, "--adapters", "8", "--lora-load-time", "soon"}, "lora-load-time"},
+		{[]string{"--trace", sampleTrace, "--roles", "prefill,decode,decode,encode"}, "roles: engine 3"},
+		{[]string{"--trace", sampleTrace, "--roles", "prefill,prefill,decode,decode"}, "--policies: \"round-robin\" does not know the engines' roles"},
+		{[]string{"--trace", sampleTrace, "--pd", "--pd-prefill-engines", "4"}, "--pd-prefill-engines: 4 is invalid"},
+		{[]string{"--trace", sampleTrace, "--pd", "--pd-utilisation", "0.5,x"}, "--pd-utilisation"},
+		{[]string{"--trace", sampleTrace, "--pd", "--pd-utilisation", "0.5,0"}, "prefill utilisation: 0 is invalid"},
+		{[]string{"--trace", sampleTrace, "--pd", "--pd-non-cached-tokens", "0"}, "--pd-non-cached-tokens: 0 is invalid"},
+		{[]string{"--trace", sampleTrace, "--pd", "--roles", "prefill,decode,decode,decode"}, "--roles and --pd"},
 	} {
 		var stdout, stderr bytes.Buffer
 		code := run(tc.args, &stdout, &stderr)
@@ -187,6 +194,43 @@ func TestAdapterFlags(t *testing.T) {
 		t.Fatalf("exit %d: %s", code, stderr.String())
 	}
 	for _, want := range []string{"4 LoRA adapters", "| swaps | per 1,000 requests |", "Burst for LoRA adapter lora-burst"} {
+		if !strings.Contains(stdout.String(), want) {
+			t.Errorf("stdout lacks %q:\n%s", want, stdout.String())
+		}
+	}
+}
+
+// --pd writes the prefill/decode comparison into its section of --doc,
+// and --roles runs the role-aware policies on a P/D pool.
+func TestPrefillDecode(t *testing.T) {
+	dir := t.TempDir()
+	doc := filepath.Join(dir, "bench.md")
+	begin, end := docsection.Markers("pd")
+	if err := os.WriteFile(doc, []byte("# B\n\n"+begin+"\n"+end+"\n\nkept\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var stdout, stderr bytes.Buffer
+	args := []string{"--trace", sampleTrace, "--requests", "60", "--pd", "--pd-utilisation", "0.4", "--out", dir, "--doc", doc, "--name", "pd", "--quiet"}
+	if code := run(args, &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	data, err := os.ReadFile(doc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"## Routing simulator, prefill/decode: mooncake_sample.jsonl, 2 prefill + 2 decode engines", "| 40% |", "| P/D | tally |", "| P/D | llm-d-like |", "| shared | tally |", "kept"} {
+		if !strings.Contains(string(data), want) {
+			t.Errorf("the document lacks %q:\n%s", want, data)
+		}
+	}
+	stdout.Reset()
+	stderr.Reset()
+	args = []string{"--trace", sampleTrace, "--requests", "40", "--burst", "0", "--roles", "prefill,decode,decode", "--engines", "3",
+		"--policies", "tally,llm-d-like", "--tally-config-text", "{disaggregation: {nonCachedTokens: 16}}", "--quiet"}
+	if code := run(args, &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	for _, want := range []string{"| tally |", "| llm-d-like |"} {
 		if !strings.Contains(stdout.String(), want) {
 			t.Errorf("stdout lacks %q:\n%s", want, stdout.String())
 		}

@@ -38,6 +38,15 @@
 // lora_requests_info in their scrapes (Tally's picker, and upstream-like
 // through the upstream lora-affinity-scorer); the report counts the swaps.
 //
+// Prefill/decode disaggregation (Config.Roles, pd.go): engines carry
+// llm-d's roles, and a policy that splits a request (Tally with the
+// picker's disaggregation on, llm-d-like in llmd.go) runs it as llm-d's
+// sidecar does, in virtual time: a prefill leg of one output token on the
+// prefill engine, then, at the instant it ends, the decode leg on the
+// destination, which pulls the blocks it does not cache (the engine's
+// RemotePrefill) and frees them on the prefill engine. TTFT is the decode
+// leg's first token; the policy hears of nothing before it.
+//
 // The prompts: each 512-token Mooncake hash_id expands into the same text
 // as internal/stack's (32 chunks of 64 characters), and the engines' block
 // hashes are the model server's (chained xxhash of each 64-character,

@@ -52,6 +52,13 @@ const (
 	// included, but not the requests still to come, nor what its choice
 	// costs them.
 	ForecastGreedy = "forecast-greedy"
+	// LLMDLike is a model of llm-d's prefill/decode disaggregation
+	// (llmd.go): upstream-like's scorer over the decode-capable engines,
+	// plus llm-d's active-request counts; its prefix-based-pd-decider
+	// splits a request whose prompt the chosen engine lacks at least
+	// Picker.Disaggregation.NonCachedTokens of, by the scorer's own
+	// prefix index; the same scorer then picks its prefill engine.
+	LLMDLike = "llm-d-like"
 )
 
 // Policies returns the policies a suite runs unless told otherwise, in
@@ -59,8 +66,17 @@ const (
 func Policies() []string { return []string{RoundRobin, LeastRequest, UpstreamLike, Tally} }
 
 // KnownPolicies returns every policy, in report order: Policies,
-// TallyFlow, ExactGreedy and ForecastGreedy.
-func KnownPolicies() []string { return append(Policies(), TallyFlow, ExactGreedy, ForecastGreedy) }
+// TallyFlow, ExactGreedy, ForecastGreedy and LLMDLike.
+func KnownPolicies() []string {
+	return append(Policies(), TallyFlow, ExactGreedy, ForecastGreedy, LLMDLike)
+}
+
+// RoleAware reports whether a policy knows the engines' roles (and may
+// split requests): the only ones that run on a pool where an engine does
+// not decode (Config.Roles).
+func RoleAware(policy string) bool {
+	return policy == Tally || policy == TallyFlow || policy == LLMDLike
+}
 
 // policy is how the simulation drives a router. Calls come in virtual-time
 // order from one goroutine.
@@ -77,6 +93,16 @@ type policy interface {
 	// for never.
 	observeEvery() time.Duration
 	observe(stats []engine.Stats)
+}
+
+// splitter is a policy that may split a request (prefill/decode
+// disaggregation): it names the engine that prefills a request it has
+// just placed.
+type splitter interface {
+	// prefiller is the engine that runs the prefill leg of request i,
+	// placed by the last pick or admission that returned it; -1 when
+	// it runs whole on its destination.
+	prefiller(i int) (int, error)
 }
 
 // queueing is a policy that may hold a request instead of placing it at
@@ -147,6 +173,9 @@ type countObserver interface {
 func newPolicy(name string, cfg Config, now *time.Duration, texts *idText, engines []*engine.Engine) (policy, error) {
 	// Every policy's tie-breaking is seeded from the run's seed.
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0x706f6c696379)) // "policy"
+	if cfg.disaggregated() && !RoleAware(name) {
+		return nil, fmt.Errorf("policy %q does not know the engines' roles %q: with an engine that does not decode, run one of %s, %s, %s", name, cfg.Roles, Tally, TallyFlow, LLMDLike)
+	}
 	switch name {
 	case RoundRobin:
 		return &roundRobin{n: cfg.Engines}, nil
@@ -167,6 +196,8 @@ func newPolicy(name string, cfg Config, now *time.Duration, texts *idText, engin
 		return &exactGreedy{engines: engines, now: now, rng: rng}, nil
 	case ForecastGreedy:
 		return &forecastGreedy{exactGreedy{engines: engines, now: now, rng: rng}}, nil
+	case LLMDLike:
+		return newLLMDLike(cfg, rng, now), nil
 	}
 	return nil, fmt.Errorf("policy %q is unknown: accepted are %v", name, KnownPolicies())
 }
@@ -340,7 +371,7 @@ func newTally(cfg Config, now *time.Duration, rng *rand.Rand, texts *idText) *ta
 		a := netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 0, byte(i >> 8), byte(i)}), 8000)
 		t.addrs = append(t.addrs, a)
 		t.byAddr[a] = i
-		eps[i] = picker.Endpoint{Pod: fmt.Sprintf("engine-%d", i), Engine: "vllm", Address: a}
+		eps[i] = picker.Endpoint{Pod: fmt.Sprintf("engine-%d", i), Engine: "vllm", Role: cfg.role(i), Address: a}
 	}
 	p.Replace(eps)
 	return t
@@ -357,6 +388,24 @@ func (t *tally) pick(i int, j *job) (int, error) {
 	e, ok := t.byAddr[r.Endpoints()[0]]
 	if !ok {
 		return 0, fmt.Errorf("picker chose %v, not an engine", r.Endpoints()[0])
+	}
+	return e, nil
+}
+
+// prefiller reads the prefill pod of request i's reservation, as the
+// ext_proc server writes it into x-prefiller-host-port.
+func (t *tally) prefiller(i int) (int, error) {
+	r := t.res[i]
+	if r == nil {
+		return -1, nil
+	}
+	a, ok := r.Prefiller()
+	if !ok {
+		return -1, nil
+	}
+	e, ok := t.byAddr[a]
+	if !ok {
+		return 0, fmt.Errorf("picker chose prefiller %v, not an engine", a)
 	}
 	return e, nil
 }

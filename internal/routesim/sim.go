@@ -7,10 +7,12 @@ import (
 	"math/rand/v2"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/internal/modelsim/engine"
+	"github.com/tallyepp/tally/picker"
 )
 
 // Config is one simulated pool and how the trace is replayed against it.
@@ -60,6 +62,48 @@ type Config struct {
 	BaseFraction float64
 	MaxLoRAs     int
 	LoRALoadTime time.Duration
+	// Roles, when set, gives each engine (one each) its part in
+	// prefill/decode disaggregation, as the pod label llm-d.ai/role does:
+	// picker.RolePrefill, RoleDecode, RolePrefillDecode, or "" (it
+	// decodes, and prefills only its own requests). A policy that splits
+	// a request (Tally with Picker.Disaggregation on, LLMDLike) runs its
+	// prefill leg on a prefill-capable engine and then, when that leg
+	// ends, its decode leg on its destination (sim.go, startLeg). Only
+	// those policies run on a pool with an engine that does not decode.
+	Roles []string
+}
+
+// role is engine e's role ("" without roles).
+func (c Config) role(e int) string {
+	if e < len(c.Roles) {
+		return c.Roles[e]
+	}
+	return ""
+}
+
+// decodes reports whether engine e may be a request's destination: the
+// picker's rule (picker.Endpoint.Role).
+func (c Config) decodes(e int) bool {
+	r := c.role(e)
+	return r == "" || r == picker.RoleDecode || r == picker.RolePrefillDecode
+}
+
+// prefills reports whether engine e may prefill a request another engine
+// decodes.
+func (c Config) prefills(e int) bool {
+	r := c.role(e)
+	return r == picker.RolePrefill || r == picker.RolePrefillDecode
+}
+
+// disaggregated reports whether some engine may not take a request whole:
+// only role-aware policies may run then.
+func (c Config) disaggregated() bool {
+	for e := range c.Engines {
+		if !c.decodes(e) {
+			return true
+		}
+	}
+	return false
 }
 
 // AdapterName names the k-th LoRA adapter of Config.Adapters: the model
@@ -149,9 +193,37 @@ func (c Config) Validate() error {
 			return fmt.Errorf("flow weights: weight %d: %v is invalid: must be a positive number", i, wt)
 		}
 	}
+	if err := c.validateRoles(); err != nil {
+		return err
+	}
 	pc := v1alpha1.WithDefaults(c.Picker)
 	if err := pc.Validate(); err != nil {
 		return fmt.Errorf("tally's picker config: %w", err)
+	}
+	return nil
+}
+
+// validateRoles checks Config.Roles: one known role per engine, and some
+// engine that decodes.
+func (c Config) validateRoles() error {
+	if len(c.Roles) == 0 {
+		return nil
+	}
+	if len(c.Roles) != c.Engines {
+		return fmt.Errorf("roles: %d given for %d engines: give one per engine, or none", len(c.Roles), c.Engines)
+	}
+	known := []string{"", picker.RolePrefill, picker.RoleDecode, picker.RolePrefillDecode}
+	decoders := 0
+	for e, r := range c.Roles {
+		if !slices.Contains(known, r) {
+			return fmt.Errorf("roles: engine %d: %q is invalid: accepted are %q (unlabelled), %q, %q and %q", e, r, "", picker.RolePrefill, picker.RoleDecode, picker.RolePrefillDecode)
+		}
+		if c.decodes(e) {
+			decoders++
+		}
+	}
+	if decoders == 0 {
+		return fmt.Errorf("roles: %q: no engine decodes: give one the role %q, %q or none", c.Roles, picker.RoleDecode, picker.RolePrefillDecode)
 	}
 	return nil
 }
@@ -337,8 +409,12 @@ func (w *Workload) Bounds() []Bound {
 
 // Outcome is what one request saw.
 type Outcome struct {
-	// Engine served it; -1 when it was refused.
+	// Engine served it (a split request's decode leg); -1 when it was
+	// refused.
 	Engine int
+	// Prefiller ran its prefill leg when the policy split it
+	// (Config.Roles); -1 when it ran whole on Engine.
+	Prefiller int
 	// Bypass: it went to Engine in rotation, not through the policy.
 	Bypass bool
 	Stream bool
@@ -359,13 +435,18 @@ type Outcome struct {
 	TTFT time.Duration
 	// E2E is the time from arrival to the last output token.
 	E2E time.Duration
+	// PrefillEnd, of a split request, is the time from arrival to the end
+	// of its prefill leg, when its decode leg starts.
+	PrefillEnd time.Duration
 	// PromptTokens is its prompt; CachedTokens the prompt tokens the
-	// engine found in its cache.
+	// engine found in its cache (a split request's prefiller: the tokens
+	// it did not compute).
 	PromptTokens, CachedTokens int
 	// Queueing is its TTFT beyond its own prefill alone on an idle engine
 	// with the cache it found (boundOf): the time it waited, in the
 	// policy's queue or behind other requests on its engine. Unlike the
-	// bound, it does not count a prefix the cache no longer held.
+	// bound, it does not count a prefix the cache no longer held. A split
+	// request's counts its KV transfer too.
 	Queueing time.Duration
 	// Adapter is the LoRA adapter it was for; "" for the base model.
 	Adapter string `json:",omitempty"`
@@ -384,8 +465,11 @@ type Result struct {
 	// Engines is each engine's stats when the last request finished.
 	Engines []engine.Stats
 	// Placed counts, per engine, the requests the policy placed there
-	// (bypassing requests not included).
+	// (bypassing requests not included): a split request's destination.
 	Placed []int
+	// PrefillLegs counts, per engine, the prefill legs of split requests
+	// it ran; nil when none was split.
+	PrefillLegs []int `json:",omitempty"`
 	// Samples, when Config.SampleEvery is set.
 	Samples []Sample
 	// LearnedRates is the range of the prefill rates the policy had
@@ -497,6 +581,12 @@ type sim struct {
 	// lora follows each engine's adapters as vLLM's lora_requests_info
 	// reports them, for the policies that read it (nil without adapters).
 	lora []engine.AdapterRequests
+	// decoders are the engines that may be a destination, the bypassing
+	// requests' rotation; handoffs the split requests whose prefill leg
+	// ended at this instant, whose decode legs start once every engine's
+	// events of the instant are handled.
+	decoders []int
+	handoffs []int
 }
 
 // never is a time after any event.
@@ -518,6 +608,11 @@ func (s *sim) run() error {
 		s.lora = make([]engine.AdapterRequests, len(s.engines))
 	}
 	s.lastDispatch = -1
+	for e := range s.engines {
+		if s.w.cfg.decodes(e) {
+			s.decoders = append(s.decoders, e)
+		}
+	}
 	for s.done < n {
 		t := never
 		if s.next < n {
@@ -542,6 +637,9 @@ func (s *sim) run() error {
 					return err
 				}
 			}
+		}
+		if err := s.handOff(); err != nil {
+			return err
 		}
 		// First bytes and releases free capacity: the policy dispatched
 		// from its queue while it heard of them.
@@ -628,12 +726,12 @@ func (s *sim) sample() {
 
 func (s *sim) arrive(i int) error {
 	j := &s.w.jobs[i]
-	s.res.Outcomes[i] = Outcome{Engine: -1, Bypass: j.bypass, Stream: j.stream, Priority: j.priority, Flow: j.flow,
+	s.res.Outcomes[i] = Outcome{Engine: -1, Prefiller: -1, Bypass: j.bypass, Stream: j.stream, Priority: j.priority, Flow: j.flow,
 		PromptTokens: j.InputTokens, Adapter: j.Adapter}
 	if j.bypass {
-		target := s.bypassRR % len(s.engines)
+		target := s.decoders[s.bypassRR%len(s.decoders)]
 		s.bypassRR++
-		return s.start(i, target)
+		return s.start(i, target, -1)
 	}
 	if s.queue == nil {
 		target, err := s.pol.pick(i, j)
@@ -726,38 +824,112 @@ func (s *sim) refuse(i int, why string) {
 	s.done++
 }
 
-// startPlaced starts request i on the engine the policy placed it on.
+// startPlaced starts request i on the engine the policy placed it on, or,
+// when the policy split it, its prefill leg on the prefiller it named. A
+// destination must decode and a prefiller prefill (Config.Roles): the
+// picker's rules, which no policy may break.
 func (s *sim) startPlaced(i, target int) error {
 	if target < 0 || target >= len(s.engines) {
 		return fmt.Errorf("request %d placed on engine %d of %d", i, target, len(s.engines))
 	}
+	if !s.w.cfg.decodes(target) {
+		return fmt.Errorf("request %d placed on engine %d, whose role %q does not decode", i, target, s.w.cfg.role(target))
+	}
+	pre := -1
+	if sp, ok := s.pol.(splitter); ok {
+		var err error
+		if pre, err = sp.prefiller(i); err != nil {
+			return fmt.Errorf("request %d: %w", i, err)
+		}
+	}
+	switch {
+	case pre < 0:
+	case pre >= len(s.engines) || pre == target:
+		return fmt.Errorf("request %d placed on engine %d is prefilled on engine %d of %d", i, target, pre, len(s.engines))
+	case !s.w.cfg.prefills(pre):
+		return fmt.Errorf("request %d prefilled on engine %d, whose role %q does not prefill for others", i, pre, s.w.cfg.role(pre))
+	}
 	s.res.Placed[target]++
-	return s.start(i, target)
+	return s.start(i, target, pre)
 }
 
-// start adds request i to engine target now.
-func (s *sim) start(i, target int) error {
+// A request's legs on the engines. A request that is not split runs
+// whole on its destination; a split one runs a prefill leg on its
+// prefiller, then its decode leg on its destination. The engines name a
+// whole request or a decode leg by its index, a prefill leg by its index
+// and prefillLegSuffix.
+type leg uint8
+
+const (
+	wholeLeg leg = iota
+	prefillLeg
+	decodeLeg
+)
+
+const prefillLegSuffix = "/prefill"
+
+// start adds request i now to engine target or, when pre is an engine,
+// its prefill leg to pre (its decode leg follows at the hand-off).
+func (s *sim) start(i, target, pre int) error {
 	j := &s.w.jobs[i]
 	o := &s.res.Outcomes[i]
 	o.Engine, o.Start, o.Wait = target, s.now, s.now-j.arrival
-	e := s.engines[target]
-	if evs := e.AdvanceTo(s.now); len(evs) > 0 {
+	if pre < 0 {
+		return s.startLeg(i, target, wholeLeg)
+	}
+	o.Prefiller = pre
+	if s.res.PrefillLegs == nil {
+		s.res.PrefillLegs = make([]int, len(s.engines))
+	}
+	s.res.PrefillLegs[pre]++
+	return s.startLeg(i, pre, prefillLeg)
+}
+
+// startLeg adds one leg of request i to engine e now. As llm-d's
+// sidecar asks them, a prefill leg generates one token
+// (max_tokens 1) and holds its KV blocks for the decode leg
+// (do_remote_decode); a decode leg pulls the blocks its engine does not
+// cache (do_remote_prefill) and generates the whole output.
+func (s *sim) startLeg(i, e int, l leg) error {
+	j := &s.w.jobs[i]
+	eng := s.engines[e]
+	if evs := eng.AdvanceTo(s.now); len(evs) > 0 {
 		// Every step ending by now is handled before anything starts.
-		return fmt.Errorf("engine %d had %d events unhandled at %v", target, len(evs), s.now)
+		return fmt.Errorf("engine %d had %d events unhandled at %v", e, len(evs), s.now)
 	}
-	if err := e.Add(engine.Request{
-		ID:           strconv.Itoa(i),
-		PromptTokens: j.InputTokens,
-		OutputTokens: j.OutputTokens,
-		BlockHashes:  j.engineHashes,
-		Adapter:      j.Adapter,
-	}); err != nil {
-		return fmt.Errorf("adding request %d to engine %d: %w", i, target, err)
+	req := engine.Request{
+		ID:            strconv.Itoa(i),
+		PromptTokens:  j.InputTokens,
+		OutputTokens:  j.OutputTokens,
+		BlockHashes:   j.engineHashes,
+		Adapter:       j.Adapter,
+		RemotePrefill: l == decodeLeg,
 	}
-	s.inEngine[target]++
+	if l == prefillLeg {
+		req.ID += prefillLegSuffix
+		req.OutputTokens, req.RemoteDecode = 1, true
+	}
+	if err := eng.Add(req); err != nil {
+		return fmt.Errorf("adding request %d to engine %d: %w", i, e, err)
+	}
+	s.inEngine[e]++
 	if s.lora != nil {
-		s.lora[target].Add(j.Adapter)
+		s.lora[e].Add(j.Adapter)
 	}
+	return nil
+}
+
+// handOff starts the decode legs of the split requests whose prefill leg
+// ended at this instant, in the order the legs ended: the sidecar sends
+// the decode leg as soon as the prefill leg answers, and the decode
+// engine pulls the blocks as it arrives (internal/modelsim/server).
+func (s *sim) handOff() error {
+	for _, i := range s.handoffs {
+		if err := s.startLeg(i, s.res.Outcomes[i].Engine, decodeLeg); err != nil {
+			return err
+		}
+	}
+	s.handoffs = s.handoffs[:0]
 	return nil
 }
 
@@ -766,18 +938,27 @@ func (s *sim) handle(engineIdx int, events []engine.Event) error {
 		if ev.Kind == engine.Token {
 			continue
 		}
-		i, err := strconv.Atoi(ev.ID)
+		id, isPrefill := strings.CutSuffix(ev.ID, prefillLegSuffix)
+		i, err := strconv.Atoi(id)
 		if err != nil || i < 0 || i >= len(s.w.jobs) {
 			return fmt.Errorf("engine %d reported unknown request %q", engineIdx, ev.ID)
 		}
 		j := &s.w.jobs[i]
 		o := &s.res.Outcomes[i]
+		if isPrefill {
+			if err := s.prefillEvent(engineIdx, i, ev); err != nil {
+				return err
+			}
+			continue
+		}
 		switch ev.Kind {
 		case engine.FirstToken:
 			o.TTFT = ev.At - j.arrival
-			o.CachedTokens = ev.CachedTokens
+			if o.Prefiller < 0 {
+				o.CachedTokens = ev.CachedTokens
+			}
 			ec := s.engines[engineIdx].Config()
-			alone := boundOf(ec, j.InputTokens, j.OutputTokens, ev.CachedTokens/ec.BlockSizeTokens)
+			alone := boundOf(ec, j.InputTokens, j.OutputTokens, o.CachedTokens/ec.BlockSizeTokens)
 			o.Queueing = o.TTFT - alone.TTFT
 			if s.lora != nil {
 				s.lora[engineIdx].Started(j.Adapter)
@@ -799,6 +980,38 @@ func (s *sim) handle(engineIdx int, events []engine.Event) error {
 				s.pol.done(i, j.InputTokens, ev.CachedTokens)
 			}
 		}
+	}
+	return nil
+}
+
+// prefillEvent handles an event of request i's prefill leg on engine e.
+// The policy hears nothing of it: through llm-d's sidecar the client's
+// first bytes are the decode leg's. When it ends, its blocks go to the
+// decode leg, which starts at this instant (handOff).
+func (s *sim) prefillEvent(e, i int, ev engine.Event) error {
+	j := &s.w.jobs[i]
+	o := &s.res.Outcomes[i]
+	if o.Prefiller != e {
+		return fmt.Errorf("engine %d reported the prefill leg of request %d, prefilled on engine %d", e, i, o.Prefiller)
+	}
+	switch ev.Kind {
+	case engine.FirstToken:
+		o.CachedTokens = ev.CachedTokens
+		if s.lora != nil {
+			s.lora[e].Started(j.Adapter)
+		}
+	case engine.Finished:
+		o.PrefillEnd = ev.At - j.arrival
+		s.inEngine[e]--
+		if s.lora != nil {
+			s.lora[e].Left(j.Adapter, true)
+		}
+		// The decode engine pulls the blocks as its leg arrives, which
+		// frees them here (the NIXL read's notification).
+		if !s.engines[e].Release(ev.ID) {
+			return fmt.Errorf("engine %d no longer holds the KV blocks of request %d's prefill leg", e, i)
+		}
+		s.handoffs = append(s.handoffs, i)
 	}
 	return nil
 }

@@ -28,6 +28,7 @@ const (
 
 type upstreamLike struct {
 	rng     *rand.Rand
+	all     []int // every engine, in order
 	waiting []int
 	kvUsage []float64
 	lrus    []*blockLRU
@@ -59,6 +60,7 @@ func newUpstreamLike(engines int, rng *rand.Rand, now *time.Duration, cfg Config
 	}
 	for i := range p.lrus {
 		p.lrus[i] = newBlockLRU(upstreamCapacityBlocks)
+		p.all = append(p.all, i)
 	}
 	if cfg.lora() {
 		p.lora, p.maxLoRAs = make([]loraInfo, engines), cfg.MaxLoRAs
@@ -81,39 +83,59 @@ func (p *upstreamLike) applyRecords() {
 
 func (p *upstreamLike) pick(_ int, j *job) (int, error) {
 	p.applyRecords()
-	minQ, maxQ := p.waiting[0], p.waiting[0]
-	for _, q := range p.waiting {
+	best := p.choose(j, p.all, nil)
+	p.record(best, j)
+	return best, nil
+}
+
+// choose scores the engines cands (their indices, in order; at least one)
+// for j and returns the best, ties broken uniformly by the run's seed.
+// The queue score is normalised over cands, as the upstream queue-scorer
+// normalises over the endpoints its filters left; extra, when set, adds
+// a policy's own terms to an engine's score.
+func (p *upstreamLike) choose(j *job, cands []int, extra func(e int) float64) int {
+	minQ, maxQ := p.waiting[cands[0]], p.waiting[cands[0]]
+	for _, e := range cands {
+		q := p.waiting[e]
 		minQ, maxQ = min(minQ, q), max(maxQ, q)
 	}
-	for i := range p.scores {
+	for _, e := range cands {
 		queue := 1.0
 		if maxQ > minQ {
-			queue = float64(maxQ-p.waiting[i]) / float64(maxQ-minQ)
+			queue = float64(maxQ-p.waiting[e]) / float64(maxQ-minQ)
 		}
 		prefix := 0.0
 		if n := len(j.upstreamHashes); n > 0 {
-			prefix = float64(p.lrus[i].leading(j.upstreamHashes)) / float64(n)
+			prefix = float64(p.lrus[e].leading(j.upstreamHashes)) / float64(n)
 		}
-		p.scores[i] = upstreamQueueWeight*queue + upstreamKVWeight*(1-p.kvUsage[i]) + upstreamPrefixWeight*prefix
+		p.scores[e] = upstreamQueueWeight*queue + upstreamKVWeight*(1-p.kvUsage[e]) + upstreamPrefixWeight*prefix
 		if p.lora != nil {
-			p.scores[i] += upstreamLoRAWeight * upstreamLoRAScore(p.lora[i], p.maxLoRAs, j.Adapter)
+			p.scores[e] += upstreamLoRAWeight * upstreamLoRAScore(p.lora[e], p.maxLoRAs, j.Adapter)
+		}
+		if extra != nil {
+			p.scores[e] += extra(e)
 		}
 	}
-	best, ties := 0, 0
-	for i, s := range p.scores {
-		switch {
+	best, ties := cands[0], 0
+	for _, e := range cands {
+		switch s := p.scores[e]; {
 		case ties == 0 || s > p.scores[best]:
-			best, ties = i, 1
+			best, ties = e, 1
 		case s == p.scores[best]:
 			ties++
 			if p.rng.IntN(ties) == 0 {
-				best = i
+				best = e
 			}
 		}
 	}
-	p.pending = append(p.pending, pendingRecord{engine: best, hashes: j.upstreamHashes})
+	return best
+}
+
+// record remembers, once virtual time moves on, that j's prompt went to
+// engine e: the prefix plugin's index learns after the pick.
+func (p *upstreamLike) record(e int, j *job) {
+	p.pending = append(p.pending, pendingRecord{engine: e, hashes: j.upstreamHashes})
 	p.pendingAt = *p.now
-	return best, nil
 }
 
 func (p *upstreamLike) firstByte(int)                  {}
