@@ -100,6 +100,7 @@ func (l *ledger) place(r *Reservation, req Request) error {
 	}
 	d := &cands[best[0]]
 	if pc, ok := l.prefiller(d, r, now, splitOnly); ok {
+		r.splitWhy = splitYes
 		l.reserveSplit(r, d, &pc, req.Model, now)
 		return nil
 	}

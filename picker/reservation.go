@@ -32,6 +32,7 @@ type Reservation struct {
 	// its KV cache moves to the destination, which decodes. Invalid when
 	// the destination prefills itself.
 	prefiller netip.AddrPort
+	splitWhy  splitDecision // why the pick split or did not (disaggregation only)
 
 	// Guarded by the picker's lock.
 	row      *row // current holder; its counters include this reservation until released
