@@ -48,11 +48,19 @@ type pickLoad struct {
 	// models, when set, are the requests' models in turn; else
 	// "bench-model".
 	models []string
+	// splits counts the picks split onto a prefill pod.
+	splits int
 }
 
 func newPickLoad(pool, tokens int) *pickLoad {
-	p := New(benchConfig(), Options{Rand: rand.New(rand.NewPCG(1, 2))})
-	p.Replace(endpoints(pool))
+	return newPickLoadOn(benchConfig(), endpoints(pool), tokens)
+}
+
+// newPickLoadOn is newPickLoad over eps with cfg.
+func newPickLoadOn(cfg v1alpha1.PickerConfig, eps []Endpoint, tokens int) *pickLoad {
+	pool := len(eps)
+	p := New(cfg, Options{Rand: rand.New(rand.NewPCG(1, 2))})
+	p.Replace(eps)
 	l := &pickLoad{p: p, prompt: text("bench", tokens*4), ring: make([]*Reservation, 2*pool)}
 	// Fill every endpoint's LRU, with margin for an uneven spread.
 	blocks := (tokens*4 - benchSharedTokens*4) / p.cfg.BlockSizeChars
@@ -77,6 +85,9 @@ func (l *pickLoad) step() {
 	if err != nil {
 		panic(err)
 	}
+	if r.prefiller.IsValid() {
+		l.splits++
+	}
 	*slot = r
 }
 
@@ -100,6 +111,46 @@ func BenchmarkPick(b *testing.B) {
 				cpu.report(b)
 			})
 		}
+	}
+}
+
+// BenchmarkPickPD measures a whole pick, as BenchmarkPick, in a pool of
+// two prefill and two decode endpoints with splitting on (split=on: the
+// decode pod is chosen, then the prefill pod in the same critical
+// section, and the prefill part is held there), beside the same four
+// endpoints unlabelled with splitting off (split=off). split-share is the
+// share of the measured picks that were split: the cold 1,000-token
+// prompts are, while a prefill pod is no costlier than the decode pod.
+func BenchmarkPickPD(b *testing.B) {
+	const tok = 1_000
+	for _, on := range []bool{false, true} {
+		name := "off"
+		cfg := benchConfig()
+		eps := endpoints(4)
+		if on {
+			name = "on"
+			cfg.Disaggregation.NonCachedTokens = 16
+			for i, role := range []string{RolePrefill, RolePrefill, RoleDecode, RoleDecode} {
+				eps[i].Role = role
+			}
+		}
+		var l *pickLoad
+		b.Run(fmt.Sprintf("endpoints=4/tokens=%s/split=%s", tokensName(tok), name), func(b *testing.B) {
+			if l == nil {
+				l = newPickLoadOn(cfg, eps, tok)
+			}
+			l.splits = 0
+			b.ReportAllocs()
+			cpu := startCPU()
+			for b.Loop() {
+				l.step()
+			}
+			cpu.report(b)
+			b.ReportMetric(float64(l.splits)/float64(b.N), "split-share")
+			if on && l.splits == 0 {
+				b.Fatal("no pick was split")
+			}
+		})
 	}
 }
 

@@ -341,29 +341,29 @@ func TestEachPickSaysWhyItSplitOrNot(t *testing.T) {
 	long := text("why", 4000) // 1,000 tokens
 	p := pdPicker(t, nil)
 	split := mustPick(t, p, Request{Model: model, Prompt: long})
-	if split.splitWhy != splitDecisionSplit {
-		t.Errorf("a cold 1,000-token prompt on an idle pool: %q, want %q", split.splitWhy, splitDecisionSplit)
+	if split.splitWhy != splitYes {
+		t.Errorf("a cold 1,000-token prompt on an idle pool: %q, want %q", split.splitWhy, splitYes)
 	}
 	dest := endpointOf(split)
 	p.End(split, Outcome{})
-	if r := mustPick(t, p, on(dest, long)); r.splitWhy != splitDecisionCached {
-		t.Errorf("a prompt cached on its destination: %q, want %q", r.splitWhy, splitDecisionCached)
+	if r := mustPick(t, p, on(dest, long)); r.splitWhy != splitCached {
+		t.Errorf("a prompt cached on its destination: %q, want %q", r.splitWhy, splitCached)
 	}
-	if r := mustPick(t, p, Request{Model: model, Prompt: text("short", 40)}); r.splitWhy != splitDecisionShort {
-		t.Errorf("a 10-token prompt: %q, want %q", r.splitWhy, splitDecisionShort)
+	if r := mustPick(t, p, Request{Model: model, Prompt: text("short", 40)}); r.splitWhy != splitShort {
+		t.Errorf("a 10-token prompt: %q, want %q", r.splitWhy, splitShort)
 	}
 	// 20,000 tokens queued on each prefill pod: a cold 1,000-token prompt
 	// prefills sooner where it decodes.
 	for i := range 2 {
 		mustPick(t, p, Request{Model: model, Prompt: text(fmt.Sprint("big ", i), 80_000)})
 	}
-	if r := mustPick(t, p, Request{Model: model, Prompt: text("cold", 4000)}); r.splitWhy != splitDecisionLocalCheaper {
-		t.Errorf("busy prefill pods: %q, want %q", r.splitWhy, splitDecisionLocalCheaper)
+	if r := mustPick(t, p, Request{Model: model, Prompt: text("cold", 4000)}); r.splitWhy != splitLocalCheaper {
+		t.Errorf("busy prefill pods: %q, want %q", r.splitWhy, splitLocalCheaper)
 	}
 	q := pdPicker(t, nil)
 	q.Replace(withRoles(RoleDecode, RoleDecode))
-	if r := mustPick(t, q, Request{Model: model, Prompt: long}); r.splitWhy != splitDecisionNoPrefillPod {
-		t.Errorf("no prefill pod: %q, want %q", r.splitWhy, splitDecisionNoPrefillPod)
+	if r := mustPick(t, q, Request{Model: model, Prompt: long}); r.splitWhy != splitNoPrefillPod {
+		t.Errorf("no prefill pod: %q, want %q", r.splitWhy, splitNoPrefillPod)
 	}
 	off := newPicker(t, 0, testConfig(), Options{})
 	off.Replace(withRoles(RolePrefill, RoleDecode))
@@ -389,16 +389,16 @@ func TestAPrefillPodBackOffEnds(t *testing.T) {
 	for i := range legFailureThreshold {
 		fail(fmt.Sprint("fail ", i))
 	}
-	if r := mustPick(t, p, Request{Model: model, Prompt: text("off", 4000)}); r.splitWhy != splitDecisionNoPrefillPod {
-		t.Errorf("after %d failed legs: %q, want %q", legFailureThreshold, r.splitWhy, splitDecisionNoPrefillPod)
+	if r := mustPick(t, p, Request{Model: model, Prompt: text("off", 4000)}); r.splitWhy != splitNoPrefillPod {
+		t.Errorf("after %d failed legs: %q, want %q", legFailureThreshold, r.splitWhy, splitNoPrefillPod)
 	} else {
 		p.End(r, Outcome{})
 	}
 	clock.Advance(legBackoff)
 	fail("again") // tried again after the backoff, and failing: off for twice as long
 	clock.Advance(legBackoff)
-	if r := mustPick(t, p, Request{Model: model, Prompt: text("still off", 4000)}); r.splitWhy != splitDecisionNoPrefillPod {
-		t.Errorf("one backoff into a doubled one: %q, want %q", r.splitWhy, splitDecisionNoPrefillPod)
+	if r := mustPick(t, p, Request{Model: model, Prompt: text("still off", 4000)}); r.splitWhy != splitNoPrefillPod {
+		t.Errorf("one backoff into a doubled one: %q, want %q", r.splitWhy, splitNoPrefillPod)
 	} else {
 		p.End(r, Outcome{})
 	}
@@ -410,8 +410,8 @@ func TestAPrefillPodBackOffEnds(t *testing.T) {
 	p.FirstByte(r)
 	p.End(r, Outcome{})
 	fail("once more") // one failure after a leg that worked does not turn it off
-	if r := mustPick(t, p, Request{Model: model, Prompt: text("on", 4000)}); r.splitWhy != splitDecisionSplit {
-		t.Errorf("one failure after a leg that worked: %q, want %q", r.splitWhy, splitDecisionSplit)
+	if r := mustPick(t, p, Request{Model: model, Prompt: text("on", 4000)}); r.splitWhy != splitYes {
+		t.Errorf("one failure after a leg that worked: %q, want %q", r.splitWhy, splitYes)
 	} else {
 		p.End(r, Outcome{})
 	}

@@ -41,7 +41,7 @@ func newFlowMetrics(enabled bool) *flowMetrics {
 		queueBytes: prometheus.NewDesc("inference_extension_flow_control_queue_bytes",
 			"Bytes of the requests waiting in the flow control queue now.", queueLabels, nil),
 		poolSaturation: prometheus.NewDesc("inference_extension_flow_control_pool_saturation",
-			"Share of the pool's candidate endpoints over their saturation threshold (1: every one, and new requests wait).",
+			"Share of the pool's candidate endpoints (decode-capable, not failing scrapes) over their saturation threshold. At 1 a new request waits, unless it can be split onto a free prefill pod and a decode pod with a decoding slot free; prefill pods are counted in tally_role_saturated_endpoints.",
 			[]string{"inference_pool"}, nil),
 		outcomes: prometheus.NewDesc("tally_flow_control_requests_total",
 			"Requests that found every candidate saturated (flow control), by outcome: the upstream outcome names.",

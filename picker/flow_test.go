@@ -370,7 +370,7 @@ func TestFlowControlMetrics(t *testing.T) {
 # HELP inference_extension_flow_control_queue_size Requests waiting in the flow control queue now.
 # TYPE inference_extension_flow_control_queue_size gauge
 inference_extension_flow_control_queue_size{fairness_id="tenant-a",inference_pool="pool",model_name="test-model",priority="2",target_model_name="test-model"} 1
-# HELP inference_extension_flow_control_pool_saturation Share of the pool's candidate endpoints over their saturation threshold (1: every one, and new requests wait).
+# HELP inference_extension_flow_control_pool_saturation Share of the pool's candidate endpoints (decode-capable, not failing scrapes) over their saturation threshold. At 1 a new request waits, unless it can be split onto a free prefill pod and a decode pod with a decoding slot free; prefill pods are counted in tally_role_saturated_endpoints.
 # TYPE inference_extension_flow_control_pool_saturation gauge
 inference_extension_flow_control_pool_saturation{inference_pool="pool"} 1
 `

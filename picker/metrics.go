@@ -47,6 +47,12 @@ type metrics struct {
 
 	// Flow control's (flow_metrics.go); sent only with it on.
 	flow *flowMetrics
+
+	// Prefill/decode disaggregation (split.go): the counts, and their
+	// descriptions with the per-endpoint legs held and the per-role sums.
+	split                                     splitCounts
+	splitDecisions, prefillLegs, endpointLegs *prometheus.Desc
+	roleEndpoints, roleSaturated, roleQueued  *prometheus.Desc
 }
 
 // Buckets of the upstream picker's histograms, kept identical so that
@@ -175,6 +181,23 @@ func newMetrics(poolName string, flowControl bool) *metrics {
 	m.poolAvgKVCache = prometheus.NewDesc("inference_pool_average_kv_cache_utilization",
 		"Mean over the healthy endpoints whose engines publish it of the share of their KV cache in use (0 to 1) at their last scrape; not sent before one.",
 		[]string{"name"}, nil)
+	m.splitDecisions = prometheus.NewDesc("tally_split_decisions_total",
+		"Placed requests by whether they were split (disaggregation on): split, or why not: cached (too little of the prompt uncached on the decode pod), "+
+			"short (the prompt under promptTokens), no_prefill_pod (none ready and under its saturation threshold), local_cheaper (prefilling on the decode pod costs less).",
+		[]string{"decision"}, nil)
+	m.prefillLegs = prometheus.NewDesc("tally_prefill_legs_total",
+		"Split requests placed with the endpoint as their prefill pod (disaggregation on).", ep, nil)
+	m.endpointLegs = prometheus.NewDesc("tally_endpoint_prefill_legs",
+		"Prefill parts of split requests the endpoint holds now, prefilling for another endpoint (included in tally_endpoint_inflight_requests); sent for prefill-capable endpoints with disaggregation on.",
+		ep, nil)
+	role := []string{"role"}
+	m.roleEndpoints = prometheus.NewDesc("tally_role_endpoints",
+		"Endpoints in the pool's endpoint set by their llm-d.ai/role label (role=\"unlabelled\" for pods without one).", role, nil)
+	m.roleSaturated = prometheus.NewDesc("tally_role_saturated_endpoints",
+		"Endpoints of the role that may take no new work now: over a static saturation limit or, with flow control, over their threshold; a prefill pod so saturated prefills for no one.",
+		role, nil)
+	m.roleQueued = prometheus.NewDesc("tally_role_queued_prefill_tokens",
+		"Prefill tokens the drain model says are still queued on the role's endpoints (a prefill pod's are its split requests' prefill parts).", role, nil)
 	m.picksOK = m.picks.WithLabelValues("ok")
 	m.picksNoEndpoint = m.picks.WithLabelValues("no_endpoint")
 	m.picksSaturated = m.picks.WithLabelValues("saturated")
@@ -193,7 +216,8 @@ func (p *Picker) Describe(ch chan<- *prometheus.Desc) {
 		m.detachedActive, m.detachedEnd, m.rateSamples, m.expectedOutput, m.decodeSpeed,
 		m.poolReadyPods, m.poolAvgQueue, m.poolPerPodQueue, m.poolAvgRunning, m.poolAvgKVCache,
 		m.engineRunning, m.engineWaiting, m.foreignRequests, m.foreignTokens, m.endpointHealthy,
-		m.prefixCapacity, m.deliveredCached, m.predictedCached, m.deliveryRatio, m.legFailures, m.legsOff} {
+		m.prefixCapacity, m.deliveredCached, m.predictedCached, m.deliveryRatio, m.legFailures, m.legsOff,
+		m.splitDecisions, m.prefillLegs, m.endpointLegs, m.roleEndpoints, m.roleSaturated, m.roleQueued} {
 		ch <- d
 	}
 	for _, c := range m.collectors() {
@@ -230,6 +254,7 @@ func (p *Picker) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(m.rateSamples, prometheus.CounterValue, float64(n), rateSampleNames[i])
 	}
 	m.collectPool(ch, l.Endpoints)
+	m.collectRoles(ch, &l, p.cfg.Disaggregation.Enabled())
 	for _, c := range m.collectors() {
 		c.Collect(ch)
 	}
@@ -312,5 +337,31 @@ func (m *metrics) collectEngine(ch chan<- prometheus.Metric, s EndpointStats, ep
 	}
 	if s.PredictedCachedTokens > 0 {
 		gauge(m.deliveryRatio, float64(s.DeliveredCachedTokens)/float64(s.PredictedCachedTokens))
+	}
+}
+
+// collectRoles sends the per-role sums and, with disaggregation on, the
+// split decisions, the prefill legs placed on each prefill pod so far and
+// those each holds now. The decisions are sent from the start, zeros
+// included, so that a dashboard's rate() has a series before the first.
+func (m *metrics) collectRoles(ch chan<- prometheus.Metric, l *Ledger, disaggregation bool) {
+	for _, r := range l.Roles {
+		ch <- prometheus.MustNewConstMetric(m.roleEndpoints, prometheus.GaugeValue, float64(r.Endpoints), r.Role)
+		ch <- prometheus.MustNewConstMetric(m.roleSaturated, prometheus.GaugeValue, float64(r.Saturated), r.Role)
+		ch <- prometheus.MustNewConstMetric(m.roleQueued, prometheus.GaugeValue, float64(r.PrefillTokens), r.Role)
+	}
+	if !disaggregation {
+		return
+	}
+	for i, d := range splitDecisions {
+		ch <- prometheus.MustNewConstMetric(m.splitDecisions, prometheus.CounterValue, float64(m.split.decisions[i].Load()), string(d))
+	}
+	for _, c := range m.split.legsOf(l) {
+		ch <- prometheus.MustNewConstMetric(m.prefillLegs, prometheus.CounterValue, float64(c.n), c.addr.String())
+	}
+	for _, s := range l.Endpoints {
+		if s.Endpoint.prefills() {
+			ch <- prometheus.MustNewConstMetric(m.endpointLegs, prometheus.GaugeValue, float64(s.PrefillLegs), s.Endpoint.Address.String())
+		}
 	}
 }

@@ -128,8 +128,9 @@ func TestPickerWithoutRegistererStillCollects(t *testing.T) {
 	// gauge per endpoint; of the engines' view, before any scrape, 2 gauges
 	// and 2 counters per endpoint; detached
 	// reservations, a gauge, a counter and 3 ends; the decode model's 2
-	// gauges. The prefill rate's samples, 6 results.
-	if got, want := testutil.CollectAndCount(p), 5*2+4+3+3+1+2+2+2+4*2+5+6+2; got != want {
+	// gauges. The prefill rate's samples, 6 results. The unlabelled
+	// role's 3 gauges (no split metric: disaggregation is off).
+	if got, want := testutil.CollectAndCount(p), 5*2+4+3+3+1+2+2+2+4*2+5+6+2+3; got != want {
 		t.Errorf("collected %d metrics, want %d", got, want)
 	}
 }

@@ -285,6 +285,7 @@ func (p *Picker) placed(r *Reservation, err error, untidy bool, start time.Time)
 	switch {
 	case err == nil:
 		m.picksOK.Inc()
+		p.countSplit(r)
 		m.promptTokens.Add(float64(r.promptTokens))
 		// Read without the lock: r is not returned yet, so no ServedBy
 		// can have moved it.

@@ -228,20 +228,20 @@ func (l *ledger) splitWhy(d *candidate, r *Reservation, pairs bool) splitDecisio
 	case !dis.Enabled() || r.bodiless:
 		return ""
 	case d.pre != nil:
-		return splitDecisionSplit
+		return splitYes
 	case !pairs:
 		if len(l.prefillRows) == 0 {
-			return splitDecisionNoPrefillPod
+			return splitNoPrefillPod
 		}
-		return splitDecisionShort
+		return splitShort
 	}
 	if p := l.scratch.first; p == nil || p.w == d.w && l.scratch.second == nil {
-		return splitDecisionNoPrefillPod
+		return splitNoPrefillPod
 	}
 	if d.uncached < dis.NonCachedTokens {
-		return splitDecisionCached
+		return splitCached
 	}
-	return splitDecisionLocalCheaper
+	return splitLocalCheaper
 }
 
 // reserveSplit holds a split request: as decoding on its destination d

@@ -1,9 +1,12 @@
 package picker
 
 import (
+	"cmp"
 	"maps"
 	"math"
+	"net/netip"
 	"slices"
+	"time"
 )
 
 // EndpointStats is one endpoint's row of the ledger.
@@ -48,11 +51,61 @@ type EndpointStats struct {
 	Adapters                         map[string]int
 	RunningAdapters, WaitingAdapters []string
 	MaxLoRAs                         int
+	// PrefillLegs counts the prefill parts of split requests it holds now,
+	// prefilling for another endpoint (disaggregation); they are among
+	// InFlight and PrefillTokens.
+	PrefillLegs int
+	// Saturated says it may take no new work now: over a static limit
+	// (saturation), or with flow control over its threshold (its queued
+	// prefill would take holdPrefillMilliseconds, or its decoding slots
+	// are full). The same rule decides whether a prefill pod may take a
+	// prefill leg. Health is apart: see Unhealthy.
+	Saturated bool
 	// PrefillLegFailures counts the prefill legs it failed (a split
 	// request's error before its first byte); PrefillLegsOff: it prefills
 	// for no other pod now, after too many in a row (legs.go).
 	PrefillLegFailures int64
 	PrefillLegsOff     bool
+}
+
+// RoleStats sums the current endpoints of one role (Endpoint.Role; the
+// unlabelled ones under RoleUnlabelled).
+type RoleStats struct {
+	Role string
+	// Endpoints of the role, and of them those Saturated.
+	Endpoints, Saturated int
+	// The sums of their rows.
+	InFlight, Decoding, PrefillTokens, PrefillLegs int
+}
+
+// RoleUnlabelled is RoleStats.Role for the endpoints without a role: they
+// decode, and prefill only their own requests.
+const RoleUnlabelled = "unlabelled"
+
+// ReservationStats is one reservation not yet released, as of the
+// snapshot.
+type ReservationStats struct {
+	// Endpoint is where it is held (its destination, or the endpoint the
+	// gateway said served it), and Pod that endpoint's pod.
+	Endpoint netip.AddrPort
+	Pod      string
+	// Prefiller is the endpoint that prefills it when it was split (the
+	// zero AddrPort otherwise), PrefillerPod its pod, and PrefillHeld
+	// whether that endpoint still holds its prefill part: until the
+	// destination's first byte, or the prefiller's drain model says it is
+	// done.
+	Prefiller    netip.AddrPort
+	PrefillerPod string
+	PrefillHeld  bool
+	// PrefillTokens is the prefill it still holds (on the prefiller when
+	// split), Decoding whether its destination counts it as decoding.
+	PrefillTokens int
+	Decoding      bool
+	Detached      bool
+	PromptTokens  int
+	CachedTokens  int
+	// Age is the time since its pick.
+	Age time.Duration
 }
 
 // Ledger is one consistent view of the whole ledger.
@@ -85,6 +138,73 @@ type Ledger struct {
 	// Retained are endpoints that left the set and keep their row (in flight
 	// requests, or the retention window), sorted by address.
 	Retained []EndpointStats
+	// Roles sums the current endpoints by role, in the order of Role.
+	Roles []RoleStats
+	// Reservations lists the reservations not yet released, oldest pick
+	// first, at most maxListedReservations of them; only
+	// SnapshotWithReservations fills it, and ReservationsOmitted counts
+	// those past the limit.
+	Reservations        []ReservationStats
+	ReservationsOmitted int
+}
+
+// maxListedReservations bounds Ledger.Reservations: listing them holds the
+// picker's lock, and a debug page need not show every one of a long burst.
+const maxListedReservations = 1000
+
+// SnapshotWithReservations is Snapshot with the reservations not yet
+// released listed too (Ledger.Reservations), read under the same hold of
+// the lock: for /debug/ledger, not for every metrics scrape.
+func (p *Picker) SnapshotWithReservations() Ledger {
+	now := p.now()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	s := p.l.snapshot(now)
+	s.Reservations, s.ReservationsOmitted = p.l.reservations(now, maxListedReservations)
+	return s
+}
+
+// reservations lists at most limit of the reservations not yet released,
+// oldest pick first, as of now (drained on the side, as snapshot), and
+// counts those left out.
+func (l *ledger) reservations(now int64, limit int) (list []ReservationStats, omitted int) {
+	// Each row's drain model advanced to now, worked out once.
+	drained := map[*row]*row{}
+	done := func(w *row, r *Reservation) bool {
+		v := drained[w]
+		if v == nil {
+			c := *w
+			c.advance(now)
+			v = &c
+			drained[w] = v
+		}
+		return r.endPos <= v.posOut || v.posOut >= v.posIn
+	}
+	for r := l.picks.Front(); r != nil; r = l.picks.Next(r) {
+		if len(list) == limit {
+			omitted++
+			continue
+		}
+		st := ReservationStats{Endpoint: r.row.ep.Address, Pod: r.row.ep.Pod, Prefiller: r.prefiller,
+			PrefillTokens: r.prefill, Decoding: r.decoding, Detached: r.detached,
+			PromptTokens: r.promptTokens, CachedTokens: r.cachedTokens, Age: time.Duration(now - r.pickedNs)}
+		if w := r.prefilledOn; w != nil {
+			st.PrefillerPod = w.ep.Pod
+		}
+		switch {
+		case r.pre != nil: // split, its prefill part held on r.pre
+			st.PrefillHeld = !done(r.pre, r)
+			if !st.PrefillHeld {
+				st.PrefillTokens = 0
+			}
+		case !r.decoding: // in its row's prefill queue
+			if done(r.row, r) {
+				st.Decoding, st.PrefillTokens = true, 0
+			}
+		}
+		list = append(list, st)
+	}
+	return list, omitted
 }
 
 // snapshot reads the whole ledger as of now without changing it: what the
@@ -125,15 +245,19 @@ func (l *ledger) snapshot(now int64) Ledger {
 		if e.scraped {
 			st.KVCacheUsage = e.kvUsage
 		}
+		st.PrefillLegs = v.legs
+		st.Saturated = l.saturated(w, v.queued, v.decoding, now)
 		s.InFlight += st.InFlight
 		s.Detached += st.Detached
 		s.PrefillTokens += st.PrefillTokens
 		if w.current {
 			s.Endpoints = append(s.Endpoints, st)
+			s.Roles = addRole(s.Roles, st)
 		} else {
 			s.Retained = append(s.Retained, st)
 		}
 	}
+	slices.SortFunc(s.Roles, func(a, b RoleStats) int { return cmp.Compare(a.Role, b.Role) })
 	if n := len(s.Endpoints); n > 0 {
 		u := 0.0
 		for _, e := range s.Endpoints {
@@ -147,10 +271,34 @@ func (l *ledger) snapshot(now int64) Ledger {
 	return s
 }
 
+// addRole adds st to its role's sums in roles.
+func addRole(roles []RoleStats, st EndpointStats) []RoleStats {
+	role := st.Endpoint.Role
+	if role == "" {
+		role = RoleUnlabelled
+	}
+	i := slices.IndexFunc(roles, func(r RoleStats) bool { return r.Role == role })
+	if i < 0 {
+		i = len(roles)
+		roles = append(roles, RoleStats{Role: role})
+	}
+	r := &roles[i]
+	r.Endpoints++
+	if st.Saturated {
+		r.Saturated++
+	}
+	r.InFlight += st.InFlight
+	r.Decoding += st.Decoding
+	r.PrefillTokens += st.PrefillTokens
+	r.PrefillLegs += st.PrefillLegs
+	return roles
+}
+
 // projection is a row as a drain to now, and the detached expiry after it,
 // would leave it.
 type projection struct {
 	inFlight, queued, decoding, detached int
+	legs                                 int // prefill parts of split requests held
 	utilization                          float64
 	adapters                             map[string]int
 }
@@ -163,6 +311,13 @@ func (l *ledger) projected(w *row, now int64, done map[*row][]*Reservation) proj
 	v := *w // the drain model's scalars, advanced on the copy
 	v.advance(now)
 	p := projection{inFlight: w.inFlight, decoding: w.decoding, detached: w.detached}
+	if w.prefills {
+		for r := w.inPrefill.Front(); r != nil; r = w.inPrefill.Next(r) {
+			if r.pre == w {
+				p.legs++
+			}
+		}
+	}
 	prefill, left := w.prefill, false
 	for r := w.inPrefill.Front(); r != nil; r = w.inPrefill.Next(r) {
 		if r.endPos > v.posOut && v.posOut < v.posIn {
@@ -170,6 +325,15 @@ func (l *ledger) projected(w *row, now int64, done map[*row][]*Reservation) proj
 			break
 		}
 		prefill -= r.prefill
+		if r.pre == w {
+			// A split request's prefill part: done, a drain drops it
+			// from its prefiller (row.drain); its request decodes on its
+			// destination, whose projection does not see this end (a
+			// detached one's modelled end shows after the next drain).
+			p.inFlight--
+			p.legs--
+			continue
+		}
 		p.decoding++
 		if r.detached && done != nil {
 			end := min(max(w.at+int64(max(r.endPos-w.posOut, 0)/w.rate*1e9), r.enqueuedAt), now)

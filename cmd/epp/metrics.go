@@ -76,7 +76,7 @@ func ledgerHandler(pick *picker.Picker, peers *replica.Replica) http.Handler {
 			http.Error(w, "GET only", http.StatusMethodNotAllowed)
 			return
 		}
-		doc := ledgerJSON(pick.Snapshot())
+		doc := ledgerJSON(pick.SnapshotWithReservations())
 		if peers != nil {
 			s := peers.Status()
 			doc.Replica = &debugledger.Replica{Self: s.Self, Leader: s.Leader, Leading: s.Leading, LagSeconds: s.LagSeconds, Peers: s.Peers}
@@ -144,8 +144,9 @@ func ledgerJSON(l picker.Ledger) debugledger.Ledger {
 		out := make([]debugledger.Endpoint, 0, len(stats))
 		for _, s := range stats {
 			row := debugledger.Endpoint{
-				Pod: s.Endpoint.Pod, UID: s.Endpoint.UID, Endpoint: s.Endpoint.Address.String(),
+				Pod: s.Endpoint.Pod, UID: s.Endpoint.UID, Endpoint: s.Endpoint.Address.String(), Role: s.Endpoint.Role,
 				InFlight: s.InFlight, PrefillTokens: s.PrefillTokens, Decoding: s.Decoding,
+				PrefillLegs: s.PrefillLegs, Saturated: s.Saturated,
 				PrefillTokensPerSecond: s.PrefillTokensPerSecond,
 				Utilization:            s.Utilization,
 				Unhealthy:              s.Unhealthy,
@@ -164,5 +165,22 @@ func ledgerJSON(l picker.Ledger) debugledger.Ledger {
 		}
 		return out
 	}
-	return debugledger.Ledger{InFlight: l.InFlight, PrefillTokens: l.PrefillTokens, LoRALoadSeconds: l.LoRALoadSeconds, WorkWeight: l.WorkWeight, Endpoints: rows(l.Endpoints), Retained: rows(l.Retained)}
+	doc := debugledger.Ledger{InFlight: l.InFlight, PrefillTokens: l.PrefillTokens, LoRALoadSeconds: l.LoRALoadSeconds, WorkWeight: l.WorkWeight,
+		Endpoints: rows(l.Endpoints), Retained: rows(l.Retained),
+		Roles:        make([]debugledger.Role, 0, len(l.Roles)),
+		Reservations: make([]debugledger.Reservation, 0, len(l.Reservations)), ReservationsOmitted: l.ReservationsOmitted}
+	for _, r := range l.Roles {
+		doc.Roles = append(doc.Roles, debugledger.Role{Role: r.Role, Endpoints: r.Endpoints, Saturated: r.Saturated,
+			InFlight: r.InFlight, Decoding: r.Decoding, PrefillTokens: r.PrefillTokens, PrefillLegs: r.PrefillLegs})
+	}
+	for _, r := range l.Reservations {
+		row := debugledger.Reservation{Endpoint: r.Endpoint.String(), Pod: r.Pod, PrefillerPod: r.PrefillerPod, PrefillHeld: r.PrefillHeld,
+			PrefillTokens: r.PrefillTokens, Decoding: r.Decoding, Detached: r.Detached,
+			PromptTokens: r.PromptTokens, CachedTokens: r.CachedTokens, AgeSeconds: r.Age.Seconds()}
+		if r.Prefiller.IsValid() {
+			row.Prefiller = r.Prefiller.String()
+		}
+		doc.Reservations = append(doc.Reservations, row)
+	}
+	return doc
 }

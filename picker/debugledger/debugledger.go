@@ -35,6 +35,55 @@ type Ledger struct {
 	// Replica is this picker's place among its replicas, when they share
 	// one ledger (--peer-selector).
 	Replica *Replica `json:"replica,omitempty"`
+	// Roles sums the current endpoints by their llm-d.ai/role label
+	// ("unlabelled" for pods without one), sorted by role.
+	Roles []Role `json:"roles"`
+	// Reservations lists the requests reserved and not yet released,
+	// oldest pick first, at most 1,000 of them; ReservationsOmitted counts
+	// those past that.
+	Reservations        []Reservation `json:"reservations"`
+	ReservationsOmitted int           `json:"reservationsOmitted,omitempty"`
+}
+
+// Role sums the current endpoints of one role (prefill/decode
+// disaggregation).
+type Role struct {
+	Role      string `json:"role"`
+	Endpoints int    `json:"endpoints"`
+	// Saturated counts those that may take no new work now: over a
+	// saturation limit or flow control's threshold. A saturated prefill
+	// pod prefills for no one.
+	Saturated     int `json:"saturated"`
+	InFlight      int `json:"inFlight"`
+	Decoding      int `json:"decoding"`
+	PrefillTokens int `json:"prefillTokens"`
+	// PrefillLegs counts the prefill parts of split requests they hold.
+	PrefillLegs int `json:"prefillLegs"`
+}
+
+// Reservation is one request reserved in the ledger.
+type Reservation struct {
+	// Endpoint is where it is held (its destination, or the endpoint that
+	// served it), Pod that endpoint's pod.
+	Endpoint string `json:"endpoint"`
+	Pod      string `json:"pod"`
+	// Prefiller is the endpoint that prefills it when it is split
+	// (disaggregation), PrefillerPod its pod; PrefillHeld says that
+	// endpoint still holds its prefill part (until the destination's first
+	// byte, or until the picker's model says the prefill is done).
+	Prefiller    string `json:"prefiller,omitempty"`
+	PrefillerPod string `json:"prefillerPod,omitempty"`
+	PrefillHeld  bool   `json:"prefillHeld"`
+	// PrefillTokens is the prefill it still holds, on the prefiller when
+	// it is split; Decoding says its endpoint counts it as decoding.
+	PrefillTokens int  `json:"prefillTokens"`
+	Decoding      bool `json:"decoding"`
+	// Detached: its stream ended at the pick, and the picker holds it
+	// until its model says the request is done.
+	Detached     bool    `json:"detached"`
+	PromptTokens int     `json:"promptTokens"`
+	CachedTokens int     `json:"cachedTokens"`
+	AgeSeconds   float64 `json:"ageSeconds"`
 }
 
 // Replica says which replica leads and how current this one's copy is.
@@ -54,6 +103,10 @@ type Endpoint struct {
 	Pod      string `json:"pod"`
 	UID      string `json:"uid,omitempty"`
 	Endpoint string `json:"endpoint"`
+	// Role is the pod's llm-d.ai/role label: prefill, decode,
+	// prefill-decode, or "" (unlabelled: it decodes, and prefills only its
+	// own requests).
+	Role     string `json:"role"`
 	InFlight int    `json:"inFlight"`
 	// PrefillTokens is what the picker's drain model says is still queued.
 	PrefillTokens int `json:"prefillTokens"`
@@ -80,6 +133,11 @@ type Endpoint struct {
 	CacheTrust float64 `json:"cacheTrust"`
 	// Adapters counts the requests in flight by LoRA adapter.
 	Adapters map[string]int `json:"adapters,omitempty"`
+	// PrefillLegs counts the prefill parts of split requests it holds,
+	// prefilling for another endpoint (among InFlight and PrefillTokens).
+	PrefillLegs int `json:"prefillLegs"`
+	// Saturated says it may take no new work now (see Role.Saturated).
+	Saturated bool `json:"saturated"`
 }
 
 // Engine is an endpoint's engine as the picker last scraped it.
@@ -151,4 +209,27 @@ func (l Ledger) Pods() []string {
 	}
 	slices.Sort(pods)
 	return slices.Compact(pods)
+}
+
+// RoleOf returns the summary of the endpoints of role ("unlabelled" for
+// those without one).
+func (l Ledger) RoleOf(role string) (Role, bool) {
+	for _, r := range l.Roles {
+		if r.Role == role {
+			return r, true
+		}
+	}
+	return Role{}, false
+}
+
+// PrefillsHeldOn counts the listed reservations whose prefill part the
+// endpoint at addr holds now.
+func (l Ledger) PrefillsHeldOn(addr netip.AddrPort) int {
+	n := 0
+	for _, r := range l.Reservations {
+		if r.PrefillHeld && r.Prefiller == addr.String() {
+			n++
+		}
+	}
+	return n
 }

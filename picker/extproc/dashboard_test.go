@@ -154,12 +154,14 @@ func TestDashboardQueriesOnlyExportedMetrics(t *testing.T) {
 	}
 	// So are model rewrites (those a gateway cannot apply among them), what
 	// the learned rate made of first bytes (adapter loads and slot waits
-	// among them), and flow control.
+	// among them), flow control, and prefill/decode disaggregation.
 	for _, name := range []string{
 		"inference_extension_model_rewrite_decisions_total", "tally_model_rewrites_unapplied_total",
 		"tally_prefill_rate_samples_total",
 		"inference_extension_flow_control_queue_size", "inference_extension_flow_control_pool_saturation",
 		"inference_extension_flow_control_request_queue_duration_seconds", "tally_flow_control_requests_total",
+		"tally_split_decisions_total", "tally_role_endpoints", "tally_role_saturated_endpoints",
+		"tally_role_queued_prefill_tokens", "tally_prefill_legs_total", "tally_endpoint_prefill_legs",
 	} {
 		if !queried[name] {
 			t.Errorf("the dashboard shows no panel over %s", name)
