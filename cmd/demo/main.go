@@ -610,9 +610,10 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 }
 
 // defaultTimeScale runs the simulators five times faster than real time: the
-// demo takes about a minute once built (76 s on two cores; 66 s with
-// --adapters=0, 50 s or so with --flow=false too), and 30 s more with the
-// upstream rows (make demo's, about 105 s). The gateway and the picker run in real time, so their own
+// demo takes about a minute once built (76 s on two cores with --pd=false;
+// 66 s with --adapters=0 too, 50 s or so with --flow=false as well), 30 s
+// more with the upstream rows and 30 s more with the P/D row (make demo's,
+// both: 139 s in one run). The gateway and the picker run in real time, so their own
 // cost per request (about a millisecond of CPU on this path) is multiplied
 // by the scale in the table's simulated times; a larger scale is faster but
 // inflates the "tally" rows' times by that much.
