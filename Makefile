@@ -79,7 +79,7 @@ test-e2e: envtest-assets nginx build ## Run only the end-to-end suite (real API 
 	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" TALLY_E2E_BIN_DIR="$(CURDIR)/bin" $(GO) test -count=1 ./test/e2e/...
 
 .PHONY: demo
-demo: envtest-assets build upstream-epp ## Start a local stack (API server, simulators, epp, dev gateway on localhost:8080), replay a burst and a trace, compare policies (Tally, the upstream picker, round-robin). DEMO_ARGS=--keep leaves it running.
+demo: envtest-assets build upstream-epp ## Start a local stack (API server, simulators, epp, dev gateway on localhost:8080), replay a burst and a trace, compare policies (Tally, the upstream picker, round-robin; Tally over a prefill/decode pool). DEMO_ARGS=--keep leaves it running.
 	KUBEBUILDER_ASSETS="$$(hack/envtest-assets.sh)" bin/demo --upstream-bin=bin/upstream-epp $(DEMO_ARGS)
 
 .PHONY: fuzz

@@ -29,6 +29,15 @@
 // times (its saturation threshold and reordering bound) are divided by it,
 // so that they mean in simulated time what the defaults mean in real time.
 //
+// With --pd (the default), "tally-pd" replays the trace over a
+// prefill/decode pool of its own, started for its row and stopped after
+// it: an API server, as many pods as --pods on the loopback IPs after the
+// pool's, the first half labelled prefill and the rest decode (each decode
+// pod's simulator behind the P/D sidecar, internal/pdsidecar), its picker
+// with splitting on (disaggregation) and its gateway. A table adds how
+// many requests were split and the prefill legs each prefill pod ran
+// (pd.go).
+//
 // With --upstream-bin (make demo passes bin/upstream-epp, which `make
 // upstream-epp` builds), "upstream" replays every workload through the
 // upstream picker (gateway-api-inference-extension v1.5.0's cmd/epp) and a
@@ -169,6 +178,13 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 		fmt.Fprintf(stdout, "Flow control picker %s up, gateway %s, config %s\n", r.Name(), r.GatewayURL(), cfg)
 		pols = slices.Insert(pols, 1, flowPolicy(r))
 	}
+	var pd *pdPool
+	if opts.pd {
+		pd = newPDPool(opts, procOut, stdout)
+		// Stopped after its row; this stops it when the demo ends sooner.
+		defer func() { err = errors.Join(err, pd.stop()) }()
+		pols = slices.Insert(pols, len(pols)-1, pdPolicy(pd))
+	}
 	if opts.upstreamBin != "" {
 		pols = slices.Insert(pols, len(pols)-1, upstreamPolicy(s, opts.upstreamBin, len(adapters) > 0, stdout))
 	}
@@ -191,6 +207,13 @@ func demo(ctx context.Context, opts options, stdout, stderr io.Writer) (err erro
 	}
 	if opts.flow {
 		fmt.Fprintln(stdout, "tally-flow: through a second picker with flow control on (and its gateway), the mooncake trace only; 429: requests it refused.")
+	}
+	if opts.pd {
+		fmt.Fprintf(stdout, "%s: through a picker of a prefill/decode pool of its own (and its gateway), the mooncake trace only (below).\n", pdPolicyName)
+		fmt.Fprintln(stdout)
+		if err := writePDTable(stdout, pd, runs); err != nil {
+			return err
+		}
 	}
 	if len(adapters) > 0 {
 		fmt.Fprintln(stdout)
@@ -240,6 +263,9 @@ type policy struct {
 	// and after its last.
 	start func(context.Context) error
 	done  func() error
+	// pool, when set, is the stack whose pods serve the policy (once
+	// start ran), in place of the demo's: the P/D row's (pd.go).
+	pool func() *stack.Stack
 }
 
 func tallyPolicy(s *stack.Stack) policy {
@@ -273,15 +299,16 @@ func flowPickerConfig(timeScale float64) string {
 const ledgerIdleTimeout = 10 * time.Second
 
 // replayed is one policy's replay of one workload: its table row, its
-// times split by streaming, and the adapter swaps the simulators counted.
+// times split by streaming, the adapter swaps the simulators counted, and
+// the prefill legs each prefill pod ran (none but in the P/D row).
 type replayed struct {
 	summary stack.Summary
 	times   streamingTimes
 	swaps   int64
+	legs    map[string]int
 }
 
-func runPolicies(ctx context.Context, s *stack.Stack, policies []policy, workloads []workload, opts options, stdout io.Writer) ([]replayed, error) {
-	pods := s.Pods()
+func runPolicies(ctx context.Context, demoStack *stack.Stack, policies []policy, workloads []workload, opts options, stdout io.Writer) ([]replayed, error) {
 	var runs []replayed
 	for _, pol := range policies {
 		if pol.start != nil {
@@ -289,6 +316,11 @@ func runPolicies(ctx context.Context, s *stack.Stack, policies []policy, workloa
 				return nil, err
 			}
 		}
+		s := demoStack
+		if pol.pool != nil {
+			s = pol.pool()
+		}
+		pods := s.Pods()
 		for _, w := range workloads {
 			if pol.traceOnly && w.name != "mooncake" {
 				continue
@@ -304,7 +336,9 @@ func runPolicies(ctx context.Context, s *stack.Stack, policies []policy, workloa
 			label := pol.name + "/" + w.name
 			fmt.Fprintf(stdout, "%s: replaying %d requests\n", label, len(w.requests))
 			baseURL := pol.baseURL
-			if pol.ledger != nil && w.name != "burst" && opts.direct > 0 {
+			// --direct bypasses the demo's picker only: the P/D pool's
+			// prefill pods are no destination.
+			if pol.ledger != nil && pol.pool == nil && w.name != "burst" && opts.direct > 0 {
 				baseURL = bypassing(baseURL, pods, opts.direct)
 			}
 			replay := &stack.Replayer{
@@ -325,6 +359,7 @@ func runPolicies(ctx context.Context, s *stack.Stack, policies []policy, workloa
 				summary: stack.Summarize(pol.name, w.name, results, s.PodNames(), s.ServedBy, wall, w.timeScale),
 				times:   splitByStreaming(w.requests, results, w.timeScale, opts.lateFirstBytes),
 				swaps:   adapterLoads(s), // every request ended: nothing loads any more
+				legs:    prefillLegs(results, s.PrefilledBy),
 			})
 			if pol.ledger != nil {
 				if err := waitLedgerIdle(ctx, pol.ledger); err != nil {
@@ -510,6 +545,7 @@ type options struct {
 	lateFirstBytes float64
 	direct         float64
 	flow           bool
+	pd             bool
 	pickerArgs     []string
 	burst          int
 	systemTokens   int
@@ -538,6 +574,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.traceRequests, "trace-requests", 0, "replay only the first N requests of the trace (0: all)")
 	fs.Float64Var(&o.direct, "direct", 0, "fraction (0 to 1) of the trace's requests the tally policy sends straight to the pods, round robin, bypassing the picker (as a second gateway or a batch job would)")
 	fs.BoolVar(&o.flow, "flow", true, "also replay the trace through a second picker with flow control on (row tally-flow); it gets the --picker-arg flags too, then its own --config-text")
+	fs.BoolVar(&o.pd, "pd", true, "also replay the trace over a prefill/decode pool of its own (row "+pdPolicyName+"): as many pods as --pods, the first half prefill pods and the rest decode pods behind the P/D sidecar, on the IPs after the pool's, through a picker with splitting on; it gets the --picker-arg flags too, then its own --config-text")
 	fs.Func("picker-arg", "an extra flag for the picker, e.g. --picker-arg=--refresh-metrics-interval=0 (repeatable)", func(v string) error {
 		o.pickerArgs = append(o.pickerArgs, v)
 		return nil
@@ -573,9 +610,10 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 }
 
 // defaultTimeScale runs the simulators five times faster than real time: the
-// demo takes about a minute once built (76 s on two cores; 66 s with
-// --adapters=0, 50 s or so with --flow=false too), and 30 s more with the
-// upstream rows (make demo's, about 105 s). The gateway and the picker run in real time, so their own
+// demo takes about a minute once built (76 s on two cores with --pd=false;
+// 66 s with --adapters=0 too, 50 s or so with --flow=false as well), 30 s
+// more with the upstream rows and 30 s more with the P/D row (make demo's,
+// both: 139 s in one run). The gateway and the picker run in real time, so their own
 // cost per request (about a millisecond of CPU on this path) is multiplied
 // by the scale in the table's simulated times; a larger scale is faster but
 // inflates the "tally" rows' times by that much.
@@ -593,8 +631,16 @@ func (o options) validate() error {
 		}
 	}
 	positive("pods", o.pods, maxPods)
-	if last := o.firstPodIP.As4(); o.pods >= 1 && int(last[3])+o.pods-1 > 254 {
-		errs = append(errs, fmt.Errorf("flag --first-pod-ip: %s is invalid with --pods %d: the last pod's IP would pass %d.%d.%d.254", o.firstPodIP, o.pods, last[0], last[1], last[2]))
+	// With --pd the P/D pool's pods take the IPs after the pool's.
+	ips, pdIPs := o.pods, ""
+	if o.pd {
+		ips, pdIPs = 2*o.pods, fmt.Sprintf(" and --pd (the P/D pool's %d pods follow; --pd=false leaves them out)", o.pods)
+	}
+	if last := o.firstPodIP.As4(); o.pods >= 1 && int(last[3])+ips-1 > 254 {
+		errs = append(errs, fmt.Errorf("flag --first-pod-ip: %s is invalid with --pods %d%s: the last pod's IP would pass %d.%d.%d.254", o.firstPodIP, o.pods, pdIPs, last[0], last[1], last[2]))
+	}
+	if o.pd && o.pods == 1 {
+		errs = append(errs, errors.New("flag --pd: needs --pods of 2 or more, one prefill and one decode pod (--pods is 1); --pd=false leaves the P/D row out"))
 	}
 	positive("burst", o.burst, 4096)
 	positive("system-tokens", o.systemTokens, 1<<20)

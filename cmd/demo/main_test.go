@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -28,7 +30,10 @@ func TestBadFlagsExitTwoNamingTheFlag(t *testing.T) {
 		{[]string{"--trace-requests=-3"}, "flag --trace-requests: -3 is invalid"},
 		{[]string{"--first-pod-ip=10.0.0.2"}, `invalid value "10.0.0.2" for flag -first-pod-ip: "10.0.0.2" is not an IPv4 loopback address`},
 		{[]string{"--first-pod-ip=::1"}, "is not an IPv4 loopback address"},
-		{[]string{"--first-pod-ip=127.0.80.250", "--pods=6"}, "flag --first-pod-ip: 127.0.80.250 is invalid with --pods 6: the last pod's IP would pass 127.0.80.254"},
+		{[]string{"--first-pod-ip=127.0.80.250", "--pods=6", "--pd=false"}, "flag --first-pod-ip: 127.0.80.250 is invalid with --pods 6: the last pod's IP would pass 127.0.80.254"},
+		// The P/D pool's pods follow the pool's.
+		{[]string{"--first-pod-ip=127.0.80.245", "--pods=6"}, "flag --first-pod-ip: 127.0.80.245 is invalid with --pods 6 and --pd (the P/D pool's 6 pods follow; --pd=false leaves them out): the last pod's IP would pass 127.0.80.254"},
+		{[]string{"--pods=1"}, "flag --pd: needs --pods of 2 or more"},
 		{[]string{"--no-such-flag"}, "no-such-flag"},
 		{[]string{"extra"}, `unexpected argument "extra"`},
 	}
@@ -58,9 +63,13 @@ func TestDefaultsAreValid(t *testing.T) {
 	if o.firstPodIP != stack.DefaultFirstPodIP {
 		t.Errorf("first pod IP %v by default, want the stack's %v", o.firstPodIP, stack.DefaultFirstPodIP)
 	}
-	// Pods may go elsewhere on the loopback network, up to .254.
-	if o, err := parseFlags([]string{"--first-pod-ip=127.0.80.251", "--pods=4"}, &bytes.Buffer{}); err != nil || o.firstPodIP.String() != "127.0.80.251" {
-		t.Errorf("--first-pod-ip=127.0.80.251 --pods=4: %v, %v", o.firstPodIP, err)
+	// Pods may go elsewhere on the loopback network, up to .254: the
+	// pool's, then the P/D pool's.
+	if o, err := parseFlags([]string{"--first-pod-ip=127.0.80.247", "--pods=4"}, &bytes.Buffer{}); err != nil || o.firstPodIP.String() != "127.0.80.247" {
+		t.Errorf("--first-pod-ip=127.0.80.247 --pods=4: %v, %v", o.firstPodIP, err)
+	}
+	if o, err := parseFlags([]string{"--first-pod-ip=127.0.80.251", "--pods=4", "--pd=false"}, &bytes.Buffer{}); err != nil || o.firstPodIP.String() != "127.0.80.251" {
+		t.Errorf("--first-pod-ip=127.0.80.251 --pods=4 --pd=false: %v, %v", o.firstPodIP, err)
 	}
 }
 
@@ -292,5 +301,92 @@ func TestSplitByStreamingTakesTheHoldOff(t *testing.T) {
 		if want := results[i].TTFT * 5; got.streamedTTFT[i] != want {
 			t.Fatalf("TTFT %d %v; want %v, as the client saw it", i, got.streamedTTFT[i], want)
 		}
+	}
+}
+
+// The P/D row is on by default; off, one pod is enough again.
+func TestPDFlag(t *testing.T) {
+	if o, err := parseFlags(nil, &bytes.Buffer{}); err != nil || !o.pd {
+		t.Errorf("defaults: --pd %v, %v; want on", o.pd, err)
+	}
+	if o, err := parseFlags([]string{"--pd=false", "--pods=1"}, &bytes.Buffer{}); err != nil || o.pd || o.pods != 1 {
+		t.Errorf("--pd=false --pods=1: %+v, %v", o, err)
+	}
+}
+
+// The P/D pool has as many pods as the demo's, half of them (rounded
+// down) prefill pods, on the IPs after the demo's, and a picker with the
+// demo's picker flags and then splitting on.
+func TestPDPoolOptions(t *testing.T) {
+	o, err := parseFlags([]string{"--pods=5", "--first-pod-ip=127.0.9.10", "--picker-arg=--v=2", "--picker-arg=--config-text={}"}, &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o.pickerArgs = append(make([]string, 0, 4), o.pickerArgs...) // room to grow: the pool must not write into it
+	p := newPDPool(o, nil, io.Discard)
+	want := []string{stack.RolePrefill, stack.RolePrefill, stack.RoleDecode, stack.RoleDecode, stack.RoleDecode}
+	if !slices.Equal(p.opts.Roles, want) || p.opts.Pods != 5 {
+		t.Errorf("%d pods, roles %v; want 5, %v", p.opts.Pods, p.opts.Roles, want)
+	}
+	if got, want := pdRoles(4), append(want[:2:2], want[3:]...); !slices.Equal(got, want) {
+		t.Errorf("4 pods: roles %v, want %v", got, want)
+	}
+	if p.opts.FirstPodIP.String() != "127.0.9.15" {
+		t.Errorf("first P/D pod IP %v, want 127.0.9.15 (after the demo's 127.0.9.10 to .14)", p.opts.FirstPodIP)
+	}
+	if d := p.describe(); !strings.Contains(d, "2 prefill + 3 decode pods (127.0.9.15 to 127.0.9.19") {
+		t.Errorf("describe: %q", d)
+	}
+	args := p.opts.PickerArgs
+	if len(args) != 3 || args[0] != "--v=2" || args[1] != "--config-text={}" || !strings.HasPrefix(args[2], "--config-text=") {
+		t.Fatalf("picker args %q: want the demo's, then the P/D configuration", args)
+	}
+	if o.pickerArgs[:3][2] != "" {
+		t.Errorf("the P/D picker's args were appended into the demo's: %q", o.pickerArgs[:3])
+	}
+	cfg, err := v1alpha1.Load([]byte(strings.TrimPrefix(args[2], "--config-text=")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := cfg.Disaggregation; !d.Enabled() || d.NonCachedTokens != pdNonCachedTokens || d.PromptTokens != pdPromptTokens {
+		t.Errorf("disaggregation %+v: want on, nonCachedTokens %d, promptTokens %d", d, pdNonCachedTokens, pdPromptTokens)
+	}
+}
+
+// Split requests are counted on the prefill pod that ran their leg, and
+// the P/D table shows them beside the decode pods' destinations, for the
+// P/D row alone.
+func TestPDTableCountsLegs(t *testing.T) {
+	prefilledBy := map[string]string{"r0": "sim-0", "r1": "sim-1", "r2": "sim-0", "r4": "sim-0"}
+	var results []stack.Result
+	for i := range 6 {
+		results = append(results, stack.Result{ID: fmt.Sprintf("r%d", i)})
+	}
+	legs := prefillLegs(results, func(id string) string { return prefilledBy[id] })
+	if len(legs) != 2 || legs["sim-0"] != 3 || legs["sim-1"] != 1 {
+		t.Fatalf("legs %v: want sim-0 3, sim-1 1", legs)
+	}
+	p := &pdPool{
+		opts:    stack.Options{Pods: 4, Roles: pdRoles(4), FirstPodIP: stack.DefaultFirstPodIP},
+		prefill: []string{"sim-0", "sim-1"}, decode: []string{"sim-2", "sim-3"},
+	}
+	runs := []replayed{
+		{summary: stack.Summary{Policy: "tally", Workload: "mooncake", Requests: 6, Placement: map[string]int{"sim-0": 6}}},
+		{summary: stack.Summary{Policy: pdPolicyName, Workload: "mooncake", Requests: 6, Placement: map[string]int{"sim-2": 2, "sim-3": 4},
+			TTFTP50: 250 * time.Millisecond, TTFTP99: 1500 * time.Millisecond}, legs: legs},
+	}
+	var out bytes.Buffer
+	if err := writePDTable(&out, p, runs); err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	if len(lines) != 3 {
+		t.Fatalf("%d lines, want the heading, the columns and the P/D row:\n%s", len(lines), out.String())
+	}
+	if !strings.Contains(lines[0], "2 prefill + 2 decode pods") || !strings.Contains(lines[1], "prefill legs (sim-0/sim-1)") || !strings.Contains(lines[1], "decoded (sim-2/sim-3)") {
+		t.Errorf("heading and columns:\n%s", out.String())
+	}
+	if got := strings.Fields(lines[2]); !slices.Equal(got, []string{pdPolicyName, "6", "4", "3/1", "2/4", "0.250s", "1.500s", "0"}) {
+		t.Errorf("row %q: want 6 requests, 4 split, legs 3/1, decoded 2/4, 0.250s, 1.500s, 0 errors", got)
 	}
 }
