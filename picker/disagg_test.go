@@ -417,3 +417,28 @@ func TestAPrefillPodBackOffEnds(t *testing.T) {
 	}
 	assertLedgerEmpty(t, p)
 }
+
+// A split request for an adapter holds the adapter on its prefill pod too
+// (the prefill leg runs with it) until its prefill part ends, and its first
+// byte waits for a load there.
+func TestASplitRequestHoldsItsAdapterOnItsPrefillPod(t *testing.T) {
+	p := pdPicker(t, nil)
+	p.Replace(withRoles(RolePrefill, RoleDecode))
+	observeLoRA(p, 2, map[int][]string{1: {"sql"}}) // loaded on the decode pod only
+	r := mustPick(t, p, Request{Model: "sql", Prompt: text("adapter", 4000), Stream: true})
+	if pre, ok := r.Prefiller(); !ok || pre != addr(0) {
+		t.Fatalf("prefiller %v %v, want the prefill pod %s", pre, ok, addr(0))
+	}
+	if got := statsOf(p, addr(0)).Adapters["sql"]; got != 1 {
+		t.Errorf("the prefill pod holds %d requests for the adapter, want 1", got)
+	}
+	if !r.adapterLoad {
+		t.Error("the adapter is not loaded on the prefill pod, yet the first byte is not taken to wait for its load")
+	}
+	p.FirstByte(r)
+	if got := statsOf(p, addr(0)).Adapters["sql"]; got != 0 {
+		t.Errorf("after the first byte the prefill pod holds %d requests for the adapter, want 0", got)
+	}
+	p.End(r, Outcome{})
+	assertLedgerEmpty(t, p)
+}

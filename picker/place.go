@@ -261,6 +261,12 @@ func (l *ledger) reservePrefill(r *Reservation, p *candidate, now int64) {
 	r.prefiller = w.ep.Address
 	r.pre, r.prefilledOn = w, w
 	r.prefill = p.uncached
+	if r.adapter != "" {
+		// Its first byte waits for the adapter on either pod: the prefill
+		// leg runs with it, then the decode leg.
+		load, wait := w.adapterLoadFor(r.adapter)
+		r.adapterLoad, r.adapterWait = r.adapterLoad || load, r.adapterWait || wait
+	}
 	w.holdPrefill(r, now)
 	w.engine.recent.add(now)
 	l.index.Record(w.id, r.hashes[:min(len(r.hashes), l.blocks.inLock)], r.owner)

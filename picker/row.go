@@ -183,9 +183,11 @@ func (w *row) hold(r *Reservation, now int64) {
 }
 
 // holdPrefill adds the prefill part of a split request r to w, its
-// prefiller: the request, and its prefill at the back of the queue.
+// prefiller: the request, its adapter (the prefill leg runs with it), and
+// its prefill at the back of the queue.
 func (w *row) holdPrefill(r *Reservation, now int64) {
 	w.inFlight++
+	w.holdAdapter(r)
 	w.engine.peak = max(w.engine.peak, w.inFlight)
 	w.enqueue(r, now)
 }
@@ -194,6 +196,7 @@ func (w *row) holdPrefill(r *Reservation, now int64) {
 // prefiller.
 func (w *row) dropPrefill(r *Reservation, now int64) {
 	w.inFlight--
+	w.dropAdapter(r)
 	w.leaveQueue(r, now)
 }
 
