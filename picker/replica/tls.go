@@ -54,9 +54,10 @@ func (c Credentials) Check() error {
 // product, with a PING and its ack for most messages when they come one at
 // a time, as picks do: each a write on one side and a read and a write on
 // the other: 5 writes and 10 reads for a forwarded pick at 400 a second,
-// 3 and 6 without (BenchmarkPickPaced). A MiB lets some 250 picks of
-// 8,000 tokens be sent unread; past it the sends wait in the outbox, whose
-// bound cuts a stalled peer's stream (outboxSize).
+// 3 and 6 without (BenchmarkPickPaced). A MiB lets some 2,000 picks of
+// 8,000 tokens (about 530 bytes each) be sent unread; past it the sends
+// wait in the outbox, whose bound cuts a stalled peer's stream
+// (outboxSize).
 const peerWindowBytes = 1 << 20
 
 // ServerOptions are the peer server's: creds (Server) and the peer
