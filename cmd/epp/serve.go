@@ -154,7 +154,7 @@ func serve(ctx context.Context, opts options, cfg v1alpha1.PickerConfig, b build
 		peers = replica.New(pick, replica.Options{Self: opts.podName, PickTimeout: opts.peerPickTimeout,
 			OrphanGrace: opts.leaseDuration, Dial: creds.Dial, Registerer: reg, Log: log.WithName("peers")})
 		front = peers
-		peerServer = grpc.NewServer(grpc.Creds(creds.Server()))
+		peerServer = grpc.NewServer(replica.ServerOptions(creds.Server())...)
 		peers.Register(peerServer)
 		if peerLis, err = net.Listen("tcp", net.JoinHostPort(opts.podIP, strconv.Itoa(opts.peerPort))); err != nil {
 			return fmt.Errorf("flag --peer-port: %w", err)

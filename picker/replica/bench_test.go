@@ -2,6 +2,8 @@ package replica
 
 import (
 	"context"
+	"slices"
+	"syscall"
 	"testing"
 	"time"
 
@@ -11,6 +13,10 @@ import (
 // BenchmarkPick places and ends one 8,000-token request at a time on the
 // leader's own ledger, and through a follower, whose pick crosses the peer
 // stream (loopback, TLS) to the leader and back, and whose end follows it.
+// Besides the wall time of a pick, which on a shared machine moves with
+// its load, it reports the process's CPU time (cpu-ns/op: the work of
+// both replicas, the stream's included) and voluntary context switches
+// (ctxsw/op: the threads that went to sleep waiting on a wake-up) per pick.
 func BenchmarkPick(b *testing.B) {
 	c := newCluster(b, 2, writeCredentials(b), Options{PickTimeout: time.Minute})
 	c.lead(0, 1)
@@ -24,7 +30,12 @@ func BenchmarkPick(b *testing.B) {
 	}{{"leader", 0}, {"follower", 1}} {
 		b.Run(via.name, func(b *testing.B) {
 			x := c.reps[via.i]
+			// A leader's burst of changes may have cut the follower's
+			// stream (too far behind): measure the forwarded path only.
+			c.lead(0, 1)
+			local := c.local(1, reasonNoLeader) + c.local(1, reasonTimeout)
 			n := 0
+			before := usage(b)
 			for b.Loop() {
 				r, err := x.Admit(context.Background(), reqs[n%len(reqs)])
 				if err != nil {
@@ -33,9 +44,77 @@ func BenchmarkPick(b *testing.B) {
 				x.End(r, picker.Outcome{})
 				n++
 			}
+			after := usage(b)
 			b.StopTimer()
-			// Let the ends reach the leader before the next run.
-			time.Sleep(100 * time.Millisecond)
+			b.ReportMetric(float64(after.cpu-before.cpu)/float64(n), "cpu-ns/op")
+			b.ReportMetric(float64(after.ctxsw-before.ctxsw)/float64(n), "ctxsw/op")
+			if got := c.local(1, reasonNoLeader) + c.local(1, reasonTimeout) - local; got > 0 {
+				b.Fatalf("the follower placed %v picks itself: the benchmark did not measure forwarding", got)
+			}
+			// Let the ends reach every copy before the next run.
+			c.eventually("every copy idle", func() bool { return sum(c.inFlight(0)) == 0 && sum(c.inFlight(1)) == 0 })
 		})
 	}
+}
+
+// BenchmarkPickPaced picks as the open-loop load does, one every 2.5 ms
+// (400 a second), so that every pick finds the replicas' threads asleep:
+// the wake-ups, and gRPC's work for a lone message, that back-to-back
+// picks share. It reports the pick's latency (p50-ns, p99-ns), and the
+// process's CPU time and voluntary context switches per pick.
+func BenchmarkPickPaced(b *testing.B) {
+	c := newCluster(b, 2, writeCredentials(b), Options{PickTimeout: time.Minute})
+	c.lead(0, 1)
+	reqs := make([]picker.Request, 64)
+	for i := range reqs {
+		reqs[i] = picker.Request{Model: "m", Prompt: prompt("", i, 8_000), Stream: true}
+	}
+	const every = 2500 * time.Microsecond
+	for _, via := range []struct {
+		name string
+		i    int
+	}{{"leader", 0}, {"follower", 1}} {
+		b.Run(via.name, func(b *testing.B) {
+			x := c.reps[via.i]
+			c.lead(0, 1)
+			local := c.local(1, reasonNoLeader) + c.local(1, reasonTimeout)
+			var took []time.Duration
+			before := usage(b)
+			next := time.Now()
+			for b.Loop() {
+				time.Sleep(time.Until(next))
+				next = next.Add(every)
+				start := time.Now()
+				r, err := x.Admit(context.Background(), reqs[len(took)%len(reqs)])
+				took = append(took, time.Since(start))
+				if err != nil {
+					b.Fatal(err)
+				}
+				x.End(r, picker.Outcome{})
+			}
+			after := usage(b)
+			b.StopTimer()
+			n := float64(len(took))
+			slices.Sort(took)
+			b.ReportMetric(float64(took[len(took)/2]), "p50-ns")
+			b.ReportMetric(float64(took[len(took)*99/100]), "p99-ns")
+			b.ReportMetric(float64(after.cpu-before.cpu)/n, "cpu-ns/op")
+			b.ReportMetric(float64(after.ctxsw-before.ctxsw)/n, "ctxsw/op")
+			if got := c.local(1, reasonNoLeader) + c.local(1, reasonTimeout) - local; got > 0 {
+				b.Fatalf("the follower placed %v picks itself: the benchmark did not measure forwarding", got)
+			}
+			c.eventually("every copy idle", func() bool { return sum(c.inFlight(0)) == 0 && sum(c.inFlight(1)) == 0 })
+		})
+	}
+}
+
+type rusage struct{ cpu, ctxsw int64 }
+
+// usage is the process's CPU time (ns) and voluntary context switches.
+func usage(b *testing.B) rusage {
+	var u syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &u); err != nil {
+		b.Fatal(err)
+	}
+	return rusage{cpu: u.Utime.Nano() + u.Stime.Nano(), ctxsw: u.Nvcsw}
 }

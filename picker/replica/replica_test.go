@@ -115,7 +115,7 @@ func (c *cluster) start(i int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := grpc.NewServer(grpc.Creds(c.creds.Server()))
+	s := grpc.NewServer(ServerOptions(c.creds.Server())...)
 	x.Register(s)
 	go func() { _ = s.Serve(lis) }()
 	ctx, stop := context.WithCancel(context.Background())

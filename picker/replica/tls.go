@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 )
 
@@ -46,6 +47,24 @@ func (c Credentials) Check() error {
 	}
 	_, _, err := c.load()
 	return err
+}
+
+// peerWindowBytes is the peer stream's flow control window, each way,
+// fixed. gRPC's default window grows by estimating the bandwidth-delay
+// product, with a PING and its ack for most messages when they come one at
+// a time, as picks do: each a write on one side and a read and a write on
+// the other: 5 writes and 10 reads for a forwarded pick at 400 a second,
+// 3 and 6 without (BenchmarkPickPaced). A MiB lets some 2,000 picks of
+// 8,000 tokens (about 530 bytes each) be sent unread; past it the sends
+// wait in the outbox, whose bound cuts a stalled peer's stream
+// (outboxSize).
+const peerWindowBytes = 1 << 20
+
+// ServerOptions are the peer server's: creds (Server) and the peer
+// stream's flow control.
+func ServerOptions(creds credentials.TransportCredentials) []grpc.ServerOption {
+	return []grpc.ServerOption{grpc.Creds(creds),
+		grpc.StaticStreamWindowSize(peerWindowBytes), grpc.StaticConnWindowSize(peerWindowBytes)}
 }
 
 // Server is the peer server's TLS: a client must present a certificate a
