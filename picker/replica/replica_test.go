@@ -608,3 +608,27 @@ func TestASplitRequestIsHeldAsSplitOnEveryCopy(t *testing.T) {
 		return c.pickers[0].Snapshot().InFlight == 0 && c.pickers[1].Snapshot().InFlight == 0
 	})
 }
+
+// A follower that joins while thousands of requests are in flight gets
+// them all in one Sync: a message larger than gRPC's default 4 MiB.
+func TestAFollowerJoiningAFullLedgerGetsItWhole(t *testing.T) {
+	c := newCluster(t, 2, writeCredentials(t), Options{PickTimeout: time.Minute})
+	c.lead(0, 1)
+	const n = 2500 // about 2 KB of block hashes each
+	long := prompt("", 0, 32_000)
+	var ps []pick
+	for range n {
+		r, err := c.reps[0].Admit(context.Background(), picker.Request{Model: "m", Prompt: long, Stream: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ps = append(ps, pick{via: 0, r: r})
+	}
+	c.restart(1)
+	c.lead(0, 1)
+	c.eventually(fmt.Sprintf("the new follower's copy holds the %d", n), func() bool { return c.pickers[1].Snapshot().InFlight == n })
+	c.end(ps)
+	c.eventually("every copy is idle", func() bool {
+		return c.pickers[0].Snapshot().InFlight == 0 && c.pickers[1].Snapshot().InFlight == 0
+	})
+}

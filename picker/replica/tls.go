@@ -60,11 +60,18 @@ func (c Credentials) Check() error {
 // (outboxSize).
 const peerWindowBytes = 1 << 20
 
+// maxPeerMessageBytes bounds one peer message each way. A Sync or a Claim
+// lists every reservation in flight (about 600 bytes each): gRPC's default
+// 4 MiB would cut the stream of a pool with some 7,000 in flight, and it
+// would cut it again at each reconnection.
+const maxPeerMessageBytes = 256 << 20
+
 // ServerOptions are the peer server's: creds (Server) and the peer
 // stream's flow control.
 func ServerOptions(creds credentials.TransportCredentials) []grpc.ServerOption {
 	return []grpc.ServerOption{grpc.Creds(creds),
-		grpc.StaticStreamWindowSize(peerWindowBytes), grpc.StaticConnWindowSize(peerWindowBytes)}
+		grpc.StaticStreamWindowSize(peerWindowBytes), grpc.StaticConnWindowSize(peerWindowBytes),
+		grpc.MaxRecvMsgSize(maxPeerMessageBytes), grpc.MaxSendMsgSize(maxPeerMessageBytes)}
 }
 
 // Server is the peer server's TLS: a client must present a certificate a
