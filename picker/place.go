@@ -128,9 +128,10 @@ func (l *ledger) place(r *Reservation, req Request) error {
 // prompt are not cached there (llm-d's prefix-based-pd-decider). A split's
 // cost is the request's time to first token through the pair: the
 // cheapest free prefill pod other than the candidate (its queue and the
-// request's uncached tokens there), the transfer of what the candidate
-// lacks, and the candidate's own queue and decoding; a candidate that
-// would prefill itself costs its whole cost. Each side adds the stall its
+// request's uncached tokens there) and the transfer of what the candidate
+// lacks, or the candidate's own queue if that drains later (the two run
+// at once), plus the candidate's decoding; a candidate that would prefill
+// itself costs its whole cost. Each side adds the stall its
 // prefill puts on the requests decoding there, which wait out its tokens
 // (vLLM runs a step's prefill beside its decodes): what keeping prefill
 // off decode pods is for. A candidate splits unless prefilling there is
@@ -164,10 +165,14 @@ func (l *ledger) pair(cands []candidate, r *Reservation, now int64, force bool) 
 			continue
 		}
 		local := c.cost + c.uncached*c.w.decoding
+		// The prefill leg and the drain of c's own queue run at once: the
+		// decode leg reaches c when the leg and the transfer are done,
+		// and then waits for what c still has queued.
+		wait := c.queued + c.foreign
+		rest := c.cost - int(float64(c.uncached)*s.weight) - wait // decoding, adapter loads
 		transfer := l.transferCost(c)
-		split := p.cost + transfer + c.cost - int(float64(c.uncached)*s.weight)
-		if force || split-transfer <= local {
-			c.cost, c.pre = split, p
+		if force || max(p.cost, wait)+rest <= local {
+			c.cost, c.pre = max(p.cost+transfer, wait)+rest, p
 		} else {
 			c.cost = local
 		}
