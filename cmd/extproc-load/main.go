@@ -19,7 +19,14 @@
 //	        30,000-token one). Prints the placement per endpoint. With
 //	        --gateway ngf the requests (and the warm one) come as NGINX
 //	        Gateway Fabric's shim sends them (internal/ngfshim): no response
-//	        phase, so the picker detaches their reservations.
+//	        phase, so the picker detaches their reservations. With --pd
+//	        (or --roles prefill,prefill,decode,decode, any mix) the pods
+//	        carry llm-d.ai/role and the picker splits requests
+//	        (disaggregation.nonCachedTokens: --non-cached-tokens): it
+//	        prints per decode pod the requests and those split, per
+//	        prefill pod the prefill legs its answers named
+//	        (x-prefiller-host-port), the prefix holder's splits and the
+//	        picker's split decisions.
 //	load    --concurrency C clients doing complete cycles for --duration
 //	        (after --warmup): requests/s, time to pick p50/p99/p999, and the
 //	        picker's CPU time per request and peak RSS (/proc/<pid>/stat and
