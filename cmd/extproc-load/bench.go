@@ -104,7 +104,7 @@ func runBench(ctx context.Context, o options, stdout, stderr io.Writer) (err err
 		b.res[p] = newResults()
 	}
 	b.progress("%s plan for %s on %d CPUs (%s), load average %s", b.plan.name, strings.Join(b.pickers, " and "), b.machine.cpus, b.machine.cpuModel, b.machine.loadAvg)
-	if b.env, err = startEnv(ctx, basePods, b.o.firstPodIP, o.keepLogs, stderr); err != nil {
+	if b.env, err = startEnv(ctx, basePods, nil, b.o.firstPodIP, o.keepLogs, stderr); err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, b.env.stop()) }()

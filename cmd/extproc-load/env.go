@@ -25,14 +25,16 @@ var defaultFirstPodIP = netip.MustParseAddr("127.0.70.1")
 type benchEnv struct {
 	cluster *stack.Cluster
 	pods    *pods
-	logDir  string
+	// roles are the first pods' prefill/decode roles (none: unlabelled).
+	roles  []string
+	logDir string
 	// keepLogs leaves the pickers' logs in logDir after the run.
 	keepLogs bool
 	log      io.Writer
 }
 
-func startEnv(ctx context.Context, n int, firstPodIP netip.Addr, keepLogs bool, log io.Writer) (*benchEnv, error) {
-	e := &benchEnv{pods: newPods(), log: log, keepLogs: keepLogs}
+func startEnv(ctx context.Context, n int, roles []string, firstPodIP netip.Addr, keepLogs bool, log io.Writer) (*benchEnv, error) {
+	e := &benchEnv{pods: newPods(), log: log, keepLogs: keepLogs, roles: roles}
 	dir, err := os.MkdirTemp("", "extproc-load-")
 	if err != nil {
 		return nil, fmt.Errorf("creating a directory for the pickers' logs: %w", err)
@@ -41,7 +43,7 @@ func startEnv(ctx context.Context, n int, firstPodIP netip.Addr, keepLogs bool, 
 	fmt.Fprintf(log, "[extproc-load] starting the API server and a pool of %d pods (picker logs in %s)\n", n, dir)
 	began := time.Now()
 	e.cluster, err = stack.StartCluster(ctx, stack.ClusterOptions{
-		Namespace: "bench", PoolName: "bench-pool", Pods: n, FirstPodIP: firstPodIP, Handler: e.pods.handler,
+		Namespace: "bench", PoolName: "bench-pool", Pods: n, FirstPodIP: firstPodIP, Handler: e.pods.handler, Roles: roles,
 	})
 	if err != nil {
 		return nil, errors.Join(err, os.RemoveAll(dir))
@@ -70,6 +72,21 @@ func (e *benchEnv) endpoints() []string {
 		eps = append(eps, a.String())
 	}
 	return eps
+}
+
+// endpointRoles maps each labelled pod's endpoint to its role; nil when
+// no pod has one.
+func (e *benchEnv) endpointRoles() map[string]string {
+	if len(e.roles) == 0 {
+		return nil
+	}
+	m := map[string]string{}
+	for i, ep := range e.endpoints() {
+		if i < len(e.roles) {
+			m[ep] = e.roles[i]
+		}
+	}
+	return m
 }
 
 // stop stops the cluster and removes the pickers' logs unless keepLogs.
@@ -102,7 +119,7 @@ func (e *benchEnv) startTarget(ctx context.Context, kind, bin string, useTLS boo
 		}
 		return nil, fmt.Errorf("the %s picker's binary: %w (build it with `%s`)", kind, err, hint)
 	}
-	pt := &pickerTarget{target: &target{name: kind, prompts: newPrompts(1), pods: e.pods, endpoints: e.endpoints(), log: e.log}}
+	pt := &pickerTarget{target: &target{name: kind, prompts: newPrompts(1), pods: e.pods, endpoints: e.endpoints(), roles: e.endpointRoles(), log: e.log}}
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, pt.stop())

@@ -19,6 +19,7 @@ import (
 
 	"github.com/tallyepp/tally/internal/envoy"
 	"github.com/tallyepp/tally/internal/ngfshim"
+	"github.com/tallyepp/tally/picker/protocol"
 )
 
 // maxChunkBytes is the largest body chunk Envoy's ext_proc filter sends or
@@ -161,6 +162,9 @@ type placed struct {
 	pick, routed time.Duration
 	// via is the picker address the stream went to.
 	via string
+	// prefiller is the prefill pod a split request's answer names in
+	// x-prefiller-host-port ("" when not split).
+	prefiller string
 }
 
 // sendRequest plays the request path, without waiting for answers until
@@ -186,6 +190,9 @@ func sendRequest(x *envoy.Stream, req request) (placed, error) {
 	if p.endpoint == "" {
 		return p, errors.New("the headers answer names no destination endpoint")
 	}
+	// The sidecar reads the first of a comma-separated list, as pd-sidecar does.
+	pre, _ := envoy.HeaderValue(r.HeadersAnswer, protocol.PrefillerHeader)
+	p.prefiller, _, _ = strings.Cut(pre, ",")
 	p.routed = time.Since(start)
 	return p, nil
 }

@@ -19,7 +19,14 @@
 //	        30,000-token one). Prints the placement per endpoint. With
 //	        --gateway ngf the requests (and the warm one) come as NGINX
 //	        Gateway Fabric's shim sends them (internal/ngfshim): no response
-//	        phase, so the picker detaches their reservations.
+//	        phase, so the picker detaches their reservations. With --pd
+//	        (or --roles prefill,prefill,decode,decode, any mix) the pods
+//	        carry llm-d.ai/role and the picker splits requests
+//	        (disaggregation.nonCachedTokens: --non-cached-tokens): it
+//	        prints per decode pod the requests and those split, per
+//	        prefill pod the prefill legs its answers named
+//	        (x-prefiller-host-port), the prefix holder's splits and the
+//	        picker's split decisions.
 //	load    --concurrency C clients doing complete cycles for --duration
 //	        (after --warmup): requests/s, time to pick p50/p99/p999, and the
 //	        picker's CPU time per request and peak RSS (/proc/<pid>/stat and
@@ -72,9 +79,12 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/tallyepp/tally/internal/stack"
 )
 
 // The gateways whose exchange --gateway plays.
@@ -100,6 +110,11 @@ type options struct {
 	pickerArgs  stringList
 	keepLogs    bool
 	gateway     string
+	// roles are the first pods' prefill/decode roles (--roles, --pd);
+	// with a prefill-capable one the started picker splits requests
+	// whose destination lacks nonCachedTokens of the prompt.
+	roles           []string
+	nonCachedTokens int
 	// Scenario settings.
 	n           int
 	kind        string
@@ -141,6 +156,9 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	fs.BoolVar(&o.keepLogs, "keep-logs", false, "leave the started pickers' logs in their temporary directory")
 	fs.StringVar(&o.gateway, "gateway", gatewayEnvoy, "burst, stagger and churn's --then-bursts: the gateway whose ext_proc exchange the bursts play: envoy, or ngf (NGINX Gateway Fabric's shim: no pseudo-headers, the body in one message, a half-close, no response phase)")
 	fs.Var(&o.pickerArgs, "picker-arg", "extra flag for a started picker (repeatable)")
+	roles := fs.String("roles", "", "burst: comma-separated prefill/decode role of the first pods, as the pod label llm-d.ai/role: prefill, decode, prefill-decode, or empty (unlabelled); --pods defaults to their number, and with a prefill pod the picker runs with disaggregation on (--non-cached-tokens)")
+	pd := fs.Bool("pd", false, "burst: the same as --roles "+strings.Join(pdRoles, ","))
+	fs.IntVar(&o.nonCachedTokens, "non-cached-tokens", 16, "with --roles or --pd: the picker's disaggregation.nonCachedTokens (a request is split when at least this many of its prompt tokens are not cached on its decode pod)")
 	fs.IntVar(&o.n, "n", 0, "burst and churn: requests (default 128 for burst, 500 for churn)")
 	fs.StringVar(&o.kind, "kind", kindShared, "burst: prompt kind: "+strings.Join(burstKinds, ", "))
 	fs.IntVar(&o.tokens, "tokens", 0, "prompt tokens (default 32,000 for burst, 8,000 for load and churn)")
@@ -198,6 +216,11 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	if o.tokens == 0 {
 		o.tokens = d[1]
 	}
+	podsSet := false
+	fs.Visit(func(f *flag.Flag) { podsSet = podsSet || f.Name == "pods" })
+	if err := o.setRoles(cmd, *roles, *pd, podsSet); err != nil {
+		return "", o, err
+	}
 	switch {
 	case o.gateway != gatewayEnvoy && o.gateway != gatewayNGF:
 		return "", o, fmt.Errorf("flag --gateway: %q is invalid: want %s or %s", o.gateway, gatewayEnvoy, gatewayNGF)
@@ -239,6 +262,67 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 		return "", o, fmt.Errorf("flag --rate: %v is invalid: want more than 0, for load only", o.rate)
 	}
 	return cmd, o, nil
+}
+
+// pdRoles are --pd's roles: two prefill pods and two decode pods.
+var pdRoles = []string{stack.RolePrefill, stack.RolePrefill, stack.RoleDecode, stack.RoleDecode}
+
+// setRoles checks --roles (or --pd) and --non-cached-tokens into o. The
+// roles are the labels of pods the tool starts, read by a Tally picker it
+// starts with disaggregation on, and each answer's prefill pod is read
+// from the header Envoy's exchange carries: only a burst through Envoy.
+func (o *options) setRoles(cmd, roles string, pd, podsSet bool) error {
+	switch {
+	case pd && roles != "":
+		return errors.New("flag --pd: it is --roles " + strings.Join(pdRoles, ",") + "; give one of --pd and --roles")
+	case pd:
+		o.roles = slices.Clone(pdRoles)
+	case roles != "":
+		o.roles = strings.Split(roles, ",")
+	}
+	for i, r := range o.roles {
+		o.roles[i] = strings.TrimSpace(r)
+		switch o.roles[i] {
+		case "", stack.RolePrefill, stack.RoleDecode, stack.RolePrefillDecode:
+		default:
+			return fmt.Errorf("flag --roles: role %q of %q is invalid: want %s, %s, %s or empty (unlabelled)", o.roles[i], roles, stack.RolePrefill, stack.RoleDecode, stack.RolePrefillDecode)
+		}
+	}
+	if o.nonCachedTokens < 1 {
+		return fmt.Errorf("flag --non-cached-tokens: %d is invalid: want 1 or more (disaggregation is off without --roles)", o.nonCachedTokens)
+	}
+	if len(o.roles) == 0 {
+		return nil
+	}
+	if !podsSet {
+		o.pods = len(o.roles)
+	}
+	var configured bool
+	for _, a := range o.pickerArgs {
+		configured = configured || strings.HasPrefix(a, "--config-")
+	}
+	switch {
+	case cmd != "burst":
+		return fmt.Errorf("flag --roles: only for burst, not %s", cmd)
+	case o.pods < len(o.roles):
+		return fmt.Errorf("flag --roles: %d roles for --pods %d: at most one a pod", len(o.roles), o.pods)
+	case len(o.addrs) > 0:
+		return errors.New("flag --roles: labels the pods the tool starts; drop --addr")
+	case o.picker != pickerTally || o.replicas > 0:
+		return errors.New("flag --roles: only for one started Tally picker (--picker tally, no --replicas)")
+	case o.gateway != gatewayEnvoy:
+		return fmt.Errorf("flag --roles: only through --gateway %s, whose answers name the prefill pod", gatewayEnvoy)
+	case configured:
+		return errors.New("flag --roles: sets the picker's --config-text itself; drop --picker-arg --config-...")
+	}
+	return nil
+}
+
+// disaggregationArg is the started picker's configuration with
+// disaggregation on: a request is split when at least nonCachedTokens of
+// its prompt are not cached on its decode pod, whatever its length.
+func disaggregationArg(nonCachedTokens int) string {
+	return fmt.Sprintf("--config-text={disaggregation: {nonCachedTokens: %d}}", nonCachedTokens)
 }
 
 func main() {
@@ -283,7 +367,7 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 			t.ledger = leaderLedger(o.metricsURLs)
 		}
 	} else {
-		env, err := startEnv(ctx, o.pods, o.firstPodIP, o.keepLogs, stderr)
+		env, err := startEnv(ctx, o.pods, o.roles, o.firstPodIP, o.keepLogs, stderr)
 		if err != nil {
 			return err
 		}
@@ -292,12 +376,19 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 		if o.picker == pickerUpstream {
 			bin = o.upstreamBin
 		}
-		pt, err := env.startTarget(ctx, o.picker, bin, o.useTLS, o.conns, o.replicas, o.pickerArgs)
+		args := o.pickerArgs
+		if o.disaggregated() {
+			args = append(slices.Clone(args), disaggregationArg(o.nonCachedTokens))
+		}
+		pt, err := env.startTarget(ctx, o.picker, bin, o.useTLS, o.conns, o.replicas, args)
 		if err != nil {
 			return err
 		}
 		defer func() { err = errors.Join(err, pt.stop()) }()
 		t = pt.target
+		if o.disaggregated() {
+			t.nonCachedTokens = o.nonCachedTokens
+		}
 	}
 	t.gateway = o.gateway
 	if len(t.metricsURLs) > 1 {
@@ -358,9 +449,19 @@ func printBurst(w io.Writer, r burstResult) {
 	if r.warm != "" {
 		fmt.Fprintf(w, ", prefix warmed on %s", r.warm)
 	}
+	if r.warmPrefiller != "" {
+		fmt.Fprintf(w, " (prefilled on %s)", r.warmPrefiller)
+	}
 	fmt.Fprintf(w, "\nplaced in %v: %s (pick p50 %s, p99 %s)\n", r.placedInWindow.Round(time.Millisecond), r.placement.spread(), ms(r.pickP50), ms(r.pickP99))
 	for _, e := range r.placement.endpoints {
+		if r.pd() {
+			fmt.Fprintf(w, "  %-22s %d, %d split\n", e, r.placement.counts[e], r.splitAt[e])
+			continue
+		}
 		fmt.Fprintf(w, "  %-22s %d\n", e, r.placement.counts[e])
+	}
+	if r.pd() {
+		printPD(w, r)
 	}
 	fmt.Fprintf(w, "placed %d, refused %d, failed %d\n", r.placement.total(), r.refused, r.errors)
 	if r.firstError != "" {

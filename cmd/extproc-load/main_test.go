@@ -4,21 +4,29 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
+	"io"
 	"math/rand/v2"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/internal/docsection"
+	"github.com/tallyepp/tally/internal/stack"
 	"github.com/tallyepp/tally/internal/testtier"
 	"github.com/tallyepp/tally/picker"
 	"github.com/tallyepp/tally/picker/debugledger"
@@ -42,12 +50,65 @@ func inProcessTally(t *testing.T) (*target, *picker.Picker) {
 // inProcessTallyReplicas is inProcessTally served on replicas addresses.
 func inProcessTallyReplicas(t *testing.T, replicas int) (*target, *picker.Picker) {
 	t.Helper()
+	return inProcessPicker(t, v1alpha1.Default(), smokeEndpoints, nil, replicas, nil)
+}
+
+// pdEndpoints and pdRoles are the pool of the prefill/decode smoke tests:
+// two prefill pods, then two decode pods, as --pd starts.
+var pdEndpoints = []string{"127.0.0.31:8000", "127.0.0.32:8000", "127.0.0.33:8000", "127.0.0.34:8000"}
+
+// inProcessTallyPD serves a Tally picker with disaggregation on
+// (nonCachedTokens) over pdEndpoints, labelled with pdRoles.
+func inProcessTallyPD(t *testing.T, nonCachedTokens int) *target {
+	t.Helper()
 	cfg := v1alpha1.Default()
-	p := picker.New(cfg, picker.Options{Log: logr.Discard(), Rand: rand.New(rand.NewPCG(1, 2))})
+	cfg.Disaggregation.NonCachedTokens = nonCachedTokens
+	reg := prometheus.NewRegistry()
+	tg, _ := inProcessPicker(t, cfg, pdEndpoints, pdRoles, 1, reg)
+	tg.nonCachedTokens = nonCachedTokens
+	// The picker's metrics over HTTP, as a started picker serves them:
+	// the burst reads its split decisions there.
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	t.Cleanup(srv.Close)
+	tg.metricsURLs = []string{srv.URL}
+	return tg
+}
+
+// pickerLegs reads the picker's own count of prefill legs per endpoint
+// (tally_prefill_legs_total), from the metrics tg reads.
+func pickerLegs(t *testing.T, tg *target) map[string]int {
+	t.Helper()
+	m, err := stack.ReadMetrics(t.Context(), http.DefaultClient, tg.metricsURLs[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]int{}
+	for _, e := range pdEndpoints {
+		if v, ok := m.Value("tally_prefill_legs_total", "endpoint", e); ok {
+			out[e] = int(v)
+		}
+	}
+	return out
+}
+
+// inProcessPicker serves a Tally picker of cfg over endpoints, the first
+// labelled with roles, on replicas addresses.
+func inProcessPicker(t *testing.T, cfg v1alpha1.PickerConfig, endpoints, roles []string, replicas int, reg prometheus.Registerer) (*target, *picker.Picker) {
+	t.Helper()
+	p := picker.New(cfg, picker.Options{Log: logr.Discard(), Rand: rand.New(rand.NewPCG(1, 2)), Registerer: reg})
 	var eps []picker.Endpoint
-	for _, e := range smokeEndpoints {
+	var byEndpoint map[string]string
+	for i, e := range endpoints {
 		a := netip.MustParseAddrPort(e)
-		eps = append(eps, picker.Endpoint{Pod: "pod-" + a.Addr().String(), Address: a})
+		ep := picker.Endpoint{Pod: "pod-" + a.Addr().String(), Address: a}
+		if i < len(roles) {
+			ep.Role = roles[i]
+			if byEndpoint == nil {
+				byEndpoint = map[string]string{}
+			}
+			byEndpoint[e] = roles[i]
+		}
+		eps = append(eps, ep)
 	}
 	p.Replace(eps)
 	srv := extproc.NewServer(p, extproc.Options{MaxRequestBytes: cfg.MaxRequestBytes, Log: logr.Discard()})
@@ -89,7 +150,7 @@ func inProcessTallyReplicas(t *testing.T, replicas int) (*target, *picker.Picker
 		}
 		return l, nil
 	}
-	return &target{name: "tally", client: c, prompts: newPrompts(1), pods: newPods(), pids: []int{os.Getpid()}, ledger: ledger, endpoints: smokeEndpoints}, p
+	return &target{name: "tally", client: c, prompts: newPrompts(1), pods: newPods(), pids: []int{os.Getpid()}, ledger: ledger, endpoints: endpoints, roles: byEndpoint}, p
 }
 
 // TestBurstPlacesEveryRequest plays the bursts through each gateway: every
@@ -142,6 +203,105 @@ func TestBurstPlacesEveryRequest(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// checkPDBurst checks a burst's split as the tool reads it from the
+// answers against the picker's own counts: every request placed on a
+// decode pod, every prefill leg on a prefill pod, the split ones those
+// the picker counts as split, with the legs it counts per prefill pod.
+func checkPDBurst(t *testing.T, tg *target, r burstResult, n int) {
+	t.Helper()
+	var out bytes.Buffer
+	printBurst(&out, r)
+	t.Log(out.String())
+	if r.errors != 0 || r.refused != 0 || r.placement.total() != n {
+		t.Fatalf("placed %d of %d, %d failed (first: %s), %d refused", r.placement.total(), n, r.errors, r.firstError, r.refused)
+	}
+	if !slices.Equal(r.placement.endpoints, pdEndpoints[2:]) || !slices.Equal(r.prefill.endpoints, pdEndpoints[:2]) {
+		t.Fatalf("destinations %v, prefill legs %v: want the decode pods %v and the prefill pods %v", r.placement.endpoints, r.prefill.endpoints, pdEndpoints[2:], pdEndpoints[:2])
+	}
+	atDest := 0
+	for _, k := range r.splitAt {
+		atDest += k
+	}
+	decided := 0
+	for _, k := range r.decisions {
+		decided += k
+	}
+	if r.split != r.prefill.total() || r.split != atDest || r.split != r.decisions["split"] || decided != n {
+		t.Errorf("%d split, %d prefill legs, %d split by destination; the picker decided %v: want the same split count, %d decisions", r.split, r.prefill.total(), atDest, r.decisions, n)
+	}
+	legs := pickerLegs(t, tg)
+	if r.warmPrefiller != "" {
+		legs[r.warmPrefiller]-- // the warm request's, before the burst
+	}
+	for _, e := range pdEndpoints[:2] {
+		if legs[e] != r.prefill.counts[e] {
+			t.Errorf("prefill legs on %s: %d read from the answers, %d counted by the picker", e, r.prefill.counts[e], legs[e])
+		}
+	}
+	if want := fmt.Sprintf("split %d, not split %d (nonCachedTokens %d)", r.split, n-r.split, tg.nonCachedTokens); !strings.Contains(out.String(), want) {
+		t.Errorf("output lacks %q:\n%s", want, out.String())
+	}
+}
+
+// TestPDBurstReadsEachSplit plays bursts of 32,000-token prompts over two
+// prefill and two decode pods with disaggregation on. With nothing shared
+// each request lacks its whole prompt wherever it goes: each is split, the
+// legs and the destinations each within one of even.
+func TestPDBurstReadsEachSplit(t *testing.T) {
+	const n = 24
+	for _, kind := range []string{kindFresh, kindCold, kindShared} {
+		t.Run(kind, func(t *testing.T) {
+			tg := inProcessTallyPD(t, 16)
+			r, err := runBurst(t.Context(), tg, kind, n, 32_000)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkPDBurst(t, tg, r, n)
+			if kind != kindFresh {
+				return
+			}
+			if r.split != n {
+				t.Errorf("%d of %d split: want every one", r.split, n)
+			}
+			if d := worstSpread(r.placement, n); d > 1 {
+				t.Errorf("destinations %s: %.1f from the even share, want at most 1", r.placement.spread(), d)
+			}
+			if d := worstSpread(r.prefill, r.split); d > 1 {
+				t.Errorf("prefill legs %s: %.1f from the even share, want at most 1", r.prefill.spread(), d)
+			}
+		})
+	}
+}
+
+// TestPDBurstLeavesTheCachedUnsplit warms a 30,000-token prefix on one
+// decode pod, then plays a burst sharing it with nonCachedTokens above the
+// 2,000 tokens each request adds: on the holder a request lacks fewer
+// than that, so it is not split there, and the picker says why.
+func TestPDBurstLeavesTheCachedUnsplit(t *testing.T) {
+	const n = 12
+	tg := inProcessTallyPD(t, 4096)
+	r, err := runBurst(t.Context(), tg, kindLong, n, 32_000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkPDBurst(t, tg, r, n)
+	if !slices.Contains(pdEndpoints[2:], r.warm) || !slices.Contains(pdEndpoints[:2], r.warmPrefiller) {
+		t.Fatalf("prefix warmed on %q, prefilled on %q: want a decode pod, its prefill leg on a prefill pod", r.warm, r.warmPrefiller)
+	}
+	held := r.placement.counts[r.warm]
+	if held == 0 {
+		t.Fatalf("the prefix holder %s took none of %s", r.warm, r.placement.spread())
+	}
+	if r.splitAt[r.warm] != 0 {
+		t.Errorf("the holder split %d of its %d requests: want none (2,000 uncached < nonCachedTokens 4096)", r.splitAt[r.warm], held)
+	}
+	// A split request's KV lands on its decode pod, which then holds the
+	// prefix too: the unsplit there are as cached as the holder's.
+	if r.decisions["cached"] != n-r.split {
+		t.Errorf("the picker counts %d of the %d unsplit as cached (%v): want all", r.decisions["cached"], n-r.split, r.decisions)
 	}
 }
 
@@ -255,6 +415,16 @@ func TestFlagsAreChecked(t *testing.T) {
 		{"--rate", "400", "burst"},
 		{"--rate", "-1", "load"},
 		{"--first-pod-ip", "10.0.0.1", "burst"},
+		{"--roles", "prefill,decoder", "burst"},
+		{"--pd", "load"},
+		{"--pd", "--roles", "decode", "burst"},
+		{"--pd", "--non-cached-tokens", "0", "burst"},
+		{"--pd", "--pods", "3", "burst"},
+		{"--pd", "--gateway", "ngf", "burst"},
+		{"--pd", "--picker", "upstream", "burst"},
+		{"--pd", "--replicas", "2", "burst"},
+		{"--pd", "--addr", "127.0.0.1:1", "burst"},
+		{"--pd", "--picker-arg", "--config-text={}", "burst"},
 	} {
 		var out, errs bytes.Buffer
 		code := run(context.Background(), args, &out, &errs)
@@ -264,6 +434,48 @@ func TestFlagsAreChecked(t *testing.T) {
 		}
 		if code != want {
 			t.Errorf("%q: exit %d, want %d; stderr: %s", args, code, want, errs.String())
+		}
+	}
+}
+
+func TestPDFlagsStartTwoPrefillAndTwoDecodePods(t *testing.T) {
+	cmd, o, err := parseFlags([]string{"--pd", "burst", "--non-cached-tokens", "4096"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cmd != "burst" || o.pods != 4 || !slices.Equal(o.roles, pdRoles) || o.nonCachedTokens != 4096 || !o.disaggregated() {
+		t.Errorf("--pd: %s with %d pods, roles %q, nonCachedTokens %d: want burst, 4, %q, 4096", cmd, o.pods, o.roles, o.nonCachedTokens, pdRoles)
+	}
+	_, o, err = parseFlags([]string{"--roles", "decode, decode", "--pods", "3", "burst"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.pods != 3 || !slices.Equal(o.roles, []string{"decode", "decode"}) || o.disaggregated() {
+		t.Errorf("--roles decode,decode --pods 3: %d pods, roles %q, disaggregated %v: want 3, two decode, off (no prefill pod)", o.pods, o.roles, o.disaggregated())
+	}
+	var out, errs bytes.Buffer
+	if code := run(context.Background(), []string{"--roles", "prefill,decoder", "burst"}, &out, &errs); code != 2 || !strings.Contains(errs.String(), `"decoder"`) || !strings.Contains(errs.String(), "--roles") {
+		t.Errorf("exit %d, stderr %q: want 2, naming --roles and the bad role", code, errs.String())
+	}
+}
+
+// TestPDBurstThroughTheStack runs --pd as the benchmarks do: pods
+// labelled with their roles in a real API server, the epp binary with
+// disaggregation on.
+func TestPDBurstThroughTheStack(t *testing.T) {
+	testtier.SkipIfShort(t, "a kube-apiserver and etcd (envtest), and bin/epp")
+	bin := os.Getenv("TALLY_E2E_BIN_DIR")
+	if bin == "" {
+		t.Skip("TALLY_E2E_BIN_DIR is not set (make test sets it): no epp binary to start")
+	}
+	var out, errs bytes.Buffer
+	code := run(t.Context(), []string{"--tally-bin", filepath.Join(bin, "epp"), "--first-pod-ip", "127.0.71.1", "--pd", "--n", "16", "--kind", "fresh", "burst"}, &out, &errs)
+	if code != 0 {
+		t.Fatalf("exit %d; stdout:\n%s\nstderr:\n%s", code, out.String(), errs.String())
+	}
+	for _, want := range []string{"split 16, not split 0 (nonCachedTokens 16)", "placed 16, refused 0, failed 0", "127.0.71.1:8000        ", "127.0.71.4:8000        "} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("stdout lacks %q:\n%s", want, out.String())
 		}
 	}
 }

@@ -59,6 +59,11 @@ type target struct {
 	// gateway is the gateway the requests of bursts (and their warm
 	// requests) come through: gatewayEnvoy ("" too) or gatewayNGF.
 	gateway string
+	// roles are the labelled endpoints' prefill/decode roles (nil: none
+	// labelled), and nonCachedTokens the picker's
+	// disaggregation.nonCachedTokens (0: off, or not known).
+	roles           map[string]string
+	nonCachedTokens int
 }
 
 // ngf says requests go through NGINX Gateway Fabric's shim: no response
@@ -137,6 +142,9 @@ func (t *target) cycleAfter(ctx context.Context, req request, delay time.Duratio
 	}
 	release := t.pods.hold(p.endpoint)
 	defer release()
+	// A split request's prefill leg runs on its prefill pod meanwhile.
+	releasePrefill := t.pods.hold(p.prefiller)
+	defer releasePrefill()
 	sleepCtx(ctx, delay)
 	if t.ngf() {
 		// NGINX proxies the request itself: the stream has ended.
@@ -202,6 +210,18 @@ type burstResult struct {
 	pickP50        time.Duration
 	pickP99        time.Duration
 	placedInWindow time.Duration // from the first request to the last placed
+	// With prefill/decode roles (prefill not nil): the prefill legs per
+	// prefill pod (from each answer's x-prefiller-host-port), the split
+	// requests in all and per destination, the prefill pod of the warm
+	// request, and the picker's nonCachedTokens.
+	prefill         *placement
+	split           int
+	splitAt         map[string]int
+	warmPrefiller   string
+	nonCachedTokens int
+	// decisions are the picker's split decisions on the burst, by
+	// decision (its metrics; nil when not read).
+	decisions map[string]int
 }
 
 // runBurst sends n requests of tokens tokens at once, each held open at its
@@ -216,6 +236,14 @@ func runBurst(ctx context.Context, t *target, kind string, n, tokens int) (burst
 		return burstResult{}, fmt.Errorf("burst of kind %s: %d tokens do not exceed its %d-token shared prefix", kind, tokens, prefixTokens(kind))
 	}
 	res := burstResult{kind: kind, n: n, tokens: tokens, placement: newPlacement(t.endpoints)}
+	if t.disaggregated() {
+		// Only decode-capable pods are destinations: a prefill pod
+		// named as one would show up in the placement all the same.
+		res.placement = newPlacement(t.endpointsWhere(decodeCapable))
+		res.prefill = newPlacement(t.endpointsWhere(prefillCapable))
+		res.splitAt = map[string]int{}
+		res.nonCachedTokens = t.nonCachedTokens
+	}
 	nonce := t.prompts.newNonce()
 	prefix := t.prompts.prefix(nonce, prefixTokens(kind))
 	if kind == kindShared || kind == kindLong {
@@ -227,12 +255,19 @@ func runBurst(ctx context.Context, t *target, kind string, n, tokens int) (burst
 		if err != nil {
 			return res, fmt.Errorf("warming the %s prefix: %w", kind, err)
 		}
-		res.warm = p.endpoint
+		res.warm, res.warmPrefiller = p.endpoint, p.prefiller
 		time.Sleep(warmSettle)
 	}
 	bodies := make([][]byte, n)
 	for i := range bodies {
 		bodies[i] = t.prompts.body(nonce, prefix, i, tokens)
+	}
+	var decisionsBefore map[string]int
+	if res.pd() {
+		var err error
+		if decisionsBefore, err = t.splitDecisions(ctx); err != nil {
+			return res, fmt.Errorf("reading the picker's split decisions: %w", err)
+		}
 	}
 
 	var (
@@ -267,6 +302,11 @@ func runBurst(ctx context.Context, t *target, kind string, n, tokens int) (burst
 			} else {
 				res.placement.add(p.endpoint)
 				picks = append(picks, p.pick)
+				if p.prefiller != "" && res.pd() {
+					res.prefill.add(p.prefiller)
+					res.split++
+					res.splitAt[p.endpoint]++
+				}
 			}
 			mu.Unlock()
 			if p.status != 0 {
@@ -274,6 +314,12 @@ func runBurst(ctx context.Context, t *target, kind string, n, tokens int) (burst
 			}
 			release := t.pods.hold(p.endpoint)
 			defer release()
+			// Until the answer, the split request's prefill leg is held
+			// on its prefill pod too (its engine reports it waiting, as
+			// the picker's ledger holds it there), and the request on its
+			// decode pod, waiting for its KV.
+			releasePrefill := t.pods.hold(p.prefiller)
+			defer releasePrefill()
 			placedOnce()
 			select {
 			case <-answer:
@@ -296,6 +342,13 @@ func runBurst(ctx context.Context, t *target, kind string, n, tokens int) (burst
 	res.placedInWindow = time.Since(start)
 	close(answer)
 	doneWG.Wait()
+	if decisionsBefore != nil {
+		after, err := t.splitDecisions(ctx)
+		if err != nil {
+			return res, fmt.Errorf("reading the picker's split decisions: %w", err)
+		}
+		res.decisions = since(after, decisionsBefore)
+	}
 	res.errors, res.firstError = errs.summary()
 	slices.Sort(picks)
 	res.pickP50, res.pickP99 = percentile(picks, 0.50), percentile(picks, 0.99)

@@ -35,6 +35,11 @@ type ClusterOptions struct {
 	// everything. A benchmark that plays the model server itself needs no
 	// more than a /metrics page here.
 	Handler func(addr netip.AddrPort) http.Handler
+	// Roles are the prefill/decode roles (RoleLabel's values) of the first
+	// pods, in order, pods added later included; "" or a pod past the list
+	// is unlabelled. The caller serves every address as it likes: a
+	// Cluster runs no sidecar in front of a decode pod.
+	Roles []string
 }
 
 // Cluster is the part of a Stack below the picker: a real API server, an
@@ -68,6 +73,11 @@ func StartCluster(ctx context.Context, opts ClusterOptions) (_ *Cluster, err err
 	}
 	if opts.Pods < 0 {
 		return nil, fmt.Errorf("cluster options: Pods: %d is invalid: must be 0 or more", opts.Pods)
+	}
+	for i, r := range opts.Roles {
+		if err := checkRole(r); err != nil {
+			return nil, fmt.Errorf("cluster options: Roles[%d]: %w", i, err)
+		}
 	}
 	if !opts.FirstPodIP.IsValid() {
 		opts.FirstPodIP = DefaultFirstPodIP
@@ -121,8 +131,12 @@ func (c *Cluster) AddPods(ctx context.Context, n int) error {
 	g, gctx := errgroup.WithContext(ctx)
 	g.SetLimit(podCreateWorkers)
 	for i, addr := range added {
+		role := ""
+		if first+i < len(c.opts.Roles) {
+			role = c.opts.Roles[first+i]
+		}
 		g.Go(func() error {
-			_, err := createPod(gctx, c.kube, c.opts.Namespace, fmt.Sprintf("pod-%d", first+i), addr.Addr(), c.opts.TargetPort, true, "")
+			_, err := createPod(gctx, c.kube, c.opts.Namespace, fmt.Sprintf("pod-%d", first+i), addr.Addr(), c.opts.TargetPort, true, role)
 			return err
 		})
 	}

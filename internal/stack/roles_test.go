@@ -99,3 +99,10 @@ func TestRolesLabelPodsAndAreChecked(t *testing.T) {
 		t.Fatalf("more roles than pods: %v; want an error naming Roles", err)
 	}
 }
+
+func TestClusterNamesAnInvalidRole(t *testing.T) {
+	_, err := StartCluster(context.Background(), ClusterOptions{Pods: 2, Roles: []string{RoleDecode, "prefiller"}})
+	if err == nil || !strings.Contains(err.Error(), "Roles[1]") || !strings.Contains(err.Error(), `"prefiller"`) {
+		t.Fatalf("StartCluster with role %q: %v, want an error naming Roles[1] and the value", "prefiller", err)
+	}
+}
