@@ -442,3 +442,53 @@ func TestASplitRequestHoldsItsAdapterOnItsPrefillPod(t *testing.T) {
 	p.End(r, Outcome{})
 	assertLedgerEmpty(t, p)
 }
+
+// Bursts whose prompts share a head, or of which one decode pod holds a
+// long prefix, stay even over both stages: a decode pod that prefilled a
+// request itself (nothing decoding there yet) splits again once its own
+// queue is as long as a prefill pod's, rather than prefilling the rest of
+// the burst itself.
+func TestBurstsWithSharedHeadsSplitEvenly(t *testing.T) {
+	head := text("system prompt", 2048) // 512 tokens
+	for _, tc := range []struct {
+		name string
+		warm bool // one decode pod holds head and 30,000 tokens more
+		// legs: the prefill legs are even in count (with a long prefix
+		// they are even in tokens: the pod that holds it runs short legs)
+		legs bool
+	}{{"shared head", false, true}, {"long prefix on one decode pod", true, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := pdPicker(t, nil)
+			prefix := head
+			if tc.warm {
+				prefix = append(append([]byte{}, head...), text("long prefix", 120_000)...)
+				w := mustPick(t, p, on(addr(2), append(append([]byte{}, prefix...), text("warm", 8000)...)))
+				p.FirstByte(w)
+				p.End(w, Outcome{})
+			}
+			const n = 128
+			dests, pres := map[netip.AddrPort]int{}, map[netip.AddrPort]int{}
+			var res []*Reservation
+			for i := range n {
+				prompt := append(append([]byte{}, prefix...), text(fmt.Sprint("own ", i), 128_000-len(prefix))...)
+				r := mustPick(t, p, Request{Model: model, Prompt: prompt, Stream: true})
+				dests[endpointOf(r)]++
+				if a, ok := r.Prefiller(); ok {
+					pres[a]++
+				}
+				res = append(res, r)
+			}
+			if d2, d3 := dests[addr(2)], dests[addr(3)]; d2-d3 > 1 || d3-d2 > 1 {
+				t.Errorf("decode pods got %d and %d of %d, want within 1", d2, d3, n)
+			}
+			p0, p1 := pres[addr(0)], pres[addr(1)]
+			if p0+p1 < n*3/4 || tc.legs && (p0-p1 > 1 || p1-p0 > 1) {
+				t.Errorf("prefill pods prefilled %d and %d of %d, want three quarters split at least (even: %v)", p0, p1, n, tc.legs)
+			}
+			for _, r := range res {
+				p.End(r, Outcome{})
+			}
+			assertLedgerEmpty(t, p)
+		})
+	}
+}
