@@ -147,6 +147,14 @@ func rowsAt(l debugledger.Ledger, addr netip.AddrPort) []debugledger.Endpoint {
 // says that none is coming.
 func expectLedgerDrains(ctx context.Context, s *stack.Stack) {
 	GinkgoHelper()
+	expectLedgerDrainsWithin(ctx, s, 15*time.Second)
+}
+
+// expectLedgerDrainsWithin is expectLedgerDrains with a bound of the
+// spec's own, for ledgers whose drain a model times (detached
+// reservations).
+func expectLedgerDrainsWithin(ctx context.Context, s *stack.Stack, timeout time.Duration) {
+	GinkgoHelper()
 	eventually(ctx, func(g Gomega) {
 		l, err := s.Ledger(ctx)
 		g.Expect(err).NotTo(HaveOccurred())
@@ -157,7 +165,7 @@ func expectLedgerDrains(ctx context.Context, s *stack.Stack) {
 				g.Expect(e.Engine.Running+e.Engine.Waiting).To(BeZero(), "%s's engine at the last scrape: %+v", e.Pod, *e.Engine)
 			}
 		}
-	}).WithTimeout(15 * time.Second).Should(Succeed())
+	}).WithTimeout(timeout).Should(Succeed())
 }
 
 var _ = Describe("An endpoint's identity in the ledger", Ordered, ContinueOnFailure, func() {
