@@ -365,6 +365,15 @@ func TestEachPickSaysWhyItSplitOrNot(t *testing.T) {
 	if r := mustPick(t, q, Request{Model: model, Prompt: long}); r.splitWhy != splitNoPrefillPod {
 		t.Errorf("no prefill pod: %q, want %q", r.splitWhy, splitNoPrefillPod)
 	}
+	if r := mustPick(t, q, Request{Model: model, Prompt: text("whole", 4000), DestinationOnly: true}); r.splitWhy != splitNoPrefillPod {
+		t.Errorf("no prefill pod, a gateway that takes only the destination: %q, want %q", r.splitWhy, splitNoPrefillPod)
+	}
+	g := pdPicker(t, nil)
+	if r := mustPick(t, g, Request{Model: model, Prompt: text("whole", 4000), DestinationOnly: true}); r.splitWhy != splitGateway {
+		t.Errorf("a gateway that takes only the destination: %q, want %q", r.splitWhy, splitGateway)
+	} else if a, ok := r.Prefiller(); ok {
+		t.Errorf("a gateway that takes only the destination: split onto %s", a)
+	}
 	off := newPicker(t, 0, testConfig(), Options{})
 	off.Replace(withRoles(RolePrefill, RoleDecode))
 	if r := mustPick(t, off, Request{Model: model, Prompt: long}); r.splitWhy != "" {

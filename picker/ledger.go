@@ -243,6 +243,7 @@ func (l *ledger) newReservation(req Request, hashes []uint64, now int64) *Reserv
 		promptTokens: l.tokens(chars),
 		stream:       req.Stream,
 		bodiless:     req.bodiless(),
+		whole:        req.DestinationOnly,
 		maxTokens:    max(req.MaxTokens, 0),
 		heapIdx:      -1,
 		nHashes:      len(hashes),

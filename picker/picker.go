@@ -107,6 +107,11 @@ type Request struct {
 	// Objective names the request's InferenceObjective, for the flow
 	// control metrics' labels.
 	Objective string
+	// DestinationOnly says the gateway takes only the destination from the
+	// answer (NGINX Gateway Fabric's shim): x-prefiller-host-port would
+	// not reach the decode pod's sidecar, which would prefill the request
+	// itself, so it is never split (disaggregation).
+	DestinationOnly bool
 }
 
 // bodiless reports whether the request gives an engine nothing to do: no

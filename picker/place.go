@@ -234,10 +234,11 @@ func (l *ledger) splitWhy(d *candidate, r *Reservation, pairs bool) splitDecisio
 		return ""
 	case d.pre != nil:
 		return splitYes
+	case len(l.prefillRows) == 0:
+		return splitNoPrefillPod
+	case r.whole:
+		return splitGateway
 	case !pairs:
-		if len(l.prefillRows) == 0 {
-			return splitNoPrefillPod
-		}
 		return splitShort
 	}
 	if p := l.scratch.first; p == nil || p.w == d.w && l.scratch.second == nil {
@@ -381,7 +382,7 @@ func (l *ledger) prefillSaturated(w *row, queued, foreign int) bool {
 // uncached on its destination (prefiller has the whole rule).
 func (l *ledger) maySplit(r *Reservation) bool {
 	dis := &l.cfg.Disaggregation
-	return dis.Enabled() && !r.bodiless && len(l.prefillRows) > 0 &&
+	return dis.Enabled() && !r.bodiless && !r.whole && len(l.prefillRows) > 0 &&
 		r.promptTokens >= dis.PromptTokens && r.promptTokens >= dis.NonCachedTokens
 }
 

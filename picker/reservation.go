@@ -19,6 +19,7 @@ type Reservation struct {
 	nHashes      int // the prompt's hashed blocks
 	stream       bool
 	bodiless     bool   // Request.bodiless: nothing runs on the engine for it
+	whole        bool   // Request.DestinationOnly: never split
 	maxTokens    int    // the request's max_tokens; 0 when it gives none
 	adapter      string // its LoRA adapter on its row's engine; "" for the base model
 	// adapterLoad: its adapter was not resident on its row when it took

@@ -29,10 +29,14 @@ const (
 	// first token than the split through the cheapest prefill pod (before
 	// its transfer).
 	splitLocalCheaper splitDecision = "local_cheaper"
+	// splitGateway: the gateway takes only the destination from the
+	// answer (Request.DestinationOnly): the prefill pod would never be
+	// named to the decode pod's sidecar.
+	splitGateway splitDecision = "gateway"
 )
 
 // splitDecisions lists the decisions in the order of splitCounts' slots.
-var splitDecisions = [...]splitDecision{splitYes, splitCached, splitShort, splitNoPrefillPod, splitLocalCheaper}
+var splitDecisions = [...]splitDecision{splitYes, splitCached, splitShort, splitNoPrefillPod, splitLocalCheaper, splitGateway}
 
 // slot is d's index in splitDecisions; -1 for "" (not decided: no
 // disaggregation, or a bodiless request) or an unknown value.

@@ -78,7 +78,7 @@ func TestSplitMetricsFollowThePicks(t *testing.T) {
 	a0, a1 := addr(0).String(), addr(1).String()
 
 	wantSeries(t, reg, "before any pick", "tally_split_decisions_total",
-		map[string]float64{"split": 0, "cached": 0, "short": 0, "no_prefill_pod": 0, "local_cheaper": 0})
+		map[string]float64{"split": 0, "cached": 0, "short": 0, "no_prefill_pod": 0, "local_cheaper": 0, "gateway": 0})
 	wantSeries(t, reg, "before any pick", "tally_prefill_legs_total", map[string]float64{})
 	wantSeries(t, reg, "before any pick", "tally_role_endpoints", map[string]float64{"decode": 2, "prefill": 2})
 
@@ -103,7 +103,7 @@ func TestSplitMetricsFollowThePicks(t *testing.T) {
 		t.Fatalf("the scenario needs legs on both prefill pods: %v", legs)
 	}
 	wantSeries(t, reg, "after the picks", "tally_split_decisions_total",
-		map[string]float64{"split": n, "cached": 0, "short": 1, "no_prefill_pod": 0, "local_cheaper": 0})
+		map[string]float64{"split": n, "cached": 0, "short": 1, "no_prefill_pod": 0, "local_cheaper": 0, "gateway": 0})
 	wantSeries(t, reg, "after the picks", "tally_prefill_legs_total", legs)
 	wantSeries(t, reg, "after the picks", "tally_endpoint_prefill_legs", legs)
 	wantSeries(t, reg, "after the picks", "tally_role_queued_prefill_tokens",

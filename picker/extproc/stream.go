@@ -550,6 +550,7 @@ func (st *stream) routeBody(bodyEnds bool) error {
 // was complete) or, in BUFFERED mode, the request body.
 func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 	req.Subset, req.HasSubset = st.subset, st.hasSubset
+	req.DestinationOnly = st.viaShim()
 	req.Objective, req.FairnessID, req.Bytes = st.objective, st.fairnessID, int64(max(st.bodyLen(), 0))
 	if o := st.s.opts.Objectives; o != nil && st.objective != "" {
 		req.Priority, _ = o.Priority(st.objective) // unknown: 0

@@ -15,16 +15,17 @@ import (
 func toRequest(pr picker.Prepared) *pb.Request {
 	q := pr.Request
 	m := &pb.Request{
-		Model:       q.Model,
-		PromptChars: int64(q.PromptChars),
-		Stream:      q.Stream,
-		MaxTokens:   int64(q.MaxTokens),
-		HasSubset:   q.HasSubset,
-		Priority:    int32(q.Priority),
-		FairnessId:  q.FairnessID,
-		Bytes:       q.Bytes,
-		Objective:   q.Objective,
-		Hashes:      pr.Hashes,
+		Model:           q.Model,
+		PromptChars:     int64(q.PromptChars),
+		Stream:          q.Stream,
+		MaxTokens:       int64(q.MaxTokens),
+		HasSubset:       q.HasSubset,
+		Priority:        int32(q.Priority),
+		FairnessId:      q.FairnessID,
+		Bytes:           q.Bytes,
+		Objective:       q.Objective,
+		Hashes:          pr.Hashes,
+		DestinationOnly: q.DestinationOnly,
 	}
 	for _, a := range q.Subset {
 		m.Subset = append(m.Subset, a.String())
@@ -37,15 +38,16 @@ func fromRequest(m *pb.Request) picker.Prepared {
 		return picker.Prepared{}
 	}
 	q := picker.Request{
-		Model:       m.Model,
-		PromptChars: int(m.PromptChars),
-		Stream:      m.Stream,
-		MaxTokens:   int(m.MaxTokens),
-		HasSubset:   m.HasSubset,
-		Priority:    int(m.Priority),
-		FairnessID:  m.FairnessId,
-		Bytes:       m.Bytes,
-		Objective:   m.Objective,
+		Model:           m.Model,
+		PromptChars:     int(m.PromptChars),
+		Stream:          m.Stream,
+		MaxTokens:       int(m.MaxTokens),
+		HasSubset:       m.HasSubset,
+		Priority:        int(m.Priority),
+		FairnessID:      m.FairnessId,
+		Bytes:           m.Bytes,
+		Objective:       m.Objective,
+		DestinationOnly: m.DestinationOnly,
 	}
 	for _, s := range m.Subset {
 		if a, err := netip.ParseAddrPort(s); err == nil {

@@ -604,6 +604,16 @@ func TestASplitRequestIsHeldAsSplitOnEveryCopy(t *testing.T) {
 		return true
 	})
 	c.end(ps)
+	// A request from a gateway that takes only the destination, through
+	// the follower: the leader does not split it.
+	r, err := c.reps[1].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 99, 32_000), DestinationOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a, ok := r.Prefiller(); ok {
+		t.Errorf("a request from a gateway that takes only the destination was split onto %s through the follower", a)
+	}
+	c.reps[1].End(r, picker.Outcome{})
 	c.eventually("both ledgers empty", func() bool {
 		return c.pickers[0].Snapshot().InFlight == 0 && c.pickers[1].Snapshot().InFlight == 0
 	})

@@ -35,11 +35,13 @@ type engineWork struct{ prefilled, pulled int64 }
 
 // The disaggregated pool of disagg_test.go behind NGINX as NGINX Gateway
 // Fabric drives it. NGF's shim reads one header of the picker's answer, the
-// destination, and NGINX proxies the client's own headers: the picker's
-// x-prefiller-host-port never reaches the decode pod's sidecar, which then
-// serves the request as a plain one, its vLLM prefilling the prompt itself.
-// These specs check that this is what happens and that it costs nothing but
-// the split: every response whole, no prefill pod reached, and the picker's
+// destination, and NGINX proxies the client's own headers: an
+// x-prefiller-host-port in the answer would never reach the decode pod's
+// sidecar, which would serve the request as a plain one, its vLLM
+// prefilling the prompt itself. The picker knows such a gateway (it sends
+// no pseudo-headers) and does not split its requests: it reserves their
+// prefill on the decode pod that does it. These specs check that: every
+// response whole, no prefill pod reached or named, and the picker's
 // reservations, detached at the pick, ended by its model.
 var _ = Describe("Prefill/decode disaggregation through NGINX as NGINX Gateway Fabric drives it", Ordered, ContinueOnFailure, func() {
 	var ds *stack.Stack
@@ -93,6 +95,15 @@ var _ = Describe("Prefill/decode disaggregation through NGINX as NGINX Gateway F
 	// legs is how many split requests the picker placed with each prefill
 	// pod as their prefill pod, and detachedEnds why its detached
 	// reservations ended, so far.
+	// gatewayDecisions is how many picks the picker left unsplit because
+	// the gateway takes only the destination.
+	gatewayDecisions := func(ctx SpecContext) float64 {
+		GinkgoHelper()
+		m, err := ds.PickerMetrics(ctx)
+		Expect(err).NotTo(HaveOccurred())
+		v, _ := m.Value("tally_split_decisions_total", "decision", "gateway")
+		return v
+	}
 	legs := func(ctx SpecContext) map[string]int {
 		GinkgoHelper()
 		m, err := ds.PickerMetrics(ctx)
@@ -118,10 +129,10 @@ var _ = Describe("Prefill/decode disaggregation through NGINX as NGINX Gateway F
 	// pod, neither in flight nor prefill, within the detach model's time,
 	// and checks that the sweeper (the backstop for a reservation nothing
 	// else would end) ended none of the detached reservations since
-	// before. named is how many split requests the picker gave each
-	// prefill pod, each of promptTokens and maxTokens.
+	// before. prefilled is how many requests the picker's model prefills
+	// on each pod, each of promptTokens and maxTokens.
 	//
-	// The model's time: a prefill pod drains its legs one after another at
+	// The model's time: a pod drains its prefills one after another at
 	// its prefill rate (the starting rate: no first byte reaches the
 	// picker to teach it), then each request decodes maxTokens at the
 	// pool's decode speed. /debug/ledger works out the prefill parts' end
@@ -129,12 +140,12 @@ var _ = Describe("Prefill/decode disaggregation through NGINX as NGINX Gateway F
 	// picker next drains its rows: at a pick, or at the sweeper's tick when
 	// none comes. So the ledger is idle at most a tick after the model's
 	// end, plus a scrape of each engine (expectLedgerDrains).
-	expectDrainedByTheModel := func(ctx SpecContext, before map[string]float64, named map[string]int, promptTokens, maxTokens int) {
+	expectDrainedByTheModel := func(ctx SpecContext, before map[string]float64, prefilled map[string]int, promptTokens, maxTokens int) {
 		GinkgoHelper()
 		m, err := ds.PickerMetrics(ctx)
 		Expect(err).NotTo(HaveOccurred())
 		var prefillSeconds float64
-		for name, n := range named {
+		for name, n := range prefilled {
 			rate, ok := m.Value("tally_endpoint_prefill_tokens_per_second", "endpoint", pod(name).Addr.String())
 			Expect(ok).To(BeTrue(), "%s's prefill rate is not published", name)
 			prefillSeconds = max(prefillSeconds, float64(n*promptTokens)/rate)
@@ -158,10 +169,11 @@ var _ = Describe("Prefill/decode disaggregation through NGINX as NGINX Gateway F
 			took.Round(10*time.Millisecond), modelled.Round(10*time.Millisecond), after["model"]-before["model"], after["engine"]-before["engine"]))
 	}
 
-	It("serves a long fresh prompt on a decode pod, which prefills it itself: NGINX does not carry the picker's prefill pod", func(ctx SpecContext) {
+	It("serves a long fresh prompt on a decode pod, which prefills it itself: NGINX could not carry a prefill pod, and the picker names none", func(ctx SpecContext) {
 		const maxTokens = 12
 		wantPrompt := disaggPromptChars / 4
 		endsBefore, legsBefore, statsBefore, servedBefore := detachedEnds(ctx), legs(ctx), stats(), servedOn(ds)
+		gatewayBefore := gatewayDecisions(ctx)
 
 		id := nextID("ngf-pd-one")
 		req := stack.Completion(stack.DefaultModel, disaggPrompt("ngf-pd-one"), maxTokens, true)
@@ -171,12 +183,12 @@ var _ = Describe("Prefill/decode disaggregation through NGINX as NGINX Gateway F
 		By(fmt.Sprintf("served by %s, prefilled by %q", servedBy, ds.PrefilledBy(id)))
 		Expect(decode).To(ContainElement(servedBy), "the request's destination is a decode pod")
 
-		// The picker split it: one prefill pod was named in its answer.
+		// The picker did not split it, for the gateway's sake: no prefill
+		// pod was named, no prefill leg reached one, and the decode pod
+		// computed the whole prompt.
 		named := delta(legsBefore, legs(ctx))
-		Expect(total(named)).To(Equal(1), "prefill pods the picker named %v", named)
-		// NGF's shim passed on only the destination: no prefill leg reached
-		// a prefill pod, and the decode pod computed the whole prompt
-		// instead of pulling it.
+		Expect(total(named)).To(BeZero(), "prefill pods the picker named %v", named)
+		Expect(gatewayDecisions(ctx)-gatewayBefore).To(Equal(1.0), "picks left unsplit for the gateway")
 		Expect(ds.PrefilledBy(id)).To(BeEmpty(), "a prefill pod ran a leg of %s", id)
 		statsAfter, served := stats(), delta(servedBefore, servedOn(ds))
 		for _, name := range prefill {
@@ -207,15 +219,16 @@ var _ = Describe("Prefill/decode disaggregation through NGINX as NGINX Gateway F
 		Expect(json.Unmarshal(direct, &c)).To(Succeed())
 		Expect(text.String()).To(Equal(c.Choices[0].Text), "the streamed text is the simulator's text")
 
-		expectDrainedByTheModel(ctx, endsBefore, named, wantPrompt, maxTokens)
+		expectDrainedByTheModel(ctx, endsBefore, map[string]int{servedBy: 1}, wantPrompt, maxTokens)
 	}, SpecTimeout(time.Minute))
 
-	It("spreads a held burst of 32 split requests evenly over the decode pods, and their prefill pods evenly in the picker's answers", func(ctx SpecContext) {
+	It("spreads a held burst of 32 long requests evenly over the decode pods, none split", func(ctx SpecContext) {
 		reqs := make([]stack.Request, 32)
 		for i := range reqs {
 			reqs[i] = stack.Completion(stack.DefaultModel, disaggPrompt("ngf-pd-burst"), 4, true)
 		}
 		endsBefore, legsBefore, statsBefore := detachedEnds(ctx), legs(ctx), stats()
+		gatewayBefore := gatewayDecisions(ctx)
 		placed, ledger, results := heldBurstVia(ctx, ds, gw.URL(), reqs, "ngf-pd-burst")
 		expectAllOK(results)
 		named := delta(legsBefore, legs(ctx))
@@ -234,18 +247,18 @@ var _ = Describe("Prefill/decode disaggregation through NGINX as NGINX Gateway F
 		}
 		for _, name := range prefill {
 			Expect(placed[name]).To(BeZero(), "requests that reached prefill pod %s: %v", name, placed)
-			Expect(named[name]).To(BeNumerically("~", 16, 1), "prefill pods the picker named %v", named)
 			Expect(statsAfter[name].prefilled-statsBefore[name].prefilled).To(BeZero(), "tokens %s prefilled", name)
 		}
-		Expect(total(named)).To(Equal(len(reqs)), "the picker split every request of the burst: %v", named)
-		expectDrainedByTheModel(ctx, endsBefore, named, disaggPromptChars/4, 4)
+		Expect(total(named)).To(BeZero(), "prefill pods the picker named %v", named)
+		Expect(gatewayDecisions(ctx)-gatewayBefore).To(Equal(float64(len(reqs))), "picks left unsplit for the gateway")
+		expectDrainedByTheModel(ctx, endsBefore, map[string]int{decode[0]: placed[decode[0]], decode[1]: placed[decode[1]]}, disaggPromptChars/4, 4)
 	}, SpecTimeout(2*time.Minute))
 
 	It("passes a client's own x-prefiller-host-port on to the decode pod's sidecar: NGINX applies none of the picker's header mutations", func(ctx SpecContext) {
 		// Through Envoy the picker removes or overwrites the header; NGF
 		// applies no header mutation, so the client's copy reaches the
 		// sidecar, which sends the prefill leg where the client said.
-		endsBefore, legsBefore := detachedEnds(ctx), legs(ctx)
+		endsBefore := detachedEnds(ctx)
 		named := pod(prefill[1])
 		req := stack.Completion(stack.DefaultModel, disaggPrompt("ngf-pd-client"), 4, true)
 		req.Headers = map[string]string{protocol.PrefillerHeader: named.Addr.String()}
@@ -254,6 +267,7 @@ var _ = Describe("Prefill/decode disaggregation through NGINX as NGINX Gateway F
 		Expect(r.Status).To(Equal(http.StatusOK))
 		Expect(decode).To(ContainElement(ds.ServedBy(r.ID)), "the request's destination")
 		Expect(ds.PrefilledBy(r.ID)).To(Equal(named.Name), "the prefill pod the client named ran the prefill leg")
-		expectDrainedByTheModel(ctx, endsBefore, delta(legsBefore, legs(ctx)), disaggPromptChars/4, 4)
+		// The picker's model prefills it on its destination.
+		expectDrainedByTheModel(ctx, endsBefore, map[string]int{ds.ServedBy(r.ID): 1}, disaggPromptChars/4, 4)
 	}, SpecTimeout(time.Minute))
 })

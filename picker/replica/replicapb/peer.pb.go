@@ -470,20 +470,21 @@ func (x *Hello) GetInstance() string {
 // Request is a request as hashed by the replica that parsed it: the
 // prompt's block hashes instead of its text.
 type Request struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Model         string                 `protobuf:"bytes,1,opt,name=model,proto3" json:"model,omitempty"`
-	PromptChars   int64                  `protobuf:"varint,2,opt,name=prompt_chars,json=promptChars,proto3" json:"prompt_chars,omitempty"`
-	Stream        bool                   `protobuf:"varint,3,opt,name=stream,proto3" json:"stream,omitempty"`
-	MaxTokens     int64                  `protobuf:"varint,4,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"`
-	Subset        []string               `protobuf:"bytes,5,rep,name=subset,proto3" json:"subset,omitempty"`
-	HasSubset     bool                   `protobuf:"varint,6,opt,name=has_subset,json=hasSubset,proto3" json:"has_subset,omitempty"`
-	Priority      int32                  `protobuf:"varint,7,opt,name=priority,proto3" json:"priority,omitempty"`
-	FairnessId    string                 `protobuf:"bytes,8,opt,name=fairness_id,json=fairnessId,proto3" json:"fairness_id,omitempty"`
-	Bytes         int64                  `protobuf:"varint,9,opt,name=bytes,proto3" json:"bytes,omitempty"`
-	Objective     string                 `protobuf:"bytes,10,opt,name=objective,proto3" json:"objective,omitempty"`
-	Hashes        []uint64               `protobuf:"fixed64,11,rep,packed,name=hashes,proto3" json:"hashes,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state           protoimpl.MessageState `protogen:"open.v1"`
+	Model           string                 `protobuf:"bytes,1,opt,name=model,proto3" json:"model,omitempty"`
+	PromptChars     int64                  `protobuf:"varint,2,opt,name=prompt_chars,json=promptChars,proto3" json:"prompt_chars,omitempty"`
+	Stream          bool                   `protobuf:"varint,3,opt,name=stream,proto3" json:"stream,omitempty"`
+	MaxTokens       int64                  `protobuf:"varint,4,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"`
+	Subset          []string               `protobuf:"bytes,5,rep,name=subset,proto3" json:"subset,omitempty"`
+	HasSubset       bool                   `protobuf:"varint,6,opt,name=has_subset,json=hasSubset,proto3" json:"has_subset,omitempty"`
+	Priority        int32                  `protobuf:"varint,7,opt,name=priority,proto3" json:"priority,omitempty"`
+	FairnessId      string                 `protobuf:"bytes,8,opt,name=fairness_id,json=fairnessId,proto3" json:"fairness_id,omitempty"`
+	Bytes           int64                  `protobuf:"varint,9,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	Objective       string                 `protobuf:"bytes,10,opt,name=objective,proto3" json:"objective,omitempty"`
+	Hashes          []uint64               `protobuf:"fixed64,11,rep,packed,name=hashes,proto3" json:"hashes,omitempty"`
+	DestinationOnly bool                   `protobuf:"varint,12,opt,name=destination_only,json=destinationOnly,proto3" json:"destination_only,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *Request) Reset() {
@@ -591,6 +592,13 @@ func (x *Request) GetHashes() []uint64 {
 		return x.Hashes
 	}
 	return nil
+}
+
+func (x *Request) GetDestinationOnly() bool {
+	if x != nil {
+		return x.DestinationOnly
+	}
+	return false
 }
 
 type Pick struct {
@@ -1170,7 +1178,7 @@ const file_peer_proto_rawDesc = "" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x18\n" +
 	"\areplica\x18\x02 \x01(\tR\areplica\x12\x18\n" +
 	"\aleading\x18\x03 \x01(\bR\aleading\x12\x1a\n" +
-	"\binstance\x18\x04 \x01(\tR\binstance\"\xb9\x02\n" +
+	"\binstance\x18\x04 \x01(\tR\binstance\"\xe4\x02\n" +
 	"\aRequest\x12\x14\n" +
 	"\x05model\x18\x01 \x01(\tR\x05model\x12!\n" +
 	"\fprompt_chars\x18\x02 \x01(\x03R\vpromptChars\x12\x16\n" +
@@ -1186,7 +1194,8 @@ const file_peer_proto_rawDesc = "" +
 	"\x05bytes\x18\t \x01(\x03R\x05bytes\x12\x1c\n" +
 	"\tobjective\x18\n" +
 	" \x01(\tR\tobjective\x12\x16\n" +
-	"\x06hashes\x18\v \x03(\x06R\x06hashes\"H\n" +
+	"\x06hashes\x18\v \x03(\x06R\x06hashes\x12)\n" +
+	"\x10destination_only\x18\f \x01(\bR\x0fdestinationOnly\"H\n" +
 	"\x04Pick\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x120\n" +
 	"\arequest\x18\x02 \x01(\v2\x16.tally.peer.v1.RequestR\arequest\"\x9e\x01\n" +
