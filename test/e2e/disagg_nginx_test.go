@@ -1,11 +1,9 @@
 package e2e
 
 import (
-	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/netip"
-	"strings"
 	"time"
 
 	. "github.com/onsi/ginkgo/v2"
@@ -198,26 +196,7 @@ var _ = Describe("Prefill/decode disaggregation through NGINX as NGINX Gateway F
 		Expect(statsAfter[servedBy].prefilled-statsBefore[servedBy].prefilled).To(BeNumerically("==", wantPrompt), "tokens the decode pod prefilled")
 		Expect(statsAfter[servedBy].pulled-statsBefore[servedBy].pulled).To(BeZero(), "KV blocks the decode pod pulled")
 
-		// The response is whole: one event per token, the simulator's text
-		// for this prompt, and the usage of the whole prompt.
-		events := parseSSE(body)
-		Expect(events).NotTo(BeEmpty())
-		var text strings.Builder
-		for _, e := range events[:len(events)-1] {
-			Expect(e.Choices).To(HaveLen(1))
-			text.WriteString(e.Choices[0].Text)
-		}
-		Expect(events[:len(events)-1]).To(HaveLen(maxTokens), "one event per generated token")
-		last := events[len(events)-1]
-		Expect(last.Usage).NotTo(BeNil(), "the last event before [DONE] carries usage")
-		Expect(last.Usage.PromptTokens).To(Equal(wantPrompt))
-		Expect(last.Usage.CompletionTokens).To(Equal(maxTokens))
-		plain := stack.Completion(stack.DefaultModel, disaggPrompt("ngf-pd-one-direct"), maxTokens, false)
-		status, direct := postVia(ctx, ds, pod(prefill[0]).URL(), plain.Path, plain.Body, nextID("ngf-pd-one-direct"))
-		Expect(status).To(Equal(http.StatusOK))
-		var c completionResponse
-		Expect(json.Unmarshal(direct, &c)).To(Succeed())
-		Expect(text.String()).To(Equal(c.Choices[0].Text), "the streamed text is the simulator's text")
+		expectWholeResponse(ctx, ds, body, pod(prefill[0]).URL(), "ngf-pd-one-direct", wantPrompt, maxTokens)
 
 		expectDrainedByTheModel(ctx, endsBefore, map[string]int{servedBy: 1}, wantPrompt, maxTokens)
 	}, SpecTimeout(time.Minute))

@@ -45,6 +45,31 @@ func disaggPrompt(what string) string {
 	return text[:disaggPromptChars]
 }
 
+// expectWholeResponse checks a streamed completion's body: one event per
+// token, the text the simulator generates for this prompt (as the plain pod
+// at direct answers it), and the usage of the whole prompt.
+func expectWholeResponse(ctx SpecContext, ds *stack.Stack, body []byte, direct, tag string, wantPrompt, maxTokens int) {
+	GinkgoHelper()
+	events := parseSSE(body)
+	Expect(events).NotTo(BeEmpty())
+	var text strings.Builder
+	for _, e := range events[:len(events)-1] {
+		Expect(e.Choices).To(HaveLen(1))
+		text.WriteString(e.Choices[0].Text)
+	}
+	Expect(events[:len(events)-1]).To(HaveLen(maxTokens), "one event per generated token")
+	last := events[len(events)-1]
+	Expect(last.Usage).NotTo(BeNil(), "the last event before [DONE] carries usage")
+	Expect(last.Usage.PromptTokens).To(Equal(wantPrompt))
+	Expect(last.Usage.CompletionTokens).To(Equal(maxTokens))
+	plain := stack.Completion(stack.DefaultModel, disaggPrompt(tag), maxTokens, false)
+	status, answer := postVia(ctx, ds, direct, plain.Path, plain.Body, nextID(tag))
+	Expect(status).To(Equal(http.StatusOK))
+	var c completionResponse
+	Expect(json.Unmarshal(answer, &c)).To(Succeed())
+	Expect(text.String()).To(Equal(c.Choices[0].Text), "the streamed text is the simulator's text")
+}
+
 var _ = Describe("Prefill/decode disaggregation", Ordered, ContinueOnFailure, func() {
 	var ds *stack.Stack
 	// The pool: prefill pods sim-0 and sim-1, decode pods sim-2 and sim-3
@@ -103,26 +128,7 @@ var _ = Describe("Prefill/decode disaggregation", Ordered, ContinueOnFailure, fu
 		d, _ := pod(servedBy).Stats()
 		Expect(d.KVBlocksPulled).To(BeNumerically(">", 0), "KV blocks the decode pod pulled from the prefill pod")
 
-		// The response is whole: one event per token, the text the
-		// simulator generates for this prompt (as a plain pod answers it
-		// directly), and the usage of the whole prompt.
-		events := parseSSE(body)
-		var text strings.Builder
-		for _, e := range events[:len(events)-1] {
-			Expect(e.Choices).To(HaveLen(1))
-			text.WriteString(e.Choices[0].Text)
-		}
-		Expect(events[:len(events)-1]).To(HaveLen(maxTokens), "one event per generated token")
-		last := events[len(events)-1]
-		Expect(last.Usage).NotTo(BeNil(), "the last event before [DONE] carries usage")
-		Expect(last.Usage.PromptTokens).To(Equal(wantPrompt))
-		Expect(last.Usage.CompletionTokens).To(Equal(maxTokens))
-		plain := stack.Completion(stack.DefaultModel, disaggPrompt("pd-one-direct"), maxTokens, false)
-		status, direct := postVia(ctx, ds, pod(prefill[0]).URL(), plain.Path, plain.Body, nextID("pd-one-direct"))
-		Expect(status).To(Equal(http.StatusOK))
-		var c completionResponse
-		Expect(json.Unmarshal(direct, &c)).To(Succeed())
-		Expect(text.String()).To(Equal(c.Choices[0].Text), "the streamed text is the simulator's text")
+		expectWholeResponse(ctx, ds, body, pod(prefill[0]).URL(), "pd-one-direct", wantPrompt, maxTokens)
 
 		// Both parts of the split request are released: the prefill at the
 		// decode pod's first bytes, the decode at the response's end.
