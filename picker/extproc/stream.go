@@ -579,50 +579,6 @@ func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 		eps = eps[:1]
 	}
 	answer := &wire.RouteAnswer{InBody: inBodyAnswer, Destination: destinationValue(eps)}
-	if pre, ok := res.Prefiller(); ok {
-		// Split: the destination's sidecar sends the prefill leg there.
-		if st.requestMode == fullDuplex && st.body != nil {
-			answer.ContentLength = strconv.Itoa(len(*st.body))
-		}
-		resp := answer.Message()
-		common := resp.GetRequestHeaders().GetResponse()
-		if inBodyAnswer {
-			common = resp.GetRequestBody().GetResponse()
-			if st.rewritten {
-				common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: *st.body}}
-				common.HeaderMutation.SetHeaders = append(common.HeaderMutation.SetHeaders, wire.HeaderOption("content-length", strconv.Itoa(len(*st.body))))
-			}
-		}
-		common.HeaderMutation.SetHeaders = append(common.HeaderMutation.SetHeaders, wire.HeaderOption(protocol.PrefillerHeader, pre.String()))
-		return st.send(resp)
-	}
-	if st.clientPrefiller {
-		// Not split, and the client named a prefill pod: the decode pod's
-		// sidecar must not send the prefill anywhere.
-		if st.requestMode == fullDuplex && st.body != nil {
-			answer.ContentLength = strconv.Itoa(len(*st.body))
-		}
-		resp := answer.Message()
-		common := resp.GetRequestHeaders().GetResponse()
-		if inBodyAnswer {
-			common = resp.GetRequestBody().GetResponse()
-			if st.rewritten {
-				common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: *st.body}}
-				common.HeaderMutation.SetHeaders = append(common.HeaderMutation.SetHeaders, wire.HeaderOption("content-length", strconv.Itoa(len(*st.body))))
-			}
-		}
-		common.HeaderMutation.RemoveHeaders = append(common.HeaderMutation.RemoveHeaders, protocol.PrefillerHeader)
-		return st.send(resp)
-	}
-	if inBodyAnswer && st.rewritten {
-		// BUFFERED: Envoy passes on the body it holds unless the answer
-		// replaces it, and its content-length with it.
-		resp := answer.Message()
-		common := resp.GetRequestBody().GetResponse()
-		common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: *st.body}}
-		common.HeaderMutation.SetHeaders = append(common.HeaderMutation.SetHeaders, wire.HeaderOption("content-length", strconv.Itoa(len(*st.body))))
-		return st.send(resp)
-	}
 	if st.requestMode == fullDuplex && st.body != nil {
 		// Envoy drops content-length from a request whose body it streams
 		// in this mode, since a processor could change the body. This one
@@ -630,7 +586,33 @@ func (st *stream) route(req picker.Request, inBodyAnswer bool) error {
 		// spares the model server a chunked request.
 		answer.ContentLength = strconv.Itoa(len(*st.body))
 	}
-	return st.send(answer)
+	pre, split := res.Prefiller()
+	rewrittenBody := inBodyAnswer && st.rewritten // only BUFFERED answers the body
+	if !split && !st.clientPrefiller && !rewrittenBody {
+		return st.send(answer)
+	}
+	resp := answer.Message()
+	common := resp.GetRequestHeaders().GetResponse()
+	if inBodyAnswer {
+		common = resp.GetRequestBody().GetResponse()
+	}
+	mutation := common.HeaderMutation
+	if rewrittenBody {
+		// BUFFERED: Envoy passes on the body it holds unless the answer
+		// replaces it, and its content-length with it.
+		common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: *st.body}}
+		mutation.SetHeaders = append(mutation.SetHeaders, wire.HeaderOption("content-length", strconv.Itoa(len(*st.body))))
+	}
+	switch {
+	case split:
+		// The destination's sidecar sends the prefill leg there.
+		mutation.SetHeaders = append(mutation.SetHeaders, wire.HeaderOption(protocol.PrefillerHeader, pre.String()))
+	case st.clientPrefiller:
+		// Not split, and the client named a prefill pod: the decode pod's
+		// sidecar must not send the prefill anywhere.
+		mutation.RemoveHeaders = append(mutation.RemoveHeaders, protocol.PrefillerHeader)
+	}
+	return st.send(resp)
 }
 
 // parse reads the buffered body (nil when none came) into a picker request.
