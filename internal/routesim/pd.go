@@ -6,7 +6,6 @@ import (
 	"math"
 	"slices"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/tallyepp/tally/picker"
@@ -204,24 +203,14 @@ func (c PDComparison) Run(reqs []Request, source string, base Config, parallel i
 			&task{w: pd, load: k, pool: PoolPD, policy: LLMDLike},
 			&task{w: shared, load: k, pool: PoolShared, policy: Tally})
 	}
-	sem := make(chan struct{}, max(parallel, 1))
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	for _, t := range tasks {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer wg.Done()
-			defer func() { <-sem }()
-			t.res, t.err = t.w.Run(t.policy)
-			if t.err == nil {
-				mu.Lock()
-				say(fmt.Sprintf("prefill/decode at %g%%: %s on the %s pool: %d requests in %.2f s", 100*c.Utilisations[t.load], t.policy, t.pool, t.w.Len(), t.res.Wall.Seconds()))
-				mu.Unlock()
-			}
-		}()
-	}
-	wg.Wait()
+	runParallel(len(tasks), parallel, func(i int) {
+		t := tasks[i]
+		t.res, t.err = t.w.Run(t.policy)
+	}, func(i int) {
+		if t := tasks[i]; t.err == nil {
+			say(fmt.Sprintf("prefill/decode at %g%%: %s on the %s pool: %d requests in %.2f s", 100*c.Utilisations[t.load], t.policy, t.pool, t.w.Len(), t.res.Wall.Seconds()))
+		}
+	})
 	for _, t := range tasks {
 		if t.err != nil {
 			return nil, fmt.Errorf("prefill utilisation %g, %s pool: %w", c.Utilisations[t.load], t.pool, t.err)
@@ -398,14 +387,7 @@ func (r *PDReport) WriteMarkdown(w io.Writer) error {
 		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s |\n", pct(l.Utilisation), ratio2(p.TTFT.P50, s.TTFT.P50), ratio2(p.TTFT.P99, s.TTFT.P99),
 			ratio2(p.TPOT.P50, s.TPOT.P50), ratio2(p.TPOT.P99, s.TPOT.P99), ratio2(p.E2E.P99, s.E2E.P99), won)
 	}
-	rate := 0.0
-	if r.Wall > 0 {
-		rate = float64(r.SimulatedRequests) / r.Wall.Seconds()
-	}
-	fmt.Fprintf(&b, "\nSimulated %d requests in %.2f s of wall time (%.0f requests/s).\n", r.SimulatedRequests, r.Wall.Seconds(), rate)
-	if r.Command != "" {
-		fmt.Fprintf(&b, "Command: `%s`\n", r.Command)
-	}
+	writeFooter(&b, r.SimulatedRequests, r.Wall, r.Command)
 	_, err := io.WriteString(w, b.String())
 	return err
 }

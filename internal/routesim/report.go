@@ -476,14 +476,7 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 			fmt.Fprintf(&b, "\n![Requests per engine during the burst](%s)\n", r.ChartInFlight)
 		}
 	}
-	rate := 0.0
-	if r.Wall > 0 {
-		rate = float64(r.SimulatedRequests) / r.Wall.Seconds()
-	}
-	fmt.Fprintf(&b, "\nSimulated %d requests in %.2f s of wall time (%.0f requests/s).\n", r.SimulatedRequests, r.Wall.Seconds(), rate)
-	if r.Command != "" {
-		fmt.Fprintf(&b, "Command: `%s`\n", r.Command)
-	}
+	writeFooter(&b, r.SimulatedRequests, r.Wall, r.Command)
 	_, err := io.WriteString(w, b.String())
 	return err
 }
@@ -563,5 +556,18 @@ func (r *Report) writeLoRA(b *strings.Builder) {
 		}
 		fmt.Fprintf(b, "| %s | %s | %s | %s | %s | %d | %.1f | %s |\n", s.Policy, secs(s.TTFT.P50), secs(s.TTFT.P99),
 			ratio(s.TTFT.P50, r.Bound.TTFT.P50), ratio(s.TTFT.P99, r.Bound.TTFT.P99), s.AdapterLoads, per, joinInts(s.AdaptersServed))
+	}
+}
+
+// writeFooter ends a report: how many requests it simulated in how much
+// wall time (the one figure that is the machine's), and its command.
+func writeFooter(b *strings.Builder, requests int, wall time.Duration, command string) {
+	rate := 0.0
+	if wall > 0 {
+		rate = float64(requests) / wall.Seconds()
+	}
+	fmt.Fprintf(b, "\nSimulated %d requests in %.2f s of wall time (%.0f requests/s).\n", requests, wall.Seconds(), rate)
+	if command != "" {
+		fmt.Fprintf(b, "Command: `%s`\n", command)
 	}
 }

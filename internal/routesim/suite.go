@@ -64,29 +64,19 @@ func (s Suite) Run(reqs []Request, source string) (*Report, error) {
 			tasks = append(tasks, &task{w: bw, policy: p})
 		}
 	}
-	sem := make(chan struct{}, max(s.Parallel, 1))
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	for _, t := range tasks {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer wg.Done()
-			defer func() { <-sem }()
-			t.res, t.err = t.w.Run(t.policy)
-			if t.err == nil {
-				what := "trace"
-				if t.w == bw {
-					what = "burst"
-				}
-				mu.Lock()
-				s.progress(fmt.Sprintf("%s %s: %d requests in %.2f s (%.0f requests/s)", what, t.policy,
-					t.w.Len(), t.res.Wall.Seconds(), float64(t.w.Len())/t.res.Wall.Seconds()))
-				mu.Unlock()
+	runParallel(len(tasks), s.Parallel, func(i int) {
+		t := tasks[i]
+		t.res, t.err = t.w.Run(t.policy)
+	}, func(i int) {
+		if t := tasks[i]; t.err == nil {
+			what := "trace"
+			if t.w == bw {
+				what = "burst"
 			}
-		}()
-	}
-	wg.Wait()
+			s.progress(fmt.Sprintf("%s %s: %d requests in %.2f s (%.0f requests/s)", what, t.policy,
+				t.w.Len(), t.res.Wall.Seconds(), float64(t.w.Len())/t.res.Wall.Seconds()))
+		}
+	})
 
 	r := &Report{Source: source, Config: s.Config, Bound: w.BoundSummary()}
 	r.Describe(w)
@@ -180,4 +170,23 @@ func (r *Report) WriteCharts(dir, name string) error {
 		r.ChartInFlight = files.BurstChart
 	}
 	return nil
+}
+
+// runParallel runs run(i) for each i below n, at most parallel at once,
+// and after each run done(i), one done at a time (progress lines).
+func runParallel(n, parallel int, run, done func(i int)) {
+	sem := make(chan struct{}, max(parallel, 1))
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	for i := range n {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			run(i)
+			mu.Lock()
+			done(i)
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
 }
