@@ -54,31 +54,13 @@ var _ = Describe("Prefill/decode disaggregation through NGINX as NGINX Gateway F
 			}
 			Fail(fmt.Sprintf("these specs need NGINX and its NJS module: run hack/nginx.sh (`make test` does), or set $%s=1 to skip them: %v", nginx.OptionalEnv, err))
 		}
-		ds = startStack(ctx, stack.Options{
-			Namespace:  "e2e-disagg-nginx",
-			PoolName:   "disagg-nginx-pool",
-			Pods:       4,
-			Roles:      []string{stack.RolePrefill, stack.RolePrefill, stack.RoleDecode, stack.RoleDecode},
-			FirstPodIP: disaggNGINXFirstPodIP,
-			TimeScale:  10,
-			PickerArgs: []string{"--config-text=" + disaggPickerConfig},
-		})
-		Expect(ds.WaitForEndpoints(ctx, append(prefill, decode...)...)).To(Succeed())
+		ds = disaggStack(ctx, "e2e-disagg-nginx", "disagg-nginx-pool", disaggNGINXFirstPodIP)
 		var err error
 		gw, err = ds.StartNGINX(ctx, stack.NGINXOptions{})
 		Expect(err).NotTo(HaveOccurred())
 	}, NodeTimeout(2*time.Minute))
 
-	pod := func(name string) *stack.Pod {
-		GinkgoHelper()
-		for _, p := range ds.Pods() {
-			if p.Name == name {
-				return p
-			}
-		}
-		Fail("no pod " + name)
-		return nil
-	}
+	pod := func(name string) *stack.Pod { return podNamed(ds, name) }
 	// stats is what each pod's engine has computed so far.
 	stats := func() map[string]engineWork {
 		GinkgoHelper()

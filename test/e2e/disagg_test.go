@@ -70,6 +70,37 @@ func expectWholeResponse(ctx SpecContext, ds *stack.Stack, body []byte, direct, 
 	Expect(text.String()).To(Equal(c.Choices[0].Text), "the streamed text is the simulator's text")
 }
 
+// podNamed is s's pod called name.
+func podNamed(s *stack.Stack, name string) *stack.Pod {
+	GinkgoHelper()
+	for _, p := range s.Pods() {
+		if p.Name == name {
+			return p
+		}
+	}
+	Fail("no pod " + name)
+	return nil
+}
+
+// disaggStack starts the disaggregated pool the P/D specs run: prefill pods
+// sim-0 and sim-1, decode pods sim-2 and sim-3 (each with the sidecar in
+// front of its simulator), from firstPodIP, splitting at
+// disaggNonCachedTokens.
+func disaggStack(ctx SpecContext, namespace, pool string, firstPodIP netip.Addr) *stack.Stack {
+	GinkgoHelper()
+	s := startStack(ctx, stack.Options{
+		Namespace:  namespace,
+		PoolName:   pool,
+		Pods:       4,
+		Roles:      []string{stack.RolePrefill, stack.RolePrefill, stack.RoleDecode, stack.RoleDecode},
+		FirstPodIP: firstPodIP,
+		TimeScale:  10,
+		PickerArgs: []string{"--config-text=" + disaggPickerConfig},
+	})
+	Expect(s.WaitForEndpoints(ctx, "sim-0", "sim-1", "sim-2", "sim-3")).To(Succeed())
+	return s
+}
+
 var _ = Describe("Prefill/decode disaggregation", Ordered, ContinueOnFailure, func() {
 	var ds *stack.Stack
 	// The pool: prefill pods sim-0 and sim-1, decode pods sim-2 and sim-3
@@ -78,28 +109,10 @@ var _ = Describe("Prefill/decode disaggregation", Ordered, ContinueOnFailure, fu
 	decode := []string{"sim-2", "sim-3"}
 
 	BeforeAll(func(ctx SpecContext) {
-		ds = startStack(ctx, stack.Options{
-			Namespace:  "e2e-disagg",
-			PoolName:   "disagg-pool",
-			Pods:       4,
-			Roles:      []string{stack.RolePrefill, stack.RolePrefill, stack.RoleDecode, stack.RoleDecode},
-			FirstPodIP: disaggFirstPodIP,
-			TimeScale:  10,
-			PickerArgs: []string{"--config-text=" + disaggPickerConfig},
-		})
-		Expect(ds.WaitForEndpoints(ctx, append(prefill, decode...)...)).To(Succeed())
+		ds = disaggStack(ctx, "e2e-disagg", "disagg-pool", disaggFirstPodIP)
 	}, NodeTimeout(2*time.Minute))
 
-	pod := func(name string) *stack.Pod {
-		GinkgoHelper()
-		for _, p := range ds.Pods() {
-			if p.Name == name {
-				return p
-			}
-		}
-		Fail("no pod " + name)
-		return nil
-	}
+	pod := func(name string) *stack.Pod { return podNamed(ds, name) }
 
 	It("prefills a long fresh prompt on a prefill pod and decodes it on a decode pod, the response whole", func(ctx SpecContext) {
 		const maxTokens = 12
