@@ -145,7 +145,7 @@ func (x *Replica) stream(ctx context.Context, c *peerConn) error {
 		}
 	}
 	conn, err := grpc.NewClient(c.peer.Addr.String(), grpc.WithTransportCredentials(creds),
-		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second}),
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: peerPing, Timeout: peerPingTimeout}),
 		grpc.WithStaticStreamWindowSize(peerWindowBytes), grpc.WithStaticConnWindowSize(peerWindowBytes),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxPeerMessageBytes), grpc.MaxCallSendMsgSize(maxPeerMessageBytes)))
 	if err != nil {

@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -70,6 +71,8 @@ type cluster struct {
 	servers []*grpc.Server
 	stops   []context.CancelFunc
 	peers   []Peer
+	// follows counts the peer streams the replicas' servers took.
+	follows atomic.Int64
 }
 
 func newCluster(t testing.TB, n int, creds Credentials, opts Options) *cluster {
@@ -115,7 +118,11 @@ func (c *cluster) start(i int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := grpc.NewServer(ServerOptions(c.creds.Server())...)
+	count := func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+		c.follows.Add(1)
+		return handler(srv, ss)
+	}
+	s := grpc.NewServer(append(ServerOptions(c.creds.Server()), grpc.StreamInterceptor(count))...)
 	x.Register(s)
 	go func() { _ = s.Serve(lis) }()
 	ctx, stop := context.WithCancel(context.Background())
@@ -641,4 +648,30 @@ func TestAFollowerJoiningAFullLedgerGetsItWhole(t *testing.T) {
 	c.eventually("every copy is idle", func() bool {
 		return c.pickers[0].Snapshot().InFlight == 0 && c.pickers[1].Snapshot().InFlight == 0
 	})
+}
+
+// A quiet pool sends nothing on its peer streams for minutes: the
+// follower's keepalive pings must not make the leader's server take it
+// for abuse and cut the stream (gRPC's default policy did, after the
+// fourth ping), or the follower places picks alone until it reconnects.
+func TestAQuietPeerStreamStaysOpen(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits 4.5 keepalive intervals (45 s)")
+	}
+	t.Parallel()
+	c := newCluster(t, 2, writeCredentials(t), Options{})
+	c.lead(0, 0, 1)
+	streams := c.follows.Load()
+	time.Sleep(peerPing*4 + peerPing/2)
+	if n := c.follows.Load(); n != streams {
+		t.Fatalf("the replicas' servers took %d peer streams while nothing happened, after %d: a quiet stream was cut", n-streams, streams)
+	}
+	if c.reps[1].Leader() != c.reps[0].opts.Self {
+		t.Fatalf("the follower follows %q after a quiet spell, not the leader", c.reps[1].Leader())
+	}
+	ps := c.burst(3, "quiet", 1)
+	if got := c.local(1, reasonNoLeader); got != 0 {
+		t.Fatalf("after a quiet spell, the follower placed %v picks alone", got)
+	}
+	c.end(ps)
 }

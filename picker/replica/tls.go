@@ -7,9 +7,11 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/keepalive"
 )
 
 // ServerName is the name a replica's peer certificate is issued for, and
@@ -66,10 +68,24 @@ const peerWindowBytes = 1 << 20
 // would cut it again at each reconnection.
 const maxPeerMessageBytes = 256 << 20
 
-// ServerOptions are the peer server's: creds (Server) and the peer
-// stream's flow control.
+// peerPing is how long a peer stream may carry nothing before the
+// follower pings its peer, and peerPingTimeout how long it waits for the
+// ack before it takes the peer for gone.
+const (
+	peerPing        = 10 * time.Second
+	peerPingTimeout = 5 * time.Second
+)
+
+// ServerOptions are the peer server's: creds (Server), the peer stream's
+// flow control, and a keepalive policy that lets a follower ping every
+// peerPing. gRPC's default policy takes a ping sooner than every 5 minutes
+// for abuse: after three, on a stream with nothing to send (a quiet pool,
+// or a peer that does not lead), it cut the connection with
+// "too_many_pings", and a follower of a leader cut so placed picks alone
+// until it reconnected.
 func ServerOptions(creds credentials.TransportCredentials) []grpc.ServerOption {
 	return []grpc.ServerOption{grpc.Creds(creds),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: peerPing / 2, PermitWithoutStream: true}),
 		grpc.StaticStreamWindowSize(peerWindowBytes), grpc.StaticConnWindowSize(peerWindowBytes),
 		grpc.MaxRecvMsgSize(maxPeerMessageBytes), grpc.MaxSendMsgSize(maxPeerMessageBytes)}
 }

@@ -16,6 +16,21 @@ import (
 // nginxReplicasFirstPodIP keeps this pool's pods off the other specs' addresses.
 var nginxReplicasFirstPodIP = netip.MustParseAddr("127.0.53.2")
 
+// The burst's streams end at the pick, so its reservations are the ledger's
+// model's alone: a pod's first request (3,072 tokens, none cached) is
+// modelled prefilled after 3072 / prefillTokensPerSecond. At the default
+// 10,000 tokens/s that is 0.3 s, less than a busy machine can take to pass
+// the 96 picks through NGINX and its shim (0.49 s, the first picks 0.3 s
+// ahead of the rest): the pods that took the first picks then looked
+// lighter, and took more (33 / 30 / 33). At 2,000 tokens/s no request's
+// prefill ends within 1.5 s of the burst's start, and the model still ends
+// the whole burst (32 × 1,024 tokens a pod, then its decode) well within
+// the drain's minute.
+const nginxReplicasPickerConfig = `apiVersion: tally.tallyepp.io/v1alpha1
+kind: PickerConfig
+prefillTokensPerSecond: 2000
+`
+
 // NGF names the picker's Service to its shim, which dials the name anew
 // for each request: its streams spread over every ready replica, and each
 // ends at the pick (the picker detaches the reservation). Here the shim
@@ -42,7 +57,7 @@ var _ = Describe("Through NGINX as NGINX Gateway Fabric drives it, spread over t
 			// A follower must not place a pick itself while the leader
 			// answers: on a busy machine an answer can take longer than
 			// the default bound.
-			PickerArgs: append(slices.Clone(leaseArgs), "--peer-pick-timeout=2s"),
+			PickerArgs: append(slices.Clone(leaseArgs), "--config-text="+nginxReplicasPickerConfig, "--peer-pick-timeout=2s"),
 		})
 		fronts = []replicaFront{{name: "epp", gatewayURL: rs.GatewayURL(), metrics: rs.PickerMetrics, ledger: rs.Ledger}}
 		for range 2 {
