@@ -47,6 +47,9 @@ func (c *peerConn) send(m *pb.FromFollower) bool {
 	}
 }
 
+// isPick: a pick waits for the leader's answer.
+func isPick(m *pb.FromFollower) bool { return m.GetPick() != nil }
+
 // Run follows the peers SetPeers names and, while this replica leads,
 // leaves the reservations of replicas gone for good to the ledger's model,
 // until ctx ends.
@@ -170,17 +173,8 @@ func (x *Replica) stream(ctx context.Context, c *peerConn) error {
 	}
 	x.mu.Unlock()
 	go func() {
-		for {
-			select {
-			case m := <-c.out:
-				if s.Send(m) != nil {
-					cancel()
-					return
-				}
-			case <-ctx.Done():
-				return
-			}
-		}
+		_ = drainOutbox(ctx, c.out, peerCoalesce, isPick, s.Send)
+		cancel()
 	}()
 	for {
 		m, err := s.Recv()

@@ -100,22 +100,13 @@ func (s server) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromL
 
 	sent := make(chan error, 1)
 	go func() {
-		for {
-			select {
-			case m := <-f.out:
-				f.sendMu.Lock()
-				err := stream.Send(m)
-				f.sendMu.Unlock()
-				if err != nil {
-					sent <- err
-					cancel()
-					return
-				}
-			case <-ctx.Done():
-				sent <- nil
-				return
-			}
-		}
+		err := drainOutbox(ctx, f.out, peerCoalesce, answersAPick, func(m *pb.FromLeader) error {
+			f.sendMu.Lock()
+			defer f.sendMu.Unlock()
+			return stream.Send(m)
+		})
+		cancel()
+		sent <- err
 	}()
 	// The follower's messages are handled as they are read, in order, on
 	// the reading goroutine: no hand-off. The handler returns when the
@@ -138,6 +129,9 @@ func (s server) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromL
 	f.sendMu.Unlock()
 	return nil
 }
+
+// answersAPick: a follower's pick waits for it (a refusal, or queued).
+func answersAPick(m *pb.FromLeader) bool { return m.GetPlaced() != nil }
 
 // hello is this replica's Hello. It reads only what needs no lock.
 func (x *Replica) hello() *pb.Hello {
