@@ -24,6 +24,7 @@ import (
 
 	"github.com/tallyepp/tally/api/v1alpha1"
 	"github.com/tallyepp/tally/internal/peercert"
+	"github.com/tallyepp/tally/internal/testtier"
 	"github.com/tallyepp/tally/picker"
 	pb "github.com/tallyepp/tally/picker/replica/replicapb"
 )
@@ -655,9 +656,7 @@ func TestAFollowerJoiningAFullLedgerGetsItWhole(t *testing.T) {
 // for abuse and cut the stream (gRPC's default policy did, after the
 // fourth ping), or the follower places picks alone until it reconnects.
 func TestAQuietPeerStreamStaysOpen(t *testing.T) {
-	if testing.Short() {
-		t.Skip("waits 4.5 keepalive intervals (45 s)")
-	}
+	testtier.SkipIfShort(t, "45 s of wall time: 4.5 keepalive intervals")
 	t.Parallel()
 	c := newCluster(t, 2, writeCredentials(t), Options{})
 	c.lead(0, 0, 1)
