@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"slices"
+	"strconv"
 	"testing"
 	"time"
 
@@ -483,5 +484,31 @@ func TestCriticalSectionDoesNotAllocateOnKnownBlocks(t *testing.T) {
 	place()
 	if allocs := testing.AllocsPerRun(100, place); allocs != 0 {
 		t.Errorf("the critical section allocated %.1f times per pick of a known prompt, want 0", allocs)
+	}
+}
+
+// /debug/ledger lists the oldest maxListedReservations reservations and
+// counts the rest, as the ledger holds them: ended ones leave the count.
+func TestTheListedReservationsCountThoseLeftOut(t *testing.T) {
+	p := newPicker(t, 3, testConfig(), Options{})
+	rs := make([]*Reservation, maxListedReservations+3)
+	for i := range rs {
+		rs[i] = mustPick(t, p, Request{Model: model, Prompt: text("listed "+strconv.Itoa(i), 8)})
+	}
+	l := p.SnapshotWithReservations()
+	if len(l.Reservations) != maxListedReservations || l.ReservationsOmitted != 3 {
+		t.Fatalf("%d reservations listed, %d omitted; want %d and 3", len(l.Reservations), l.ReservationsOmitted, maxListedReservations)
+	}
+	p.End(rs[0], Outcome{})
+	p.End(rs[len(rs)-1], Outcome{})
+	l = p.SnapshotWithReservations()
+	if len(l.Reservations) != maxListedReservations || l.ReservationsOmitted != 1 {
+		t.Fatalf("after two ended: %d listed, %d omitted; want %d and 1", len(l.Reservations), l.ReservationsOmitted, maxListedReservations)
+	}
+	for _, r := range rs[1 : len(rs)-1] {
+		p.End(r, Outcome{})
+	}
+	if l = p.SnapshotWithReservations(); len(l.Reservations) != 0 || l.ReservationsOmitted != 0 {
+		t.Fatalf("with none in flight: %d listed, %d omitted", len(l.Reservations), l.ReservationsOmitted)
 	}
 }

@@ -180,11 +180,7 @@ func (l *ledger) reservations(now int64, limit int) (list []ReservationStats, om
 		}
 		return r.endPos <= v.posOut || v.posOut >= v.posIn
 	}
-	for r := l.picks.Front(); r != nil; r = l.picks.Next(r) {
-		if len(list) == limit {
-			omitted++
-			continue
-		}
+	for r := l.picks.Front(); r != nil && len(list) < limit; r = l.picks.Next(r) {
 		st := ReservationStats{Endpoint: r.row.ep.Address, Pod: r.row.ep.Pod, Prefiller: r.prefiller,
 			PrefillTokens: r.prefill, Decoding: r.decoding, Detached: r.detached,
 			PromptTokens: r.promptTokens, CachedTokens: r.cachedTokens, Age: time.Duration(now - r.pickedNs)}
@@ -204,7 +200,7 @@ func (l *ledger) reservations(now int64, limit int) (list []ReservationStats, om
 		}
 		list = append(list, st)
 	}
-	return list, omitted
+	return list, l.picks.Len() - len(list)
 }
 
 // snapshot reads the whole ledger as of now without changing it: what the

@@ -15,6 +15,7 @@ package ilist
 // selects. The zero List is empty.
 type List[T any, S Selector[T]] struct {
 	head, tail *T
+	n          int
 }
 
 // Link is an element's place on one list.
@@ -27,6 +28,9 @@ type Link[T any] struct {
 type Selector[T any] interface {
 	Link(x *T) *Link[T]
 }
+
+// Len is how many elements are on l.
+func (l *List[T, S]) Len() int { return l.n }
 
 // Front is the first element pushed of those on l, nil when l is empty.
 func (l *List[T, S]) Front() *T { return l.head }
@@ -47,6 +51,7 @@ func (l *List[T, S]) Push(x *T) {
 		l.head = x
 	}
 	l.tail = x
+	l.n++
 }
 
 // Remove takes x, which must be on l, off it.
@@ -64,4 +69,5 @@ func (l *List[T, S]) Remove(x *T) {
 		l.tail = lx.prev
 	}
 	*lx = Link[T]{}
+	l.n--
 }

@@ -70,6 +70,9 @@ func TestPushAndRemoveKeepPushOrder(t *testing.T) {
 		if got := names(t, &l); !slices.Equal(got, step.want) {
 			t.Fatalf("after removing %s: %v, want %v", step.remove.name, got, step.want)
 		}
+		if l.Len() != len(step.want) {
+			t.Fatalf("after removing %s: Len %d, want %d", step.remove.name, l.Len(), len(step.want))
+		}
 		if step.remove.byA != (Link[item]{}) {
 			t.Fatalf("%s's link is not zero once off the list", step.remove.name)
 		}
@@ -77,8 +80,8 @@ func TestPushAndRemoveKeepPushOrder(t *testing.T) {
 	// Removed elements can be pushed again, and go to the back.
 	l.Push(xs[3])
 	l.Push(xs[0])
-	if got, want := names(t, &l), []string{"d", "a"}; !slices.Equal(got, want) {
-		t.Fatalf("pushed again: %v, want %v", got, want)
+	if got, want := names(t, &l), []string{"d", "a"}; !slices.Equal(got, want) || l.Len() != 2 {
+		t.Fatalf("pushed again: %v (Len %d), want %v", got, l.Len(), want)
 	}
 }
 
