@@ -18,43 +18,18 @@ import (
 // both replicas, the stream's included) and voluntary context switches
 // (ctxsw/op: the threads that went to sleep waiting on a wake-up) per pick.
 func BenchmarkPick(b *testing.B) {
-	c := newCluster(b, 2, writeCredentials(b), Options{PickTimeout: time.Minute})
-	c.lead(0, 1)
-	reqs := make([]picker.Request, 64)
-	for i := range reqs {
-		reqs[i] = picker.Request{Model: "m", Prompt: prompt("", i, 8_000), Stream: true}
-	}
-	for _, via := range []struct {
-		name string
-		i    int
-	}{{"leader", 0}, {"follower", 1}} {
-		b.Run(via.name, func(b *testing.B) {
-			x := c.reps[via.i]
-			// A leader's burst of changes may have cut the follower's
-			// stream (too far behind): measure the forwarded path only.
-			c.lead(0, 1)
-			local := c.local(1, reasonNoLeader) + c.local(1, reasonTimeout)
-			n := 0
-			before := usage(b)
-			for b.Loop() {
-				r, err := x.Admit(context.Background(), reqs[n%len(reqs)])
-				if err != nil {
-					b.Fatal(err)
-				}
-				x.End(r, picker.Outcome{})
-				n++
+	benchVia(b, func(b *testing.B, x *Replica, reqs []picker.Request) int {
+		n := 0
+		for b.Loop() {
+			r, err := x.Admit(context.Background(), reqs[n%len(reqs)])
+			if err != nil {
+				b.Fatal(err)
 			}
-			after := usage(b)
-			b.StopTimer()
-			b.ReportMetric(float64(after.cpu-before.cpu)/float64(n), "cpu-ns/op")
-			b.ReportMetric(float64(after.ctxsw-before.ctxsw)/float64(n), "ctxsw/op")
-			if got := c.local(1, reasonNoLeader) + c.local(1, reasonTimeout) - local; got > 0 {
-				b.Fatalf("the follower placed %v picks itself: the benchmark did not measure forwarding", got)
-			}
-			// Let the ends reach every copy before the next run.
-			c.eventually("every copy idle", func() bool { return sum(c.inFlight(0)) == 0 && sum(c.inFlight(1)) == 0 })
-		})
-	}
+			x.End(r, picker.Outcome{})
+			n++
+		}
+		return n
+	})
 }
 
 // BenchmarkPickPaced picks as the open-loop load does, one every 2.5 ms
@@ -63,46 +38,59 @@ func BenchmarkPick(b *testing.B) {
 // picks share. It reports the pick's latency (p50-ns, p99-ns), and the
 // process's CPU time and voluntary context switches per pick.
 func BenchmarkPickPaced(b *testing.B) {
+	const every = 2500 * time.Microsecond
+	benchVia(b, func(b *testing.B, x *Replica, reqs []picker.Request) int {
+		var took []time.Duration
+		next := time.Now()
+		for b.Loop() {
+			time.Sleep(time.Until(next))
+			next = next.Add(every)
+			start := time.Now()
+			r, err := x.Admit(context.Background(), reqs[len(took)%len(reqs)])
+			took = append(took, time.Since(start))
+			if err != nil {
+				b.Fatal(err)
+			}
+			x.End(r, picker.Outcome{})
+		}
+		slices.Sort(took)
+		b.ReportMetric(float64(took[len(took)/2]), "p50-ns")
+		b.ReportMetric(float64(took[len(took)*99/100]), "p99-ns")
+		return len(took)
+	})
+}
+
+// benchVia runs picks, which makes b.Loop's picks on x and says how many,
+// on the leader of two replicas and then on the follower, each with 64
+// requests of 8,000 tokens. It reports the process's CPU time and
+// voluntary context switches per pick, and fails if the follower placed a
+// pick itself (the benchmark would not have measured forwarding).
+func benchVia(b *testing.B, picks func(b *testing.B, x *Replica, reqs []picker.Request) int) {
 	c := newCluster(b, 2, writeCredentials(b), Options{PickTimeout: time.Minute})
 	c.lead(0, 1)
 	reqs := make([]picker.Request, 64)
 	for i := range reqs {
 		reqs[i] = picker.Request{Model: "m", Prompt: prompt("", i, 8_000), Stream: true}
 	}
-	const every = 2500 * time.Microsecond
 	for _, via := range []struct {
 		name string
 		i    int
 	}{{"leader", 0}, {"follower", 1}} {
 		b.Run(via.name, func(b *testing.B) {
-			x := c.reps[via.i]
+			// A leader's burst of changes may have cut the follower's
+			// stream (too far behind): measure the forwarded path only.
 			c.lead(0, 1)
 			local := c.local(1, reasonNoLeader) + c.local(1, reasonTimeout)
-			var took []time.Duration
 			before := usage(b)
-			next := time.Now()
-			for b.Loop() {
-				time.Sleep(time.Until(next))
-				next = next.Add(every)
-				start := time.Now()
-				r, err := x.Admit(context.Background(), reqs[len(took)%len(reqs)])
-				took = append(took, time.Since(start))
-				if err != nil {
-					b.Fatal(err)
-				}
-				x.End(r, picker.Outcome{})
-			}
+			n := float64(picks(b, c.reps[via.i], reqs))
 			after := usage(b)
 			b.StopTimer()
-			n := float64(len(took))
-			slices.Sort(took)
-			b.ReportMetric(float64(took[len(took)/2]), "p50-ns")
-			b.ReportMetric(float64(took[len(took)*99/100]), "p99-ns")
 			b.ReportMetric(float64(after.cpu-before.cpu)/n, "cpu-ns/op")
 			b.ReportMetric(float64(after.ctxsw-before.ctxsw)/n, "ctxsw/op")
 			if got := c.local(1, reasonNoLeader) + c.local(1, reasonTimeout) - local; got > 0 {
 				b.Fatalf("the follower placed %v picks itself: the benchmark did not measure forwarding", got)
 			}
+			// Let the ends reach every copy before the next run.
 			c.eventually("every copy idle", func() bool { return sum(c.inFlight(0)) == 0 && sum(c.inFlight(1)) == 0 })
 		})
 	}
