@@ -380,19 +380,28 @@ func TestChurnLeavesTheLedgerEmpty(t *testing.T) {
 // the API server, the pool, the pods and the epp binary, and reads the
 // ledger over HTTP.
 func TestChurnThroughTheStack(t *testing.T) {
+	out := runThroughTheStack(t, "--n", "40", "--concurrency", "8", "--tokens", "4000", "churn")
+	if !strings.Contains(out, "ledger: empty") || !strings.Contains(out, "failed 0") {
+		t.Fatalf("want an empty ledger and no failure; stdout:\n%s", out)
+	}
+}
+
+// runThroughTheStack runs the tool with args after --tally-bin (the epp
+// binary of $TALLY_E2E_BIN_DIR), which starts the API server, the pool,
+// the pods and the picker, and returns its stdout; it fails t unless the
+// tool exits 0.
+func runThroughTheStack(t *testing.T, args ...string) string {
+	t.Helper()
 	testtier.SkipIfShort(t, "a kube-apiserver and etcd (envtest), and bin/epp")
 	bin := os.Getenv("TALLY_E2E_BIN_DIR")
 	if bin == "" {
 		t.Skip("TALLY_E2E_BIN_DIR is not set (make test sets it): no epp binary to start")
 	}
 	var out, errs bytes.Buffer
-	code := run(t.Context(), []string{"--tally-bin", filepath.Join(bin, "epp"), "--n", "40", "--concurrency", "8", "--tokens", "4000", "churn"}, &out, &errs)
-	if code != 0 {
+	if code := run(t.Context(), append([]string{"--tally-bin", filepath.Join(bin, "epp")}, args...), &out, &errs); code != 0 {
 		t.Fatalf("exit %d; stdout:\n%s\nstderr:\n%s", code, out.String(), errs.String())
 	}
-	if !strings.Contains(out.String(), "ledger: empty") || !strings.Contains(out.String(), "failed 0") {
-		t.Fatalf("want an empty ledger and no failure; stdout:\n%s", out.String())
-	}
+	return out.String()
 }
 
 func TestFlagsAreChecked(t *testing.T) {
@@ -463,19 +472,10 @@ func TestPDFlagsStartTwoPrefillAndTwoDecodePods(t *testing.T) {
 // labelled with their roles in a real API server, the epp binary with
 // disaggregation on.
 func TestPDBurstThroughTheStack(t *testing.T) {
-	testtier.SkipIfShort(t, "a kube-apiserver and etcd (envtest), and bin/epp")
-	bin := os.Getenv("TALLY_E2E_BIN_DIR")
-	if bin == "" {
-		t.Skip("TALLY_E2E_BIN_DIR is not set (make test sets it): no epp binary to start")
-	}
-	var out, errs bytes.Buffer
-	code := run(t.Context(), []string{"--tally-bin", filepath.Join(bin, "epp"), "--first-pod-ip", "127.0.71.1", "--pd", "--n", "16", "--kind", "fresh", "burst"}, &out, &errs)
-	if code != 0 {
-		t.Fatalf("exit %d; stdout:\n%s\nstderr:\n%s", code, out.String(), errs.String())
-	}
+	out := runThroughTheStack(t, "--first-pod-ip", "127.0.71.1", "--pd", "--n", "16", "--kind", "fresh", "burst")
 	for _, want := range []string{"split 16, not split 0 (nonCachedTokens 16)", "placed 16, refused 0, failed 0", "127.0.71.1:8000        ", "127.0.71.4:8000        "} {
-		if !strings.Contains(out.String(), want) {
-			t.Errorf("stdout lacks %q:\n%s", want, out.String())
+		if !strings.Contains(out, want) {
+			t.Errorf("stdout lacks %q:\n%s", want, out)
 		}
 	}
 }
