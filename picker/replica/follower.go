@@ -19,36 +19,24 @@ const (
 	maxRedial = 2 * time.Second
 )
 
-// peerConn is this replica's stream to one peer. What it sends waits in
-// out, sent by one goroutine.
+// peerConn is this replica's stream to one peer.
 type peerConn struct {
-	peer   Peer
-	out    chan *pb.FromFollower
-	stop   context.CancelFunc
-	cancel context.CancelFunc // the current stream's
-	// Guarded by the replica's mu: what the peer's Hello said.
+	peer Peer
+	stop context.CancelFunc
+	// Guarded by the replica's mu: the current stream's outbox, and what
+	// the peer's Hello said.
+	box     *outbox[*pb.FromFollower]
 	up      bool
 	version uint32
 	leading bool
 }
 
-// send queues m for the peer; a stream too far behind is cut (it resyncs
-// on reconnecting). It reports whether m was queued. Called with mu held.
+// send queues m for the peer, sent within the window; a stream too far
+// behind is cut (it resyncs on reconnecting). It reports whether m was
+// queued. Called with mu held.
 func (c *peerConn) send(m *pb.FromFollower) bool {
-	if !c.up || c.cancel == nil {
-		return false
-	}
-	select {
-	case c.out <- m:
-		return true
-	default:
-		c.cancel()
-		return false
-	}
+	return c.up && c.box != nil && c.box.hold(m)
 }
-
-// isPick: a pick waits for the leader's answer.
-func isPick(m *pb.FromFollower) bool { return m.GetPick() != nil }
 
 // Run follows the peers SetPeers names and, while this replica leads,
 // leaves the reservations of replicas gone for good to the ledger's model,
@@ -95,7 +83,7 @@ func (x *Replica) SetPeers(peers []Peer) {
 			c.stop() // the pod came back at another address
 		}
 		ctx, stop := context.WithCancel(x.ctx)
-		c := &peerConn{peer: p, out: make(chan *pb.FromFollower, outboxSize), stop: stop}
+		c := &peerConn{peer: p, stop: stop}
 		x.peers[p.Name] = c
 		go x.follow(ctx, c)
 	}
@@ -164,16 +152,14 @@ func (x *Replica) stream(ctx context.Context, c *peerConn) error {
 	if err := s.Send(&pb.FromFollower{Msg: &pb.FromFollower_Hello{Hello: &pb.Hello{Version: Version, Replica: x.opts.Self, Instance: x.instance}}}); err != nil {
 		return err
 	}
+	// What an earlier stream left unsent went with its outbox: the Claim
+	// on the next Sync says it all again.
+	box := newOutbox(s.Send, cancel)
 	x.mu.Lock()
-	c.cancel = cancel
-	// Drop what an earlier stream left unsent: the Claim on the next Sync
-	// says it all again.
-	for len(c.out) > 0 {
-		<-c.out
-	}
+	c.box = box
 	x.mu.Unlock()
 	go func() {
-		_ = drainOutbox(ctx, c.out, peerCoalesce, isPick, s.Send)
+		_ = box.run(ctx, peerCoalesce)
 		cancel()
 	}()
 	for {
@@ -190,7 +176,7 @@ func (x *Replica) stream(ctx context.Context, c *peerConn) error {
 func (x *Replica) down(c *peerConn) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	c.up, c.leading, c.cancel = false, false, nil
+	c.up, c.leading, c.box = false, false, nil
 	if x.leader != c {
 		return
 	}

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/proto"
 	testclock "k8s.io/utils/clock/testing"
 
 	"github.com/tallyepp/tally/api/v1alpha1"
@@ -673,4 +674,107 @@ func TestAQuietPeerStreamStaysOpen(t *testing.T) {
 		t.Fatalf("after a quiet spell, the follower placed %v picks alone", got)
 	}
 	c.end(ps)
+}
+
+// hungLeader says it leads, then reads nothing more: a hung process whose
+// connection, and its keepalive, live on.
+type hungLeader struct {
+	pb.UnimplementedPeerServer
+}
+
+func (hungLeader) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromLeader]) error {
+	if _, err := stream.Recv(); err != nil {
+		return err
+	}
+	if err := stream.Send(&pb.FromLeader{Msg: &pb.FromLeader_Hello{Hello: &pb.Hello{Version: Version, Replica: "hung", Leading: true, Instance: "1"}}}); err != nil {
+		return err
+	}
+	<-stream.Context().Done()
+	return nil
+}
+
+// A follower sends its picks itself: once a leader that stopped reading
+// has let the flow control window fill, a send waits, and the stream is
+// cut after peerSendStall. No pick waits longer than that and the pick
+// bound; each is placed here.
+func TestPicksToALeaderThatStoppedReadingArePlacedHere(t *testing.T) {
+	creds := writeCredentials(t)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := grpc.NewServer(ServerOptions(creds.Server())...)
+	pb.RegisterPeerServer(s, hungLeader{})
+	go func() { _ = s.Serve(lis) }()
+	t.Cleanup(s.Stop)
+
+	p := picker.New(v1alpha1.PickerConfig{}, picker.Options{})
+	p.Replace(endpoints())
+	reg := prometheus.NewRegistry()
+	x := New(p, Options{Self: "tally-0", Dial: creds.Dial, Registerer: reg, Log: logFor(t), PickTimeout: 50 * time.Millisecond})
+	ctx, stop := context.WithCancel(context.Background())
+	t.Cleanup(stop)
+	go x.Run(ctx)
+	x.SetPeers([]Peer{{Name: "tally-0"}, {Name: "hung", Addr: netip.MustParseAddrPort(lis.Addr().String())}})
+	deadline := time.Now().Add(10 * time.Second)
+	for x.Leader() != "hung" {
+		if time.Now().After(deadline) {
+			t.Fatal("the follower does not follow the hung leader")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+
+	req := func(k int) picker.Request {
+		return picker.Request{Model: "m", Prompt: prompt("", k, 32_000), Stream: true}
+	}
+	size := proto.Size(&pb.FromFollower{Msg: &pb.FromFollower_Pick{Pick: &pb.Pick{Id: x.newID(), Request: toRequest(p.Prepare(req(0)))}}})
+	// Twice what the window lets go unread (the placements the follower
+	// then shares with the leader fill it too).
+	n := 2*peerWindowBytes/size + 1
+	var (
+		next   atomic.Int64
+		placed atomic.Int64
+		wg     sync.WaitGroup
+		mu     sync.Mutex
+		rs     []*picker.Reservation
+	)
+	for range 32 {
+		wg.Go(func() {
+			for k := int(next.Add(1)); k <= n; k = int(next.Add(1)) {
+				r, err := x.Admit(context.Background(), req(k))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				placed.Add(1)
+				mu.Lock()
+				rs = append(rs, r)
+				mu.Unlock()
+			}
+		})
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("after 2 minutes %d of %d picks are placed: the others wait on a send to a leader that reads nothing", placed.Load(), n)
+	}
+	local := 0.0
+	for _, reason := range []string{reasonTimeout, reasonNoLeader} {
+		local += testutil.ToFloat64(newMetricsFor(reg).WithLabelValues(reason))
+	}
+	if int(local) != n {
+		t.Errorf("%v of %d picks placed here", local, n)
+	}
+	inFlight := 0
+	for _, e := range p.Snapshot().Endpoints {
+		inFlight += e.InFlight
+	}
+	if inFlight != n {
+		t.Errorf("the follower's ledger holds %d in flight, want %d", inFlight, n)
+	}
+	for _, r := range rs {
+		x.End(r, picker.Outcome{})
+	}
 }
