@@ -2,6 +2,7 @@ package replica
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"time"
 
@@ -19,24 +20,36 @@ const (
 	maxRedial = 2 * time.Second
 )
 
-// peerConn is this replica's stream to one peer.
+// peerConn is this replica's stream to one peer. What it sends waits in
+// out, sent by one goroutine.
 type peerConn struct {
-	peer Peer
-	stop context.CancelFunc
-	// Guarded by the replica's mu: the current stream's outbox, and what
-	// the peer's Hello said.
-	box     *outbox[*pb.FromFollower]
+	peer   Peer
+	out    chan *pb.FromFollower
+	stop   context.CancelFunc
+	cancel context.CancelCauseFunc // the current stream's
+	// Guarded by the replica's mu: what the peer's Hello said.
 	up      bool
 	version uint32
 	leading bool
 }
 
-// send queues m for the peer, sent within the window; a stream too far
-// behind is cut (it resyncs on reconnecting). It reports whether m was
-// queued. Called with mu held.
+// send queues m for the peer; a stream too far behind is cut (it resyncs
+// on reconnecting). It reports whether m was queued. Called with mu held.
 func (c *peerConn) send(m *pb.FromFollower) bool {
-	return c.up && c.box != nil && c.box.hold(m)
+	if !c.up || c.cancel == nil {
+		return false
+	}
+	select {
+	case c.out <- m:
+		return true
+	default:
+		c.cancel(errOutboxFull)
+		return false
+	}
 }
+
+// isPick: a pick waits for the leader's answer.
+func isPick(m *pb.FromFollower) bool { return m.GetPick() != nil }
 
 // Run follows the peers SetPeers names and, while this replica leads,
 // leaves the reservations of replicas gone for good to the ledger's model,
@@ -83,7 +96,7 @@ func (x *Replica) SetPeers(peers []Peer) {
 			c.stop() // the pod came back at another address
 		}
 		ctx, stop := context.WithCancel(x.ctx)
-		c := &peerConn{peer: p, stop: stop}
+		c := &peerConn{peer: p, out: make(chan *pb.FromFollower, outboxSize), stop: stop}
 		x.peers[p.Name] = c
 		go x.follow(ctx, c)
 	}
@@ -143,8 +156,8 @@ func (x *Replica) stream(ctx context.Context, c *peerConn) error {
 		return err
 	}
 	defer conn.Close()
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
 	s, err := pb.NewPeerClient(conn).Follow(ctx)
 	if err != nil {
 		return err
@@ -152,19 +165,24 @@ func (x *Replica) stream(ctx context.Context, c *peerConn) error {
 	if err := s.Send(&pb.FromFollower{Msg: &pb.FromFollower_Hello{Hello: &pb.Hello{Version: Version, Replica: x.opts.Self, Instance: x.instance}}}); err != nil {
 		return err
 	}
-	// What an earlier stream left unsent went with its outbox: the Claim
-	// on the next Sync says it all again.
-	box := newOutbox(s.Send, cancel)
 	x.mu.Lock()
-	c.box = box
+	c.cancel = cancel
+	// Drop what an earlier stream left unsent: the Claim on the next Sync
+	// says it all again.
+	for len(c.out) > 0 {
+		<-c.out
+	}
 	x.mu.Unlock()
 	go func() {
-		_ = box.run(ctx, peerCoalesce)
-		cancel()
+		cancel(drainOutbox(ctx, c.out, peerCoalesce, isPick, s.Send))
 	}()
 	for {
 		m, err := s.Recv()
 		if err != nil {
+			// Why this side cut it, if it did.
+			if why := context.Cause(ctx); why != nil && !errors.Is(why, context.Canceled) {
+				return why
+			}
 			return err
 		}
 		x.fromLeader(c, m)
@@ -176,7 +194,7 @@ func (x *Replica) stream(ctx context.Context, c *peerConn) error {
 func (x *Replica) down(c *peerConn) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	c.up, c.leading, c.box = false, false, nil
+	c.up, c.leading, c.cancel = false, false, nil
 	if x.leader != c {
 		return
 	}

@@ -2,7 +2,9 @@ package replica
 
 import (
 	"context"
+	"errors"
 	"net/netip"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -14,22 +16,44 @@ import (
 )
 
 // follower is a follower's stream as a replica serves it: what the replica
-// sends it waits in its outbox, so that the replica never blocks on a slow
-// peer.
+// sends it waits in out, sent by one goroutine, so that the replica never
+// blocks on a slow peer.
 type follower struct {
 	name   string
-	box    *outbox[*pb.FromLeader]
-	cancel context.CancelFunc
+	out    chan *pb.FromLeader
+	cancel context.CancelCauseFunc
+	// The stream, sent on by the outbox's goroutine and, for the answer
+	// to the follower's own pick, by the goroutine that placed it.
+	stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromLeader]
+	sendMu sync.Mutex
+	closed bool // the handler returned: the stream takes no more sends
 }
-
-// send queues m for the follower, sent within the window.
-func (f *follower) send(m *pb.FromLeader) { f.box.hold(m) }
 
 // sendNow sends m at once, from the calling goroutine: the answer to a
 // pick, which waits on no broadcast queued before it (the follower
 // matches it by id). A follower that does not read blocks only this
 // follower's picks, until its stream is cut.
-func (f *follower) sendNow(m *pb.FromLeader) { _ = f.box.now(m) }
+func (f *follower) sendNow(m *pb.FromLeader) {
+	f.sendMu.Lock()
+	var err error
+	if !f.closed {
+		err = f.stream.Send(m)
+	}
+	f.sendMu.Unlock()
+	if err != nil {
+		f.cancel(err)
+	}
+}
+
+// send queues m for the follower; a follower too far behind is cut off
+// (it resyncs when it reconnects).
+func (f *follower) send(m *pb.FromLeader) {
+	select {
+	case f.out <- m:
+	default:
+		f.cancel(errOutboxFull)
+	}
+}
 
 // Register serves the peer protocol on s.
 func (x *Replica) Register(s *grpc.Server) { pb.RegisterPeerServer(s, server{x: x}) }
@@ -56,9 +80,9 @@ func (s server) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromL
 		_ = stream.Send(&pb.FromLeader{Msg: &pb.FromLeader_Hello{Hello: x.hello()}})
 		return status.Errorf(codes.FailedPrecondition, "peer protocol version %d is not spoken here (%d)", h.Version, Version)
 	}
-	ctx, cancel := context.WithCancel(stream.Context())
-	defer cancel()
-	f := &follower{name: h.Replica, box: newOutbox(stream.Send, cancel), cancel: cancel}
+	ctx, cancel := context.WithCancelCause(stream.Context())
+	defer cancel(nil)
+	f := &follower{name: h.Replica, out: make(chan *pb.FromLeader, outboxSize), cancel: cancel, stream: stream}
 	x.restarted(f.name, h.Instance)
 	x.mu.Lock()
 	x.followers[f] = struct{}{}
@@ -77,15 +101,19 @@ func (s server) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromL
 
 	sent := make(chan error, 1)
 	go func() {
-		err := f.box.run(ctx, peerCoalesce)
-		cancel()
+		err := drainOutbox(ctx, f.out, peerCoalesce, answersAPick, func(m *pb.FromLeader) error {
+			f.sendMu.Lock()
+			defer f.sendMu.Unlock()
+			return stream.Send(m)
+		})
+		cancel(err)
 		sent <- err
 	}()
 	// The follower's messages are handled as they are read, in order, on
 	// the reading goroutine: no hand-off. The handler returns when the
 	// stream ends or the follower is cut off (its Recv then ends too).
 	go func() {
-		defer cancel()
+		defer cancel(nil)
 		for {
 			m, err := stream.Recv()
 			if err != nil || ctx.Err() != nil {
@@ -97,9 +125,17 @@ func (s server) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromL
 	<-ctx.Done()
 	<-sent
 	// A pick still being placed (or waiting in the queue) answers no one.
-	f.box.close()
+	f.sendMu.Lock()
+	f.closed = true
+	f.sendMu.Unlock()
+	if why := context.Cause(ctx); errors.Is(why, errOutboxFull) {
+		x.opts.Log.Info("cut a follower's peer stream; it resyncs when it reconnects", "follower", f.name, "reason", why)
+	}
 	return nil
 }
+
+// answersAPick: a follower's pick waits for it (a refusal, or queued).
+func answersAPick(m *pb.FromLeader) bool { return m.GetPlaced() != nil }
 
 // hello is this replica's Hello. It reads only what needs no lock.
 func (x *Replica) hello() *pb.Hello {
@@ -198,8 +234,7 @@ func (x *Replica) fromFollower(ctx context.Context, f *follower, m *pb.FromFollo
 // flow control's queue is answered queued at once, and placed later.
 func (x *Replica) placeFor(ctx context.Context, f *follower, p *pb.Pick) {
 	if !x.leading.Load() {
-		f.box.add(placed(&pb.Placed{Id: p.Id, Refusal: pb.Refusal_REFUSAL_NOT_LEADING}))
-		_ = f.box.flush()
+		f.send(placed(&pb.Placed{Id: p.Id, Refusal: pb.Refusal_REFUSAL_NOT_LEADING}))
 		return
 	}
 	pr := fromRequest(p.Request)
@@ -212,9 +247,8 @@ func (x *Replica) placeFor(ctx context.Context, f *follower, p *pb.Pick) {
 	e.ticket = t
 	x.mu.Lock()
 	x.byID[e.id] = e
-	f.box.add(placed(&pb.Placed{Id: p.Id, Queued: true}))
+	f.send(placed(&pb.Placed{Id: p.Id, Queued: true}))
 	x.mu.Unlock()
-	_ = f.box.flush()
 	go func() {
 		r, err := t.Wait(ctx)
 		x.answer(f, e, r, err)

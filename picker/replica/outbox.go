@@ -2,8 +2,7 @@ package replica
 
 import (
 	"context"
-	"errors"
-	"sync"
+	"fmt"
 	"time"
 )
 
@@ -15,198 +14,61 @@ import (
 // on one another. An outbox holds such a change up to peerCoalesce for
 // those that follow it, and gRPC writes what it is handed at once in one
 // system call. What a pick waits for (a follower's pick, the leader's
-// answer) is sent by the goroutine that has it, at once, with what waits
-// before it, in order: a Claim queued before a pick must reach the leader
-// first, or the leader would end the pick's placement as one the follower
-// no longer claims. Handing a pick to another goroutine to send would cost
-// it a wake-up, on a busy machine the largest part of its round trip.
+// answer) goes at once, with what waits before it, in order: a Claim
+// queued before a pick must reach the leader first, or the leader would
+// end the pick's placement as one the follower no longer claims.
+// errOutboxFull cuts the stream of a peer too far behind: it resyncs when
+// it reconnects.
+var errOutboxFull = fmt.Errorf("peer stream cut: %d messages wait unsent, the peer reads too slowly", outboxSize)
+
 const (
 	peerCoalesce = 2 * time.Millisecond
-	// peerSendStall is the longest a pick waits to be sent: with 1 MiB of
-	// flow control window, seconds of picks, a send that waits this long
-	// is to a leader that stopped reading (hung, not gone: its keepalive
-	// answers), and its stream is cut.
-	peerSendStall = time.Second
-	// maxBatch is the most messages that wait for the window: a full
-	// batch goes at once.
+	// maxBatch bounds the messages one write gathers.
 	maxBatch = 256
 )
 
-// errOutboxFull cuts a stream whose peer is too far behind (it resyncs
-// when it reconnects); errStreamDone ends an outbox whose stream ended.
-var (
-	errOutboxFull = errors.New("peer stream: outbox full, the peer reads too slowly")
-	errStreamDone = errors.New("peer stream ended")
-)
-
-// outbox holds one peer stream's messages until they are sent, in order.
-// send is the stream's: it is called by one goroutine at a time.
-type outbox[M any] struct {
-	send func(M) error
-	cut  func() // ends the stream, at the first failed send or a full outbox
-
-	sending sync.Mutex // held while sending
-	spare   []M        // under sending: the queue's next backing array
-
-	mu     sync.Mutex
-	queue  []M
-	err    error         // once set, nothing more is taken or sent
-	window chan struct{} // a held message began a window
-	full   chan struct{} // the held messages make a batch
-}
-
-func newOutbox[M any](send func(M) error, cut func()) *outbox[M] {
-	return &outbox[M]{send: send, cut: cut, window: make(chan struct{}, 1), full: make(chan struct{}, 1)}
-}
-
-// hold queues m to be sent within the window. It reports whether m was
-// taken: not when the stream ended or the outbox is full, which cuts it.
-func (o *outbox[M]) hold(m M) bool {
-	n, ok := o.put(m)
-	switch {
-	case !ok:
-	case n == 1:
-		signal(o.window)
-	case n == maxBatch:
-		signal(o.full)
-	}
-	return ok
-}
-
-// add queues m for the caller, which calls flush once it has let go of
-// its locks. It reports whether m was taken, as hold does.
-func (o *outbox[M]) add(m M) bool {
-	_, ok := o.put(m)
-	return ok
-}
-
-// put appends m to the queue, and says how long the queue is then.
-func (o *outbox[M]) put(m M) (int, bool) {
-	o.mu.Lock()
-	if o.err == nil && len(o.queue) >= outboxSize {
-		o.err = errOutboxFull
-		o.mu.Unlock()
-		o.cut()
-		return 0, false
-	}
-	defer o.mu.Unlock()
-	if o.err != nil {
-		return 0, false
-	}
-	o.queue = append(o.queue, m)
-	return len(o.queue), true
-}
-
-// flush sends what is queued, in order, from the calling goroutine.
-func (o *outbox[M]) flush() error {
-	o.sending.Lock()
-	defer o.sending.Unlock()
-	o.mu.Lock()
-	batch, err := o.queue, o.err
-	o.queue = o.spare
-	o.mu.Unlock()
-	if err != nil {
-		return err
-	}
-	for _, m := range batch {
-		if err := o.sendOrCut(m); err != nil {
-			return err
-		}
-	}
-	clear(batch)
-	o.spare = batch[:0]
-	return nil
-}
-
-// flushWithin is flush for a goroutine that cannot wait long: a send
-// that gRPC holds back for want of flow control window, which a peer that
-// stopped reading leaves shut, cuts the stream after d, ending the send.
-func (o *outbox[M]) flushWithin(d time.Duration) error {
-	guard := time.AfterFunc(d, o.cut)
-	defer guard.Stop()
-	return o.flush()
-}
-
-// now sends m from the calling goroutine, ahead of what is queued: an
-// answer that the peer matches by id, which waits on nothing before it.
-func (o *outbox[M]) now(m M) error {
-	o.sending.Lock()
-	defer o.sending.Unlock()
-	o.mu.Lock()
-	err := o.err
-	o.mu.Unlock()
-	if err != nil {
-		return err
-	}
-	return o.sendOrCut(m)
-}
-
-// sendOrCut sends m; a failed send ends the outbox and cuts the stream.
-// Called with sending held.
-func (o *outbox[M]) sendOrCut(m M) error {
-	err := o.send(m)
-	if err != nil {
-		o.mu.Lock()
-		o.err = err
-		o.mu.Unlock()
-		o.cut()
-	}
-	return err
-}
-
-// close ends the outbox: what is queued is dropped and nothing more is
-// sent. It waits for a send under way.
-func (o *outbox[M]) close() {
-	o.sending.Lock()
-	o.mu.Lock()
-	if o.err == nil {
-		o.err = errStreamDone
-	}
-	o.queue = nil
-	o.mu.Unlock()
-	o.sending.Unlock()
-}
-
-// run sends each held message within window of its coming, with what
-// came before it and since, until ctx ends (nil) or a send fails (its
-// error).
-func (o *outbox[M]) run(ctx context.Context, window time.Duration) error {
+// drainOutbox sends what comes on out until ctx ends or a send fails (its
+// error): each message, and what comes within window of it unless it or
+// one after it is urgent, in one batch of sends, in order.
+func drainOutbox[M any](ctx context.Context, out <-chan M, window time.Duration, urgent func(M) bool, send func(M) error) error {
+	batch := make([]M, 0, maxBatch)
 	t := time.NewTimer(time.Hour)
 	t.Stop()
 	for {
 		select {
-		case <-o.window:
-		case <-o.full:
+		case m := <-out:
+			batch = append(batch[:0], m)
+			if !urgent(m) {
+				t.Reset(window)
+				gather(ctx, out, t.C, urgent, &batch)
+				t.Stop()
+			}
 		case <-ctx.Done():
 			return nil
 		}
-		if !o.isFull() {
-			t.Reset(window)
-			select {
-			case <-t.C:
-			case <-o.full:
-				t.Stop()
-			case <-ctx.Done():
-				return nil
+		for _, m := range batch {
+			if err := send(m); err != nil {
+				return err
 			}
 		}
-		if err := o.flush(); err != nil {
-			return err
-		}
+		clear(batch)
 	}
 }
 
-// isFull says whether the held messages make a batch.
-func (o *outbox[M]) isFull() bool {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return len(o.queue) >= maxBatch
-}
-
-// signal sends on c unless a signal already waits there.
-func signal(c chan struct{}) {
-	select {
-	case c <- struct{}{}:
-	default:
+// gather appends to batch what comes on out until timeout fires, an urgent
+// message comes, ctx ends or batch is full.
+func gather[M any](ctx context.Context, out <-chan M, timeout <-chan time.Time, urgent func(M) bool, batch *[]M) {
+	for len(*batch) < maxBatch {
+		select {
+		case m := <-out:
+			*batch = append(*batch, m)
+			if urgent(m) {
+				return
+			}
+		case <-timeout:
+			return
+		case <-ctx.Done():
+			return
+		}
 	}
 }

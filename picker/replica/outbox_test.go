@@ -9,28 +9,17 @@ import (
 	"time"
 )
 
-// sink records what an outbox sends.
+// sink records what drainOutbox sends.
 type sink struct {
 	mu   sync.Mutex
 	sent []int
-	fail error // once set, every send fails with it
-	cuts int
 }
 
 func (s *sink) send(m int) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.fail != nil {
-		return s.fail
-	}
 	s.sent = append(s.sent, m)
 	return nil
-}
-
-func (s *sink) cut() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.cuts++
 }
 
 func (s *sink) got() []int {
@@ -51,172 +40,67 @@ func (s *sink) waitFor(t *testing.T, want []int) {
 	}
 }
 
-// running starts o's goroutine with window; it ends with the test.
-func running(t *testing.T, o *outbox[int], window time.Duration) {
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- o.run(ctx, window) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("an outbox whose stream ended says %v", err)
-		}
-	})
-}
+func negative(m int) bool { return m < 0 }
 
-func TestAnOutboxHoldsChangesForTheWindowAndAPickGoesAtOnceBehindThem(t *testing.T) {
+func TestAnOutboxHoldsChangesForTheWindowAndSendsAPickAtOnceAfterThem(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	out := make(chan int, 16)
 	var s sink
-	o := newOutbox(s.send, s.cut)
-	running(t, o, time.Hour)
+	done := make(chan error, 1)
+	go func() { done <- drainOutbox(ctx, out, time.Hour, negative, s.send) }()
 	for m := range 3 {
-		if !o.hold(m) {
-			t.Fatalf("an open outbox did not take %d", m)
-		}
+		out <- m
 	}
 	time.Sleep(20 * time.Millisecond)
 	if got := s.got(); len(got) != 0 {
 		t.Fatalf("changes were sent one by one within the window: %v", got)
 	}
-	// A pick: the caller sends it, behind what waited, in order.
-	o.add(-1)
-	if err := o.flush(); err != nil {
-		t.Fatal(err)
-	}
-	if got, want := s.got(), []int{0, 1, 2, -1}; !slices.Equal(got, want) {
-		t.Fatalf("a flush sent %v, want %v", got, want)
-	}
-	// An answer goes ahead of what is held.
-	o.hold(3)
-	if err := o.now(-2); err != nil {
-		t.Fatal(err)
-	}
-	if got, want := s.got(), []int{0, 1, 2, -1, -2}; !slices.Equal(got, want) {
-		t.Fatalf("now sent %v, want %v", got, want)
+	out <- -1 // a pick: it goes now, behind what waited, in order
+	s.waitFor(t, []int{0, 1, 2, -1})
+	out <- -2 // alone, at once
+	s.waitFor(t, []int{0, 1, 2, -1, -2})
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("an outbox whose stream ended says %v", err)
 	}
 }
 
 func TestAnOutboxSendsChangesWhenTheWindowEnds(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	out := make(chan int, 16)
 	var s sink
-	o := newOutbox(s.send, s.cut)
-	running(t, o, 5*time.Millisecond)
-	o.hold(7)
-	o.hold(8)
+	go func() { _ = drainOutbox(ctx, out, 5*time.Millisecond, negative, s.send) }()
+	out <- 7
+	out <- 8
 	s.waitFor(t, []int{7, 8})
-	o.hold(9)
+	out <- 9
 	s.waitFor(t, []int{7, 8, 9})
-	// A flush that took what the window waited for leaves it nothing.
-	o.hold(10)
-	if err := o.flush(); err != nil {
-		t.Fatal(err)
-	}
-	time.Sleep(20 * time.Millisecond)
-	s.waitFor(t, []int{7, 8, 9, 10})
 }
 
 func TestAFullBatchGoesWithoutWaiting(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	out := make(chan int, maxBatch+1)
 	var s sink
-	o := newOutbox(s.send, s.cut)
-	running(t, o, time.Hour)
+	go func() { _ = drainOutbox(ctx, out, time.Hour, negative, s.send) }()
 	want := make([]int, maxBatch)
 	for i := range want {
 		want[i] = i
-		o.hold(i)
+		out <- i
 	}
 	s.waitFor(t, want)
 }
 
-func TestMessagesFromManyGoroutinesGoInTheOrderTheyWereQueued(t *testing.T) {
-	var s sink
-	o := newOutbox(s.send, s.cut)
-	running(t, o, 100*time.Microsecond)
-	// As the replica does: queued under one lock, each sender then
-	// flushes (a pick) or leaves it to the window (a change).
-	var mu sync.Mutex
-	next := 0
-	var wg sync.WaitGroup
-	for g := range 8 {
-		wg.Go(func() {
-			for range 200 {
-				mu.Lock()
-				m := next
-				next++
-				if g%2 == 0 {
-					o.add(m)
-				} else {
-					o.hold(m)
-				}
-				mu.Unlock()
-				if g%2 == 0 {
-					if err := o.flush(); err != nil {
-						t.Error(err)
-						return
-					}
-				}
-			}
-		})
-	}
-	wg.Wait()
-	want := make([]int, 8*200)
-	for i := range want {
-		want[i] = i
-	}
-	s.waitFor(t, want)
-}
-
-func TestAnOutboxStopsAtAFailedSendAndCutsTheStream(t *testing.T) {
+func TestAnOutboxStopsAtAFailedSend(t *testing.T) {
+	out := make(chan int, 4)
 	broken := errors.New("stream broke")
-	s := sink{fail: broken}
-	o := newOutbox(s.send, s.cut)
-	o.add(-1)
-	o.add(-2)
-	if err := o.flush(); !errors.Is(err, broken) {
-		t.Fatalf("a flush over a broken stream says %v", err)
-	}
-	if s.cuts != 1 {
-		t.Fatalf("the stream was cut %d times, want once", s.cuts)
-	}
-	if o.hold(3) || o.add(4) {
-		t.Fatal("an outbox whose stream broke took another message")
-	}
-	if err := o.now(5); !errors.Is(err, broken) {
-		t.Fatalf("now over a broken stream says %v", err)
-	}
-}
-
-func TestAFullOutboxCutsItsStream(t *testing.T) {
-	var s sink
-	o := newOutbox(s.send, s.cut)
-	for i := range outboxSize {
-		if !o.hold(i) {
-			t.Fatalf("message %d of %d was refused", i, outboxSize)
-		}
-	}
-	if o.hold(outboxSize) {
-		t.Fatal("a full outbox took one more")
-	}
-	if s.cuts != 1 {
-		t.Fatalf("a full outbox cut its stream %d times, want once", s.cuts)
-	}
-	if err := o.flush(); !errors.Is(err, errOutboxFull) {
-		t.Fatalf("a flush after the outbox filled says %v", err)
-	}
-	if got := s.got(); len(got) != 0 {
-		t.Fatalf("a cut outbox sent %d messages", len(got))
-	}
-}
-
-func TestAClosedOutboxSendsNothing(t *testing.T) {
-	var s sink
-	o := newOutbox(s.send, s.cut)
-	o.hold(1)
-	o.close()
-	if err := o.now(2); !errors.Is(err, errStreamDone) {
-		t.Fatalf("now after close says %v", err)
-	}
-	if err := o.flush(); !errors.Is(err, errStreamDone) {
-		t.Fatalf("flush after close says %v", err)
-	}
-	if got := s.got(); len(got) != 0 {
-		t.Fatalf("a closed outbox sent %v", got)
+	calls := 0
+	out <- -1
+	out <- -2
+	err := drainOutbox(context.Background(), out, time.Hour, negative, func(int) error { calls++; return broken })
+	if !errors.Is(err, broken) || calls != 1 {
+		t.Fatalf("after a failed send: %v, %d sends; want the send's error after one", err, calls)
 	}
 }

@@ -284,17 +284,11 @@ func (x *Replica) placeAlone(ctx context.Context, pr picker.Prepared, id, reason
 func (x *Replica) forward(ctx context.Context, c *peerConn, pr picker.Prepared) (*picker.Reservation, error) {
 	start := time.Now()
 	e := &entry{id: x.newID(), origin: x.opts.Self, pr: pr, shared: true, answer: make(chan *pb.Placed, 2)}
-	pick := &pb.FromFollower{Msg: &pb.FromFollower_Pick{Pick: &pb.Pick{Id: e.id, Request: toRequest(pr)}}}
 	x.mu.Lock()
 	x.byID[e.id] = e
-	box := c.box
-	ok := c.up && box != nil && box.add(pick)
+	ok := c.send(&pb.FromFollower{Msg: &pb.FromFollower_Pick{Pick: &pb.Pick{Id: e.id, Request: toRequest(pr)}}})
 	x.mu.Unlock()
-	if ok {
-		// Sent from here, with what was queued before it. A failed or
-		// stalled send cuts the stream, which answers the pick with nil.
-		_ = box.flushWithin(peerSendStall)
-	} else {
+	if !ok {
 		x.forget(e)
 		return x.placeAlone(ctx, pr, e.id, reasonNoLeader)
 	}

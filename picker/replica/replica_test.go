@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
 	"github.com/go-logr/logr/testr"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -693,10 +694,9 @@ func (hungLeader) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.Fro
 	return nil
 }
 
-// A follower sends its picks itself: once a leader that stopped reading
-// has let the flow control window fill, a send waits, and the stream is
-// cut after peerSendStall. No pick waits longer than that and the pick
-// bound; each is placed here.
+// A leader that stopped reading lets its flow control window fill; then
+// the follower's sends wait, in the outbox's goroutine, and its picks do
+// not: no pick waits past the pick bound, and each is placed here.
 func TestPicksToALeaderThatStoppedReadingArePlacedHere(t *testing.T) {
 	creds := writeCredentials(t)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
@@ -711,7 +711,9 @@ func TestPicksToALeaderThatStoppedReadingArePlacedHere(t *testing.T) {
 	p := picker.New(v1alpha1.PickerConfig{}, picker.Options{})
 	p.Replace(endpoints())
 	reg := prometheus.NewRegistry()
-	x := New(p, Options{Self: "tally-0", Dial: creds.Dial, Registerer: reg, Log: logFor(t), PickTimeout: 50 * time.Millisecond})
+	var logged syncBuffer
+	log := funcr.New(func(prefix, args string) { logged.WriteString(prefix + " " + args + "\n") }, funcr.Options{})
+	x := New(p, Options{Self: "tally-0", Dial: creds.Dial, Registerer: reg, Log: log, PickTimeout: 50 * time.Millisecond})
 	ctx, stop := context.WithCancel(context.Background())
 	t.Cleanup(stop)
 	go x.Run(ctx)
@@ -777,4 +779,44 @@ func TestPicksToALeaderThatStoppedReadingArePlacedHere(t *testing.T) {
 	for _, r := range rs {
 		x.End(r, picker.Outcome{})
 	}
+
+	// What waits unsent grows with each pick placed here (its Adopt) and
+	// each end, until the outbox is full: the stream is cut, and the log
+	// says why.
+	cut := func() bool { return strings.Contains(logged.String(), errOutboxFull.Error()) }
+	deadline = time.Now().Add(2 * time.Minute)
+	for range 32 {
+		wg.Go(func() {
+			for !cut() && time.Now().Before(deadline) {
+				r, err := x.Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", int(next.Add(1)), 100)})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				x.End(r, picker.Outcome{})
+			}
+		})
+	}
+	wg.Wait()
+	if !cut() {
+		t.Fatalf("after 2 minutes of picks the follower's outbox to a leader that reads nothing was not cut for being full; it logged:\n%s", logged.String())
+	}
+}
+
+// syncBuffer is a strings.Builder for several goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (b *syncBuffer) WriteString(s string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.b.WriteString(s)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
 }

@@ -58,8 +58,8 @@ func (c Credentials) Check() error {
 // the other: 5 writes and 10 reads for a forwarded pick at 400 a second,
 // 3 and 6 without (BenchmarkPickPaced). A MiB lets some 2,000 picks of
 // 8,000 tokens (about 530 bytes each) be sent unread; past it the sends
-// wait, and a stalled peer's stream is cut: by a pick's send after
-// peerSendStall, or by the outbox's bound (outboxSize).
+// wait in the outbox, whose bound cuts a stalled peer's stream
+// (outboxSize).
 const peerWindowBytes = 1 << 20
 
 // maxPeerMessageBytes bounds one peer message each way. A Sync or a Claim
