@@ -69,6 +69,8 @@ type fixtureOptions struct {
 	now func() time.Time
 	// pool says why the pool offers no endpoint; nil: no cause is given.
 	pool extproc.Pool
+	// dial adds to the gateway's dial options.
+	dial []grpc.DialOption
 }
 
 type fixture struct {
@@ -126,11 +128,12 @@ func newFixture(t testing.TB, o fixtureOptions) *fixture {
 	// stream logs after its test is over.
 	g := grpc.NewServer(append(extproc.GRPCServerOptions(o.maxRequestBytes), grpc.WaitForHandlers(true))...)
 	srv.Register(g)
-	return &fixture{picker: p, reg: reg, gw: serve(t, g, grpc.WithTransportCredentials(insecure.NewCredentials()))}
+	return &fixture{picker: p, reg: reg, gw: serve(t, g, append(o.dial, grpc.WithTransportCredentials(insecure.NewCredentials()))...)}
 }
 
-// serve runs g on a loopback port and returns a gateway connected to it.
-func serve(t testing.TB, g *grpc.Server, creds grpc.DialOption) *gateway {
+// serve runs g on a loopback port and returns a gateway connected to it
+// with opts (credentials among them).
+func serve(t testing.TB, g *grpc.Server, opts ...grpc.DialOption) *gateway {
 	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -144,7 +147,7 @@ func serve(t testing.TB, g *grpc.Server, creds grpc.DialOption) *gateway {
 			t.Errorf("grpc server: %v", err)
 		}
 	})
-	conn, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), creds)
+	conn, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), opts...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -20,6 +20,7 @@ import (
 	"net/netip"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
@@ -27,6 +28,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/experimental"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
 
 	"github.com/tallyepp/tally/picker"
@@ -190,8 +192,19 @@ func GRPCServerOptions(maxRequestBytes int64) []grpc.ServerOption {
 		// A stream's prompt now fits its window whole, and the connection
 		// is updated every 4 MiB. In interleaved runs of extproc-load at 16
 		// clients, a few per cent less CPU per request.
-		grpc.InitialWindowSize(streamWindowBytes), grpc.InitialConnWindowSize(connWindowBytes)}
+		grpc.InitialWindowSize(streamWindowBytes), grpc.InitialConnWindowSize(connWindowBytes),
+		// A gateway may keep its connections alive with HTTP/2 pings
+		// (Envoy's connection_keepalive). gRPC's default policy takes a
+		// ping sooner than every 5 minutes for abuse and, after the
+		// third, closes the connection with every request in flight on
+		// it. Pings are permitted every gatewayPingMin, with or without
+		// streams.
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: gatewayPingMin, PermitWithoutStream: true})}
 }
+
+// gatewayPingMin is the shortest interval between a gateway's keepalive
+// pings that the ext_proc server permits.
+const gatewayPingMin = 5 * time.Second
 
 // Process serves one HTTP request's ext_proc stream.
 func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) (err error) {
