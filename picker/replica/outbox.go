@@ -17,15 +17,15 @@ import (
 // answer) goes at once, with what waits before it, in order: a Claim
 // queued before a pick must reach the leader first, or the leader would
 // end the pick's placement as one the follower no longer claims.
-// errOutboxFull cuts the stream of a peer too far behind: it resyncs when
-// it reconnects.
-var errOutboxFull = fmt.Errorf("peer stream cut: %d messages wait unsent, the peer reads too slowly", outboxSize)
-
 const (
 	peerCoalesce = 2 * time.Millisecond
 	// maxBatch bounds the messages one write gathers.
 	maxBatch = 256
 )
+
+// errOutboxFull cuts the stream of a peer too far behind: it resyncs when
+// it reconnects.
+var errOutboxFull = fmt.Errorf("peer stream cut: %d messages wait unsent, the peer reads too slowly", outboxSize)
 
 // drainOutbox sends what comes on out until ctx ends or a send fails (its
 // error): each message, and what comes within window of it unless it or
