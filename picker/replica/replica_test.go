@@ -711,8 +711,13 @@ func TestPicksToALeaderThatStoppedReadingArePlacedHere(t *testing.T) {
 	p := picker.New(v1alpha1.PickerConfig{}, picker.Options{})
 	p.Replace(endpoints())
 	reg := prometheus.NewRegistry()
-	var logged syncBuffer
-	log := funcr.New(func(prefix, args string) { logged.WriteString(prefix + " " + args + "\n") }, funcr.Options{})
+	// Whether the follower logged that it cut its stream for a full outbox.
+	var cut atomic.Bool
+	log := funcr.New(func(_, args string) {
+		if strings.Contains(args, errOutboxFull.Error()) {
+			cut.Store(true)
+		}
+	}, funcr.Options{})
 	x := New(p, Options{Self: "tally-0", Dial: creds.Dial, Registerer: reg, Log: log, PickTimeout: 50 * time.Millisecond})
 	ctx, stop := context.WithCancel(context.Background())
 	t.Cleanup(stop)
@@ -762,18 +767,11 @@ func TestPicksToALeaderThatStoppedReadingArePlacedHere(t *testing.T) {
 	case <-time.After(2 * time.Minute):
 		t.Fatalf("after 2 minutes %d of %d picks are placed: the others wait on a send to a leader that reads nothing", placed.Load(), n)
 	}
-	local := 0.0
-	for _, reason := range []string{reasonTimeout, reasonNoLeader} {
-		local += testutil.ToFloat64(newMetricsFor(reg).WithLabelValues(reason))
-	}
-	if int(local) != n {
+	m := newMetricsFor(reg)
+	if local := testutil.ToFloat64(m.WithLabelValues(reasonTimeout)) + testutil.ToFloat64(m.WithLabelValues(reasonNoLeader)); int(local) != n {
 		t.Errorf("%v of %d picks placed here", local, n)
 	}
-	inFlight := 0
-	for _, e := range p.Snapshot().Endpoints {
-		inFlight += e.InFlight
-	}
-	if inFlight != n {
+	if inFlight := p.Snapshot().InFlight; inFlight != n {
 		t.Errorf("the follower's ledger holds %d in flight, want %d", inFlight, n)
 	}
 	for _, r := range rs {
@@ -783,11 +781,10 @@ func TestPicksToALeaderThatStoppedReadingArePlacedHere(t *testing.T) {
 	// What waits unsent grows with each pick placed here (its Adopt) and
 	// each end, until the outbox is full: the stream is cut, and the log
 	// says why.
-	cut := func() bool { return strings.Contains(logged.String(), errOutboxFull.Error()) }
 	deadline = time.Now().Add(2 * time.Minute)
 	for range 32 {
 		wg.Go(func() {
-			for !cut() && time.Now().Before(deadline) {
+			for !cut.Load() && time.Now().Before(deadline) {
 				r, err := x.Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", int(next.Add(1)), 100)})
 				if err != nil {
 					t.Error(err)
@@ -798,25 +795,7 @@ func TestPicksToALeaderThatStoppedReadingArePlacedHere(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	if !cut() {
-		t.Fatalf("after 2 minutes of picks the follower's outbox to a leader that reads nothing was not cut for being full; it logged:\n%s", logged.String())
+	if !cut.Load() {
+		t.Fatalf("after 2 minutes of picks the follower did not log that it cut its stream to a leader that reads nothing for a full outbox (%q)", errOutboxFull)
 	}
-}
-
-// syncBuffer is a strings.Builder for several goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (b *syncBuffer) WriteString(s string) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	b.b.WriteString(s)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
 }
