@@ -55,11 +55,12 @@ func isPick(m *pb.FromFollower) bool { return m.GetPick() != nil }
 // leaves the reservations of replicas gone for good to the ledger's model,
 // until ctx ends.
 func (x *Replica) Run(ctx context.Context) {
+	// Setting ctx and opening the streams to the peers named so far is one
+	// step: a SetPeers between the two would be undone by a stale list.
 	x.mu.Lock()
 	x.ctx = ctx
-	peers := x.wanted
+	x.setPeers(x.wanted)
 	x.mu.Unlock()
-	x.SetPeers(peers)
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	for {
@@ -79,6 +80,11 @@ func (x *Replica) Run(ctx context.Context) {
 func (x *Replica) SetPeers(peers []Peer) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
+	x.setPeers(peers)
+}
+
+// setPeers is SetPeers, called with mu held.
+func (x *Replica) setPeers(peers []Peer) {
 	x.wanted = peers
 	if x.ctx == nil {
 		return // Run starts them
