@@ -393,11 +393,12 @@ func (x *Replica) claim(f *follower, c *pb.Claim) {
 }
 
 // Lead makes this replica the leader: it places every pick from now on,
-// and its followers start from its ledger (Sync).
+// and its followers start from its ledger (Sync). A replica that stepped
+// down leads no more.
 func (x *Replica) Lead() {
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	if x.leading.Load() {
+	if x.leading.Load() || x.steppedDown {
 		return
 	}
 	x.leading.Store(true)

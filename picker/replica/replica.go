@@ -96,6 +96,8 @@ type Replica struct {
 	gone      map[string]time.Time
 	instances map[string]string // each follower's process, as last seen
 	leadSince time.Time
+	// StepDown was called: the process is shutting down and leads no more.
+	steppedDown bool
 	// Following: the stream to each peer, and the one that leads.
 	peers  map[string]*peerConn
 	leader *peerConn
@@ -146,12 +148,14 @@ func New(p *picker.Picker, opts Options) *Replica {
 	return x
 }
 
-// StepDown ends this replica's leading: it is shutting down and has
-// released the Lease. Its followers stop forwarding to it at once, and it
-// forwards its own picks to the next leader as a follower does.
+// StepDown ends this replica's leading for good: it is shutting down and
+// has released the Lease. Its followers stop forwarding to it at once, and
+// it forwards its own picks to the next leader as a follower does. A Lead
+// after it (one that raced the shutdown) does nothing.
 func (x *Replica) StepDown() {
 	x.mu.Lock()
 	defer x.mu.Unlock()
+	x.steppedDown = true
 	if !x.leading.Load() {
 		return
 	}

@@ -799,3 +799,24 @@ func TestPicksToALeaderThatStoppedReadingArePlacedHere(t *testing.T) {
 		t.Fatalf("after 2 minutes of picks the follower did not log that it cut its stream to a leader that reads nothing for a full outbox (%q)", errOutboxFull)
 	}
 }
+
+// A replica shutting down steps down; the Lease it released may still
+// reach it as a late Lead, which must not make it a second leader beside
+// the next one.
+func TestAReplicaThatSteppedDownLeadsNoMore(t *testing.T) {
+	c := newCluster(t, 2, writeCredentials(t), Options{PickTimeout: time.Minute})
+	c.lead(0, 1)
+	c.reps[0].StepDown()
+	c.eventually("the follower stops following the replica that stepped down", func() bool { return c.reps[1].Leader() == "" })
+	c.reps[0].Lead()
+	if got := c.reps[0].Leader(); got == "tally-0" {
+		t.Fatal("a Lead after StepDown made the replica that is shutting down lead again")
+	}
+	c.lead(1, 0, 1)
+	ps := c.burst(3, "", 0)
+	if got := c.local(0, reasonNoLeader) + c.local(0, reasonTimeout); got != 0 {
+		t.Fatalf("the replica that stepped down placed %v picks alone", got)
+	}
+	c.eventually("the next leader holds the 3 forwarded to it", func() bool { return c.pickers[1].Snapshot().InFlight == 3 })
+	c.end(ps)
+}
