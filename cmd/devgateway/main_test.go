@@ -7,7 +7,6 @@ import (
 	"net/http"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -15,6 +14,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
+	"github.com/tallyepp/tally/internal/syncbuf"
 	"github.com/tallyepp/tally/picker/extproc"
 )
 
@@ -102,25 +102,6 @@ func TestParseFlags(t *testing.T) {
 	}
 }
 
-// lockedBuffer is a bytes.Buffer that the gateway's logger and the test may
-// use from several goroutines.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // TestRunServesOverTLSAndStopsCleanly runs the command as the demo does:
 // the default --picker-tls against a picker with a self-signed certificate,
 // the listening line on stderr, and a clean stop when the context (the
@@ -141,7 +122,7 @@ func TestRunServesOverTLSAndStopsCleanly(t *testing.T) {
 
 	ctx, stop := context.WithCancel(context.Background())
 	defer stop()
-	stderr := &lockedBuffer{}
+	stderr := &syncbuf.Buffer{}
 	exited := make(chan int, 1)
 	go func() {
 		exited <- run(ctx, []string{"--listen=127.0.0.1:0", "--picker-addr=" + pickerAddr}, noEnv, stderr)

@@ -14,6 +14,7 @@ import (
 
 	"github.com/tallyepp/tally/internal/modelsim/engine"
 	"github.com/tallyepp/tally/internal/modelsim/server"
+	"github.com/tallyepp/tally/internal/syncbuf"
 )
 
 func TestLoRAFlags(t *testing.T) {
@@ -56,7 +57,7 @@ func TestServesTheLoRAModules(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
 	done := make(chan int, 1)
-	var stderr syncBuffer
+	var stderr syncbuf.Buffer
 	go func() {
 		done <- run(ctx, []string{"--addr", "127.0.0.2:0", "--time-scale", "100", "--lora-modules", "sql=/adapters/sql"}, &stderr)
 	}()

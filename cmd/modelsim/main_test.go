@@ -10,13 +10,14 @@ import (
 	"os/exec"
 	"regexp"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+
+	"github.com/tallyepp/tally/internal/syncbuf"
 )
 
 // runMainEnv makes the test binary run main instead of the tests, so a test
@@ -173,7 +174,7 @@ func TestServesOneEnginePerAddressAndStopsOnSIGTERM(t *testing.T) {
 func TestRunStopsWhenItsContextEnds(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan int, 1)
-	var stderr syncBuffer
+	var stderr syncbuf.Buffer
 	go func() { done <- run(ctx, []string{"--addr", "127.0.0.2:0"}, &stderr) }()
 	deadline := time.Now().Add(30 * time.Second)
 	for !strings.Contains(stderr.String(), "msg=serving") {
@@ -219,22 +220,4 @@ func prefixQueries(t *testing.T, url string) float64 {
 		t.Fatalf("prefix_cache_queries_total: %v", fam)
 	}
 	return fam.Metric[0].Counter.GetValue()
-}
-
-// syncBuffer is a bytes.Buffer that run writes while the test reads it.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }

@@ -9,9 +9,10 @@ import (
 	"net/http/httptest"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/tallyepp/tally/internal/syncbuf"
 )
 
 func TestInvalidFlagsExit2NamingTheFlag(t *testing.T) {
@@ -30,24 +31,6 @@ func TestInvalidFlagsExit2NamingTheFlag(t *testing.T) {
 	}
 }
 
-// syncBuffer is written by run's logger and read by the test.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // The command serves the sidecar: a request without the prefiller header
 // reaches the decoder, and it exits 0 when told to stop.
 func TestServesAndStops(t *testing.T) {
@@ -56,7 +39,7 @@ func TestServesAndStops(t *testing.T) {
 	}))
 	defer decoder.Close()
 	ctx, cancel := context.WithCancel(context.Background())
-	var stderr syncBuffer
+	var stderr syncbuf.Buffer
 	done := make(chan int, 1)
 	go func() { done <- run(ctx, []string{"--addr", "127.0.0.1:0", "--decoder", decoder.URL}, &stderr) }()
 

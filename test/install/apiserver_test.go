@@ -1,7 +1,6 @@
 package install
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"encoding/json"
@@ -15,7 +14,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -44,6 +42,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
+	"github.com/tallyepp/tally/internal/syncbuf"
 	"github.com/tallyepp/tally/internal/testenv"
 	"github.com/tallyepp/tally/internal/testtier"
 )
@@ -514,7 +513,7 @@ func (c *cluster) serviceAccountUser(t *testing.T, ns, sa string) *envtest.Authe
 type picker struct {
 	healthAddr  string
 	metricsAddr string
-	output      *syncBuffer
+	output      *syncbuf.Buffer
 	exited      chan struct{}
 	exitErr     error // set before exited is closed
 }
@@ -571,7 +570,7 @@ func startPicker(t *testing.T, bin string, r rendered, user *envtest.Authenticat
 	p := &picker{
 		healthAddr:  net.JoinHostPort("127.0.0.1", strconv.Itoa(ports["--grpc-health-port"])),
 		metricsAddr: net.JoinHostPort("127.0.0.1", strconv.Itoa(ports["--metrics-port"])),
-		output:      &syncBuffer{},
+		output:      &syncbuf.Buffer{},
 		exited:      make(chan struct{}),
 	}
 	cmd := exec.Command(bin, args...)
@@ -715,24 +714,6 @@ func freePort(t *testing.T) int {
 
 func leaseNamed(name string) *coordinationv1.Lease {
 	return &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name}}
-}
-
-// syncBuffer is a bytes.Buffer safe for the process's writers and the test.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
 
 // resourceFieldValue resolves a Downward API resourceFieldRef as the kubelet

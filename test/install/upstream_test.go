@@ -45,6 +45,7 @@ import (
 	kptr "k8s.io/utils/ptr"
 
 	modelsim "github.com/tallyepp/tally/internal/modelsim/server"
+	"github.com/tallyepp/tally/internal/syncbuf"
 	"github.com/tallyepp/tally/internal/testtier"
 )
 
@@ -422,7 +423,7 @@ func (p *launched) checkHealthOnExtProcPort(t *testing.T) {
 type launched struct {
 	cmd                               *exec.Cmd
 	grpcAddr, healthAddr, metricsAddr string
-	output                            *syncBuffer
+	output                            *syncbuf.Buffer
 	exited                            chan struct{}
 	exitErr                           error
 }
@@ -519,7 +520,7 @@ func launch(t *testing.T, bin string, r rendered, kubeconfig string, extra ...st
 		grpcAddr:    net.JoinHostPort("127.0.0.1", strconv.Itoa(grpcPort)),
 		healthAddr:  net.JoinHostPort("127.0.0.1", strconv.Itoa(healthPort)),
 		metricsAddr: net.JoinHostPort("127.0.0.1", strconv.Itoa(metricsPort)),
-		output:      &syncBuffer{},
+		output:      &syncbuf.Buffer{},
 		exited:      make(chan struct{}),
 	}
 	p.cmd = exec.Command(bin, args...)
