@@ -196,17 +196,18 @@ func (x *Replica) stream(ctx context.Context, c *peerConn) error {
 }
 
 // down marks c's peer unreachable: if it led, no replica leads until one
-// says so, and the picks waiting for its answer are placed here.
+// says so. The picks waiting for its answer are placed here, whoever leads
+// now (a pick queued at a leader that another has replaced since waits
+// for no one else).
 func (x *Replica) down(c *peerConn) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	c.up, c.leading, c.cancel = false, false, nil
-	if x.leader != c {
-		return
+	if x.leader == c {
+		x.leader = nil
 	}
-	x.leader = nil
 	for _, e := range x.byID {
-		if e.answer != nil {
+		if e.answer != nil && e.via == c {
 			select {
 			case e.answer <- nil:
 			default:
@@ -230,8 +231,15 @@ func (x *Replica) fromLeader(c *peerConn, m *pb.FromLeader) {
 		}
 		x.mu.Unlock()
 	case *pb.FromLeader_Sync:
-		x.applySync(c, m.Sync)
+		if x.follows(c) {
+			x.applySync(c, m.Sync)
+		}
 	case *pb.FromLeader_Op:
+		if !x.follows(c) {
+			// A late change from a peer that no longer leads here: the
+			// leader's Sync said what holds.
+			return
+		}
 		lag := max(0, time.Since(time.Unix(0, m.Op.SentUnixNano)))
 		x.lagNs.Store(int64(lag))
 		x.m.lag.Set(lag.Seconds())
@@ -255,6 +263,13 @@ func (x *Replica) fromLeader(c *peerConn, m *pb.FromLeader) {
 			x.apply(e, op.Event)
 		}
 	}
+}
+
+// follows reports whether c's peer is the leader this replica follows.
+func (x *Replica) follows(c *peerConn) bool {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return x.leader == c
 }
 
 // peerHello records what c's peer said of itself: a leader that speaks this
@@ -300,8 +315,18 @@ func (x *Replica) mirror(res *pb.Reservation) {
 	e := x.holdAt(res, eps)
 	e.shared = false
 	x.mu.Lock()
+	// Another stream's copy of it may have come meanwhile (the old
+	// leader's change and the new one's Sync): one is held.
+	twin := x.byID[res.Id]
+	if twin != nil {
+		delete(x.byID, twin.id)
+		delete(x.byRes, twin.r)
+	}
 	x.add(e)
 	x.mu.Unlock()
+	if twin != nil && twin.r != nil {
+		x.p.End(twin.r, picker.Outcome{})
+	}
 }
 
 // applySync makes this follower's copy the leader's: mirrors the leader no

@@ -259,7 +259,17 @@ func (x *Replica) placeFor(ctx context.Context, f *follower, p *pb.Pick) {
 // other follower of the placement.
 func (x *Replica) answer(f *follower, e *entry, r *picker.Reservation, err error) {
 	x.mu.Lock()
+	queued := e.ticket != nil
 	e.ticket = nil
+	if queued && x.byID[e.id] != e {
+		// While it waited, its follower ended it (its client left) or
+		// placed it itself (Adopt): this placement is no one's.
+		x.mu.Unlock()
+		if r != nil {
+			x.p.End(r, picker.Outcome{})
+		}
+		return
+	}
 	if err != nil {
 		if x.byID[e.id] == e {
 			delete(x.byID, e.id)
@@ -311,22 +321,35 @@ func (x *Replica) followerEvent(f *follower, ev *pb.Event) {
 	x.apply(e, ev)
 }
 
-// apply applies ev to e's reservation in this replica's ledger.
+// apply applies ev to e's reservation in this replica's ledger: e's
+// fields under the replica's lock (a Sync reads them), the ledger's calls
+// outside it.
 func (x *Replica) apply(e *entry, ev *pb.Event) {
-	if e.r == nil {
+	x.mu.Lock()
+	r := e.r
+	if r == nil {
+		x.mu.Unlock()
 		return
 	}
+	var addr netip.AddrPort
 	switch ev.Kind {
 	case pb.Event_KIND_FIRST_BYTE:
 		e.firstByte = true
-		x.p.FirstByte(e.r)
 	case pb.Event_KIND_SERVED_BY:
 		if a, err := netip.ParseAddrPort(ev.Addr); err == nil {
-			e.servedBy = a
-			x.p.ServedBy(e.r, a)
+			e.servedBy, addr = a, a
+		}
+	}
+	x.mu.Unlock()
+	switch ev.Kind {
+	case pb.Event_KIND_FIRST_BYTE:
+		x.p.FirstByte(r)
+	case pb.Event_KIND_SERVED_BY:
+		if addr.IsValid() {
+			x.p.ServedBy(r, addr)
 		}
 	case pb.Event_KIND_END:
-		x.p.End(e.r, fromOutcome(ev.Outcome))
+		x.p.End(r, fromOutcome(ev.Outcome))
 	}
 }
 
@@ -338,18 +361,31 @@ func (x *Replica) adopt(f *follower, res *pb.Reservation) {
 		return // a pick still waiting for its answer: nothing to hold
 	}
 	x.mu.Lock()
-	old := x.byID[res.Id]
+	var oldR *picker.Reservation
+	var waiting *picker.Ticket
+	if old := x.byID[res.Id]; old != nil {
+		oldR, waiting = old.r, old.ticket
+		if waiting != nil {
+			// Its pick waits in the queue here, and the follower placed
+			// it itself: the queued one is withdrawn (answer ends it if
+			// it is placed meanwhile).
+			delete(x.byID, res.Id)
+		}
+	}
 	x.mu.Unlock()
-	if old != nil && old.r != nil {
-		if held := old.r.Endpoints(); len(held) > 0 && held[0] == eps[0] {
+	if waiting != nil {
+		waiting.Cancel()
+	}
+	if oldR != nil {
+		if held := oldR.Endpoints(); len(held) > 0 && held[0] == eps[0] {
 			return // the same placement: already counted
 		}
-		x.p.End(old.r, picker.Outcome{})
+		x.p.End(oldR, picker.Outcome{})
 	}
 	e := x.holdAt(res, eps)
 	x.mu.Lock()
-	if old != nil && old.r != nil {
-		delete(x.byRes, old.r)
+	if oldR != nil {
+		delete(x.byRes, oldR)
 	}
 	x.add(e)
 	if x.leading.Load() {

@@ -120,8 +120,10 @@ type entry struct {
 	firstByte bool
 	servedBy  netip.AddrPort
 	ticket    *picker.Ticket // leader: waiting in its flow control queue
-	// What the leader answers a forwarded pick (follower).
+	// What the leader answers a forwarded pick (follower), and the
+	// stream to the leader it was sent to.
 	answer chan *pb.Placed
+	via    *peerConn
 }
 
 // New returns a follower replica in front of p; Lead makes it the leader.
@@ -218,7 +220,7 @@ func (x *Replica) Admit(ctx context.Context, req picker.Request) (*picker.Reserv
 	pr := x.p.Prepare(req)
 	if x.leading.Load() {
 		x.m.local.WithLabelValues(reasonLeader).Inc()
-		return x.admitLocal(ctx, pr, x.newID(), x.opts.Self)
+		return x.admitLocal(ctx, pr, x.newID())
 	}
 	x.mu.Lock()
 	c := x.leader
@@ -244,15 +246,21 @@ func (x *Replica) noLeaderReason() string {
 
 // admitLocal places pr on this replica's ledger as the leader does, and
 // tells the followers.
-func (x *Replica) admitLocal(ctx context.Context, pr picker.Prepared, id, origin string) (*picker.Reservation, error) {
+func (x *Replica) admitLocal(ctx context.Context, pr picker.Prepared, id string) (*picker.Reservation, error) {
 	r, err := x.p.AdmitPrepared(ctx, pr)
 	if err != nil {
 		return nil, err
 	}
-	e := &entry{id: id, origin: origin, r: r, pr: pr}
+	e := &entry{id: id, origin: x.opts.Self, r: r, pr: pr}
 	x.mu.Lock()
 	x.add(e)
-	x.broadcast(nil, opPlaced(e))
+	if x.leading.Load() {
+		x.broadcast(nil, opPlaced(e))
+	} else {
+		// It waited in the queue while this replica stepped down: the
+		// next leader learns of it as of a pick placed alone.
+		x.tell(e)
+	}
 	x.mu.Unlock()
 	return r, nil
 }
@@ -268,6 +276,14 @@ func (x *Replica) placeAlone(ctx context.Context, pr picker.Prepared, id, reason
 	e := &entry{id: id, origin: x.opts.Self, r: r, pr: pr}
 	x.mu.Lock()
 	x.add(e)
+	x.tell(e)
+	x.mu.Unlock()
+	return r, nil
+}
+
+// tell sends e, placed here while this replica does not lead, to the
+// leader or, with none, to every peer. Called with mu held.
+func (x *Replica) tell(e *entry) {
 	adopt := &pb.FromFollower{Msg: &pb.FromFollower_Adopt{Adopt: toReservation(e)}}
 	if c := x.leader; c != nil {
 		// A leader is there now (a late or slow one): it adopts this
@@ -280,14 +296,12 @@ func (x *Replica) placeAlone(ctx context.Context, pr picker.Prepared, id, reason
 		e.gossiped = true
 		x.gossip(adopt)
 	}
-	x.mu.Unlock()
-	return r, nil
 }
 
 // forward sends pr to the leader and holds its choice here.
 func (x *Replica) forward(ctx context.Context, c *peerConn, pr picker.Prepared) (*picker.Reservation, error) {
 	start := time.Now()
-	e := &entry{id: x.newID(), origin: x.opts.Self, pr: pr, shared: true, answer: make(chan *pb.Placed, 2)}
+	e := &entry{id: x.newID(), origin: x.opts.Self, pr: pr, shared: true, answer: make(chan *pb.Placed, 2), via: c}
 	x.mu.Lock()
 	x.byID[e.id] = e
 	ok := c.send(&pb.FromFollower{Msg: &pb.FromFollower_Pick{Pick: &pb.Pick{Id: e.id, Request: toRequest(pr)}}})
@@ -301,7 +315,9 @@ func (x *Replica) forward(ctx context.Context, c *peerConn, pr picker.Prepared) 
 	for {
 		select {
 		case a := <-e.answer:
-			if a == nil { // the stream broke
+			if a == nil || a.Refusal == pb.Refusal_REFUSAL_NOT_LEADING {
+				// The stream broke, or the peer stepped down before it
+				// read the pick: it holds nothing of it.
 				x.forget(e)
 				return x.placeAlone(ctx, pr, e.id, reasonNoLeader)
 			}

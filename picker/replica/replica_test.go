@@ -662,6 +662,9 @@ func TestAQuietPeerStreamStaysOpen(t *testing.T) {
 	t.Parallel()
 	c := newCluster(t, 2, writeCredentials(t), Options{})
 	c.lead(0, 0, 1)
+	// Each replica follows the other: two streams, the leader's own to its
+	// follower perhaps not up yet when the follower follows.
+	c.eventually("both peer streams up", func() bool { return c.follows.Load() >= 2 })
 	streams := c.follows.Load()
 	time.Sleep(peerPing*4 + peerPing/2)
 	if n := c.follows.Load(); n != streams {

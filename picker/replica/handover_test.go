@@ -1,0 +1,286 @@
+package replica
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"google.golang.org/grpc"
+
+	"github.com/tallyepp/tally/api/v1alpha1"
+	"github.com/tallyepp/tally/picker"
+	pb "github.com/tallyepp/tally/picker/replica/replicapb"
+)
+
+// fakeLeader serves the peer protocol as a leader whose Hello says it
+// leads, and answers each pick with what answer returns.
+type fakeLeader struct {
+	pb.UnimplementedPeerServer
+	name   string
+	answer func(*pb.Pick) []*pb.FromLeader
+	// ops, if set, are sent as they come.
+	ops <-chan *pb.FromLeader
+}
+
+func (f fakeLeader) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromLeader]) error {
+	if _, err := stream.Recv(); err != nil {
+		return err
+	}
+	if err := stream.Send(&pb.FromLeader{Msg: &pb.FromLeader_Hello{Hello: &pb.Hello{Version: Version, Replica: f.name, Leading: true, Instance: "1"}}}); err != nil {
+		return err
+	}
+	if f.ops != nil {
+		go func() {
+			for m := range f.ops {
+				_ = stream.Send(m)
+			}
+		}()
+	}
+	for {
+		m, err := stream.Recv()
+		if err != nil {
+			return nil
+		}
+		if p := m.GetPick(); p != nil {
+			for _, out := range f.answer(p) {
+				if err := stream.Send(out); err != nil {
+					return nil
+				}
+			}
+		}
+	}
+}
+
+// serveFake serves f on loopback with the pool's peer credentials; stop
+// ends its server and its streams.
+func serveFake(t *testing.T, creds Credentials, f fakeLeader) (p Peer, stop func()) {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := grpc.NewServer(ServerOptions(creds.Server())...)
+	pb.RegisterPeerServer(s, f)
+	go func() { _ = s.Serve(lis) }()
+	t.Cleanup(s.Stop)
+	return Peer{Name: f.name, Addr: netip.MustParseAddrPort(lis.Addr().String())}, s.Stop
+}
+
+// A leader that steps down refuses the picks that reach it after (its
+// followers sent them before its Hello said so): each is placed on the
+// follower, none fails.
+func TestAPickTheSteppedDownLeaderRefusesIsPlacedHere(t *testing.T) {
+	creds := writeCredentials(t)
+	old, _ := serveFake(t, creds, fakeLeader{name: "old", answer: func(p *pb.Pick) []*pb.FromLeader {
+		return []*pb.FromLeader{
+			{Msg: &pb.FromLeader_Hello{Hello: &pb.Hello{Version: Version, Replica: "old", Instance: "1"}}},
+			placed(&pb.Placed{Id: p.Id, Refusal: pb.Refusal_REFUSAL_NOT_LEADING}),
+		}
+	}})
+	p := picker.New(v1alpha1.PickerConfig{}, picker.Options{})
+	p.Replace(endpoints())
+	reg := prometheus.NewRegistry()
+	x := New(p, Options{Self: "tally-0", Dial: creds.Dial, Registerer: reg, Log: logFor(t), PickTimeout: time.Minute})
+	ctx, stop := context.WithCancel(context.Background())
+	t.Cleanup(stop)
+	go x.Run(ctx)
+	x.SetPeers([]Peer{{Name: "tally-0"}, old})
+	deadline := time.Now().Add(10 * time.Second)
+	for x.Leader() != "old" {
+		if time.Now().After(deadline) {
+			t.Fatal("the follower does not follow the leader")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	r, err := x.Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 1, 100)})
+	if err != nil {
+		t.Fatalf("a pick that reached the leader as it stepped down failed: %v", err)
+	}
+	if got := testutil.ToFloat64(newMetricsFor(reg).WithLabelValues(reasonNoLeader)); got != 1 {
+		t.Errorf("%v picks placed here for want of a leader, want 1", got)
+	}
+	if got := p.Snapshot().InFlight; got != 1 {
+		t.Errorf("the follower's ledger holds %d in flight, want 1", got)
+	}
+	x.End(r, picker.Outcome{})
+}
+
+// A pick queued at a leader that another replaced, and that is then lost,
+// waits for no one: it is placed here and the new leader adopts it.
+func TestAPickQueuedAtALeaderReplacedAndThenLostIsPlacedHere(t *testing.T) {
+	creds := writeCredentials(t)
+	c := newCluster(t, 2, creds, Options{PickTimeout: time.Minute})
+	got := make(chan struct{}, 1)
+	old, stopOld := serveFake(t, creds, fakeLeader{name: "old", answer: func(p *pb.Pick) []*pb.FromLeader {
+		got <- struct{}{}
+		return []*pb.FromLeader{placed(&pb.Placed{Id: p.Id, Queued: true})}
+	}})
+	c.reps[1].SetPeers(append(append([]Peer(nil), c.peers...), old))
+	c.eventually("replica 1 follows the old leader", func() bool { return c.reps[1].Leader() == "old" })
+	type result struct {
+		r   *picker.Reservation
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		r, err := c.reps[1].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 1, 100)})
+		done <- result{r, err}
+	}()
+	<-got
+	c.lead(0, 1)
+	stopOld()
+	var res result
+	select {
+	case res = <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("after 10s the pick queued at a leader that was replaced, then lost, still waits")
+	}
+	if res.err != nil {
+		t.Fatal(res.err)
+	}
+	c.eventually("the new leader holds the pick", func() bool { return c.pickers[0].Snapshot().InFlight == 1 })
+	c.reps[1].End(res.r, picker.Outcome{})
+	for i := range 2 {
+		c.eventually("every ledger empty", func() bool { return c.pickers[i].Snapshot().InFlight == 0 })
+	}
+}
+
+// A follower's pick waits in the leader's queue past the follower's bound,
+// so the follower places it itself and the leader adopts that placement:
+// the queued pick is withdrawn, and once capacity frees nothing of it is
+// placed again, counted twice or left behind.
+func TestAQueuedPickTheFollowerPlacedItselfIsCountedOnce(t *testing.T) {
+	creds := writeCredentials(t)
+	cfg := v1alpha1.PickerConfig{FlowControl: v1alpha1.FlowControl{Enabled: true, MaxDecodingRequests: 1, RequestTTLSeconds: 600}}
+	c := newClusterWith(t, 1, creds, Options{PickTimeout: time.Minute}, cfg)
+	c.reps[0].Lead()
+	fill := c.burst(3, "", 0)
+	for _, p := range fill {
+		c.reps[0].FirstByte(p.r)
+	}
+
+	// A follower, spoken by hand.
+	dial, err := creds.Dial()
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := grpc.NewClient(c.peers[0].Addr.String(), grpc.WithTransportCredentials(dial))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s, err := pb.NewPeerClient(conn).Follow(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	send := func(m *pb.FromFollower) {
+		t.Helper()
+		if err := s.Send(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	send(&pb.FromFollower{Msg: &pb.FromFollower_Hello{Hello: &pb.Hello{Version: Version, Replica: "f", Instance: "1"}}})
+	queued := make(chan struct{})
+	go func() {
+		for {
+			m, err := s.Recv()
+			if err != nil {
+				return
+			}
+			if m.GetPlaced().GetQueued() {
+				close(queued)
+			}
+		}
+	}()
+	req := toRequest(c.pickers[0].Prepare(picker.Request{Model: "m", Prompt: prompt("", 1000, 100)}))
+	send(&pb.FromFollower{Msg: &pb.FromFollower_Pick{Pick: &pb.Pick{Id: "f/1/1", Request: req}}})
+	select {
+	case <-queued:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the leader did not queue the pick")
+	}
+	// The follower's bound passed: it placed the pick itself.
+	ep := c.eps
+	if ep == nil {
+		ep = endpoints()
+	}
+	send(&pb.FromFollower{Msg: &pb.FromFollower_Adopt{Adopt: &pb.Reservation{Id: "f/1/1", Origin: "f", Request: req, Endpoints: []string{ep[1].Address.String()}}}})
+	c.eventually("the leader withdraws the queued pick", func() bool { return c.pickers[0].Snapshot().Waiting == 0 })
+	c.eventually("the leader holds the adopted placement", func() bool { return c.pickers[0].Snapshot().InFlight == 4 })
+	c.end(fill)
+	c.eventually("the leader holds the adopted placement alone", func() bool { return c.pickers[0].Snapshot().InFlight == 1 })
+	send(&pb.FromFollower{Msg: &pb.FromFollower_Event{Event: &pb.Event{Id: "f/1/1", Kind: pb.Event_KIND_END}}})
+	c.eventually("the leader's ledger empty", func() bool { return c.pickers[0].Snapshot().InFlight == 0 })
+	// Nothing placed later either.
+	time.Sleep(200 * time.Millisecond)
+	if l := c.pickers[0].Snapshot(); l.InFlight != 0 || l.Waiting != 0 {
+		t.Fatalf("after the end the leader holds %d in flight and %d waiting", l.InFlight, l.Waiting)
+	}
+}
+
+// A pick that waited in the leader's own queue while it stepped down is
+// placed there after: the next leader holds it, and its end too.
+func TestAPickPlacedFromTheQueueAfterSteppingDownReachesTheNextLeader(t *testing.T) {
+	cfg := v1alpha1.PickerConfig{FlowControl: v1alpha1.FlowControl{Enabled: true, MaxDecodingRequests: 1, RequestTTLSeconds: 600}}
+	c := newClusterWith(t, 2, writeCredentials(t), Options{PickTimeout: time.Minute}, cfg)
+	c.lead(0, 1)
+	fill := c.burst(3, "", 0)
+	for _, p := range fill {
+		c.reps[0].FirstByte(p.r)
+	}
+	placed := make(chan *picker.Reservation, 1)
+	go func() {
+		r, err := c.reps[0].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 1000, 100)})
+		if err != nil {
+			t.Error(err)
+		}
+		placed <- r
+	}()
+	c.eventually("the pick waits in the leader's queue", func() bool { return c.pickers[0].Snapshot().Waiting == 1 })
+	c.reps[0].StepDown()
+	c.lead(1, 0, 1)
+	c.end(fill)
+	r := <-placed
+	if r == nil {
+		t.FailNow()
+	}
+	want := counts([]pick{{r: r}})
+	for i := range 2 {
+		c.eventually(fmt.Sprintf("replica %d holds the pick, and only it, at %v", i, r.Endpoints()[0]), func() bool { return c.inFlight(i) == want })
+	}
+	c.reps[0].End(r, picker.Outcome{})
+	for i := range 2 {
+		c.eventually("every ledger empty", func() bool { return c.pickers[i].Snapshot().InFlight == 0 })
+	}
+}
+
+// A peer that led once and still sends changes after another took over
+// (it has not yet learnt it lost the Lease) changes no copy: the leader
+// followed is the one whose Sync holds.
+func TestChangesFromAPeerNoLongerFollowedAreIgnored(t *testing.T) {
+	creds := writeCredentials(t)
+	c := newCluster(t, 2, creds, Options{PickTimeout: time.Minute})
+	ops := make(chan *pb.FromLeader, 1)
+	t.Cleanup(func() { close(ops) })
+	old, _ := serveFake(t, creds, fakeLeader{name: "old", ops: ops, answer: func(*pb.Pick) []*pb.FromLeader { return nil }})
+	c.reps[1].SetPeers(append(append([]Peer(nil), c.peers...), old))
+	c.eventually("replica 1 follows the old leader", func() bool { return c.reps[1].Leader() == "old" })
+	c.lead(0, 1)
+	req := toRequest(c.pickers[1].Prepare(picker.Request{Model: "m", Prompt: prompt("", 7, 100)}))
+	ops <- &pb.FromLeader{Msg: &pb.FromLeader_Op{Op: &pb.Op{Op: &pb.Op_Placed{Placed: &pb.Reservation{
+		Id: "old/1/1", Origin: "old", Request: req, Endpoints: []string{endpoints()[0].Address.String()},
+	}}, SentUnixNano: time.Now().UnixNano()}}}
+	// Nothing on another stream can say the change was read: give it
+	// time (on loopback it takes well under a millisecond).
+	time.Sleep(500 * time.Millisecond)
+	if got := c.pickers[1].Snapshot().InFlight; got != 0 {
+		t.Fatalf("replica 1's copy holds %d in flight: it took a change from a peer it no longer follows", got)
+	}
+}
