@@ -346,6 +346,9 @@ func (x *Replica) applySync(c *peerConn, s *pb.Sync) {
 		case e.origin == x.opts.Self:
 			e.shared, e.gossiped = true, false
 			claim.Reservations = append(claim.Reservations, toReservation(e))
+		case e.ticket != nil:
+			// A follower's pick still in this replica's queue from when it
+			// led: answer settles it.
 		case held[id] == nil:
 			stale = append(stale, e)
 			delete(x.byID, id)

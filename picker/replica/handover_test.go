@@ -247,10 +247,7 @@ func TestAPickPlacedFromTheQueueAfterSteppingDownReachesTheNextLeader(t *testing
 	c.reps[0].StepDown()
 	c.lead(1, 0, 1)
 	c.end(fill)
-	r := <-placed
-	if r == nil {
-		t.FailNow()
-	}
+	r := awaitPlaced(t, placed)
 	want := counts([]pick{{r: r}})
 	for i := range 2 {
 		c.eventually(fmt.Sprintf("replica %d holds the pick, and only it, at %v", i, r.Endpoints()[0]), func() bool { return c.inFlight(i) == want })
@@ -282,5 +279,55 @@ func TestChangesFromAPeerNoLongerFollowedAreIgnored(t *testing.T) {
 	time.Sleep(500 * time.Millisecond)
 	if got := c.pickers[1].Snapshot().InFlight; got != 0 {
 		t.Fatalf("replica 1's copy holds %d in flight: it took a change from a peer it no longer follows", got)
+	}
+}
+
+// A follower's pick that waits in the leader's queue when the leader
+// steps down goes back to the follower, which places it: the next leader
+// holds it, and every copy holds it once.
+func TestAPickQueuedAtALeaderThatStepsDownReachesTheNextLeader(t *testing.T) {
+	cfg := v1alpha1.PickerConfig{FlowControl: v1alpha1.FlowControl{Enabled: true, MaxDecodingRequests: 1, RequestTTLSeconds: 600}}
+	c := newClusterWith(t, 3, writeCredentials(t), Options{PickTimeout: time.Minute}, cfg)
+	c.lead(0, 1, 2)
+	fill := c.burst(3, "", 0)
+	for _, p := range fill {
+		c.reps[0].FirstByte(p.r)
+	}
+	placed := make(chan *picker.Reservation, 1)
+	go func() {
+		r, err := c.reps[1].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 1000, 100)})
+		if err != nil {
+			t.Error(err)
+		}
+		placed <- r
+	}()
+	c.eventually("the follower's pick waits in the leader's queue", func() bool { return c.pickers[0].Snapshot().Waiting == 1 })
+	c.reps[0].StepDown()
+	c.lead(2, 0, 1, 2)
+	c.eventually("the old leader's queue is empty", func() bool { return c.pickers[0].Snapshot().Waiting == 0 })
+	c.end(fill)
+	r := awaitPlaced(t, placed)
+	want := counts([]pick{{r: r}})
+	for i := range 3 {
+		c.eventually(fmt.Sprintf("replica %d holds the pick, and only it, at %v", i, r.Endpoints()[0]), func() bool { return c.inFlight(i) == want })
+	}
+	c.reps[1].End(r, picker.Outcome{})
+	for i := range 3 {
+		c.eventually(fmt.Sprintf("replica %d's ledger empty", i), func() bool { return c.pickers[i].Snapshot().InFlight == 0 })
+	}
+}
+
+// awaitPlaced is the pick placed on placed, failing the test after 10s.
+func awaitPlaced(t *testing.T, placed <-chan *picker.Reservation) *picker.Reservation {
+	t.Helper()
+	select {
+	case r := <-placed:
+		if r == nil {
+			t.FailNow() // its error is reported
+		}
+		return r
+	case <-time.After(10 * time.Second):
+		t.Fatal("after 10s the pick is not placed")
+		return nil
 	}
 }

@@ -156,16 +156,29 @@ func New(p *picker.Picker, opts Options) *Replica {
 // after it (one that raced the shutdown) does nothing.
 func (x *Replica) StepDown() {
 	x.mu.Lock()
-	defer x.mu.Unlock()
 	x.steppedDown = true
 	if !x.leading.Load() {
+		x.mu.Unlock()
 		return
 	}
 	x.leading.Store(false)
 	for f := range x.followers {
 		f.send(&pb.FromLeader{Msg: &pb.FromLeader_Hello{Hello: x.hello()}})
 	}
-	x.opts.Log.Info("stepped down: no longer leading")
+	// The followers' picks waiting in this replica's queue go back to
+	// them (answer refuses them as not leading): each places its own, and
+	// the next leader adopts it.
+	var waiting []*picker.Ticket
+	for _, e := range x.byID {
+		if e.ticket != nil {
+			waiting = append(waiting, e.ticket)
+		}
+	}
+	x.mu.Unlock()
+	for _, t := range waiting {
+		t.Cancel()
+	}
+	x.opts.Log.Info("stepped down: no longer leading", "followersPicksReturned", len(waiting))
 }
 
 // Status is what a replica says of itself at /debug/ledger.
@@ -265,6 +278,16 @@ func (x *Replica) admitLocal(ctx context.Context, pr picker.Prepared, id string)
 	return r, nil
 }
 
+// placeHere places a pick its leader did not: as the leader, if this
+// replica has taken the Lease since it forwarded it, else alone.
+func (x *Replica) placeHere(ctx context.Context, pr picker.Prepared, id, reason string) (*picker.Reservation, error) {
+	if x.leading.Load() {
+		x.m.local.WithLabelValues(reasonLeader).Inc()
+		return x.admitLocal(ctx, pr, id)
+	}
+	return x.placeAlone(ctx, pr, id, reason)
+}
+
 // placeAlone places pr on this follower's own copy of the ledger (no
 // leader answers), and tells the leader once one does (Adopt or Claim).
 func (x *Replica) placeAlone(ctx context.Context, pr picker.Prepared, id, reason string) (*picker.Reservation, error) {
@@ -317,9 +340,9 @@ func (x *Replica) forward(ctx context.Context, c *peerConn, pr picker.Prepared) 
 		case a := <-e.answer:
 			if a == nil || a.Refusal == pb.Refusal_REFUSAL_NOT_LEADING {
 				// The stream broke, or the peer stepped down before it
-				// read the pick: it holds nothing of it.
+				// placed the pick: it holds nothing of it.
 				x.forget(e)
-				return x.placeAlone(ctx, pr, e.id, reasonNoLeader)
+				return x.placeHere(ctx, pr, e.id, reasonNoLeader)
 			}
 			if a.Queued {
 				// Flow control holds it at the leader: it waits as long
@@ -342,7 +365,7 @@ func (x *Replica) forward(ctx context.Context, c *peerConn, pr picker.Prepared) 
 			return r, nil
 		case <-timer.C:
 			x.forget(e)
-			return x.placeAlone(ctx, pr, e.id, reasonTimeout)
+			return x.placeHere(ctx, pr, e.id, reasonTimeout)
 		case <-ctx.Done():
 			// The leader may place it yet: the end follows the pick.
 			x.mu.Lock()
