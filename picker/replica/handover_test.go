@@ -331,3 +331,39 @@ func awaitPlaced(t *testing.T, placed <-chan *picker.Reservation) *picker.Reserv
 		return nil
 	}
 }
+
+// A replica that takes the Lease while the old leader still places its
+// forwarded pick holds the old leader's answer and shares it as the
+// leader: its followers' copies hold the pick too.
+func TestAPickAnsweredAfterItsReplicaLeadsReachesItsFollowers(t *testing.T) {
+	creds := writeCredentials(t)
+	c := newCluster(t, 2, creds, Options{PickTimeout: time.Minute})
+	got, release := make(chan struct{}, 1), make(chan struct{})
+	old, _ := serveFake(t, creds, fakeLeader{name: "old", answer: func(p *pb.Pick) []*pb.FromLeader {
+		got <- struct{}{}
+		<-release
+		return []*pb.FromLeader{placed(&pb.Placed{Id: p.Id, Endpoints: []string{endpoints()[2].Address.String()}})}
+	}})
+	c.reps[1].SetPeers(append(append([]Peer(nil), c.peers...), old))
+	c.eventually("replica 1 follows the old leader", func() bool { return c.reps[1].Leader() == "old" })
+	placed := make(chan *picker.Reservation, 1)
+	go func() {
+		r, err := c.reps[1].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 1, 100)})
+		if err != nil {
+			t.Error(err)
+		}
+		placed <- r
+	}()
+	<-got // the old leader places it, slowly
+	c.lead(1, 0)
+	close(release)
+	r := awaitPlaced(t, placed)
+	want := counts([]pick{{r: r}})
+	for i := range 2 {
+		c.eventually(fmt.Sprintf("replica %d holds the pick at %v", i, r.Endpoints()[0]), func() bool { return c.inFlight(i) == want })
+	}
+	c.reps[1].End(r, picker.Outcome{})
+	for i := range 2 {
+		c.eventually(fmt.Sprintf("replica %d's ledger empty", i), func() bool { return c.pickers[i].Snapshot().InFlight == 0 })
+	}
+}

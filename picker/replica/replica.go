@@ -361,6 +361,11 @@ func (x *Replica) forward(ctx context.Context, c *peerConn, pr picker.Prepared) 
 			x.mu.Lock()
 			e.r, e.answer = r, nil
 			x.byRes[r] = e
+			if x.leading.Load() {
+				// This replica took the Lease while the old leader
+				// placed it: its followers hold it from here.
+				x.broadcast(nil, opPlaced(e))
+			}
 			x.mu.Unlock()
 			return r, nil
 		case <-timer.C:
