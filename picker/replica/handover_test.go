@@ -155,14 +155,8 @@ func TestAPickQueuedAtALeaderReplacedAndThenLostIsPlacedHere(t *testing.T) {
 // the queued pick is withdrawn, and once capacity frees nothing of it is
 // placed again, counted twice or left behind.
 func TestAQueuedPickTheFollowerPlacedItselfIsCountedOnce(t *testing.T) {
-	creds := writeCredentials(t)
-	cfg := v1alpha1.PickerConfig{FlowControl: v1alpha1.FlowControl{Enabled: true, MaxDecodingRequests: 1, RequestTTLSeconds: 600}}
-	c := newClusterWith(t, 1, creds, Options{PickTimeout: time.Minute}, cfg)
-	c.reps[0].Lead()
-	fill := c.burst(3, "", 0)
-	for _, p := range fill {
-		c.reps[0].FirstByte(p.r)
-	}
+	c, fill := newSaturated(t, 1, Options{PickTimeout: time.Minute})
+	creds := c.creds
 
 	// A follower, spoken by hand.
 	dial, err := creds.Dial()
@@ -228,34 +222,14 @@ func TestAQueuedPickTheFollowerPlacedItselfIsCountedOnce(t *testing.T) {
 // A pick that waited in the leader's own queue while it stepped down is
 // placed there after: the next leader holds it, and its end too.
 func TestAPickPlacedFromTheQueueAfterSteppingDownReachesTheNextLeader(t *testing.T) {
-	cfg := v1alpha1.PickerConfig{FlowControl: v1alpha1.FlowControl{Enabled: true, MaxDecodingRequests: 1, RequestTTLSeconds: 600}}
-	c := newClusterWith(t, 2, writeCredentials(t), Options{PickTimeout: time.Minute}, cfg)
-	c.lead(0, 1)
-	fill := c.burst(3, "", 0)
-	for _, p := range fill {
-		c.reps[0].FirstByte(p.r)
-	}
-	placed := make(chan *picker.Reservation, 1)
-	go func() {
-		r, err := c.reps[0].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 1000, 100)})
-		if err != nil {
-			t.Error(err)
-		}
-		placed <- r
-	}()
+	c, fill := newSaturated(t, 2, Options{PickTimeout: time.Minute})
+	placed := c.admitLater(0, 1000)
 	c.eventually("the pick waits in the leader's queue", func() bool { return c.pickers[0].Snapshot().Waiting == 1 })
 	c.reps[0].StepDown()
 	c.lead(1, 0, 1)
 	c.end(fill)
 	r := awaitPlaced(t, placed)
-	want := counts([]pick{{r: r}})
-	for i := range 2 {
-		c.eventually(fmt.Sprintf("replica %d holds the pick, and only it, at %v", i, r.Endpoints()[0]), func() bool { return c.inFlight(i) == want })
-	}
-	c.reps[0].End(r, picker.Outcome{})
-	for i := range 2 {
-		c.eventually("every ledger empty", func() bool { return c.pickers[i].Snapshot().InFlight == 0 })
-	}
+	c.holdsOnlyThenEnds(0, r)
 }
 
 // A peer that led once and still sends changes after another took over
@@ -286,35 +260,15 @@ func TestChangesFromAPeerNoLongerFollowedAreIgnored(t *testing.T) {
 // steps down goes back to the follower, which places it: the next leader
 // holds it, and every copy holds it once.
 func TestAPickQueuedAtALeaderThatStepsDownReachesTheNextLeader(t *testing.T) {
-	cfg := v1alpha1.PickerConfig{FlowControl: v1alpha1.FlowControl{Enabled: true, MaxDecodingRequests: 1, RequestTTLSeconds: 600}}
-	c := newClusterWith(t, 3, writeCredentials(t), Options{PickTimeout: time.Minute}, cfg)
-	c.lead(0, 1, 2)
-	fill := c.burst(3, "", 0)
-	for _, p := range fill {
-		c.reps[0].FirstByte(p.r)
-	}
-	placed := make(chan *picker.Reservation, 1)
-	go func() {
-		r, err := c.reps[1].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 1000, 100)})
-		if err != nil {
-			t.Error(err)
-		}
-		placed <- r
-	}()
+	c, fill := newSaturated(t, 3, Options{PickTimeout: time.Minute})
+	placed := c.admitLater(1, 1000)
 	c.eventually("the follower's pick waits in the leader's queue", func() bool { return c.pickers[0].Snapshot().Waiting == 1 })
 	c.reps[0].StepDown()
 	c.lead(2, 0, 1, 2)
 	c.eventually("the old leader's queue is empty", func() bool { return c.pickers[0].Snapshot().Waiting == 0 })
 	c.end(fill)
 	r := awaitPlaced(t, placed)
-	want := counts([]pick{{r: r}})
-	for i := range 3 {
-		c.eventually(fmt.Sprintf("replica %d holds the pick, and only it, at %v", i, r.Endpoints()[0]), func() bool { return c.inFlight(i) == want })
-	}
-	c.reps[1].End(r, picker.Outcome{})
-	for i := range 3 {
-		c.eventually(fmt.Sprintf("replica %d's ledger empty", i), func() bool { return c.pickers[i].Snapshot().InFlight == 0 })
-	}
+	c.holdsOnlyThenEnds(1, r)
 }
 
 // awaitPlaced is the pick placed on placed, failing the test after 10s.
@@ -346,24 +300,25 @@ func TestAPickAnsweredAfterItsReplicaLeadsReachesItsFollowers(t *testing.T) {
 	}})
 	c.reps[1].SetPeers(append(append([]Peer(nil), c.peers...), old))
 	c.eventually("replica 1 follows the old leader", func() bool { return c.reps[1].Leader() == "old" })
-	placed := make(chan *picker.Reservation, 1)
-	go func() {
-		r, err := c.reps[1].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 1, 100)})
-		if err != nil {
-			t.Error(err)
-		}
-		placed <- r
-	}()
+	placed := c.admitLater(1, 1)
 	<-got // the old leader places it, slowly
 	c.lead(1, 0)
 	close(release)
 	r := awaitPlaced(t, placed)
+	c.holdsOnlyThenEnds(1, r)
+}
+
+// holdsOnlyThenEnds waits until every replica holds r, and nothing else,
+// at its endpoint; then ends r through replica via and waits until every
+// ledger is empty.
+func (c *cluster) holdsOnlyThenEnds(via int, r *picker.Reservation) {
+	c.t.Helper()
 	want := counts([]pick{{r: r}})
-	for i := range 2 {
-		c.eventually(fmt.Sprintf("replica %d holds the pick at %v", i, r.Endpoints()[0]), func() bool { return c.inFlight(i) == want })
+	for i := range c.reps {
+		c.eventually(fmt.Sprintf("replica %d holds the pick, and only it, at %v", i, r.Endpoints()[0]), func() bool { return c.inFlight(i) == want })
 	}
-	c.reps[1].End(r, picker.Outcome{})
-	for i := range 2 {
+	c.reps[via].End(r, picker.Outcome{})
+	for i := range c.reps {
 		c.eventually(fmt.Sprintf("replica %d's ledger empty", i), func() bool { return c.pickers[i].Snapshot().InFlight == 0 })
 	}
 }

@@ -270,6 +270,40 @@ func (c *cluster) end(ps []pick) {
 	}
 }
 
+// newSaturated is n replicas with flow control on, replica 0 leading and
+// followed, and the pool saturated: one request decoding on each pod
+// (fill, placed through replica 0).
+func newSaturated(t *testing.T, n int, opts Options) (c *cluster, fill []pick) {
+	t.Helper()
+	cfg := v1alpha1.PickerConfig{FlowControl: v1alpha1.FlowControl{Enabled: true, MaxDecodingRequests: 1, RequestTTLSeconds: 600}}
+	c = newClusterWith(t, n, writeCredentials(t), opts, cfg)
+	followers := make([]int, 0, n)
+	for i := 1; i < n; i++ {
+		followers = append(followers, i)
+	}
+	c.lead(0, followers...)
+	fill = c.burst(3, "", 0)
+	for _, p := range fill {
+		c.reps[0].FirstByte(p.r)
+	}
+	return c, fill
+}
+
+// admitLater admits a prompt of 100 tokens (own text k) through replica i
+// on a goroutine of its own; its reservation comes on the channel (nil
+// after an error, which fails the test).
+func (c *cluster) admitLater(i, k int) <-chan *picker.Reservation {
+	placed := make(chan *picker.Reservation, 1)
+	go func() {
+		r, err := c.reps[i].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", k, 100)})
+		if err != nil {
+			c.t.Error(err)
+		}
+		placed <- r
+	}()
+	return placed
+}
+
 func TestThreeReplicasPlaceABurstAsOneLedger(t *testing.T) {
 	creds := writeCredentials(t)
 	for _, kind := range []string{"fresh", "shared"} {
@@ -447,27 +481,13 @@ func TestAFollowerOfAnotherVersionPlacesLocally(t *testing.T) {
 }
 
 func TestAForwardedPickWaitsInTheLeadersQueue(t *testing.T) {
-	cfg := v1alpha1.PickerConfig{FlowControl: v1alpha1.FlowControl{Enabled: true, MaxDecodingRequests: 1, RequestTTLSeconds: 600}}
 	// A pick unanswered for a second is placed locally, unless the leader
 	// says it waits in its queue. (At 50 ms, a busy machine once delayed
 	// the leader's "queued" past the bound.)
-	c := newClusterWith(t, 2, writeCredentials(t), Options{PickTimeout: time.Second}, cfg)
-	c.lead(0, 1)
-	// One request decoding on each pod saturates the pool.
-	fill := c.burst(3, "", 0)
-	for _, p := range fill {
-		c.reps[0].FirstByte(p.r)
-	}
+	c, fill := newSaturated(t, 2, Options{PickTimeout: time.Second})
 	waiting := func(i int) int { return c.pickers[i].Snapshot().Waiting }
 
-	placed := make(chan *picker.Reservation, 1)
-	go func() {
-		r, err := c.reps[1].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 1000, 100)})
-		if err != nil {
-			t.Error(err)
-		}
-		placed <- r
-	}()
+	placed := c.admitLater(1, 1000)
 	c.eventually("the follower's pick waits in the leader's queue", func() bool { return waiting(0) == 1 })
 	time.Sleep(1500 * time.Millisecond) // past the bound
 	select {
