@@ -261,22 +261,12 @@ func (x *Replica) answer(f *follower, e *entry, r *picker.Reservation, err error
 	x.mu.Lock()
 	queued := e.ticket != nil
 	e.ticket = nil
-	if queued && x.byID[e.id] != e {
+	if (queued && x.byID[e.id] != e) || !x.leading.Load() {
 		// While it waited, its follower ended it (its client left) or
-		// placed it itself (Adopt): this placement is no one's. The
-		// refusal is for a follower that would still wait: it places the
-		// pick itself.
-		x.mu.Unlock()
-		if r != nil {
-			x.p.End(r, picker.Outcome{})
-		}
-		f.sendNow(placed(&pb.Placed{Id: e.id, Refusal: pb.Refusal_REFUSAL_NOT_LEADING}))
-		return
-	}
-	if !x.leading.Load() {
-		// This replica stepped down while it placed the pick (or while
-		// the pick waited in its queue): the next leader would not know
-		// of it. The follower places it, and the next leader adopts it.
+		// placed it itself (Adopt); or this replica stepped down while it
+		// placed it, and the next leader would not know of it. This
+		// placement is no one's. The refusal is for a follower that still
+		// waits: it places the pick, and the next leader adopts it.
 		if x.byID[e.id] == e {
 			delete(x.byID, e.id)
 		}
