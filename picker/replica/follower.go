@@ -256,8 +256,7 @@ func (x *Replica) fromLeader(c *peerConn, m *pb.FromLeader) {
 				return
 			}
 			if op.Event.Kind == pb.Event_KIND_END {
-				delete(x.byID, e.id)
-				delete(x.byRes, e.r)
+				x.remove(e)
 			}
 			x.mu.Unlock()
 			x.apply(e, op.Event)
@@ -305,8 +304,7 @@ func (x *Replica) mirror(res *pb.Reservation) {
 	x.mu.Lock()
 	old := x.byID[res.Id]
 	if old != nil {
-		delete(x.byID, old.id)
-		delete(x.byRes, old.r)
+		x.remove(old)
 	}
 	x.mu.Unlock()
 	if old != nil && old.r != nil {
@@ -319,8 +317,7 @@ func (x *Replica) mirror(res *pb.Reservation) {
 	// leader's change and the new one's Sync): one is held.
 	twin := x.byID[res.Id]
 	if twin != nil {
-		delete(x.byID, twin.id)
-		delete(x.byRes, twin.r)
+		x.remove(twin)
 	}
 	x.add(e)
 	x.mu.Unlock()
@@ -351,8 +348,7 @@ func (x *Replica) applySync(c *peerConn, s *pb.Sync) {
 			// led: answer settles it.
 		case held[id] == nil:
 			stale = append(stale, e)
-			delete(x.byID, id)
-			delete(x.byRes, e.r)
+			x.remove(e)
 		}
 	}
 	for id, res := range held {

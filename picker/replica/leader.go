@@ -168,8 +168,7 @@ func (x *Replica) take(except *follower, detached bool, match func(*entry) bool)
 			continue
 		}
 		out = append(out, e)
-		delete(x.byID, id)
-		delete(x.byRes, e.r)
+		x.remove(e)
 		if x.leading.Load() {
 			ev := &pb.Event{Id: id, Kind: pb.Event_KIND_END}
 			if detached {
@@ -311,10 +310,7 @@ func (x *Replica) followerEvent(f *follower, ev *pb.Event) {
 		return
 	}
 	if ev.Kind == pb.Event_KIND_END {
-		delete(x.byID, e.id)
-		if e.r != nil {
-			delete(x.byRes, e.r)
-		}
+		x.remove(e)
 	}
 	t := e.ticket
 	if x.leading.Load() {

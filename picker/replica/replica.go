@@ -232,7 +232,6 @@ func (x *Replica) newID() string {
 func (x *Replica) Admit(ctx context.Context, req picker.Request) (*picker.Reservation, error) {
 	pr := x.p.Prepare(req)
 	if x.leading.Load() {
-		x.m.local.WithLabelValues(reasonLeader).Inc()
 		return x.admitLocal(ctx, pr, x.newID())
 	}
 	x.mu.Lock()
@@ -260,6 +259,7 @@ func (x *Replica) noLeaderReason() string {
 // admitLocal places pr on this replica's ledger as the leader does, and
 // tells the followers.
 func (x *Replica) admitLocal(ctx context.Context, pr picker.Prepared, id string) (*picker.Reservation, error) {
+	x.m.local.WithLabelValues(reasonLeader).Inc()
 	r, err := x.p.AdmitPrepared(ctx, pr)
 	if err != nil {
 		return nil, err
@@ -282,7 +282,6 @@ func (x *Replica) admitLocal(ctx context.Context, pr picker.Prepared, id string)
 // replica has taken the Lease since it forwarded it, else alone.
 func (x *Replica) placeHere(ctx context.Context, pr picker.Prepared, id, reason string) (*picker.Reservation, error) {
 	if x.leading.Load() {
-		x.m.local.WithLabelValues(reasonLeader).Inc()
 		return x.admitLocal(ctx, pr, id)
 	}
 	return x.placeAlone(ctx, pr, id, reason)
@@ -407,8 +406,7 @@ func (x *Replica) ServedBy(r *picker.Reservation, addr netip.AddrPort) {
 func (x *Replica) End(r *picker.Reservation, o picker.Outcome) {
 	x.p.End(r, o)
 	x.event(r, &pb.Event{Kind: pb.Event_KIND_END, Outcome: toOutcome(o)}, func(e *entry) {
-		delete(x.byID, e.id)
-		delete(x.byRes, r)
+		x.remove(e)
 	})
 }
 
@@ -455,6 +453,12 @@ func (x *Replica) sendUp(ev *pb.Event) {
 func (x *Replica) add(e *entry) {
 	x.byID[e.id] = e
 	x.byRes[e.r] = e
+}
+
+// remove drops e from the indexes. Called with mu held.
+func (x *Replica) remove(e *entry) {
+	delete(x.byID, e.id)
+	delete(x.byRes, e.r)
 }
 
 // refusalErr is the picker's error for the leader's refusal.
