@@ -60,15 +60,48 @@ func (f fakeLeader) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.F
 // ends its server and its streams.
 func serveFake(t *testing.T, creds Credentials, f fakeLeader) (p Peer, stop func()) {
 	t.Helper()
+	return servePeer(t, creds, f.name, f)
+}
+
+// servePeer serves srv, the peer named name, on loopback with the pool's
+// peer credentials; stop ends its server and its streams.
+func servePeer(t *testing.T, creds Credentials, name string, srv pb.PeerServer) (p Peer, stop func()) {
+	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	s := grpc.NewServer(ServerOptions(creds.Server())...)
-	pb.RegisterPeerServer(s, f)
+	pb.RegisterPeerServer(s, srv)
 	go func() { _ = s.Serve(lis) }()
 	t.Cleanup(s.Stop)
-	return Peer{Name: f.name, Addr: netip.MustParseAddrPort(lis.Addr().String())}, s.Stop
+	return Peer{Name: name, Addr: netip.MustParseAddrPort(lis.Addr().String())}, s.Stop
+}
+
+// lonelyFollower is replica tally-0, with opts and a picker of its own,
+// following leader and no other peer, once it follows it.
+func lonelyFollower(t *testing.T, creds Credentials, leader Peer, opts Options) (*Replica, *picker.Picker, *prometheus.Registry) {
+	t.Helper()
+	p := picker.New(v1alpha1.PickerConfig{}, picker.Options{})
+	p.Replace(endpoints())
+	reg := prometheus.NewRegistry()
+	opts.Self, opts.Dial, opts.Registerer = "tally-0", creds.Dial, reg
+	if opts.Log.GetSink() == nil {
+		opts.Log = logFor(t)
+	}
+	x := New(p, opts)
+	ctx, stop := context.WithCancel(context.Background())
+	t.Cleanup(stop)
+	go x.Run(ctx)
+	x.SetPeers([]Peer{{Name: "tally-0"}, leader})
+	deadline := time.Now().Add(10 * time.Second)
+	for x.Leader() != leader.Name {
+		if time.Now().After(deadline) {
+			t.Fatalf("the follower does not follow %s", leader.Name)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return x, p, reg
 }
 
 // A leader that steps down refuses the picks that reach it after (its
@@ -82,21 +115,7 @@ func TestAPickTheSteppedDownLeaderRefusesIsPlacedHere(t *testing.T) {
 			placed(&pb.Placed{Id: p.Id, Refusal: pb.Refusal_REFUSAL_NOT_LEADING}),
 		}
 	}})
-	p := picker.New(v1alpha1.PickerConfig{}, picker.Options{})
-	p.Replace(endpoints())
-	reg := prometheus.NewRegistry()
-	x := New(p, Options{Self: "tally-0", Dial: creds.Dial, Registerer: reg, Log: logFor(t), PickTimeout: time.Minute})
-	ctx, stop := context.WithCancel(context.Background())
-	t.Cleanup(stop)
-	go x.Run(ctx)
-	x.SetPeers([]Peer{{Name: "tally-0"}, old})
-	deadline := time.Now().Add(10 * time.Second)
-	for x.Leader() != "old" {
-		if time.Now().After(deadline) {
-			t.Fatal("the follower does not follow the leader")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	x, p, reg := lonelyFollower(t, creds, old, Options{PickTimeout: time.Minute})
 	r, err := x.Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 1, 100)})
 	if err != nil {
 		t.Fatalf("a pick that reached the leader as it stepped down failed: %v", err)
@@ -122,32 +141,11 @@ func TestAPickQueuedAtALeaderReplacedAndThenLostIsPlacedHere(t *testing.T) {
 	}})
 	c.reps[1].SetPeers(append(append([]Peer(nil), c.peers...), old))
 	c.eventually("replica 1 follows the old leader", func() bool { return c.reps[1].Leader() == "old" })
-	type result struct {
-		r   *picker.Reservation
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		r, err := c.reps[1].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 1, 100)})
-		done <- result{r, err}
-	}()
+	placed := c.admitLater(1, 1)
 	<-got
 	c.lead(0, 1)
 	stopOld()
-	var res result
-	select {
-	case res = <-done:
-	case <-time.After(10 * time.Second):
-		t.Fatal("after 10s the pick queued at a leader that was replaced, then lost, still waits")
-	}
-	if res.err != nil {
-		t.Fatal(res.err)
-	}
-	c.eventually("the new leader holds the pick", func() bool { return c.pickers[0].Snapshot().InFlight == 1 })
-	c.reps[1].End(res.r, picker.Outcome{})
-	for i := range 2 {
-		c.eventually("every ledger empty", func() bool { return c.pickers[i].Snapshot().InFlight == 0 })
-	}
+	c.holdsOnlyThenEnds(1, awaitPlaced(t, placed))
 }
 
 // A follower's pick waits in the leader's queue past the follower's bound,

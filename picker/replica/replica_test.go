@@ -722,18 +722,7 @@ func (hungLeader) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.Fro
 // not: no pick waits past the pick bound, and each is placed here.
 func TestPicksToALeaderThatStoppedReadingArePlacedHere(t *testing.T) {
 	creds := writeCredentials(t)
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := grpc.NewServer(ServerOptions(creds.Server())...)
-	pb.RegisterPeerServer(s, hungLeader{})
-	go func() { _ = s.Serve(lis) }()
-	t.Cleanup(s.Stop)
-
-	p := picker.New(v1alpha1.PickerConfig{}, picker.Options{})
-	p.Replace(endpoints())
-	reg := prometheus.NewRegistry()
+	hung, _ := servePeer(t, creds, "hung", hungLeader{})
 	// Whether the follower logged that it cut its stream for a full outbox.
 	var cut atomic.Bool
 	log := funcr.New(func(_, args string) {
@@ -741,18 +730,7 @@ func TestPicksToALeaderThatStoppedReadingArePlacedHere(t *testing.T) {
 			cut.Store(true)
 		}
 	}, funcr.Options{})
-	x := New(p, Options{Self: "tally-0", Dial: creds.Dial, Registerer: reg, Log: log, PickTimeout: 50 * time.Millisecond})
-	ctx, stop := context.WithCancel(context.Background())
-	t.Cleanup(stop)
-	go x.Run(ctx)
-	x.SetPeers([]Peer{{Name: "tally-0"}, {Name: "hung", Addr: netip.MustParseAddrPort(lis.Addr().String())}})
-	deadline := time.Now().Add(10 * time.Second)
-	for x.Leader() != "hung" {
-		if time.Now().After(deadline) {
-			t.Fatal("the follower does not follow the hung leader")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	x, p, reg := lonelyFollower(t, creds, hung, Options{Log: log, PickTimeout: 50 * time.Millisecond})
 
 	req := func(k int) picker.Request {
 		return picker.Request{Model: "m", Prompt: prompt("", k, 32_000), Stream: true}
@@ -804,7 +782,7 @@ func TestPicksToALeaderThatStoppedReadingArePlacedHere(t *testing.T) {
 	// What waits unsent grows with each pick placed here (its Adopt) and
 	// each end, until the outbox is full: the stream is cut, and the log
 	// says why.
-	deadline = time.Now().Add(2 * time.Minute)
+	deadline := time.Now().Add(2 * time.Minute)
 	for range 32 {
 		wg.Go(func() {
 			for !cut.Load() && time.Now().Before(deadline) {
