@@ -63,7 +63,10 @@
 // from the replica that leads: a follower's is a copy of it).
 //
 // load runs --concurrency closed-loop clients, or with --rate R an open
-// loop of R arrivals a second.
+// loop of R arrivals a second. With several replicas it also times a bare
+// TCP round trip of 200 bytes to another process of its own, as often as
+// each follower forwards a pick: what a forwarded pick's round trip to
+// the leader cannot cost less than on the machine, under the same load.
 //
 // Progress goes to stderr, results to stdout. Exit status 2 is a bad flag, 1
 // a failed run.
@@ -332,6 +335,13 @@ func main() {
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 1 && args[0] == echoCommand {
+		if err := runEcho(os.Stdin, stdout); err != nil {
+			fmt.Fprintln(stderr, "extproc-load echo:", err)
+			return 1
+		}
+		return 0
+	}
 	cmd, o, err := parseFlags(args, stderr)
 	if err != nil {
 		if !errors.Is(err, flag.ErrHelp) {
@@ -406,6 +416,14 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 		}
 		printBurst(stdout, r)
 	case "load":
+		if t.client != nil && len(t.client.pickers) > 1 {
+			addr, stop, err := startEcho(ctx)
+			if err != nil {
+				return err
+			}
+			defer stop()
+			t.rttAddr = addr
+		}
 		r, err := runLoad(ctx, t, o.concurrency, o.rate, o.tokens, o.warmup, o.duration)
 		if err != nil {
 			return err
@@ -483,6 +501,9 @@ func printLoad(w io.Writer, r loadResult) {
 	fmt.Fprintf(w, "load tool CPU %s ms per request (the clients and the pods' servers)\n", ms(r.clientCPUPerRequest()))
 	for _, a := range r.byAddr {
 		fmt.Fprintf(w, "  via %-21s (%s): %d picks, p50 %s, p99 %s ms\n", a.addr, a.role, a.n, ms(a.p50), ms(a.p99))
+	}
+	if b := r.bareRTT; b.n > 0 {
+		fmt.Fprintf(w, "  bare TCP round trip to another process, %d bytes every %v: %d, p50 %s, p99 %s ms\n", rttMessageBytes, b.every, b.n, ms(b.p50), ms(b.p99))
 	}
 	fmt.Fprintf(w, "placement: %s\n", r.placement.spread())
 	if r.firstError != "" {

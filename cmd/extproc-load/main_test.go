@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -333,6 +334,7 @@ func TestLoadMeasuresRequestsLatencyAndCPU(t *testing.T) {
 // each in turn, and each address's picks are reported on their own.
 func TestOpenLoopLoadSpreadsOverEveryAddress(t *testing.T) {
 	tg, _ := inProcessTallyReplicas(t, 2)
+	tg.rttAddr = echoServer(t)
 	r, err := runLoad(t.Context(), tg, 0, 200, 2_000, 200*time.Millisecond, time.Second)
 	if err != nil {
 		t.Fatal(err)
@@ -352,6 +354,96 @@ func TestOpenLoopLoadSpreadsOverEveryAddress(t *testing.T) {
 	}
 	if a.addr == b.addr || a.p99 <= 0 || b.p99 <= 0 || a.role != "role unknown" {
 		t.Errorf("per-address picks %+v: want two addresses, each with latencies, roles unknown without metrics", r.byAddr)
+	}
+	// The bare round trip is timed as often as each address gets a pick
+	// (a tick a slow round trip overran is skipped).
+	if b := r.bareRTT; b.every != 10*time.Millisecond || b.n < 20 || b.n > int(r.window/b.every)+1 || b.p50 <= 0 || b.p99 < b.p50 {
+		t.Errorf("bare round trip %+v over %v: want one every 10ms, with latencies", b, r.window)
+	}
+}
+
+// echoServer serves the echo command's protocol on loopback until the
+// test ends.
+func echoServer(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- serveEcho(l) }()
+	t.Cleanup(func() {
+		l.Close()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	return l.Addr().String()
+}
+
+// TestTheEchoCommandAnswersUntilItsInputCloses runs the echo command as
+// the tool runs it, with its stdin and stdout on pipes.
+func TestTheEchoCommandAnswersUntilItsInputCloses(t *testing.T) {
+	inR, inW := io.Pipe()
+	outR, outW := io.Pipe()
+	done := make(chan error, 1)
+	go func() { done <- runEcho(inR, outW) }()
+	line, err := bufio.NewReader(outR).ReadString('\n')
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := startProbe(strings.TrimSpace(line), time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	rtts, err := p.end(time.Time{}, time.Now())
+	if err != nil || len(rtts) == 0 {
+		t.Fatalf("%d round trips, error %v: want some and none", len(rtts), err)
+	}
+	inW.Close()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the echo command did not end when its input closed")
+	}
+}
+
+// TestAWrongEchoFailsTheProbe: a round trip whose answer is not the
+// message is an error, not a sample.
+func TestAWrongEchoFailsTheProbe(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		b := make([]byte, rttMessageBytes)
+		for {
+			if _, err := io.ReadFull(c, b); err != nil {
+				return
+			}
+			b[0]++
+			if _, err := c.Write(b); err != nil {
+				return
+			}
+		}
+	}()
+	p, err := startProbe(l.Addr().String(), time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	rtts, err := p.end(time.Time{}, time.Now())
+	if err == nil || len(rtts) != 0 {
+		t.Fatalf("%d round trips, error %v: want none and an error", len(rtts), err)
 	}
 }
 

@@ -56,6 +56,9 @@ type target struct {
 	// endpoints as first seen.
 	endpoints []string
 	log       io.Writer
+	// rttAddr is the echo process's address: load times a bare round
+	// trip to it beside the picks (empty: not measured).
+	rttAddr string
 	// gateway is the gateway the requests of bursts (and their warm
 	// requests) come through: gatewayEnvoy ("" too) or gatewayNGF.
 	gateway string
@@ -375,6 +378,12 @@ type loadResult struct {
 	// cpuPerReq and clientPerReq, when set, are cpuPerRequest's and
 	// clientCPUPerRequest's answers: the medians of runs.
 	cpuPerReq, clientPerReq time.Duration
+	// bareRTT is the bare round trip to the echo process over the window.
+	bareRTT struct {
+		every    time.Duration
+		n        int
+		p50, p99 time.Duration
+	}
 }
 
 // medianLoad is each measure's median over runs of one load (errors and
@@ -522,6 +531,15 @@ func runLoad(ctx context.Context, t *target, concurrency int, rate float64, toke
 	if err == nil {
 		client0, err = procCPU(os.Getpid())
 	}
+	var probe *rttProbe
+	if err == nil && t.rttAddr != "" {
+		res.bareRTT.every = 10 * time.Millisecond
+		if rate > 0 && t.client != nil {
+			// As often as each follower forwards a pick.
+			res.bareRTT.every = time.Duration(float64(time.Second) * float64(len(t.client.pickers)) / rate)
+		}
+		probe, err = startProbe(t.rttAddr, res.bareRTT.every)
+	}
 	if err != nil {
 		stop.Store(true)
 		wg.Wait()
@@ -533,6 +551,11 @@ func runLoad(ctx context.Context, t *target, concurrency int, rate float64, toke
 	res.use, err = m.stop()
 	if err == nil {
 		client1, err = procCPU(os.Getpid())
+	}
+	if probe != nil {
+		rtts, perr := probe.end(from, until)
+		err = errors.Join(err, perr)
+		res.bareRTT.n, res.bareRTT.p50, res.bareRTT.p99 = len(rtts), percentile(rtts, 0.50), percentile(rtts, 0.99)
 	}
 	stop.Store(true)
 	wg.Wait()
