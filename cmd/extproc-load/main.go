@@ -63,10 +63,12 @@
 // from the replica that leads: a follower's is a copy of it).
 //
 // load runs --concurrency closed-loop clients, or with --rate R an open
-// loop of R arrivals a second. With several replicas it also times a bare
-// TCP round trip of 200 bytes to another process of its own, as often as
-// each follower forwards a pick: what a forwarded pick's round trip to
-// the leader cannot cost less than on the machine, under the same load.
+// loop of R arrivals a second. With several replicas it also times bare
+// round trips of 200 bytes to another process of its own, over TCP and
+// over a gRPC stream, each as often as a follower forwards a pick: what a
+// forwarded pick's round trip to the leader cannot cost less than on the
+// machine, under the same load; and, with the leader known, the p99 of
+// the leader's picks each plus one such round trip.
 //
 // Progress goes to stderr, results to stdout. Exit status 2 is a bad flag, 1
 // a failed run.
@@ -417,12 +419,12 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 		printBurst(stdout, r)
 	case "load":
 		if t.client != nil && len(t.client.pickers) > 1 {
-			addr, stop, err := startEcho(ctx)
+			addrs, stop, err := startEcho(ctx)
 			if err != nil {
 				return err
 			}
 			defer stop()
-			t.rttAddr = addr
+			t.echo = addrs
 		}
 		r, err := runLoad(ctx, t, o.concurrency, o.rate, o.tokens, o.warmup, o.duration)
 		if err != nil {
@@ -502,8 +504,12 @@ func printLoad(w io.Writer, r loadResult) {
 	for _, a := range r.byAddr {
 		fmt.Fprintf(w, "  via %-21s (%s): %d picks, p50 %s, p99 %s ms\n", a.addr, a.role, a.n, ms(a.p50), ms(a.p99))
 	}
-	if b := r.bareRTT; b.n > 0 {
-		fmt.Fprintf(w, "  bare TCP round trip to another process, %d bytes every %v: %d, p50 %s, p99 %s ms\n", rttMessageBytes, b.every, b.n, ms(b.p50), ms(b.p99))
+	for _, b := range r.bareRTT {
+		fmt.Fprintf(w, "  bare %s round trip to another process, %d bytes every %v: %d, p50 %s, p99 %s ms", b.name, rttMessageBytes, b.every, b.n, ms(b.p50), ms(b.p99))
+		if b.leaderPlusP99 > 0 {
+			fmt.Fprintf(w, "; the leader's picks each plus one (every pair): p99 %s ms", ms(b.leaderPlusP99))
+		}
+		fmt.Fprintln(w)
 	}
 	fmt.Fprintf(w, "placement: %s\n", r.placement.spread())
 	if r.firstError != "" {

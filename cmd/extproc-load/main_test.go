@@ -334,7 +334,7 @@ func TestLoadMeasuresRequestsLatencyAndCPU(t *testing.T) {
 // each in turn, and each address's picks are reported on their own.
 func TestOpenLoopLoadSpreadsOverEveryAddress(t *testing.T) {
 	tg, _ := inProcessTallyReplicas(t, 2)
-	tg.rttAddr = echoServer(t)
+	tg.echo = echoProcess(t)
 	r, err := runLoad(t.Context(), tg, 0, 200, 2_000, 200*time.Millisecond, time.Second)
 	if err != nil {
 		t.Fatal(err)
@@ -355,59 +355,58 @@ func TestOpenLoopLoadSpreadsOverEveryAddress(t *testing.T) {
 	if a.addr == b.addr || a.p99 <= 0 || b.p99 <= 0 || a.role != "role unknown" {
 		t.Errorf("per-address picks %+v: want two addresses, each with latencies, roles unknown without metrics", r.byAddr)
 	}
-	// The bare round trip is timed as often as each address gets a pick
+	// Each bare round trip is timed as often as each address gets a pick
 	// (a tick a slow round trip overran is skipped).
-	if b := r.bareRTT; b.every != 10*time.Millisecond || b.n < 20 || b.n > int(r.window/b.every)+1 || b.p50 <= 0 || b.p99 < b.p50 {
-		t.Errorf("bare round trip %+v over %v: want one every 10ms, with latencies", b, r.window)
+	if len(r.bareRTT) != len(rttNames) {
+		t.Fatalf("bare round trips %+v: want %v", r.bareRTT, rttNames)
 	}
-}
-
-// echoServer serves the echo command's protocol on loopback until the
-// test ends.
-func echoServer(t *testing.T) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- serveEcho(l) }()
-	t.Cleanup(func() {
-		l.Close()
-		if err := <-done; err != nil {
-			t.Error(err)
+	for _, b := range r.bareRTT {
+		if b.every != 10*time.Millisecond || b.n < 20 || b.n > int(r.window/b.every)+1 || b.p50 <= 0 || b.p99 < b.p50 {
+			t.Errorf("bare round trip %+v over %v: want one every 10ms, with latencies", b, r.window)
 		}
-	})
-	return l.Addr().String()
+	}
 }
 
-// TestTheEchoCommandAnswersUntilItsInputCloses runs the echo command as
-// the tool runs it, with its stdin and stdout on pipes.
-func TestTheEchoCommandAnswersUntilItsInputCloses(t *testing.T) {
+// echoProcess runs the echo command as the tool runs it, with its stdin
+// and stdout on pipes, until the test ends; then it must end because its
+// input closed.
+func echoProcess(t *testing.T) echoAddrs {
 	inR, inW := io.Pipe()
 	outR, outW := io.Pipe()
 	done := make(chan error, 1)
 	go func() { done <- runEcho(inR, outW) }()
 	line, err := bufio.NewReader(outR).ReadString('\n')
-	if err != nil {
-		t.Fatal(err)
+	f := strings.Fields(line)
+	if err != nil || len(f) != 2 {
+		t.Fatalf("the echo command printed %q (%v): want its TCP and gRPC addresses", line, err)
 	}
-	p, err := startProbe(strings.TrimSpace(line), time.Millisecond)
+	t.Cleanup(func() {
+		inW.Close()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Error(err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Error("the echo command did not end when its input closed")
+		}
+	})
+	return echoAddrs{tcp: f[0], grpc: f[1]}
+}
+
+// TestTheEchoCommandAnswersBothProbes: each probe's round trips come back
+// as sent, and stop when the probe ends.
+func TestTheEchoCommandAnswersBothProbes(t *testing.T) {
+	probes, err := startProbes(echoProcess(t), time.Millisecond)
 	if err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(50 * time.Millisecond)
-	rtts, err := p.end(time.Time{}, time.Now())
-	if err != nil || len(rtts) == 0 {
-		t.Fatalf("%d round trips, error %v: want some and none", len(rtts), err)
-	}
-	inW.Close()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatal(err)
+	for i, p := range probes {
+		rtts, err := p.end(time.Time{}, time.Now())
+		if err != nil || len(rtts) == 0 {
+			t.Errorf("%s: %d round trips, error %v: want some and none", rttNames[i], len(rtts), err)
 		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the echo command did not end when its input closed")
 	}
 }
 
@@ -436,10 +435,11 @@ func TestAWrongEchoFailsTheProbe(t *testing.T) {
 			}
 		}
 	}()
-	p, err := startProbe(l.Addr().String(), time.Millisecond)
+	rt, closing, err := dialTCP(l.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
+	p := startProbe("TCP", rt, closing, time.Millisecond)
 	time.Sleep(50 * time.Millisecond)
 	rtts, err := p.end(time.Time{}, time.Now())
 	if err == nil || len(rtts) != 0 {
@@ -716,5 +716,38 @@ func TestStaggerReadsTheSpreadWhileRequestsOverlap(t *testing.T) {
 				t.Errorf("through Envoy the busiest endpoint held %.2f times the even share (%v)", r.worst, r.worstAt)
 			}
 		})
+	}
+}
+
+// TestSumPercentileIsThatOfEveryPair checks sumPercentile against every
+// pair's sum, sorted.
+func TestSumPercentileIsThatOfEveryPair(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	for try := range 200 {
+		a := make([]time.Duration, 1+rng.IntN(60))
+		b := make([]time.Duration, 1+rng.IntN(60))
+		for i := range a {
+			a[i] = time.Duration(rng.IntN(5_000))
+		}
+		for i := range b {
+			b[i] = time.Duration(rng.IntN(3) * rng.IntN(2_000))
+		}
+		slices.Sort(a)
+		slices.Sort(b)
+		var sums []time.Duration
+		for _, x := range a {
+			for _, y := range b {
+				sums = append(sums, x+y)
+			}
+		}
+		slices.Sort(sums)
+		for _, q := range []float64{0, 0.5, 0.9, 0.99, 1} {
+			if got, want := sumPercentile(a, b, q), percentile(sums, q); got != want {
+				t.Fatalf("try %d, q %v: %v, want %v (a %v, b %v)", try, q, got, want, a, b)
+			}
+		}
+	}
+	if got := sumPercentile(nil, []time.Duration{1}, 0.99); got != 0 {
+		t.Errorf("no samples: %v, want 0", got)
 	}
 }

@@ -56,9 +56,9 @@ type target struct {
 	// endpoints as first seen.
 	endpoints []string
 	log       io.Writer
-	// rttAddr is the echo process's address: load times a bare round
-	// trip to it beside the picks (empty: not measured).
-	rttAddr string
+	// echo is where the echo process answers: load times bare round
+	// trips to it beside the picks (zero: not measured).
+	echo echoAddrs
 	// gateway is the gateway the requests of bursts (and their warm
 	// requests) come through: gatewayEnvoy ("" too) or gatewayNGF.
 	gateway string
@@ -378,12 +378,9 @@ type loadResult struct {
 	// cpuPerReq and clientPerReq, when set, are cpuPerRequest's and
 	// clientCPUPerRequest's answers: the medians of runs.
 	cpuPerReq, clientPerReq time.Duration
-	// bareRTT is the bare round trip to the echo process over the window.
-	bareRTT struct {
-		every    time.Duration
-		n        int
-		p50, p99 time.Duration
-	}
+	// bareRTT are the bare round trips to the echo process over the
+	// window, over TCP then gRPC.
+	bareRTT []rttResult
 }
 
 // medianLoad is each measure's median over runs of one load (errors and
@@ -531,14 +528,17 @@ func runLoad(ctx context.Context, t *target, concurrency int, rate float64, toke
 	if err == nil {
 		client0, err = procCPU(os.Getpid())
 	}
-	var probe *rttProbe
-	if err == nil && t.rttAddr != "" {
-		res.bareRTT.every = 10 * time.Millisecond
+	var probes []*rttProbe
+	if err == nil && t.echo != (echoAddrs{}) {
+		every := 10 * time.Millisecond
 		if rate > 0 && t.client != nil {
 			// As often as each follower forwards a pick.
-			res.bareRTT.every = time.Duration(float64(time.Second) * float64(len(t.client.pickers)) / rate)
+			every = time.Duration(float64(time.Second) * float64(len(t.client.pickers)) / rate)
 		}
-		probe, err = startProbe(t.rttAddr, res.bareRTT.every)
+		probes, err = startProbes(t.echo, every)
+		for _, name := range rttNames {
+			res.bareRTT = append(res.bareRTT, rttResult{name: name, every: every})
+		}
 	}
 	if err != nil {
 		stop.Store(true)
@@ -552,10 +552,13 @@ func runLoad(ctx context.Context, t *target, concurrency int, rate float64, toke
 	if err == nil {
 		client1, err = procCPU(os.Getpid())
 	}
-	if probe != nil {
-		rtts, perr := probe.end(from, until)
+	rtts := make([][]time.Duration, len(probes))
+	for i, p := range probes {
+		var perr error
+		rtts[i], perr = p.end(from, until)
 		err = errors.Join(err, perr)
-		res.bareRTT.n, res.bareRTT.p50, res.bareRTT.p99 = len(rtts), percentile(rtts, 0.50), percentile(rtts, 0.99)
+		b := &res.bareRTT[i]
+		b.n, b.p50, b.p99 = len(rtts[i]), percentile(rtts[i], 0.50), percentile(rtts[i], 0.99)
 	}
 	stop.Store(true)
 	wg.Wait()
@@ -599,6 +602,9 @@ func runLoad(ctx context.Context, t *target, concurrency int, rate float64, toke
 			switch {
 			case i == leader:
 				role = "leader"
+				for j := range res.bareRTT {
+					res.bareRTT[j].leaderPlusP99 = sumPercentile(p, rtts[j], 0.99)
+				}
 			case leader >= 0:
 				role = "follower"
 			}
