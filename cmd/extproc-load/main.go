@@ -63,12 +63,12 @@
 // from the replica that leads: a follower's is a copy of it).
 //
 // load runs --concurrency closed-loop clients, or with --rate R an open
-// loop of R arrivals a second. With several replicas it also times bare
-// round trips of 200 bytes to another process of its own, over TCP and
-// over a gRPC stream, each as often as a follower forwards a pick: what a
-// forwarded pick's round trip to the leader cannot cost less than on the
-// machine, under the same load; and, with the leader known, the p99 of
-// the leader's picks each plus one such round trip.
+// loop of R arrivals a second. With several replicas and --bare-rtt it
+// also times bare round trips of 200 bytes to another process of its own,
+// over TCP and over a gRPC stream, each as often as a follower forwards a
+// pick: what a forwarded pick's round trip to the leader cannot cost less
+// than on the machine, under the same load; and, with the leader known,
+// the p99 of the leader's picks each plus one such round trip.
 //
 // Progress goes to stderr, results to stdout. Exit status 2 is a bad flag, 1
 // a failed run.
@@ -105,6 +105,7 @@ type options struct {
 	pid         int
 	replicas    int
 	rate        float64
+	bareRTT     bool
 	firstPodIP  netip.Addr
 	picker      string
 	tallyBin    string
@@ -150,6 +151,7 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 	fs.StringVar(&metricsURLs, "metrics-url", "", "with --addr: the picker's metrics server (for /debug/ledger), e.g. http://127.0.0.1:9090, or a comma-separated list in --addr's order: the ledger is read from the replica that leads")
 	fs.IntVar(&o.replicas, "replicas", 0, "without --addr: start this many peer replicas of the picker (leader election, --peer-selector) and spread the streams over them in turn; 0 starts one picker without the peer layer")
 	firstPodIP := fs.String("first-pod-ip", defaultFirstPodIP.String(), "without --addr: the first pod's loopback IP (the others count up from it); another one lets two runs share a machine")
+	fs.BoolVar(&o.bareRTT, "bare-rtt", false, "load with several replicas: also time bare round trips of 200 bytes to another process of this tool, over TCP and over a gRPC stream, as often as a follower forwards a pick, and the leader's picks each plus one")
 	fs.Float64Var(&o.rate, "rate", 0, "load: open loop at this many requests per second (each arrival its own client, whatever the others wait for) instead of --concurrency closed-loop clients")
 	fs.IntVar(&o.pid, "pid", 0, "with --addr: the picker's process id, for its CPU time and peak RSS")
 	fs.StringVar(&o.picker, "picker", pickerTally, "picker to start: tally or upstream")
@@ -265,6 +267,8 @@ func parseFlags(args []string, stderr io.Writer) (string, options, error) {
 		return "", o, fmt.Errorf("flag --metrics-url: %d URLs for %d --addr addresses: give one, or one per address in the same order", len(o.metricsURLs), len(o.addrs))
 	case o.rate < 0 || (o.rate > 0 && cmd != "load"):
 		return "", o, fmt.Errorf("flag --rate: %v is invalid: want more than 0, for load only", o.rate)
+	case o.bareRTT && (cmd != "load" || (o.replicas < 2 && len(o.addrs) < 2)):
+		return "", o, errors.New("flag --bare-rtt: for load with several replicas only (--replicas 2 or more, or several --addr addresses)")
 	}
 	return cmd, o, nil
 }
@@ -418,7 +422,7 @@ func runOne(ctx context.Context, cmd string, o options, stdout, stderr io.Writer
 		}
 		printBurst(stdout, r)
 	case "load":
-		if t.client != nil && len(t.client.pickers) > 1 {
+		if o.bareRTT {
 			addrs, stop, err := startEcho(ctx)
 			if err != nil {
 				return err
