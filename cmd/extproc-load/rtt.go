@@ -19,8 +19,8 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
-// The bare round trip: while load runs against several replicas, the tool
-// also sends small messages to another process of its own (the echo
+// The bare round trip: while load runs against several replicas with
+// --bare-rtt, the tool also sends small messages to another process of its own (the echo
 // command) and times their echoes, over plain TCP and over a gRPC stream
 // without TLS. A follower's pick crosses the same loopback to the leader
 // and back on a gRPC stream, so these are what forwarding cannot cost less
