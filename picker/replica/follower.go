@@ -202,7 +202,13 @@ func (x *Replica) stream(ctx context.Context, c *peerConn) error {
 func (x *Replica) down(c *peerConn) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	c.up, c.leading, c.cancel = false, false, nil
+	c.up, c.cancel = false, nil
+	if c.version == Version {
+		// A peer of another version ends each stream right after saying
+		// that it leads: what it said holds (noLeaderReason) until it
+		// says otherwise or leaves the peers.
+		c.leading = false
+	}
 	if x.leader == c {
 		x.leader = nil
 	}
@@ -276,17 +282,20 @@ func (x *Replica) follows(c *peerConn) bool {
 func (x *Replica) peerHello(c *peerConn, h *pb.Hello) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
+	said := c.leading && c.version == h.Version // the same as last time
 	c.up, c.version, c.leading = true, h.Version, h.Leading
 	switch {
 	case x.leading.Load():
 	case h.Leading && h.Version == Version:
 		if x.leader != c {
 			x.leader = c
-			x.m.leaderChanges.Inc()
+			x.leaderIs(c.peer.Name)
 			x.opts.Log.Info("following the leader", "leader", c.peer.Name, "addr", c.peer.Addr)
 		}
 	case h.Leading:
-		x.opts.Log.Info("the leader speaks another peer protocol version: placing locally", "leader", c.peer.Name, "version", h.Version, "ours", Version)
+		if !said {
+			x.opts.Log.Info("the leader speaks another peer protocol version: placing locally", "leader", c.peer.Name, "version", h.Version, "ours", Version)
+		}
 		fallthrough
 	case x.leader == c:
 		if x.leader == c {

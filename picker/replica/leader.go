@@ -443,7 +443,9 @@ func (x *Replica) Lead() {
 	x.leading.Store(true)
 	x.leadSince = time.Now()
 	x.leader = nil
-	x.m.leaderChanges.Inc()
+	x.leaderIs(x.opts.Self)
+	x.lagNs.Store(0)
+	x.m.lag.Set(0)
 	for f := range x.followers {
 		f.send(&pb.FromLeader{Msg: &pb.FromLeader_Hello{Hello: x.hello()}})
 		f.send(x.sync())

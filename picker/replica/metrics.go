@@ -39,7 +39,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}),
 		leaderChanges: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "tally_peer_leader_changes_total",
-			Help: "Times this replica started following another leader, or started leading.",
+			Help: "Times the leader changed as this replica saw it: it started following another leader than the last, or started leading after another led (a reconnection to the same leader is no change, nor the first leader seen).",
 		}),
 	}
 	for _, r := range []string{reasonLeader, reasonNoLeader, reasonTimeout, reasonVersion} {

@@ -74,6 +74,15 @@ type Peer struct {
 	Addr netip.AddrPort
 }
 
+// leaderIs records name as the leader and counts a change from another
+// (not the first leader this replica sees). Called with mu held.
+func (x *Replica) leaderIs(name string) {
+	if x.lastLeader != "" && x.lastLeader != name {
+		x.m.leaderChanges.Inc()
+	}
+	x.lastLeader = name
+}
+
 // Replica is one replica of the picker: the leader, or a follower of it.
 type Replica struct {
 	opts     Options
@@ -98,6 +107,9 @@ type Replica struct {
 	leadSince time.Time
 	// StepDown was called: the process is shutting down and leads no more.
 	steppedDown bool
+	// lastLeader names the leader this replica last followed, or itself
+	// since it last led: a leader's reconnection is no change of leader.
+	lastLeader string
 	// Following: the stream to each peer, and the one that leads.
 	peers  map[string]*peerConn
 	leader *peerConn

@@ -19,8 +19,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	testclock "k8s.io/utils/clock/testing"
 
@@ -478,6 +480,106 @@ func TestAFollowerOfAnotherVersionPlacesLocally(t *testing.T) {
 		t.Errorf("%v local placements for the version, want 3", got)
 	}
 	c.end(ps)
+}
+
+// leaderChanges reads replica i's tally_peer_leader_changes_total.
+func (c *cluster) leaderChanges(i int) float64 {
+	mfs, err := c.regs[i].Gather()
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "tally_peer_leader_changes_total" {
+			return mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	c.t.Fatal("no tally_peer_leader_changes_total")
+	return 0
+}
+
+// The first leader is no change, nor a follower's reconnection to the
+// same leader; a new leader is one change on every replica that sees it,
+// and a replica that leads reports no lag.
+func TestLeaderChangesCountNewLeadersOnly(t *testing.T) {
+	c := newCluster(t, 3, writeCredentials(t), Options{})
+	c.lead(0, 1, 2)
+	c.end(c.burst(6, "", 0, 1, 2))
+	c.eventually("replica 1 applied the leader's changes", func() bool { return c.reps[1].Status().LagSeconds > 0 })
+
+	// Replica 1 drops its stream to the leader and opens another.
+	c.reps[1].SetPeers([]Peer{c.peers[1], c.peers[2]})
+	c.eventually("replica 1 follows no one", func() bool { return c.reps[1].Leader() == "" })
+	c.reps[1].SetPeers(c.peers)
+	c.eventually("replica 1 follows tally-0 again", func() bool { return c.reps[1].Leader() == "tally-0" })
+	for i := range 3 {
+		if got := c.leaderChanges(i); got != 0 {
+			t.Errorf("replica %d counted %v leader changes with one leader all along, want 0", i, got)
+		}
+	}
+
+	c.kill(0)
+	c.lead(1, 2)
+	for i := 1; i < 3; i++ {
+		if got := c.leaderChanges(i); got != 1 {
+			t.Errorf("replica %d counted %v leader changes after tally-1 took over, want 1", i, got)
+		}
+	}
+	if lag := c.reps[1].Status().LagSeconds; lag != 0 {
+		t.Errorf("the new leader reports a lag of %vs, want 0", lag)
+	}
+}
+
+// newerLeader answers a follower as a leader of the next peer protocol
+// version does: its Hello, then the end of the stream.
+type newerLeader struct {
+	pb.UnimplementedPeerServer
+	streams atomic.Int64
+}
+
+func (n *newerLeader) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromLeader]) error {
+	defer n.streams.Add(1)
+	if _, err := stream.Recv(); err != nil {
+		return err
+	}
+	_ = stream.Send(&pb.FromLeader{Msg: &pb.FromLeader_Hello{Hello: &pb.Hello{Version: Version + 1, Replica: "newer", Leading: true, Instance: "1"}}})
+	return status.Errorf(codes.FailedPrecondition, "peer protocol version %d is not spoken here (%d)", Version, Version+1)
+}
+
+// A leader of another version ends each stream after its Hello: the picks
+// placed here meanwhile are counted for the version, not for want of a
+// leader.
+func TestPicksPlacedBesideALeaderOfAnotherVersionSaySo(t *testing.T) {
+	creds := writeCredentials(t)
+	newer := &newerLeader{}
+	peer, _ := servePeer(t, creds, "newer", newer)
+	p := picker.New(v1alpha1.PickerConfig{}, picker.Options{})
+	p.Replace(endpoints())
+	reg := prometheus.NewRegistry()
+	x := New(p, Options{Self: "tally-0", Dial: creds.Dial, Registerer: reg, Log: logFor(t)})
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
+	go x.Run(ctx)
+	x.SetPeers([]Peer{{Name: "tally-0"}, peer})
+	// Two streams ended: the follower has heard the leader and lost its
+	// stream since.
+	deadline := time.Now().Add(20 * time.Second)
+	for newer.streams.Load() < 2 {
+		if time.Now().After(deadline) {
+			t.Fatal("the follower did not reconnect to the leader of another version")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	for i := range 5 {
+		r, err := x.Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", i, 100)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		x.End(r, picker.Outcome{})
+	}
+	local := newMetricsFor(reg)
+	if v, n := testutil.ToFloat64(local.WithLabelValues(reasonVersion)), testutil.ToFloat64(local.WithLabelValues(reasonNoLeader)); v != 5 || n != 0 {
+		t.Errorf("placed here for the version %v, for want of a leader %v: want 5 and 0", v, n)
+	}
 }
 
 func TestAForwardedPickWaitsInTheLeadersQueue(t *testing.T) {
