@@ -207,9 +207,13 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 	if fs.NArg() > 0 {
 		return options{}, nil, fmt.Errorf("unexpected argument %q: epp takes flags only", fs.Arg(0))
 	}
+	var peerFlags []*flag.Flag // set without --peer-selector: ignored
 	fs.Visit(func(f *flag.Flag) {
-		if f.Name == "zap-log-level" {
+		switch f.Name {
+		case "zap-log-level":
 			o.zapLevelSet = true
+		case "peer-port", "peer-cert-path", "peer-pick-timeout":
+			peerFlags = append(peerFlags, f)
 		}
 	})
 	if o.metricsBindAddress == "" {
@@ -220,6 +224,11 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (op
 		// As upstream: without a certificate from --cert-path there is
 		// nothing to reload.
 		ignored = append(ignored, ignoredSetting{flag: "--enable-cert-reload", value: "true", reason: "no --cert-path certificate is served to reload"})
+	}
+	if o.peerSelector == "" {
+		for _, f := range peerFlags {
+			ignored = append(ignored, ignoredSetting{flag: "--" + f.Name, value: f.Value.String(), reason: "no --peer-selector: the replicas do not peer (only the one holding the lease serves)"})
+		}
 	}
 	if o.kubeconfig == "" {
 		o.kubeconfig = getenv("KUBECONFIG")

@@ -6,6 +6,7 @@ import (
 	"github.com/tallyepp/tally/picker/scrape"
 	"math"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -154,6 +155,25 @@ func TestSecurityFlagsDefaultAsUpstream(t *testing.T) {
 	_, ignored, err := parseFlags([]string{"--pool-name", "p", "--enable-cert-reload"}, env(nil), &bytes.Buffer{})
 	if err != nil || len(ignored) != 1 || ignored[0].flag != "--enable-cert-reload" {
 		t.Fatalf("--enable-cert-reload without --cert-path: ignored %v, err %v; want it reported as ignored", ignored, err)
+	}
+}
+
+// Peer flags without --peer-selector do nothing: each is reported.
+func TestPeerFlagsWithoutAPeerSelectorAreReportedIgnored(t *testing.T) {
+	_, ignored, err := parseFlags([]string{"--pool-name", "p", "--ha-enable-leader-election", "--peer-port", "9100", "--peer-cert-path", "/certs"}, env(nil), &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, s := range ignored {
+		got = append(got, s.flag+"="+s.value)
+	}
+	if want := []string{"--peer-cert-path=/certs", "--peer-port=9100"}; !slices.Equal(got, want) {
+		t.Errorf("ignored %v, want %v", got, want)
+	}
+	_, ignored, err = parseFlags([]string{"--pool-name", "p", "--ha-enable-leader-election", "--peer-selector", "app=t", "--peer-port", "9100", "--peer-cert-path", "/certs"}, env(map[string]string{"POD_NAME": "t-0", "POD_IP": "10.0.0.1"}), &bytes.Buffer{})
+	if err != nil || len(ignored) != 0 {
+		t.Errorf("with --peer-selector: ignored %v, err %v; want none", ignored, err)
 	}
 }
 

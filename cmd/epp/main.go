@@ -81,7 +81,7 @@ func run(ctx context.Context, args []string, b build, getenv func(string) string
 	ctrl.SetLogger(log)
 	log.Info("starting epp", "version", b.Version, "commit", b.Commit, "go", b.GoVersion)
 	for _, s := range ignored {
-		log.Info("ignoring a flag of the upstream picker that Tally does not apply", "flag", s.flag, "value", s.value, "reason", s.reason)
+		log.Info("ignoring a flag that does nothing here", "flag", s.flag, "value", s.value, "reason", s.reason)
 	}
 	cfg, notes, err := loadConfig(opts)
 	if err != nil {
