@@ -345,6 +345,9 @@ func TestChartLeaderElectionWithReplicas(t *testing.T) {
 	if flagValue(t, sc.Args, "--ha-enable-leader-election") != "" {
 		t.Errorf("--ha-enable-leader-election takes no value in %q", sc.Args)
 	}
+	if kinds := standby.kinds(); slices.Contains(kinds, "PodDisruptionBudget") {
+		t.Errorf("warm standbys render a PodDisruptionBudget (kinds %v): only the leader is Ready, so it could never be evicted", kinds)
+	}
 	if !strings.Contains(standby.notes, "only the leader is Ready") {
 		t.Errorf("NOTES.txt without peering does not explain leader-only readiness:\n%s", standby.notes)
 	}
@@ -677,6 +680,9 @@ func TestChartRejectsBadValues(t *testing.T) {
 		{"existing ServiceAccount without a name", []string{requiredValues, "serviceAccount: {create: false}"}, []string{"serviceAccount.name is required"}},
 		{"termination grace below the drain", []string{requiredValues, "picker: {terminationGracePeriodSeconds: 30}"}, []string{"picker.terminationGracePeriodSeconds (30) must be above", "(605)"}},
 		{"lease not above the renew deadline", []string{requiredValues, "picker: {leaderElection: {leaseDurationSeconds: 10}}"}, []string{"picker.leaderElection.leaseDurationSeconds (10) must be more than renewDeadlineSeconds (10)"}},
+		{"budget allowing no eviction", []string{requiredValues, "podDisruptionBudget: {maxUnavailable: 0}"}, []string{"podDisruptionBudget.maxUnavailable (0) must be above 0"}},
+		{"budget keeping every replica", []string{requiredValues, "podDisruptionBudget: {minAvailable: 2}"}, []string{"podDisruptionBudget.minAvailable (2) must be below picker.replicas (2)"}},
+		{"budget keeping all in percent", []string{requiredValues, "picker: {replicas: 3}", `podDisruptionBudget: {minAvailable: "100%"}`}, []string{"podDisruptionBudget.minAvailable (100%) must be below picker.replicas (3)"}},
 		{"renew deadline within a retry", []string{requiredValues, "picker: {leaderElection: {renewDeadlineSeconds: 2}}"}, []string{"renewDeadlineSeconds (2) must be more than 1.2 times retryPeriodSeconds (2)"}},
 		{"unknown provider", []string{requiredValues, "provider: {name: nginx}"}, []string{"/provider/name", "none", "istio", "gke"}},
 		{"GKE with an HTTPRoute timeout", []string{requiredValues, "{provider: {name: gke}, httpRoute: {create: true, gateway: {name: gw}, requestTimeout: 300s}}"}, []string{"httpRoute.requestTimeout (300s) must be empty with provider.name gke", "provider.gke.timeoutSeconds"}},
