@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -26,7 +27,8 @@ type follower struct {
 	// to the follower's own pick, by the goroutine that placed it.
 	stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromLeader]
 	sendMu sync.Mutex
-	closed bool // the handler returned: the stream takes no more sends
+	// The stream is ending: it takes no more sends (read under sendMu).
+	closed atomic.Bool
 }
 
 // sendNow sends m at once, from the calling goroutine: the answer to a
@@ -36,7 +38,7 @@ type follower struct {
 func (f *follower) sendNow(m *pb.FromLeader) {
 	f.sendMu.Lock()
 	var err error
-	if !f.closed {
+	if !f.closed.Load() {
 		err = f.stream.Send(m)
 	}
 	f.sendMu.Unlock()
@@ -54,6 +56,10 @@ func (f *follower) send(m *pb.FromLeader) {
 		f.cancel(errOutboxFull)
 	}
 }
+
+// stuckSendGrace is how long a follower's ending stream waits for a send
+// under way before the handler returns under it.
+const stuckSendGrace = 5 * time.Second
 
 // Register serves the peer protocol on s.
 func (x *Replica) Register(s *grpc.Server) { pb.RegisterPeerServer(s, server{x: x}) }
@@ -123,11 +129,24 @@ func (s server) Follow(stream grpc.BidiStreamingServer[pb.FromFollower, pb.FromL
 		}
 	}()
 	<-ctx.Done()
-	<-sent
 	// A pick still being placed (or waiting in the queue) answers no one.
-	f.sendMu.Lock()
-	f.closed = true
-	f.sendMu.Unlock()
+	f.closed.Store(true)
+	// Wait for the sends under way: the outbox's and a pick's answer.
+	idle := make(chan struct{})
+	go func() {
+		<-sent
+		f.sendMu.Lock()
+		f.sendMu.Unlock()
+		close(idle)
+	}()
+	select {
+	case <-idle:
+	case <-time.After(stuckSendGrace):
+		// A send waits on flow control that a follower reading nothing
+		// never opens, and only the stream's end ends it: the handler
+		// returns, and gRPC ends the stream.
+		x.opts.Log.Info("a follower reads nothing: ending its peer stream under a send", "follower", f.name)
+	}
 	if why := context.Cause(ctx); errors.Is(why, errOutboxFull) {
 		x.opts.Log.Info("cut a follower's peer stream; it resyncs when it reconnects", "follower", f.name, "reason", why)
 	}

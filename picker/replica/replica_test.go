@@ -529,6 +529,71 @@ func TestLeaderChangesCountNewLeadersOnly(t *testing.T) {
 	}
 }
 
+// A follower that reads nothing (its window full, then its outbox) is cut:
+// the leader's handler ends even though a send waits on the follower's
+// flow control, so the follower is counted gone and its stream freed.
+func TestAFollowerThatReadsNothingIsCut(t *testing.T) {
+	c := newCluster(t, 1, writeCredentials(t), Options{PickTimeout: time.Minute})
+	c.lead(0)
+	dial, err := c.creds.Dial()
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := grpc.NewClient(c.peers[0].Addr.String(), grpc.WithTransportCredentials(dial))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	s, err := pb.NewPeerClient(conn).Follow(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Send(&pb.FromFollower{Msg: &pb.FromFollower_Hello{Hello: &pb.Hello{Version: Version, Replica: "deaf", Instance: "1"}}}); err != nil {
+		t.Fatal(err)
+	}
+	x := c.reps[0]
+	// followers is how many followers the leader serves, and full whether
+	// one's outbox is full.
+	state := func() (followers int, full bool) {
+		x.mu.Lock()
+		defer x.mu.Unlock()
+		for f := range x.followers {
+			full = full || len(f.out) == cap(f.out)
+		}
+		return len(x.followers), full
+	}
+	c.eventually("the leader serves the deaf follower", func() bool { n, _ := state(); return n == 1 })
+	// Placements and ends, of long prompts (large messages), until the
+	// outbox is full, and one more that overflows it.
+	long := prompt("", 0, 32_000)
+	for k, over := 0, false; !over; k++ {
+		_, over = state()
+		if k == 20_000 {
+			t.Fatal("the outbox of a follower that reads nothing did not fill in 20,000 picks")
+		}
+		r, err := x.Admit(context.Background(), picker.Request{Model: "m", Prompt: long, Stream: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		x.End(r, picker.Outcome{})
+	}
+	// Within the grace of a stuck send, and some.
+	deadline := time.Now().Add(stuckSendGrace + 20*time.Second)
+	for {
+		x.mu.Lock()
+		_, gone := x.gone["deaf"]
+		n := len(x.followers)
+		x.mu.Unlock()
+		if n == 0 && gone {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%v after its outbox filled the leader still serves the deaf follower", stuckSendGrace+20*time.Second)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // newerLeader answers a follower as a leader of the next peer protocol
 // version does: its Hello, then the end of the stream.
 type newerLeader struct {

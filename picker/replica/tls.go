@@ -86,6 +86,10 @@ const (
 func ServerOptions(creds credentials.TransportCredentials) []grpc.ServerOption {
 	return []grpc.ServerOption{grpc.Creds(creds),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: peerPing / 2, PermitWithoutStream: true}),
+		// A follower whose process or node stops answering is dropped
+		// after about peerPing + peerPingTimeout, as the follower drops
+		// a leader that does.
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: peerPing, Timeout: peerPingTimeout}),
 		grpc.StaticStreamWindowSize(peerWindowBytes), grpc.StaticConnWindowSize(peerWindowBytes),
 		grpc.MaxRecvMsgSize(maxPeerMessageBytes), grpc.MaxSendMsgSize(maxPeerMessageBytes)}
 }
