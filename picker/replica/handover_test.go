@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"sync"
 	"testing"
 	"time"
 
@@ -318,5 +319,80 @@ func (c *cluster) holdsOnlyThenEnds(via int, r *picker.Reservation) {
 	c.reps[via].End(r, picker.Outcome{})
 	for i := range c.reps {
 		c.eventually(fmt.Sprintf("replica %d's ledger empty", i), func() bool { return c.pickers[i].Snapshot().InFlight == 0 })
+	}
+}
+
+// keptStream is a follower's stream on the leader's side that keeps what
+// is sent on it.
+type keptStream struct {
+	grpc.ServerStream
+	mu   sync.Mutex
+	sent []*pb.FromLeader
+}
+
+func (s *keptStream) Send(m *pb.FromLeader) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.sent = append(s.sent, m)
+	return nil
+}
+
+func (s *keptStream) Recv() (*pb.FromFollower, error) { select {} }
+
+// A follower's pick queued just as its leader steps down is handed back at
+// once (refused, for the follower to place), never left in the queue of a
+// replica that no longer leads until the queue moves. The window between
+// the leader's check and the queuing is narrow: many tries.
+func TestAPickQueuedAsItsLeaderStepsDownIsHandedBack(t *testing.T) {
+	cfg := v1alpha1.PickerConfig{FlowControl: v1alpha1.FlowControl{Enabled: true, MaxDecodingRequests: 1, RequestTTLSeconds: 600}}
+	for try := range 2000 {
+		p := picker.New(cfg, picker.Options{})
+		p.Replace(endpoints())
+		for k := range len(endpoints()) {
+			r, err := p.Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", k, 1000), Stream: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			p.FirstByte(r)
+		}
+		x := New(p, Options{Self: "tally-0"})
+		x.Lead()
+		ctx, cancel := context.WithCancelCause(context.Background())
+		f := &follower{name: "tally-1", out: make(chan *pb.FromLeader, 16), cancel: cancel, stream: &keptStream{}}
+		x.mu.Lock()
+		x.followers[f] = struct{}{}
+		x.mu.Unlock()
+		pick := &pb.Pick{Id: fmt.Sprintf("tally-1/1/%d", try), Request: toRequest(p.Prepare(picker.Request{Model: "m", Prompt: prompt("", 99, 100)}))}
+		var wg sync.WaitGroup
+		wg.Go(func() { x.placeFor(ctx, f, pick) })
+		wg.Go(x.StepDown)
+		wg.Wait()
+		if w := p.Snapshot().Waiting; w != 0 {
+			t.Fatalf("try %d: %d picks wait in the queue of a replica that stepped down", try, w)
+		}
+		cancel(nil)
+	}
+}
+
+// A follower's Adopt of its own placement and another stream's copy of the
+// same placement (the leader's change, or its Sync) racing on one replica
+// leave one reservation held, not two. The window is narrow: many tries.
+func TestAnAdoptRacingAMirrorOfTheSamePickHoldsOne(t *testing.T) {
+	eps := endpoints()
+	for try := range 5000 {
+		p := picker.New(v1alpha1.PickerConfig{}, picker.Options{})
+		p.Replace(eps)
+		x := New(p, Options{Self: "tally-2"})
+		req := toRequest(p.Prepare(picker.Request{Model: "m", Prompt: prompt("", try, 100)}))
+		id := fmt.Sprintf("tally-1/1/%d", try)
+		adopted := &pb.Reservation{Id: id, Origin: "tally-1", Request: req, Endpoints: []string{eps[0].Address.String()}}
+		mirrored := &pb.Reservation{Id: id, Origin: "tally-1", Request: req, Endpoints: []string{eps[1].Address.String()}}
+		var wg sync.WaitGroup
+		wg.Go(func() { x.adopt(nil, adopted) })
+		wg.Go(func() { x.mirror(mirrored) })
+		wg.Wait()
+		if n := p.Snapshot().InFlight; n != 1 {
+			t.Fatalf("try %d: %d reservations held for one pick", try, n)
+		}
 	}
 }

@@ -265,8 +265,17 @@ func (x *Replica) placeFor(ctx context.Context, f *follower, p *pb.Pick) {
 	e.ticket = t
 	x.mu.Lock()
 	x.byID[e.id] = e
-	f.send(placed(&pb.Placed{Id: p.Id, Queued: true}))
+	leading := x.leading.Load()
+	if leading {
+		f.send(placed(&pb.Placed{Id: p.Id, Queued: true}))
+	}
 	x.mu.Unlock()
+	if !leading {
+		// StepDown came between the check above and here, and cancelled
+		// the tickets it found: this one too, so that answer refuses it
+		// and its follower places it now, not when the queue moves.
+		t.Cancel()
+	}
 	go func() {
 		r, err := t.Wait(ctx)
 		x.answer(f, e, r, err)
@@ -385,7 +394,8 @@ func (x *Replica) adopt(f *follower, res *pb.Reservation) {
 	x.mu.Lock()
 	var oldR *picker.Reservation
 	var waiting *picker.Ticket
-	if old := x.byID[res.Id]; old != nil {
+	old := x.byID[res.Id]
+	if old != nil {
 		oldR, waiting = old.r, old.ticket
 		if waiting != nil {
 			// Its pick waits in the queue here, and the follower placed
@@ -409,11 +419,22 @@ func (x *Replica) adopt(f *follower, res *pb.Reservation) {
 	if oldR != nil {
 		delete(x.byRes, oldR)
 	}
+	// Another stream's copy of it may have come meanwhile (the leader's
+	// change or Sync, mirrored): one is held, as in mirror.
+	twin := x.byID[res.Id]
+	if twin == old {
+		twin = nil
+	} else if twin != nil {
+		x.remove(twin)
+	}
 	x.add(e)
 	if x.leading.Load() {
 		x.broadcast(f, opPlaced(e))
 	}
 	x.mu.Unlock()
+	if twin != nil && twin.r != nil {
+		x.p.End(twin.r, picker.Outcome{})
+	}
 }
 
 // holdAt holds res on eps in this replica's ledger, with the events it
