@@ -343,7 +343,7 @@ func (x *Replica) applySync(c *peerConn, s *pb.Sync) {
 	for _, res := range s.Reservations {
 		held[res.Id] = res
 	}
-	var stale []*entry
+	var stale, kept []*entry
 	var missing []*pb.Reservation
 	claim := &pb.Claim{}
 	x.mu.Lock()
@@ -358,6 +358,8 @@ func (x *Replica) applySync(c *peerConn, s *pb.Sync) {
 		case held[id] == nil:
 			stale = append(stale, e)
 			x.remove(e)
+		default:
+			kept = append(kept, e)
 		}
 	}
 	for id, res := range held {
@@ -375,5 +377,10 @@ func (x *Replica) applySync(c *peerConn, s *pb.Sync) {
 	}
 	for _, res := range missing {
 		x.mirror(res)
+	}
+	// A change this copy missed (sent while its stream was down) is in
+	// the Sync.
+	for _, e := range kept {
+		x.catchUp(e, held[e.id])
 	}
 }

@@ -396,3 +396,47 @@ func TestAnAdoptRacingAMirrorOfTheSamePickHoldsOne(t *testing.T) {
 		}
 	}
 }
+
+// A leader that steps down keeps serving its streams: the endpoint that
+// serves one of its requests and that request's first byte, heard after
+// it stepped down and before the next leader took over, reach the next
+// leader (with its Claim) and that leader's followers.
+func TestWhatTheOldLeaderHearsInTheHandoverReachesTheNext(t *testing.T) {
+	c := newCluster(t, 3, writeCredentials(t), Options{PickTimeout: time.Minute})
+	c.lead(0, 1, 2)
+	r, err := c.reps[0].Admit(context.Background(), picker.Request{Model: "m", Prompt: prompt("", 1, 100), Stream: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.eventually("every copy holds the pick", func() bool { return sum(c.inFlight(1)) == 1 && sum(c.inFlight(2)) == 1 })
+	c.reps[0].StepDown()
+	c.eventually("replica 0 no longer leads", func() bool { return !c.reps[0].Status().Leading })
+	other := endpoints()[0].Address
+	if r.Endpoints()[0] == other {
+		other = endpoints()[1].Address
+	}
+	c.reps[0].ServedBy(r, other)
+	c.reps[0].FirstByte(r)
+	c.lead(1, 0, 2)
+	var want [3]int
+	want[int(other.Addr().As4()[3])-2] = 1
+	decoding := func(i int) int {
+		n := 0
+		for _, e := range c.pickers[i].Snapshot().Endpoints {
+			n += e.Decoding
+		}
+		return n
+	}
+	c.eventually("every replica holds the request where it is served, past its first byte", func() bool {
+		for i := range 3 {
+			if c.inFlight(i) != want || decoding(i) != 1 {
+				return false
+			}
+		}
+		return true
+	})
+	c.reps[0].End(r, picker.Outcome{})
+	c.eventually("every ledger is empty", func() bool {
+		return sum(c.inFlight(0))+sum(c.inFlight(1))+sum(c.inFlight(2)) == 0
+	})
+}

@@ -410,7 +410,18 @@ func (x *Replica) adopt(f *follower, res *pb.Reservation) {
 	}
 	if oldR != nil {
 		if held := oldR.Endpoints(); len(held) > 0 && held[0] == eps[0] {
-			return // the same placement: already counted
+			// The same placement, already counted; what its replica saw
+			// of it since (while no leader heard) is applied.
+			if evs := x.catchUp(old, res); len(evs) > 0 {
+				x.mu.Lock()
+				if x.leading.Load() {
+					for _, ev := range evs {
+						x.broadcast(f, opEvent(ev))
+					}
+				}
+				x.mu.Unlock()
+			}
+			return
 		}
 		x.p.End(oldR, picker.Outcome{})
 	}
@@ -435,6 +446,24 @@ func (x *Replica) adopt(f *follower, res *pb.Reservation) {
 	if twin != nil && twin.r != nil {
 		x.p.End(twin.r, picker.Outcome{})
 	}
+}
+
+// catchUp applies to e what res says of its request that e has not seen
+// (the endpoint that serves it, its first byte), and returns those events.
+func (x *Replica) catchUp(e *entry, res *pb.Reservation) []*pb.Event {
+	var evs []*pb.Event
+	x.mu.Lock()
+	if a, err := netip.ParseAddrPort(res.ServedBy); err == nil && a != e.servedBy {
+		evs = append(evs, &pb.Event{Id: e.id, Kind: pb.Event_KIND_SERVED_BY, Addr: res.ServedBy})
+	}
+	if res.FirstByte && !e.firstByte {
+		evs = append(evs, &pb.Event{Id: e.id, Kind: pb.Event_KIND_FIRST_BYTE})
+	}
+	x.mu.Unlock()
+	for _, ev := range evs {
+		x.apply(e, ev)
+	}
+	return evs
 }
 
 // holdAt holds res on eps in this replica's ledger, with the events it
