@@ -440,3 +440,29 @@ func TestWhatTheOldLeaderHearsInTheHandoverReachesTheNext(t *testing.T) {
 		return sum(c.inFlight(0))+sum(c.inFlight(1))+sum(c.inFlight(2)) == 0
 	})
 }
+
+// A pick answered by a leader that another has replaced since (the
+// follower follows the new one, whose Sync came first) is adopted by the
+// new leader: it counts the pick, and its end.
+func TestAPickAnsweredByAReplacedLeaderReachesTheNewOne(t *testing.T) {
+	creds := writeCredentials(t)
+	c := newCluster(t, 2, creds, Options{PickTimeout: time.Minute})
+	got := make(chan *pb.Pick, 1)
+	release := make(chan struct{})
+	old, _ := serveFake(t, creds, fakeLeader{name: "old", answer: func(p *pb.Pick) []*pb.FromLeader {
+		got <- p
+		<-release
+		return []*pb.FromLeader{placed(&pb.Placed{Id: p.Id, Endpoints: []string{endpoints()[2].Address.String()}})}
+	}})
+	c.reps[1].SetPeers(append(append([]Peer(nil), c.peers...), old))
+	c.eventually("replica 1 follows the old leader", func() bool { return c.reps[1].Leader() == "old" })
+	placedAt := c.admitLater(1, 1)
+	<-got
+	c.lead(0, 1)
+	close(release)
+	r := awaitPlaced(t, placedAt)
+	want := [3]int{0, 0, 1}
+	c.eventually("the new leader holds the pick the old one placed", func() bool { return c.inFlight(0) == want && c.inFlight(1) == want })
+	c.reps[1].End(r, picker.Outcome{})
+	c.eventually("both ledgers are empty", func() bool { return sum(c.inFlight(0))+sum(c.inFlight(1)) == 0 })
+}

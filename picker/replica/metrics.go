@@ -26,7 +26,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}),
 		forwardSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "tally_peer_forward_duration_seconds",
-			Help:    "From a forwarded pick's sending to the leader's answer.",
+			Help:    "From a forwarded pick's sending to the leader's first answer: where the pick went, or that it waits in the leader's flow control queue (the wait is not counted).",
 			Buckets: []float64{0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2, 10},
 		}),
 		local: prometheus.NewCounterVec(prometheus.CounterOpts{

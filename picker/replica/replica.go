@@ -346,6 +346,15 @@ func (x *Replica) forward(ctx context.Context, c *peerConn, pr picker.Prepared) 
 	}
 	timer := time.NewTimer(x.opts.PickTimeout)
 	defer timer.Stop()
+	// The round trip is timed to the leader's first answer: queued, or
+	// where the pick went (a queued pick's wait is flow control's).
+	answered := false
+	roundTrip := func() {
+		if !answered {
+			answered = true
+			x.m.forwardSeconds.Observe(time.Since(start).Seconds())
+		}
+	}
 	for {
 		select {
 		case a := <-e.answer:
@@ -355,6 +364,7 @@ func (x *Replica) forward(ctx context.Context, c *peerConn, pr picker.Prepared) 
 				x.forget(e)
 				return x.placeHere(ctx, pr, e.id, reasonNoLeader)
 			}
+			roundTrip()
 			if a.Queued {
 				// Flow control holds it at the leader: it waits as long
 				// as its TTL, as a local wait would.
@@ -362,7 +372,6 @@ func (x *Replica) forward(ctx context.Context, c *peerConn, pr picker.Prepared) 
 				continue
 			}
 			x.m.forwarded.Inc()
-			x.m.forwardSeconds.Observe(time.Since(start).Seconds())
 			if err := refusalErr(a.Refusal); err != nil {
 				x.forget(e)
 				return nil, err
@@ -372,10 +381,15 @@ func (x *Replica) forward(ctx context.Context, c *peerConn, pr picker.Prepared) 
 			x.mu.Lock()
 			e.r, e.answer = r, nil
 			x.byRes[r] = e
-			if x.leading.Load() {
+			switch {
+			case x.leading.Load():
 				// This replica took the Lease while the old leader
 				// placed it: its followers hold it from here.
 				x.broadcast(nil, opPlaced(e))
+			case x.leader != nil && x.leader != c:
+				// It follows another leader since, which may not have
+				// heard of this placement: that leader adopts it.
+				x.tell(e)
 			}
 			x.mu.Unlock()
 			return r, nil

@@ -192,6 +192,23 @@ func (c *cluster) local(i int, reason string) float64 {
 	return testutil.ToFloat64(m.WithLabelValues(reason))
 }
 
+// histogram reads the count and sum of reg's histogram name.
+func histogram(t *testing.T, reg *prometheus.Registry, name string) (uint64, float64) {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			h := mf.GetMetric()[0].GetHistogram()
+			return h.GetSampleCount(), h.GetSampleSum()
+		}
+	}
+	t.Fatalf("no %s", name)
+	return 0, 0
+}
+
 // newMetricsFor reads the local placements counter from reg.
 func newMetricsFor(reg *prometheus.Registry) *prometheus.CounterVec {
 	v := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "tally_peer_local_placements_total"}, []string{"reason"})
@@ -684,6 +701,12 @@ func TestAForwardedPickWaitsInTheLeadersQueue(t *testing.T) {
 	r := <-placed
 	if got, want := r.Endpoints()[0], fill[0].r.Endpoints()[0]; got != want {
 		t.Errorf("placed on %v, want %v, the endpoint that freed", got, want)
+	}
+	// Each forward's round trip (this one's and the cancelled one's) was
+	// timed to the leader's "queued", once, not through the wait (over
+	// 1.5 s).
+	if n, secs := histogram(t, c.regs[1], "tally_peer_forward_duration_seconds"); n != 2 || secs >= 1.5 {
+		t.Errorf("forward round trips: %d observed, %.3f s in all; want 2, under the 1.5 s the first waited", n, secs)
 	}
 	for i := range 2 {
 		c.eventually(fmt.Sprintf("replica %d holds the 3 in flight", i), func() bool { return sum(c.inFlight(i)) == 3 })
