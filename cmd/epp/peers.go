@@ -27,6 +27,7 @@ func followPeers(ctx context.Context, c client.Reader, opts options, set func([]
 	t := time.NewTicker(peerListInterval)
 	defer t.Stop()
 	var last []replica.Peer
+	var self selfCheck
 	for {
 		var pods corev1.PodList
 		err := c.List(ctx, &pods, client.InNamespace(opts.poolNamespace), client.MatchingLabelsSelector{Selector: sel})
@@ -37,6 +38,10 @@ func followPeers(ctx context.Context, c client.Reader, opts options, set func([]
 				set(peers)
 				last = peers
 			}
+			if self.missing(pods.Items, opts.podName) {
+				log.Error(nil, "flag --peer-selector does not select this pod: no peer finds this replica, and it places alone until it leads; the selector must match the picker pods' own labels, in --pool-namespace",
+					"selector", opts.peerSelector, "namespace", opts.poolNamespace, "pod", opts.podName, "selected", len(pods.Items))
+			}
 		} else {
 			log.V(1).Info("listing the picker's pods for its peers", "err", err)
 		}
@@ -46,6 +51,31 @@ func followPeers(ctx context.Context, c client.Reader, opts options, set func([]
 			return
 		}
 	}
+}
+
+// selfCheck notices a peer selector that does not select this pod.
+type selfCheck struct {
+	absent int  // lists in a row without this pod
+	said   bool // since it went missing
+}
+
+// selfMissingLists is how many lists in a row must lack this pod before
+// it is said (the cache may not hold a new pod at once).
+const selfMissingLists = 5
+
+// missing reports, once each time it happens, that this pod (name) has
+// been absent from selfMissingLists lists of the selected pods in a row.
+func (s *selfCheck) missing(pods []corev1.Pod, name string) bool {
+	if slices.ContainsFunc(pods, func(p corev1.Pod) bool { return p.Name == name }) {
+		*s = selfCheck{}
+		return false
+	}
+	s.absent++
+	if s.absent < selfMissingLists || s.said {
+		return false
+	}
+	s.said = true
+	return true
 }
 
 // peersOf are the pods that can be peers: not finished, not being deleted,
