@@ -335,6 +335,24 @@ func TestChartLeaderElectionWithReplicas(t *testing.T) {
 	}
 	// Warm standbys: new pods start at once while the old ones drain; one
 	// of them leads once the old leader releases the lease on SIGTERM.
+	// Replicas prefer nodes of their own, unless picker.affinity says
+	// otherwise; one replica has no such preference.
+	aa := d.Spec.Template.Spec.Affinity
+	if aa == nil || aa.PodAntiAffinity == nil || len(aa.PodAntiAffinity.PreferredDuringSchedulingIgnoredDuringExecution) != 1 {
+		t.Fatalf("affinity %+v, want one preferred pod anti-affinity", aa)
+	}
+	term := aa.PodAntiAffinity.PreferredDuringSchedulingIgnoredDuringExecution[0].PodAffinityTerm
+	if term.TopologyKey != "kubernetes.io/hostname" || !labels.SelectorFromSet(term.LabelSelector.MatchLabels).Matches(labels.Set(d.Spec.Template.Labels)) {
+		t.Errorf("anti-affinity term %+v: want the picker pods, by kubernetes.io/hostname", term)
+	}
+	own, _ := pickerDeployment(t, mustRender(t, testNamespace, requiredValues, "picker: {replicas: 3, affinity: {nodeAffinity: {requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms: [{matchExpressions: [{key: pool, operator: In, values: [epp]}]}]}}}}"))
+	if a := own.Spec.Template.Spec.Affinity; a == nil || a.PodAntiAffinity != nil || a.NodeAffinity == nil {
+		t.Errorf("affinity %+v with picker.affinity set, want picker.affinity alone", a)
+	}
+	one, _ := pickerDeployment(t, mustRender(t, testNamespace, requiredValues, "picker: {replicas: 1}"))
+	if a := one.Spec.Template.Spec.Affinity; a != nil {
+		t.Errorf("affinity %+v with one replica, want none", a)
+	}
 	standby := mustRender(t, testNamespace, requiredValues, "picker: {replicas: 3, peer: {enabled: false}}")
 	sd, sc := pickerDeployment(t, standby)
 	all := intstr.FromString("100%")
