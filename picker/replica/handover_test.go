@@ -79,6 +79,26 @@ func servePeer(t *testing.T, creds Credentials, name string, srv pb.PeerServer) 
 	return Peer{Name: name, Addr: netip.MustParseAddrPort(lis.Addr().String())}, s.Stop
 }
 
+// handFollower opens a Follow stream, with the pool's peer credentials,
+// to the peer at addr: a test speaks on it as a follower, by hand.
+func handFollower(t *testing.T, ctx context.Context, creds Credentials, addr string) pb.Peer_FollowClient {
+	t.Helper()
+	dial, err := creds.Dial()
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(dial))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	s, err := pb.NewPeerClient(conn).Follow(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
 // lonelyFollower is replica tally-0, with opts and a picker of its own,
 // following leader and no other peer, once it follows it.
 func lonelyFollower(t *testing.T, creds Credentials, leader Peer, opts Options) (*Replica, *picker.Picker, *prometheus.Registry) {
@@ -155,24 +175,11 @@ func TestAPickQueuedAtALeaderReplacedAndThenLostIsPlacedHere(t *testing.T) {
 // placed again, counted twice or left behind.
 func TestAQueuedPickTheFollowerPlacedItselfIsCountedOnce(t *testing.T) {
 	c, fill := newSaturated(t, 1, Options{PickTimeout: time.Minute})
-	creds := c.creds
 
 	// A follower, spoken by hand.
-	dial, err := creds.Dial()
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn, err := grpc.NewClient(c.peers[0].Addr.String(), grpc.WithTransportCredentials(dial))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	s, err := pb.NewPeerClient(conn).Follow(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := handFollower(t, ctx, c.creds, c.peers[0].Addr.String())
 	send := func(m *pb.FromFollower) {
 		t.Helper()
 		if err := s.Send(m); err != nil {

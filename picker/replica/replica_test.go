@@ -464,19 +464,7 @@ func TestOnlyPeersReachThePeerPort(t *testing.T) {
 		})
 	}
 	// With them, it is answered.
-	good, err := creds.Dial()
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(good))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	s, err := pb.NewPeerClient(conn).Follow(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := handFollower(t, context.Background(), creds, addr)
 	_ = s.Send(&pb.FromFollower{Msg: &pb.FromFollower_Hello{Hello: &pb.Hello{Version: Version, Replica: "peer"}}})
 	m, err := s.Recv()
 	if err != nil || !m.GetHello().GetLeading() {
@@ -552,19 +540,7 @@ func TestLeaderChangesCountNewLeadersOnly(t *testing.T) {
 func TestAFollowerThatReadsNothingIsCut(t *testing.T) {
 	c := newCluster(t, 1, writeCredentials(t), Options{PickTimeout: time.Minute})
 	c.lead(0)
-	dial, err := c.creds.Dial()
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn, err := grpc.NewClient(c.peers[0].Addr.String(), grpc.WithTransportCredentials(dial))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	s, err := pb.NewPeerClient(conn).Follow(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := handFollower(t, context.Background(), c.creds, c.peers[0].Addr.String())
 	if err := s.Send(&pb.FromFollower{Msg: &pb.FromFollower_Hello{Hello: &pb.Hello{Version: Version, Replica: "deaf", Instance: "1"}}}); err != nil {
 		t.Fatal(err)
 	}
