@@ -247,8 +247,7 @@ func (x *Replica) fromLeader(c *peerConn, m *pb.FromLeader) {
 			return
 		}
 		lag := max(0, time.Since(time.Unix(0, m.Op.SentUnixNano)))
-		x.lagNs.Store(int64(lag))
-		x.m.lag.Set(lag.Seconds())
+		x.setLag(lag)
 		switch op := m.Op.Op.(type) {
 		case *pb.Op_Placed:
 			if op.Placed.Origin != x.opts.Self {

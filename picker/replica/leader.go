@@ -513,8 +513,7 @@ func (x *Replica) Lead() {
 	x.leadSince = time.Now()
 	x.leader = nil
 	x.leaderIs(x.opts.Self)
-	x.lagNs.Store(0)
-	x.m.lag.Set(0)
+	x.setLag(0)
 	for f := range x.followers {
 		f.send(&pb.FromLeader{Msg: &pb.FromLeader_Hello{Hello: x.hello()}})
 		f.send(x.sync())

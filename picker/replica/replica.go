@@ -83,6 +83,13 @@ func (x *Replica) leaderIs(name string) {
 	x.lastLeader = name
 }
 
+// setLag records how far this replica's copy is behind the leader's
+// ledger, for /debug/ledger and the lag gauge.
+func (x *Replica) setLag(lag time.Duration) {
+	x.lagNs.Store(int64(lag))
+	x.m.lag.Set(lag.Seconds())
+}
+
 // Replica is one replica of the picker: the leader, or a follower of it.
 type Replica struct {
 	opts     Options

@@ -18,6 +18,7 @@ import (
 	"github.com/go-logr/logr/testr"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
@@ -192,8 +193,8 @@ func (c *cluster) local(i int, reason string) float64 {
 	return testutil.ToFloat64(m.WithLabelValues(reason))
 }
 
-// histogram reads the count and sum of reg's histogram name.
-func histogram(t *testing.T, reg *prometheus.Registry, name string) (uint64, float64) {
+// metric reads the one series of reg's metric name.
+func metric(t testing.TB, reg *prometheus.Registry, name string) *dto.Metric {
 	t.Helper()
 	mfs, err := reg.Gather()
 	if err != nil {
@@ -201,12 +202,18 @@ func histogram(t *testing.T, reg *prometheus.Registry, name string) (uint64, flo
 	}
 	for _, mf := range mfs {
 		if mf.GetName() == name {
-			h := mf.GetMetric()[0].GetHistogram()
-			return h.GetSampleCount(), h.GetSampleSum()
+			return mf.GetMetric()[0]
 		}
 	}
 	t.Fatalf("no %s", name)
-	return 0, 0
+	return nil
+}
+
+// histogram reads the count and sum of reg's histogram name.
+func histogram(t *testing.T, reg *prometheus.Registry, name string) (uint64, float64) {
+	t.Helper()
+	h := metric(t, reg, name).GetHistogram()
+	return h.GetSampleCount(), h.GetSampleSum()
 }
 
 // newMetricsFor reads the local placements counter from reg.
@@ -489,17 +496,7 @@ func TestAFollowerOfAnotherVersionPlacesLocally(t *testing.T) {
 
 // leaderChanges reads replica i's tally_peer_leader_changes_total.
 func (c *cluster) leaderChanges(i int) float64 {
-	mfs, err := c.regs[i].Gather()
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() == "tally_peer_leader_changes_total" {
-			return mf.GetMetric()[0].GetCounter().GetValue()
-		}
-	}
-	c.t.Fatal("no tally_peer_leader_changes_total")
-	return 0
+	return metric(c.t, c.regs[i], "tally_peer_leader_changes_total").GetCounter().GetValue()
 }
 
 // The first leader is no change, nor a follower's reconnection to the
